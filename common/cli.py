@@ -14,6 +14,7 @@ import sys
 # (module path) for every subcommand, in the order `--help` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "engine.generate_cli",
+    "benchmarks.bench_cli",
 )
 
 

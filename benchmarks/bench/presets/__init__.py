@@ -1,0 +1,1 @@
+"""Workload presets shipped as package data (chat, rag, mixed)."""

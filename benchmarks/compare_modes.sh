@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Goodput of pdserve disaggregated (1 prefill + 1 decode worker) vs colocated (2 combined
+# prefill+decode workers) on the same machine, model and workload.
+#
+# The two clusters run one after the other, never at once: they would otherwise share the
+# CPU cores / GPU and each would measure the other's load. Each gets the same `pdserve bench
+# goodput` search (same seed, so the same requests at every rate).
+#
+# Usage: benchmarks/compare_modes.sh [OUT_DIR]        (default OUT_DIR: bench-results/<time>)
+# Settings (environment):
+#   WORKLOAD=mixed  DURATION=60  START_RATE=0.5  MAX_RUNS=8  SEED=0  API=chat
+#   UP_DISAGG_ARGS / UP_COLOCATED_ARGS   extra `pdserve up` options per mode
+#   BENCH_ARGS                           extra `pdserve bench goodput` options (e.g. --slo)
+#   READY_TIMEOUT=600                    seconds to wait for a cluster's /v1/models
+# Output: OUT_DIR/{disaggregated,colocated}/{goodput.json,up.log,plots/} and
+#         OUT_DIR/summary.json (both goodputs and their ratio).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PY:-$ROOT/.venv/bin/python}"
+OUT_DIR="${1:-$ROOT/bench-results/$(date -u +%Y%m%dT%H%M%SZ)}"
+WORKLOAD="${WORKLOAD:-mixed}"
+DURATION="${DURATION:-60}"
+START_RATE="${START_RATE:-0.5}"
+MAX_RUNS="${MAX_RUNS:-8}"
+SEED="${SEED:-0}"
+API="${API:-chat}"
+READY_TIMEOUT="${READY_TIMEOUT:-600}"
+UP_DISAGG_ARGS="${UP_DISAGG_ARGS:---num-prefill 1 --num-decode 1}"
+UP_COLOCATED_ARGS="${UP_COLOCATED_ARGS:---colocated --num-workers 2}"
+BENCH_ARGS="${BENCH_ARGS:-}"
+
+mkdir -p "$OUT_DIR"
+UP_PID=""
+
+stop_cluster() {
+    if [[ -n "$UP_PID" ]] && kill -0 "$UP_PID" 2>/dev/null; then
+        kill -TERM "$UP_PID"
+        for _ in $(seq 60); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 0.5; done
+        kill -0 "$UP_PID" 2>/dev/null && kill -KILL "$UP_PID"
+        wait "$UP_PID" 2>/dev/null || true
+    fi
+    UP_PID=""
+}
+trap stop_cluster EXIT INT TERM
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_ready() {  # $1: base URL; polls /v1/models until it answers or READY_TIMEOUT passes
+    local deadline=$((SECONDS + READY_TIMEOUT))
+    until curl -fsS --max-time 5 "$1/v1/models" >/dev/null 2>&1; do
+        if ! kill -0 "$UP_PID" 2>/dev/null; then
+            echo "pdserve up exited before it was ready" >&2; return 1
+        fi
+        if (( SECONDS > deadline )); then
+            echo "pdserve up not ready after ${READY_TIMEOUT}s" >&2; return 1
+        fi
+        sleep 2
+    done
+}
+
+run_mode() {  # $1: mode name, $2: extra `pdserve up` options
+    local mode="$1" up_args="$2" port url dir
+    dir="$OUT_DIR/$mode"
+    mkdir -p "$dir"
+    port="$(free_port)"
+    url="http://127.0.0.1:$port"
+    echo ">> $mode: pdserve up --port $port $up_args" >&2
+    # shellcheck disable=SC2086  # word splitting of the option strings is intended
+    "$PY" -m common.cli up --port "$port" $up_args >"$dir/up.log" 2>&1 &
+    UP_PID=$!
+    wait_ready "$url"
+    echo ">> $mode: pdserve bench goodput ($WORKLOAD)" >&2
+    # shellcheck disable=SC2086
+    "$PY" -m common.cli bench goodput --url "$url" --api "$API" --workload "$WORKLOAD" \
+        --seed "$SEED" --duration "$DURATION" --start-rate "$START_RATE" \
+        --max-runs "$MAX_RUNS" --ignore-eos --output "$dir/goodput.json" \
+        --plot "$dir/plots" $BENCH_ARGS | tee "$dir/curve.txt"
+    stop_cluster
+}
+
+run_mode disaggregated "$UP_DISAGG_ARGS"
+run_mode colocated "$UP_COLOCATED_ARGS"
+
+"$PY" - "$OUT_DIR" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+modes = {m: json.loads((out / m / "goodput.json").read_text())
+         for m in ("disaggregated", "colocated")}
+goodput = {m: r["goodput_rps"] for m, r in modes.items()}
+ratio = (goodput["disaggregated"] / goodput["colocated"]
+         if goodput["disaggregated"] and goodput["colocated"] else None)
+summary = {"schema_version": 1, "kind": "compare_modes", "goodput_rps": goodput,
+           "bound": {m: r["bound"] for m, r in modes.items()},
+           "attainment_target": modes["colocated"]["attainment_target"],
+           "disaggregated_over_colocated": ratio}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=2))
+EOF
