@@ -1,0 +1,108 @@
+"""The asyncio side of admission: handlers wait here until `AdmissionController` admits them.
+
+The controller decides (pure state machine, injected clock); the gate turns its decisions
+into awaits and HTTP errors:
+
+    enter() ── rate limit ──> controller.submit ─┬─ Admitted ──────────────> return
+                                                  ├─ Queued ── future set ──> return
+                                                  │     └─ deadline / shed ─> ApiError 429
+                                                  └─ Rejected ──────────────> ApiError 429
+    leave() ── controller.release ──> wake the handlers it admitted
+
+A waiter's wait ends at its TTFT deadline (no background expiry task needed); a waiter
+cancelled while queued (client gone) is removed from the queue in `finally`.
+
+Invariant: a request id is in `_waiters` only while it is queued in the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.admission import AdmissionController, Admitted, Queued, Rejected
+from gateway.errors import ApiError, rate_limited
+from gateway.rate_limit import TokenRateLimiter
+from gateway.tiers import TierSpec
+
+_REJECT_MESSAGES = {
+    "tier_queue_full": "The {tier} tier's queue is full; retry later.",
+    "queue_full": "The server's queue is full; retry later.",
+    "deadline": "The server cannot start this request within the {tier} tier's "
+                "time-to-first-token target; retry later.",
+    "shed": "This request was shed to serve more urgent ones; retry later.",
+}
+
+
+class AdmissionGate:
+    def __init__(self, controller: AdmissionController, limiter: TokenRateLimiter) -> None:
+        self._controller = controller
+        self._limiter = limiter
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+
+    @property
+    def controller(self) -> AdmissionController:
+        return self._controller
+
+    async def enter(self, request_id: str, tier: TierSpec, key_id: str | None,
+                    num_tokens: int) -> None:
+        """Return once admitted; raises ApiError(429) when refused or too late."""
+        if key_id is not None and tier.tokens_per_min is not None:
+            wait_s = self._limiter.try_consume(key_id, num_tokens, tier.tokens_per_min)
+            if wait_s is not None:
+                hint = (" This request alone exceeds the limit; lower max_tokens."
+                        if num_tokens > tier.tokens_per_min else "")
+                raise rate_limited(f"Rate limit of {tier.tokens_per_min} tokens per minute "
+                                   f"reached for this API key.{hint}", wait_s, code="rate_limit_exceeded")
+        try:
+            await self._wait_for_admission(request_id, tier)
+        except BaseException:
+            if key_id is not None and tier.tokens_per_min is not None:
+                self._limiter.refund(key_id, num_tokens, tier.tokens_per_min)
+            raise
+
+    def leave(self, request_id: str, tier: TierSpec, key_id: str | None,
+              num_unused_tokens: int) -> None:
+        """The request ended (finished, failed or client gone); called exactly once per
+        successful `enter`."""
+        if key_id is not None and tier.tokens_per_min is not None:
+            self._limiter.refund(key_id, num_unused_tokens, tier.tokens_per_min)
+        self._wake(self._controller.release(request_id))
+
+    async def _wait_for_admission(self, request_id: str, tier: TierSpec) -> None:
+        outcome = self._controller.submit(request_id, tier.name)
+        if isinstance(outcome, Admitted):
+            return
+        if isinstance(outcome, Rejected):
+            raise _rejection(outcome, tier.name)
+        assert isinstance(outcome, Queued)
+        for shed in outcome.shed:
+            waiter = self._waiters.pop(shed.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(_rejection(shed, tier.name))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        try:
+            await asyncio.wait_for(future, timeout=tier.ttft_ms / 1000.0)
+        except TimeoutError:
+            raise _rejection(Rejected(request_id, self._controller.mean_service_s, "deadline"),
+                             tier.name) from None
+        finally:
+            self._waiters.pop(request_id, None)
+            if not (future.done() and not future.cancelled() and future.exception() is None):
+                # Not admitted (timed out, shed, cancelled): leave the queue, or give back
+                # a slot granted in the same instant the wait was abandoned.
+                self._wake(self._controller.cancel(request_id))
+
+    def _wake(self, admitted_ids: tuple[str, ...]) -> None:
+        for rid in admitted_ids:
+            waiter = self._waiters.pop(rid, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            elif waiter is None or waiter.done():
+                # Its handler is gone; hand the slot on.
+                self._wake(self._controller.cancel(rid))
+
+
+def _rejection(rejected: Rejected, tier: str) -> ApiError:
+    message = _REJECT_MESSAGES[rejected.reason].format(tier=tier)
+    return rate_limited(message, rejected.retry_after_s, code=rejected.reason)

@@ -1,0 +1,73 @@
+"""What the HTTP layer needs from whatever generates tokens: the `CompletionBackend` protocol.
+
+The HTTP layer validates a request, turns it into a `GenerationRequest` and iterates the
+backend's `TokenDelta`s, encoding each as one SSE event (or collecting them for a
+non-streamed answer). The backend that talks to prefill/decode workers plugs in here; unit
+tests plug in a fake.
+
+Contract of `generate`:
+  * yields deltas in order; every delta carries at least one token, except that the last
+    one may carry none and only a `finish_reason`;
+  * exactly one delta has `finish_reason` set, and it is the last;
+  * when the consumer stops iterating early (client gone), the generator is closed with
+    `aclose()`; the backend must release the request's work on its workers then;
+  * raises `BackendUnavailable` (503 to the client) when it cannot serve at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import Protocol
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class BackendUnavailable(Exception):
+    """No worker can take the request now (answered as 503)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # alternatives, most likely first
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" on the last delta
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when requested
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tier: str
+    local_prefill: bool  # the tier says a decode worker should prefill this prompt itself
+    key_id: str | None = None
+
+
+class CompletionBackend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Stream the request's tokens (see the module docstring for the contract)."""
+        ...
+
+
+class PromptTokenizer(Protocol):
+    """The workers' tokenizer, used once at the gateway for length limits and routing."""
+
+    def encode(self, text: str) -> list[int]:
+        ...
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Apply the chat template to (role, text) turns and tokenize, with the generation
+        prompt for the assistant appended."""
+        ...

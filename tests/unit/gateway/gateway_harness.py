@@ -1,0 +1,115 @@
+"""Test harness of the gateway: a byte-level tokenizer, a scripted backend, and a real
+aiohttp server on 127.0.0.1 (port 0) driven from a private event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from gateway.admission import AdmissionController
+from gateway.admission_gate import AdmissionGate
+from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
+from gateway.http_api import ApiSettings, create_app
+from gateway.rate_limit import TokenRateLimiter
+from gateway.request_parsing import RequestLimits
+from gateway.tiers import TierConfig, load_tier_config
+
+MODEL = "test-model"
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: lengths are predictable in tests."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        rendered = "".join(f"<{role}>{text}\n" for role, text in messages) + "<assistant>"
+        return self.encode(rendered)
+
+
+@dataclass
+class ScriptedBackend:
+    """Streams `reply` one word per delta (or `fail_before_first` / `delay_s` per token)."""
+
+    reply: tuple[str, ...] = ("Hello", " world", "!")
+    delay_s: float = 0.0
+    fail_before_first: bool = False
+    gate: asyncio.Event | None = None  # when set, each request waits for it before its first token
+    requests: list[GenerationRequest] = field(default_factory=list)
+    num_closed: int = 0
+    num_finished: int = 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        self.requests.append(request)
+        try:
+            if self.fail_before_first:
+                raise BackendUnavailable("no decode worker is available", retry_after_s=2)
+            if self.gate is not None:
+                await self.gate.wait()
+            words = self.reply[: request.sampling.max_tokens]
+            for i, word in enumerate(words):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                last = i == len(words) - 1
+                finish = None
+                if last:
+                    finish = "length" if len(words) == request.sampling.max_tokens else "stop"
+                logprobs = None
+                if request.sampling.logprobs is not None:
+                    top = tuple((f"alt{k}", -1.0 - k) for k in range(request.sampling.logprobs))
+                    logprobs = (TokenLogprob(token=word, logprob=-0.5, top=top),)
+                yield TokenDelta(text=word, num_tokens=1, finish_reason=finish, logprobs=logprobs)
+            self.num_finished += 1
+        finally:
+            self.num_closed += 1
+
+
+def default_limits(**overrides) -> RequestLimits:
+    values = dict(max_model_len=512, vocab_size=1000, max_body_bytes=64 * 1024)
+    values.update(overrides)
+    return RequestLimits(**values)
+
+
+class Harness:
+    """A running gateway app; `call` performs one HTTP request and returns (status, headers, body)."""
+
+    def __init__(self, backend: ScriptedBackend, tiers: TierConfig | None = None,
+                 limits: RequestLimits | None = None, max_running_total: int = 64,
+                 max_queued_total: int = 64) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.backend = backend
+        self.tiers = tiers or load_tier_config(None, {})
+        clock = self.loop.time
+        self.controller = AdmissionController(list(self.tiers.tiers.values()), max_running_total,
+                                              max_queued_total, clock)
+        gate = AdmissionGate(self.controller, TokenRateLimiter(clock))
+        settings = ApiSettings(served_models=(MODEL,), limits=limits or default_limits(),
+                               created_at=1_700_000_000)
+        self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate)
+        self.server = TestServer(self.app, host="127.0.0.1", port=0)
+        self.loop.run_until_complete(self.server.start_server())
+        self.session = self.loop.run_until_complete(self._session())
+
+    async def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+
+    @property
+    def base_url(self) -> str:
+        return str(self.server.make_url(""))
+
+    async def acall(self, method: str, path: str, **kwargs) -> tuple[int, dict, bytes]:
+        async with self.session.request(method, self.server.make_url(path), **kwargs) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+    def call(self, method: str, path: str, **kwargs) -> tuple[int, dict, bytes]:
+        return self.loop.run_until_complete(self.acall(method, path, **kwargs))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.run_until_complete(self.server.close())
+        self.loop.close()

@@ -1,0 +1,254 @@
+"""The HTTP layer on a real aiohttp server (127.0.0.1, port 0) with a scripted backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway_harness import MODEL, Harness, ScriptedBackend, default_limits
+from gateway.sse import SseDecoder
+from gateway.tiers import load_tier_config
+
+pytestmark = pytest.mark.timeout(30)
+
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+GOOD_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 5}
+
+
+def body(**fields) -> bytes:
+    return json.dumps({**GOOD_CHAT, **fields}).encode()
+
+
+def assert_openai_error(status: int, raw: bytes, expected_status: int, param=None, code=None):
+    assert status == expected_status, raw
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+def assert_still_serving(h: Harness) -> None:
+    status, _, raw = h.call("POST", "/v1/chat/completions", data=json.dumps(GOOD_CHAT))
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["message"]["content"] == "Hello world!"
+    assert h.controller.num_running == 0 and h.controller.num_queued == 0
+    h.controller.check_invariants()
+
+
+BATTERY = [
+    # (path, raw body, extra headers, status, param, code)
+    ("/v1/chat/completions", b'{"model": "test-model", "messages": [', {}, 400, None, "invalid_json"),
+    ("/v1/chat/completions", b"", {}, 400, None, "invalid_json"),
+    ("/v1/chat/completions", b"null", {}, 400, None, "invalid_json"),
+    ("/v1/chat/completions", b'"just a string"', {}, 400, None, "invalid_json"),
+    ("/v1/chat/completions", b'{"model": "test-model", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
+     {}, 400, None, "invalid_json"),
+    ("/v1/chat/completions", body(max_tokens="ten"), {}, 400, "max_tokens", None),
+    ("/v1/chat/completions", body(messages="hi"), {}, 400, "messages", None),
+    ("/v1/chat/completions", body(messages=[{"role": "user", "content": 5}]), {}, 400,
+     "messages[0].content", None),
+    ("/v1/chat/completions", body(max_tokens=-1), {}, 400, "max_tokens", None),
+    ("/v1/chat/completions", body(max_tokens=10**30), {}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", body(max_tokens=0), {}, 400, "max_tokens", None),
+    ("/v1/chat/completions", body(messages=[]), {}, 400, "messages", None),
+    ("/v1/chat/completions", body(n=3), {}, 400, "n", "unsupported_value"),
+    ("/v1/chat/completions", body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), {}, 400,
+     "messages[0].content[0].type", "unsupported_value"),
+    ("/v1/chat/completions", body(model="gpt-17"), {}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", body(), {"x-pdserve-tier": "platinum"}, 400, "x-pdserve-tier", "invalid_tier"),
+    ("/v1/chat/completions", body(messages=[{"role": "user", "content": "x" * 600}]), {}, 400,
+     "messages", "context_length_exceeded"),
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "prompt": ""}).encode(), {}, 400, "prompt", None),
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "prompt": [1, 2, 10**6]}).encode(), {}, 400,
+     "prompt[2]", None),
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "temperature": -1}).encode(), {}, 400,
+     "temperature", None),
+    ("/v1/completions", b"x" * (70 * 1024), {}, 413, None, "request_too_large"),
+    ("/v1/embeddings", body(), {}, 404, None, "unknown_url"),
+]
+
+
+def test_bad_input_battery_gets_openai_errors_and_server_stays_healthy(harness_factory):
+    h = harness_factory()
+    for path, raw, headers, status, param, code in BATTERY:
+        got_status, _, got = h.call("POST", path, data=raw, headers=headers)
+        assert_openai_error(got_status, got, status, param, code)
+    assert h.backend.requests == []  # nothing bad reached the backend
+    assert_still_serving(h)
+
+
+def test_oversize_chunked_body_is_413_without_reading_it_all(harness_factory):
+    h = harness_factory()
+
+    async def chunks():
+        for _ in range(100):
+            yield b"x" * 4096
+
+    status, _, raw = h.call("POST", "/v1/completions", data=chunks())
+    assert_openai_error(status, raw, 413)
+    assert_still_serving(h)
+
+
+def test_streamed_chat_is_openai_shaped_with_usage_and_done(harness_factory):
+    h = harness_factory()
+    status, headers, raw = h.call("POST", "/v1/chat/completions", data=body(
+        stream=True, stream_options={"include_usage": True}))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = SseDecoder().feed(raw)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]) == "Hello world!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_streamed_completion_finishes_with_length_and_no_usage_by_default(harness_factory):
+    h = harness_factory()
+    status, _, raw = h.call("POST", "/v1/completions",
+                            data=json.dumps({**GOOD_COMPLETION, "max_tokens": 2, "stream": True}))
+    events = SseDecoder().feed(raw)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert status == 200 and events[-1] == b"[DONE]"
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hello", " world"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_non_streamed_completion_with_token_ids_and_logprobs(harness_factory):
+    h = harness_factory()
+    status, _, raw = h.call("POST", "/v1/completions", data=json.dumps(
+        {**GOOD_COMPLETION, "prompt": [5, 6, 7], "logprobs": 2, "seed": 3}))
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert answer["choices"][0]["logprobs"]["tokens"] == ["Hello", " world", "!"]
+    assert answer["choices"][0]["logprobs"]["text_offset"] == [0, 5, 11]
+    sent = h.backend.requests[0]
+    assert sent.prompt_token_ids == (5, 6, 7) and sent.sampling.seed == 3
+    assert sent.local_prefill  # 3 tokens is under the standard tier's threshold
+
+
+def test_models_endpoint(harness_factory):
+    status, _, raw = harness_factory().call("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == [MODEL]
+
+
+def test_api_keys_and_tier_header(harness_factory):
+    tiers = load_tier_config(
+        '[[keys]]\nkey = "sk-a"\ntier = "batch"\n'
+        '[[keys]]\nkey = "sk-b"\ntier = "standard"\nallow_tier_header = true\n', {})
+    h = harness_factory(tiers=tiers)
+    status, _, raw = h.call("POST", "/v1/chat/completions", data=body())
+    assert_openai_error(status, raw, 401, code="missing_api_key")
+    status, _, raw = h.call("POST", "/v1/chat/completions", data=body(),
+                            headers={"Authorization": "Bearer sk-wrong"})
+    assert_openai_error(status, raw, 401, code="invalid_api_key")
+    status, _, raw = h.call("POST", "/v1/chat/completions", data=body(),
+                            headers={"Authorization": "Bearer sk-a", "x-pdserve-tier": "interactive"})
+    assert_openai_error(status, raw, 400, code="tier_not_allowed")
+    assert h.call("POST", "/v1/chat/completions", data=body(),
+                  headers={"Authorization": "Bearer sk-a"})[0] == 200
+    assert h.call("POST", "/v1/chat/completions", data=body(),
+                  headers={"Authorization": "Bearer sk-b", "x-pdserve-tier": "interactive"})[0] == 200
+    assert [r.tier for r in h.backend.requests] == ["batch", "interactive"]
+
+
+def test_backend_unavailable_is_503_with_retry_after(harness_factory):
+    h = harness_factory(backend=ScriptedBackend(fail_before_first=True))
+    for stream in (False, True):
+        status, headers, raw = h.call("POST", "/v1/chat/completions", data=body(stream=stream))
+        assert_openai_error(status, raw, 503)
+        assert headers["Retry-After"] == "2"
+    assert h.controller.num_running == 0
+
+
+def test_rate_limited_key_gets_429_with_retry_after(harness_factory):
+    tiers = load_tier_config('[tiers.standard]\ntokens_per_min = 100\n'
+                             '[[keys]]\nkey = "sk-a"\ntier = "standard"\n', {})
+    h = harness_factory(tiers=tiers)
+    auth = {"Authorization": "Bearer sk-a"}
+    # Byte tokenizer: the chat prompt is ~20 tokens; 20 + 60 fits once in 100 per minute.
+    assert h.call("POST", "/v1/chat/completions", data=body(max_tokens=60), headers=auth)[0] == 200
+    # 3 tokens were generated, 57 refunded: 77 left; a second 80-token charge does not fit.
+    status, headers, raw = h.call("POST", "/v1/chat/completions", data=body(max_tokens=60),
+                                  headers=auth)
+    assert_openai_error(status, raw, 429, code="rate_limit_exceeded")
+    assert int(headers["Retry-After"]) >= 1
+
+
+def test_queued_request_runs_after_a_slot_frees_and_a_late_one_is_refused(harness_factory):
+    tiers = load_tier_config('[tiers.interactive]\nttft_ms = 200\n', {})
+    backend = ScriptedBackend()
+    h = harness_factory(tiers=tiers, backend=backend, max_running_total=1)
+
+    async def scenario():
+        backend.gate = asyncio.Event()
+        first = asyncio.ensure_future(h.acall("POST", "/v1/chat/completions", data=body()))
+        while not backend.requests:
+            await asyncio.sleep(0.005)
+        second = asyncio.ensure_future(h.acall("POST", "/v1/chat/completions", data=body()))
+        late = await h.acall("POST", "/v1/chat/completions", data=body(),
+                             headers={"x-pdserve-tier": "interactive"})
+        await asyncio.sleep(0.05)
+        assert h.controller.num_queued == 1  # `second` waits; `late` was refused, holds nothing
+        backend.gate.set()
+        return late, await first, await second
+
+    late, first, second = h.loop.run_until_complete(scenario())
+    assert_openai_error(late[0], late[2], 429)
+    assert "Retry-After" in late[1]
+    assert first[0] == 200 and second[0] == 200
+    assert h.controller.num_running == 0 and h.controller.num_queued == 0
+
+
+def test_client_disconnect_mid_stream_closes_the_backend_generator(harness_factory):
+    backend = ScriptedBackend(reply=tuple(f"t{i} " for i in range(1000)), delay_s=0.01)
+    h = harness_factory(backend=backend, limits=default_limits(max_model_len=2048))
+
+    async def scenario():
+        async with h.session.post(h.server.make_url("/v1/chat/completions"),
+                                  data=body(stream=True, max_tokens=1000)) as resp:
+            await resp.content.readany()
+        # The connection is closed; the handler notices at its next write.
+        for _ in range(200):
+            if backend.num_closed:
+                return
+            await asyncio.sleep(0.01)
+
+    h.loop.run_until_complete(scenario())
+    assert backend.num_closed == 1 and backend.num_finished == 0
+    assert h.controller.num_running == 0
+
+
+def test_official_openai_client_streaming_and_not(harness_factory):
+    openai = pytest.importorskip("openai")
+    h = harness_factory()
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=str(h.server.make_url("/v1")), api_key="unused", max_retries=0)
+        chat = await client.chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "hi"}], max_tokens=5)
+        stream = await client.completions.create(model=MODEL, prompt="hi", max_tokens=5,
+                                                 stream=True)
+        pieces = [c.choices[0].text async for c in stream]
+        try:
+            await client.chat.completions.create(model="nope", messages=[
+                {"role": "user", "content": "hi"}])
+        except openai.NotFoundError as exc:
+            not_found = exc
+        await client.close()
+        return chat, pieces, not_found
+
+    chat, pieces, not_found = h.loop.run_until_complete(scenario())
+    assert chat.choices[0].message.content == "Hello world!"
+    assert chat.usage.completion_tokens == 3
+    assert "".join(pieces) == "Hello world!"
+    assert not_found.code == "model_not_found"

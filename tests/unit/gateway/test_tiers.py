@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.tiers import (KEYS_ENV, TierConfigError, TierError, TierErrorKind, classify,
+                           load_tier_config)
+
+TIERS_TOML = """
+default_tier = "standard"
+
+[tiers.interactive]
+ttft_ms = 300
+local_prefill_max_tokens = 100
+
+[tiers.gold]
+priority = 0
+ttft_ms = 200
+tpot_ms = 40
+max_queued = 8
+max_running = 16
+tokens_per_min = 5000
+local_prefill_max_tokens = 50
+
+[[keys]]
+key = "sk-alice"
+name = "alice"
+tier = "interactive"
+
+[[keys]]
+key_env = "BOB_KEY"
+name = "bob"
+tier = "batch"
+allow_tier_header = true
+admin = true
+"""
+
+
+def test_no_file_no_keys_is_open_with_builtin_tiers():
+    config = load_tier_config(None, {})
+    assert config.is_open
+    assert set(config.tiers) == {"interactive", "standard", "batch"}
+    decision = classify(None, None, 10, config)
+    assert decision.tier.name == "standard" and decision.key_id is None
+    assert decision.is_admin  # an open API has no admin key to ask for
+    # The open API honours the tier header ...
+    assert classify("anything", "interactive", 10, config).tier.name == "interactive"
+    # ... but not a tier that does not exist.
+    error = classify(None, "platinum", 10, config)
+    assert isinstance(error, TierError) and error.kind is TierErrorKind.UNKNOWN_TIER
+    assert error.kind.status == 400
+
+
+def test_file_overrides_builtin_fields_and_adds_tiers():
+    config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
+    assert config.tiers["interactive"].ttft_ms == 300
+    assert config.tiers["interactive"].tpot_ms == 50  # untouched built-in value
+    assert config.tiers["gold"].tokens_per_min == 5000
+    assert not config.is_open
+
+
+def test_key_maps_to_its_tier_and_header_needs_permission():
+    config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
+    alice = classify("sk-alice", None, 10, config)
+    assert alice.tier.name == "interactive" and alice.key_id == "alice" and not alice.is_admin
+    refused = classify("sk-alice", "batch", 10, config)
+    assert isinstance(refused, TierError) and refused.kind is TierErrorKind.TIER_NOT_ALLOWED
+    bob = classify("sk-bob", None, 10, config)
+    assert bob.tier.name == "batch" and bob.is_admin
+    assert classify("sk-bob", "gold", 10, config).tier.name == "gold"
+
+
+def test_missing_and_wrong_keys_are_401():
+    config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
+    for key, kind in ((None, TierErrorKind.MISSING_KEY), ("", TierErrorKind.MISSING_KEY),
+                      ("sk-mallory", TierErrorKind.INVALID_KEY)):
+        error = classify(key, None, 10, config)
+        assert isinstance(error, TierError) and error.kind is kind and kind.status == 401
+
+
+def test_local_prefill_threshold_is_per_tier():
+    config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
+    assert classify("sk-alice", None, 99, config).local_prefill
+    assert not classify("sk-alice", None, 100, config).local_prefill
+    assert classify("sk-bob", "gold", 49, config).local_prefill
+    assert not classify("sk-bob", "gold", 50, config).local_prefill
+
+
+def test_keys_from_env_with_flags():
+    env = {KEYS_ENV: "sk-one, sk-two:batch, sk-three:interactive:header+admin"}
+    config = load_tier_config(None, env)
+    assert classify("sk-one", None, 1, config).tier.name == "standard"
+    assert classify("sk-two", None, 1, config).tier.name == "batch"
+    three = classify("sk-three", "batch", 1, config)
+    assert three.tier.name == "batch" and three.is_admin
+    assert "sk-" not in three.key_id  # the key itself never shows in logs
+
+
+@pytest.mark.parametrize("toml_text, env, message", [
+    ("default_tier = 'gold'", {}, "default_tier"),
+    ("[tiers.gold]\nttft_ms = 1", {}, "new tier and needs"),
+    ("[tiers.standard]\nttft_ms = 'fast'", {}, "must be a number"),
+    ("[tiers.standard]\nttft_ms = -5", {}, "must be positive"),
+    ("[tiers.standard]\nspeed = 5", {}, "unknown field"),
+    ("[[keys]]\nkey = 'a'\ntier = 'nope'", {}, "unknown tier"),
+    ("[[keys]]\nkey = 'a'\ntier = 'batch'\n[[keys]]\nkey = 'a'\ntier = 'batch'", {}, "twice"),
+    ("[[keys]]\nkey_env = 'MISSING'\ntier = 'batch'", {}, "MISSING"),
+    ("[[keys]]\ntier = 'batch'", {}, "exactly one of"),
+    ("not toml = = =", {}, "tiers file"),
+    (None, {KEYS_ENV: "sk-x:batch:root"}, KEYS_ENV),
+])
+def test_invalid_configuration_fails_with_a_clear_message(toml_text, env, message):
+    with pytest.raises(TierConfigError, match=message):
+        load_tier_config(toml_text, env)
