@@ -1,0 +1,228 @@
+"""Turns one step's logits into next tokens, one row per request.
+
+Processing order, per row (vLLM's order; each step sees the previous one's output):
+
+    raw logits [N, vocab] (float32)
+      -> logprobs for the response = log_softmax(raw logits)      (see "Logprobs" below)
+      -> min_tokens: EOS and stop_token_ids set to -inf while len(output) < min_tokens
+      -> repetition penalty   over prompt + output tokens (HF/vLLM: divide positive logits,
+                              multiply negative ones)
+      -> frequency / presence over output tokens (OpenAI: logit -= f * count + p * [count > 0])
+      -> greedy rows (temperature == 0): argmax, done
+      -> / temperature -> min_p (drop p < min_p * p_max) -> top_k -> top_p (smallest set with
+         mass >= top_p; the top token always survives)
+      -> sample from softmax with the row's own generator
+
+Logprobs: computed from the log-softmax of the raw logits, before any penalty, temperature or
+truncation, i.e. the model's own distribution (vLLM's default "raw_logprobs"). They do not
+change with sampling settings, and a token excluded by top_k still has a finite logprob.
+
+Determinism: a row with `seed` draws only from its own `torch.Generator` (held in
+`SamplingState`), and its draw has the same shape whatever the batch; so a seeded request
+yields the same tokens alone or batched with others. Rows without a seed share the
+sampler's generator.
+
+`ignore_eos` does not touch the logits (vLLM semantics): the model may sample EOS and the
+stop checker simply does not stop there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs to remember about one request between steps."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # set iff the request has a seed
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt_token_ids: Sequence[int],
+               device: torch.device | str = "cpu") -> SamplingState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(prompt_token_ids=prompt_token_ids, generator=generator)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]  # the `logprobs` most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask (logprobs is None)
+
+
+class Sampler:
+    """Stateless apart from the generator used by unseeded rows."""
+
+    def __init__(self, eos_token_ids: Sequence[int], device: torch.device | str = "cpu",
+                 seed: int | None = None) -> None:
+        self._eos_token_ids = tuple(eos_token_ids)
+        self._generator = torch.Generator(device=device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               states: Sequence[SamplingState]) -> SamplerOutput:
+        """`logits` is float32 [N, vocab]; row i belongs to params[i]/states[i]. Side-effect
+        free apart from advancing generators (the caller appends the token to the state)."""
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} vs {len(params)} params, "
+                             f"{len(states)} states")
+        logits = logits.float()
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(p.logprobs is not None for p in params) else None)
+        logits = logits.clone()
+        self._apply_min_tokens(logits, params, states)
+        _apply_penalties(logits, params, states)
+
+        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        random = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            rows = logits[random]
+            temperatures = torch.tensor([params[i].temperature for i in random],
+                                        dtype=rows.dtype, device=rows.device)
+            rows = rows / temperatures.unsqueeze(1)
+            rows = _apply_min_p(rows, [params[i].min_p for i in random])
+            rows = _apply_top_k(rows, [params[i].top_k for i in random])
+            rows = _apply_top_p(rows, [params[i].top_p for i in random])
+            probs = torch.softmax(rows, dim=-1)
+            noise = self._exponential_noise(probs, [states[i].generator for i in random])
+            # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
+            token_ids[random] = (probs / noise).argmax(dim=-1)
+
+        chosen = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    logprobs[i] = _token_logprobs(raw_logprobs[i], chosen[i], p.logprobs)
+        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                          states: Sequence[SamplingState]) -> None:
+        for i, (p, s) in enumerate(zip(params, states)):
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = [t for t in (*self._eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _exponential_noise(self, probs: torch.Tensor,
+                           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
+                                        device=probs.device).exponential_(generator=self._generator)
+        for j, g in enumerate(generators):
+            if g is not None:
+                # One full row per seeded request, whatever the batch: batch-invariant draws.
+                noise[j].exponential_(generator=g)
+        # A zero draw would turn an excluded token's 0/0 into NaN, which argmax would pick.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     states: Sequence[SamplingState]) -> None:
+    """In place, for the rows that have penalties, all such rows in a few batched ops."""
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = _token_counts([[*states[i].prompt_token_ids, *states[i].output_token_ids]
+                              for i in rep_rows], logits.shape[1], logits.device) > 0
+        penalty = torch.tensor([params[i].repetition_penalty for i in rep_rows],
+                               dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        rows = logits[rep_rows]
+        penalised = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[rep_rows] = torch.where(seen, penalised, rows)
+    oai_rows = [i for i, p in enumerate(params)
+                if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and states[i].output_token_ids]
+    if oai_rows:
+        counts = _token_counts([states[i].output_token_ids for i in oai_rows], logits.shape[1],
+                               logits.device).to(logits.dtype)
+        frequency = torch.tensor([params[i].frequency_penalty for i in oai_rows],
+                                 dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        presence = torch.tensor([params[i].presence_penalty for i in oai_rows],
+                                dtype=logits.dtype, device=logits.device).unsqueeze(1)
+        logits[oai_rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab_size] occurrence counts. Ids >= vocab_size (none expected) and
+    the padding both land in an extra column that is dropped."""
+    width = max(len(ids) for ids in token_lists)
+    padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        if ids:
+            padded[row, :len(ids)] = torch.tensor(ids, dtype=torch.long).clamp_(0, vocab_size)
+    padded = padded.to(device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def _apply_min_p(rows: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    if not any(m > 0 for m in min_ps):
+        return rows
+    probs = torch.softmax(rows, dim=-1)
+    min_p = torch.tensor(min_ps, dtype=rows.dtype, device=rows.device).unsqueeze(1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return rows.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k(rows: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor:
+    vocab_size = rows.shape[1]
+    ks = [vocab_size if k is None else min(k, vocab_size) for k in top_ks]
+    if all(k == vocab_size for k in ks):
+        return rows
+    max_k = max(k for k in ks if k < vocab_size)
+    top = rows.topk(max_k, dim=-1).values  # [n, max_k], descending
+    index = torch.tensor([min(k, max_k) - 1 for k in ks], device=rows.device).unsqueeze(1)
+    kth = top.gather(1, index)
+    # Rows without a cut keep everything; ties with the k-th value are kept too.
+    no_cut = torch.tensor([k == vocab_size for k in ks], device=rows.device).unsqueeze(1)
+    return rows.masked_fill((rows < kth) & ~no_cut, float("-inf"))
+
+
+def _apply_top_p(rows: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps):
+        return rows
+    sorted_rows, order = rows.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_rows, dim=-1)
+    # Mass strictly before each token: a token is kept while the mass before it is < top_p,
+    # so the top token always survives and the kept set is the smallest reaching top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = torch.tensor(top_ps, dtype=rows.dtype, device=rows.device).unsqueeze(1)
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return rows.masked_fill(drop, float("-inf"))
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    if num_top > 0:
+        values, ids = row.topk(min(num_top, row.shape[0]))
+        top_ids, top_values = tuple(ids.tolist()), tuple(values.tolist())
+    else:
+        top_ids, top_values = (), ()
+    return TokenLogprobs(token_id=token_id, logprob=float(row[token_id]),
+                         top_token_ids=top_ids, top_logprobs=top_values)
