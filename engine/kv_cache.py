@@ -1,0 +1,313 @@
+"""Per-request block tables over the `BlockPool`, with prefix caching by chained block hashes.
+
+Prefix hashing. A *full* block (block_size tokens) is named by
+
+    hash_0 = block_hash(None,   tokens[0:B])
+    hash_i = block_hash(hash_{i-1}, tokens[i*B:(i+1)*B])
+
+so a hash identifies the whole prefix up to the end of its block, not just the block's own
+tokens. `block_hash` is blake2b-64 over the msgpack encoding of (parent, tokens): stable across
+processes and hosts (the gateway and other workers compute the same numbers), unlike the
+salted builtin `hash()`. Partial blocks are never cached.
+
+Two ways to get blocks:
+
+    prefill / local generation          decode worker (disaggregated)
+    find_cached_prefix(tokens)          reserve(request_id, prompt) -> Reservation
+    allocate_for(request, n, prefix)      ... peer writes KV into the uncached blocks ...
+    cache_full_blocks(request)          adopt_reservation(request)   (scheduler joins it)
+    free(request)                       release(request_id)          (if it never joins)
+
+Lifecycle of a block table (keyed by request id): created by `allocate_for` or `reserve`,
+grown by `allocate_for`, its full computed blocks published by `cache_full_blocks`, ended by
+`free`/`release` (exactly once; a second call raises KeyError).
+
+Invariants (`check_invariants`):
+    for every block, the number of tables holding it == its refcount in the pool
+    a table's first `num_published_blocks` blocks were offered to the prefix map (each maps
+    to its chained hash, or to nothing when an identical prefix was cached first); the blocks
+    after those carry no hash
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.block_pool import BlockPool, CacheEvent
+from engine.request import Request
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Stable unsigned 64-bit name of a full block given its parent's name."""
+    data = _ENCODER.encode((parent_hash, list(token_ids)))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int,
+                 num_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the first `num_blocks` full blocks (all full blocks when None)."""
+    num_full = len(token_ids) // block_size
+    if num_blocks is not None:
+        num_full = min(num_full, num_blocks)
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(num_full):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """Blocks already holding a prefix of some token sequence (no references taken)."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_cached_tokens: int
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Blocks a decode worker set aside for a prompt whose KV a prefill worker will send.
+
+    block_ids covers len(prompt) + 1 positions. Positions [0, num_cached_tokens) already hold
+    this prompt's KV (prefix cache hit), so the sender skips block_ids[:num_cached_tokens //
+    block_size] and writes the rest.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _BlockTable:
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes, a prefix of blocks
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix map
+    num_prefix_cached_tokens: int = 0
+
+
+class KVCacheManager:
+    """Block tables for requests and reservations on one pool (one engine, one thread)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._tables: dict[str, _BlockTable] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now, counting unreferenced cached blocks (evictable)."""
+        return self.pool.num_available_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_referenced_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request or reservation, in [0, 1]."""
+        return self.pool.num_referenced_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def request_ids(self) -> frozenset[str]:
+        """Ids of every live table (requests and reservations)."""
+        return frozenset(self._tables)
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._tables[request_id].block_ids)
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """The longest run of leading full blocks of `token_ids` found in the prefix cache.
+
+        Never covers the whole sequence: at least one token is left to compute, because a
+        prefill must run the model on some token to get the logits that sample the next one.
+        Side-effect free; pass the result to `allocate_for` before anything else changes.
+        """
+        return self._match(token_ids, (len(token_ids) - 1) // self.block_size)
+
+    def can_allocate_for(self, request: Request, num_new_tokens: int,
+                         prefix: CachedPrefix | None = None) -> bool:
+        return self._plan(request, num_new_tokens, prefix) is not None
+
+    def can_reserve(self, prompt_token_ids: Sequence[int]) -> bool:
+        prefix = self._match(prompt_token_ids, len(prompt_token_ids) // self.block_size)
+        return self._blocks_to_take(prefix, self.blocks_needed(len(prompt_token_ids) + 1)) \
+            <= self.pool.num_available_blocks
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def allocate_for(self, request: Request, num_new_tokens: int,
+                     prefix: CachedPrefix | None = None) -> bool:
+        """Grow `request`'s table to cover its next `num_new_tokens` positions.
+
+        Covered afterwards: positions [0, start + num_new_tokens), where start is
+        num_computed_tokens, plus prefix.num_cached_tokens when `prefix` is given (first
+        allocation of an admission only: the request holds no blocks and has computed nothing;
+        the caller then sets num_computed_tokens to prefix.num_cached_tokens). Returns False,
+        changing nothing, when the pool has too few blocks. `request.block_ids` is the table.
+        """
+        table = self._tables.get(request.request_id)
+        if (prefix is None and table is not None and num_new_tokens >= 0
+                and request.num_computed_tokens + num_new_tokens
+                <= len(table.block_ids) * self.block_size):
+            return True  # the common decode step: the last block still has room
+        num_new_blocks = self._plan(request, num_new_tokens, prefix)
+        if num_new_blocks is None:
+            return False
+        if table is None:
+            table = self._tables[request.request_id] = _BlockTable()
+            request.block_ids = table.block_ids
+        if prefix is not None:
+            self._take_prefix(table, prefix)
+        table.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose KV is computed (idempotent, cheap)."""
+        table = self._tables[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table.block_ids))
+        if num_full <= table.num_published_blocks:
+            return
+        if len(table.block_hashes) < num_full:
+            # Only the blocks not yet hashed are read, so a decode step costs O(1) here
+            # except once per block_size tokens.
+            parent = table.block_hashes[-1] if table.block_hashes else None
+            bs = self.block_size
+            for i in range(len(table.block_hashes), num_full):
+                parent = block_hash(parent, request.token_ids_between(i * bs, (i + 1) * bs))
+                table.block_hashes.append(parent)
+        for i in range(table.num_published_blocks, num_full):
+            self.pool.cache_block(table.block_ids[i], table.block_hashes[i])
+        table.num_published_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; published ones stay findable until evicted."""
+        self.release(request.request_id)
+        request.block_ids = []
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> Reservation:
+        """Set aside blocks for a whole prompt plus one position, reusing cached prefix blocks.
+
+        Room policy (+1): the first decode step writes the KV of the token the prefill side
+        sampled, at position len(prompt); reserving it now means a request that has received
+        its KV can always take its first step without allocating. Unlike
+        `find_cached_prefix`, the whole prompt may be a hit: the prefill side computes the
+        logits, this side only needs the KV. Raises ValueError when `can_reserve` is False
+        or the id already holds blocks.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"{request_id} already holds blocks")
+        prefix = self._match(prompt_token_ids, len(prompt_token_ids) // self.block_size)
+        num_total = self.blocks_needed(len(prompt_token_ids) + 1)
+        if self._blocks_to_take(prefix, num_total) > self.pool.num_available_blocks:
+            raise ValueError(f"not enough free blocks to reserve {num_total} for {request_id}")
+        table = self._tables[request_id] = _BlockTable()
+        self._take_prefix(table, prefix)
+        table.block_ids.extend(self.pool.allocate(num_total - len(prefix.block_ids)))
+        return Reservation(request_id=request_id, block_ids=tuple(table.block_ids),
+                           num_cached_tokens=prefix.num_cached_tokens)
+
+    def adopt_reservation(self, request: Request) -> None:
+        """Make a reservation the table of `request` (same id) once its KV has arrived."""
+        table = self._tables[request.request_id]
+        if len(table.block_ids) * self.block_size < request.num_prompt_tokens + 1:
+            raise ValueError(f"reservation of {request.request_id} is too small for its prompt")
+        request.block_ids = table.block_ids
+        request.num_cached_tokens = table.num_prefix_cached_tokens
+
+    def release(self, request_id: str) -> None:
+        """End a table by id (a reservation that never joined, or a request): exactly once."""
+        table = self._tables.pop(request_id)
+        # Last block first: the LRU then evicts a sequence's tail before its head, so what
+        # stays cached is always a usable prefix.
+        self.pool.free(reversed(table.block_ids))
+
+    def drain_events(self) -> list[CacheEvent]:
+        return self.pool.drain_events()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _match(self, token_ids: Sequence[int], max_blocks: int) -> CachedPrefix:
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(max(0, max_blocks)):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(parent)
+        return CachedPrefix(tuple(block_ids), tuple(hashes), len(block_ids) * bs)
+
+    def _blocks_to_take(self, prefix: CachedPrefix, num_total_blocks: int) -> int:
+        """Available blocks consumed: new ones plus unreferenced cached ones revived."""
+        num_revived = sum(1 for b in prefix.block_ids if self.pool.refcount(b) == 0)
+        return max(0, num_total_blocks - len(prefix.block_ids)) + num_revived
+
+    def _plan(self, request: Request, num_new_tokens: int,
+              prefix: CachedPrefix | None) -> int | None:
+        """New blocks `allocate_for` would take, or None when they are not available."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        table = self._tables.get(request.request_id)
+        num_held = len(table.block_ids) if table is not None else 0
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if prefix is not None:
+            if num_held or request.num_computed_tokens:
+                raise ValueError(f"{request.request_id}: a prefix is only taken at admission")
+            num_tokens += prefix.num_cached_tokens
+            num_taken = self._blocks_to_take(prefix, self.blocks_needed(num_tokens))
+            num_new = self.blocks_needed(num_tokens) - len(prefix.block_ids)
+        else:
+            num_new = num_taken = max(0, self.blocks_needed(num_tokens) - num_held)
+        return num_new if num_taken <= self.pool.num_available_blocks else None
+
+    def _take_prefix(self, table: _BlockTable, prefix: CachedPrefix) -> None:
+        # Acquire before any allocate: allocating first could evict these very blocks.
+        self.pool.acquire(prefix.block_ids)
+        table.block_ids.extend(prefix.block_ids)
+        table.block_hashes.extend(prefix.block_hashes)
+        table.num_published_blocks = len(prefix.block_ids)
+        table.num_prefix_cached_tokens = prefix.num_cached_tokens
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        held = Counter(b for t in self._tables.values() for b in t.block_ids)
+        for block_id in range(self.pool.num_blocks):
+            assert held[block_id] == self.pool.refcount(block_id), \
+                f"block {block_id}: {held[block_id]} tables hold it, refcount " \
+                f"{self.pool.refcount(block_id)}"
+        for request_id, table in self._tables.items():
+            assert len(set(table.block_ids)) == len(table.block_ids), \
+                f"{request_id} holds a block twice"
+            assert table.num_published_blocks <= len(table.block_hashes) <= len(table.block_ids)
+            for i, block_id in enumerate(table.block_ids):
+                stored = self.pool.block_hash(block_id)
+                if i < table.num_published_blocks:
+                    assert stored in (None, table.block_hashes[i]), \
+                        f"{request_id} block {i} is cached under a foreign hash"
+                else:
+                    assert stored is None, f"{request_id} block {i} is cached before computed"

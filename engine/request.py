@@ -1,0 +1,126 @@
+"""One generation request as the engine sees it: tokens, progress, blocks and status.
+
+Lifecycle (the scheduler moves a request; nothing else writes `status`):
+
+    add_request --> WAITING --admit--> RUNNING --max_tokens-------------------> FINISHED_LENGTH
+                                        ^  |  |--finish_request (EOS, stop)--> FINISHED_STOPPED
+                      admit (recompute) |  |  +--prompt done, PREFILL_ONLY---> PREFILLED
+                                        |  v preempt                 release_prefilled: gone
+                                       PREEMPTED
+    add_decode_request --> RUNNING              (DECODE_ONLY: the prompt KV arrived by transfer)
+    any live state --abort_request--> FINISHED_ABORTED
+    too big for the whole KV pool --> FINISHED_ERROR (prompt) or FINISHED_LENGTH (grew past it)
+
+Token positions:
+
+    all_token_ids  [ prompt_token_ids ........ ][ output_token_ids ... ]
+                   [ KV computed: 0 .. num_computed_tokens ) [ to compute ]
+
+Invariants (checked by `Scheduler.check_invariants`):
+    0 <= num_computed_tokens <= num_tokens; while RUNNING at least one token lacks KV (the
+    last sampled one, or the rest of the prompt), and a decode step computes exactly that
+    token and samples the next
+    block_ids covers num_computed_tokens positions; WAITING/PREEMPTED hold no blocks
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestMode(enum.Enum):
+    PREFILL_AND_DECODE = "prefill_and_decode"  # the whole generation on this engine
+    PREFILL_ONLY = "prefill_only"  # prefill worker: compute the prompt, sample one token, hold KV
+    DECODE_ONLY = "decode_only"  # decode worker: prompt KV arrives by transfer, then decode
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
+    PREFILLED = "prefilled"  # PREFILL_ONLY done; blocks held until the KV is sent
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens reached, or no room left to grow
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # can never run here (e.g. prompt larger than the pool)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort", "error"), or None while live."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Identity semantics: two Request objects are never equal, even with one request_id."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    priority: int = 0  # higher is more important
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds; orders equal ranks
+    mode: RequestMode = RequestMode.PREFILL_AND_DECODE
+    # ---- state below is written by the scheduler and the KV cache manager only ----
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
+    num_preemptions: int = 0
+    # The request's block table; position p lives in block_ids[p // block_size]. The KV
+    # cache manager owns the list object: read it, never mutate it.
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id} has an empty prompt")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output: a new list every call (O(num_tokens))."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids_between(self, start: int, end: int) -> tuple[int, ...]:
+        """all_token_ids[start:end] without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return tuple(self.output_token_ids[start - num_prompt:end - num_prompt])
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[:end - num_prompt])
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

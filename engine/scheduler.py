@@ -1,0 +1,405 @@
+"""Continuous batching: every step, decide which tokens of which requests the model computes.
+
+Pure state machine (no tensors, no clock): `schedule()` turns the request set and the free
+blocks into one `ScheduleOutput`; `update_from_output()` applies what the model sampled.
+Called by one engine loop, in this order, every step:
+
+    out = scheduler.schedule()              # never while a non-empty `out` is outstanding
+    sampled = model_runner.execute(out)     # {request_id: token} for chunks with sample=True
+    scheduler.update_from_output(out, sampled)   # exactly once per non-empty `out`
+    ... engine checks EOS / stop strings -> scheduler.finish_request(id, FINISHED_STOPPED)
+    for request in scheduler.drain_finished(): ...   # LENGTH / ERROR / PREFILLED
+
+Stop rules: this module applies max_tokens (FINISHED_LENGTH) and the pool-capacity limits;
+EOS, stop_token_ids and stop strings are the engine's, reported through `finish_request`.
+
+One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunks:
+  1. seats: the max_num_seqs best-ranked RUNNING requests (more can be running only after
+     `add_decode_request` joined requests beyond the limit; they wait for a seat);
+  2. seated decodes (one token each) - max_num_batched_tokens >= max_num_seqs, so a decode is
+     never stalled by a long prompt;
+  3. seated partial prefills, a chunk of min(remaining, budget left, prefill_chunk_tokens);
+  4. when nothing was preempted this step: admit WAITING/PREEMPTED requests best-ranked first
+     (prefix-cache hits skip their compute). Admission is strictly in rank order and stops at
+     the first request whose chunk does not fit: a large request is never overtaken forever
+     by smaller ones. Admission never preempts.
+  When a running request needs a block and none is free, the worst-ranked running request
+  (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
+  full blocks stay in the prefix cache), num_computed_tokens goes back to 0 and it re-enters
+  the waiting queue. A chunk already scheduled for the victim this step is withdrawn.
+
+Rank and starvation: rank = priority * aging_steps - arrival_step (priority alone when
+aging_steps is None); ties go to the earlier arrival_time, then the earlier add. This equals
+"every request gains one priority level per aging_steps steps of age", so a request that
+arrived T steps before another outranks it unless its priority is lower by more than
+T / aging_steps. Hence only finitely many requests can ever rank above a given one; the
+best-ranked running request can preempt every other, so it always progresses and finishes;
+by induction every request finishes. Two things the scheduler cannot preempt hold blocks
+outside this argument: PREFILLED requests (until `release_prefilled`) and reservations not
+yet joined (until `KVCacheManager.release`); their owners must release them, and a decode
+worker should reserve only while `num_waiting == 0`, so preempted requests get blocks first.
+
+No deadlock: a request whose tokens need more blocks than the whole pool is never queued
+forever: its prompt is rejected at `add_request` (FINISHED_ERROR), and a request that grows
+past the pool while decoding ends with FINISHED_LENGTH.
+
+Lifecycle: the request states and their transitions are drawn in `engine/request.py`.
+
+Invariants (`check_invariants`, plus the KV cache manager's):
+    each live request is in exactly one of waiting / running / prefilled, per its status
+    running and prefilled requests hold a block table covering their computed tokens;
+    waiting requests hold no blocks and have computed nothing
+    a running request has at least one token without KV; PREFILLED holds exactly its prompt
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestMode, RequestStatus
+from engine.schedule_output import ScheduledChunk, ScheduleOutput
+
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # chunks (requests) per step
+    max_num_batched_tokens: int = 2048  # tokens per step
+    prefill_chunk_tokens: int | None = None  # per-request prefill tokens per step; None: budget
+    aging_steps: int | None = 1000  # steps of age worth one priority level; None: no aging
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every seated "
+                             f"decode fits the budget, got {self.max_num_batched_tokens} < "
+                             f"{self.max_num_seqs}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1, got "
+                             f"{self.prefill_chunk_tokens}")
+        if self.aging_steps is not None and self.aging_steps < 1:
+            raise ValueError(f"aging_steps must be at least 1, got {self.aging_steps}")
+
+
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    __slots__ = ("budget", "chunks", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.chunks: dict[str, ScheduledChunk] = {}
+        self.preempted: list[str] = []
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self._requests: dict[str, Request] = {}  # every live request
+        self._keys: dict[str, tuple[int, float, int]] = {}  # sort key: smaller = better rank
+        self._waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap, lazy deletes
+        self._num_waiting = 0
+        self._running: dict[str, Request] = {}
+        self._prefilled: dict[str, Request] = {}
+        self._finished: list[Request] = []
+        self._outstanding: ScheduleOutput | None = None
+        self._scheduled: dict[str, Request] = {}
+        self._num_steps = 0
+        self._num_added = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_prefilled(self) -> int:
+        return len(self._prefilled)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Live requests: waiting, running or prefilled (awaiting release)."""
+        return len(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- adding and ending requests ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a fresh PREFILL_AND_DECODE or PREFILL_ONLY request.
+
+        A prompt that needs more blocks than the whole pool ends at once as FINISHED_ERROR
+        and is reported by `drain_finished`.
+        """
+        if request.mode is RequestMode.DECODE_ONLY:
+            raise ValueError(f"{request.request_id}: DECODE_ONLY requests join through "
+                             "add_decode_request")
+        self._check_fresh(request)
+        if self.kv_cache.blocks_needed(request.num_prompt_tokens) > self.kv_cache.num_blocks:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._finished.append(request)
+            return
+        self._register(request)
+        self._push_waiting(request)
+
+    def add_decode_request(self, request: Request, first_token_id: int) -> None:
+        """Join a DECODE_ONLY request whose prompt KV now fills its reservation.
+
+        Precondition: `kv_cache.reserve(request.request_id, request.prompt_token_ids)` was
+        made and the peer finished writing. The reservation becomes the request's table;
+        `first_token_id` (sampled by the prefill side) is its first output token and the next
+        step decodes it. With max_tokens == 1 the request ends at once (FINISHED_LENGTH).
+        """
+        if request.mode is not RequestMode.DECODE_ONLY:
+            raise ValueError(f"{request.request_id}: add_decode_request needs DECODE_ONLY")
+        self._check_fresh(request)
+        if not self.kv_cache.holds_blocks(request.request_id):
+            raise ValueError(f"{request.request_id} has no reservation")
+        self.kv_cache.adopt_reservation(request)
+        self._register(request)
+        request.output_token_ids.append(first_token_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+        self.kv_cache.cache_full_blocks(request)
+        self._after_sample(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a live request in any state, freeing its blocks once; None if not live."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a live request for a reason the engine decided (EOS, stop string, abort).
+
+        Returns the request, or None when it is no longer live (already finished, or
+        released). Not reported again by `drain_finished`.
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._end(request, status, report=False)
+        return request
+
+    def release_prefilled(self, request_id: str) -> Request:
+        """Free a PREFILLED request's blocks once its KV has been sent (full blocks stay
+        cached). The request leaves the scheduler with status PREFILLED."""
+        request = self._prefilled[request_id]  # KeyError: not PREFILLED (or already released)
+        self._remove(request)
+        return request
+
+    def drain_finished(self) -> list[Request]:
+        """Requests the scheduler itself ended or parked since the last call, in order:
+        FINISHED_LENGTH, FINISHED_ERROR, and PREFILLED (still holding blocks)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleOutput:
+        if self._outstanding is not None:
+            raise RuntimeError("schedule() called before update_from_output() of the last step")
+        self._num_steps += 1
+        step = _Step(self.config.max_num_batched_tokens)
+        seated = sorted(self._running.values(), key=self._key)[:self.config.max_num_seqs]
+        decodes = [r for r in seated if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in seated if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            # Earlier requests in this loop may have preempted this one.
+            if request.status is RequestStatus.RUNNING and step.budget > 0:
+                self._schedule_running(request, step)
+        if not step.preempted:
+            self._admit(step)
+        out = ScheduleOutput(tuple(step.chunks.values()), tuple(step.preempted))
+        if not out.is_empty:
+            self._outstanding = out
+            self._scheduled = {rid: self._requests[rid] for rid in step.chunks}
+        return out
+
+    def update_from_output(self, schedule: ScheduleOutput,
+                           sampled_token_ids: Mapping[str, int]) -> None:
+        """Apply a step: advance every chunk's request, record tokens of sample=True chunks,
+        publish newly full blocks, apply max_tokens / PREFILL_ONLY completion. Chunks of
+        requests aborted or finished since `schedule()` are skipped."""
+        if schedule.is_empty:
+            return
+        if schedule is not self._outstanding:
+            raise RuntimeError("update_from_output() got a schedule that is not outstanding")
+        live = [(chunk, self._requests[chunk.request_id]) for chunk in schedule.chunks
+                if self._requests.get(chunk.request_id) is self._scheduled[chunk.request_id]
+                and self._scheduled[chunk.request_id].status is RequestStatus.RUNNING]
+        # Validate everything first so a bad call leaves the step outstanding and unchanged.
+        missing = [c.request_id for c, _ in live
+                   if c.sample and c.request_id not in sampled_token_ids]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        self._scheduled, self._outstanding = {}, None
+        for chunk, request in live:
+            # schedule() set start_pos from num_computed_tokens and nothing moves it between.
+            assert chunk.start_pos == request.num_computed_tokens
+            request.num_computed_tokens = chunk.end_pos
+            if chunk.sample:
+                request.output_token_ids.append(int(sampled_token_ids[chunk.request_id]))
+            self.kv_cache.cache_full_blocks(request)
+            if chunk.sample:
+                self._after_sample(request)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _schedule_running(self, request: Request, step: _Step) -> None:
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, step.budget)
+        if self.config.prefill_chunk_tokens is not None:
+            num_new = min(num_new, self.config.prefill_chunk_tokens)
+        if self.kv_cache.blocks_needed(start + num_new) > self.kv_cache.num_blocks:
+            self._end_unfittable(request)
+            return
+        while not self.kv_cache.allocate_for(request, num_new):
+            victim = max(self._running.values(), key=self._key)
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        self._add_chunk(request, num_new, step)
+
+    def _admit(self, step: _Step) -> None:
+        while (self._waiting and step.budget > 0
+               and len(self._running) < self.config.max_num_seqs
+               and len(step.chunks) < self.config.max_num_seqs):
+            request = self._waiting[0][1]
+            if self._requests.get(request.request_id) is not request \
+                    or request.status not in _WAITING_STATES:
+                heapq.heappop(self._waiting)  # aborted while waiting
+                continue
+            if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
+                heapq.heappop(self._waiting)
+                self._end_unfittable(request)
+                continue
+            prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
+            num_new = min(request.num_tokens - prefix.num_cached_tokens, step.budget)
+            if self.config.prefill_chunk_tokens is not None:
+                num_new = min(num_new, self.config.prefill_chunk_tokens)
+            if not self.kv_cache.allocate_for(request, num_new, prefix):
+                return  # strict rank order: nobody overtakes the head
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            request.num_computed_tokens = prefix.num_cached_tokens
+            request.num_cached_tokens = prefix.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self._running[request.request_id] = request
+            self._add_chunk(request, num_new, step)
+
+    def _add_chunk(self, request: Request, num_new: int, step: _Step) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        step.chunks[request.request_id] = ScheduledChunk(
+            request_id=request.request_id, token_ids=request.token_ids_between(start, end),
+            start_pos=start, block_ids=tuple(request.block_ids), sample=end == request.num_tokens)
+        step.budget -= num_new
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        withdrawn = step.chunks.pop(victim.request_id, None)
+        if withdrawn is not None:
+            step.budget += len(withdrawn.token_ids)
+        del self._running[victim.request_id]
+        self.kv_cache.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        step.preempted.append(victim.request_id)
+        self._push_waiting(victim)
+
+    def _after_sample(self, request: Request) -> None:
+        if request.mode is RequestMode.PREFILL_ONLY:
+            del self._running[request.request_id]
+            request.status = RequestStatus.PREFILLED
+            self._prefilled[request.request_id] = request
+            self._finished.append(request)
+        elif request.num_output_tokens >= request.sampling_params.max_tokens:
+            self._end(request, RequestStatus.FINISHED_LENGTH, report=True)
+
+    def _end_unfittable(self, request: Request) -> None:
+        # With output already streamed the client sees a length cut, as at a context limit.
+        status = RequestStatus.FINISHED_LENGTH if request.output_token_ids \
+            else RequestStatus.FINISHED_ERROR
+        self._end(request, status, report=True)
+
+    def _end(self, request: Request, status: RequestStatus, report: bool) -> None:
+        self._remove(request)
+        request.status = status
+        if report:
+            self._finished.append(request)
+
+    def _remove(self, request: Request) -> None:
+        """Forget a live request, freeing its blocks (if it holds any) exactly once."""
+        request_id = request.request_id
+        del self._requests[request_id]
+        del self._keys[request_id]
+        if request.status in _WAITING_STATES:
+            self._num_waiting -= 1  # its heap entry is dropped lazily (status no longer waits)
+        else:  # RUNNING or PREFILLED: the only states that hold blocks
+            (self._running if request.status is RequestStatus.RUNNING
+             else self._prefilled).pop(request_id)
+            self.kv_cache.free(request)
+
+    def _check_fresh(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id} is already live")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids \
+                or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"{request.request_id} is not a fresh request")
+
+    def _register(self, request: Request) -> None:
+        aging = self.config.aging_steps
+        rank = request.priority if aging is None else request.priority * aging - self._num_steps
+        self._keys[request.request_id] = (-rank, request.arrival_time, self._num_added)
+        self._num_added += 1
+        self._requests[request.request_id] = request
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (self._keys[request.request_id], request))
+        self._num_waiting += 1
+
+    def _key(self, request: Request) -> tuple[int, float, int]:
+        return self._keys[request.request_id]
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.kv_cache.check_invariants()
+        bs = self.kv_cache.block_size
+        waiting = [r for _, r in self._waiting
+                   if self._requests.get(r.request_id) is r and r.status in _WAITING_STATES]
+        assert len(waiting) == len({id(r) for r in waiting}) == self._num_waiting, \
+            "waiting queue and num_waiting disagree"
+        assert len(waiting) + len(self._running) + len(self._prefilled) == len(self._requests)
+        assert set(self._keys) == set(self._requests)
+        for request in waiting:
+            assert not self.kv_cache.holds_blocks(request.request_id), "waiting holds blocks"
+            assert request.num_computed_tokens == 0 and not request.block_ids
+        for request in self._running.values():
+            assert request.status is RequestStatus.RUNNING
+            assert 1 <= request.num_tokens - request.num_computed_tokens
+            if request.mode is not RequestMode.PREFILL_ONLY:
+                assert request.num_output_tokens < request.sampling_params.max_tokens
+        for request in self._prefilled.values():
+            assert request.status is RequestStatus.PREFILLED
+            assert request.num_computed_tokens == request.num_prompt_tokens
+            assert request.num_output_tokens == 1
+        for request in [*self._running.values(), *self._prefilled.values()]:
+            assert self._requests[request.request_id] is request
+            assert self.kv_cache.holds_blocks(request.request_id), "live request lost its table"
+            assert tuple(request.block_ids) == self.kv_cache.block_table(request.request_id)
+            assert len(request.block_ids) * bs >= request.num_computed_tokens
