@@ -1,0 +1,375 @@
+"""Every message that crosses a process boundary, as versioned msgspec Structs.
+
+Wire format: one msgpack array `[PROTOCOL_VERSION, message]`, where `message` is a tagged
+Struct (the `type` field names it). The version sits outside the message so a peer on
+another version gets a clear `ProtocolVersionError`, not a confusing field error.
+
+Who sends what (one HTTP call per arrow; see common/control_http.py for the transport):
+
+    gateway ──ReserveRequest──────▶ decode    ◀── ReserveResponse | ErrorFrame
+    gateway ──PrefillRequest──────▶ prefill   ◀── frames: PrefillResult, TransferResult
+                                                  (the first token arrives before the KV lands)
+    prefill ══ KV blocks (kv_transfer/) ══▶ decode; prefill ──TransferResult──▶ decode
+    gateway ──DecodeRequest───────▶ decode    ◀── frames: TokenFrame ... (last has finish_reason)
+    gateway ──AbortRequest────────▶ prefill and decode (any time; idempotent)
+    workers ──WorkerInfo, WorkerLoad, PrefixIndexEvent──▶ Redis (common/redis_state.py)
+
+Any response or stream may end with an `ErrorFrame` instead. Time budgets travel as
+`timeout_ms` (the time left when the message was sent); each receiver starts its own clock on
+receipt, so no two hosts need agreeing clocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from typing import Annotated, Any, TypeVar, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Upper bounds enforced while decoding, so a corrupt or hostile peer cannot make a worker
+# allocate without limit. Generous for real use: 1M-token prompts, 64 MiB messages.
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_TOKENS_PER_MESSAGE = 1 << 20
+MAX_BLOCKS_PER_MESSAGE = 1 << 20
+MAX_HASHES_PER_EVENT = 1 << 16
+MAX_TEXT_CHARS = 1 << 20
+MAX_ID_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+
+TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)]
+BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE)]
+BlockHashes = Annotated[list[int], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+# Worker ids become parts of Redis keys and URLs: keep them to a safe alphabet.
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+TimeoutMs = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded (bad bytes, bad fields, too large)."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """The peer speaks another protocol version."""
+
+
+class MessageTooLargeError(ProtocolError):
+    pass
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the client or the gateway aborted
+
+
+class TransferStatus(str, enum.Enum):
+    PENDING = "pending"  # first token sampled; KV still moving
+    DONE = "done"  # every block landed on the destination
+    SKIPPED = "skipped"  # nothing to send (no destination, or it held the whole prefix)
+    FAILED = "failed"  # the destination must free its reservation
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"
+    PROTOCOL_VERSION = "protocol_version"
+    UNAUTHORIZED = "unauthorized"
+    TOO_LARGE = "too_large"
+    OVERLOADED = "overloaded"  # no blocks / queue full: retry elsewhere
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ABORTED = "aborted"
+    TRANSFER_FAILED = "transfer_failed"
+    PEER_LOST = "peer_lost"  # the other leg of the handoff died
+    STALE_EPOCH = "stale_epoch"  # the addressed worker restarted since the route was planned
+    UNKNOWN_REQUEST = "unknown_request"
+    INTERNAL = "internal"
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every message; subclasses set `tag=` to their wire name."""
+
+
+# ---------------------------------------------------------------- request parameters
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Wire mirror of engine.sampling_params.SamplingParams (same fields, same defaults).
+
+    Range checks live in SamplingParams.__post_init__; `to_params()` runs them.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
+    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=1024)] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def to_params(self) -> Any:
+        """The engine's SamplingParams; raises ValueError when a field is out of range."""
+        from engine.sampling_params import SamplingParams  # engine is heavy for the gateway
+
+        fields = msgspec.structs.asdict(self)
+        fields["stop"] = tuple(self.stop)
+        fields["stop_token_ids"] = tuple(self.stop_token_ids)
+        return SamplingParams(**fields)
+
+    @classmethod
+    def from_params(cls, params: Any) -> "SamplingSpec":
+        return cls(**{f: (list(v) if isinstance(v, tuple) else v)
+                      for f, v in ((f, getattr(params, f)) for f in cls.__struct_fields__)})
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_TOP_LOGPROBS + 1)] = []
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    num_prompt_tokens: NonNegInt
+    num_completion_tokens: NonNegInt
+    num_cached_tokens: NonNegInt = 0
+
+
+class DecodeDestination(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a prefill worker writes a request's KV: a reservation on one decode worker.
+
+    block_ids[i] holds prompt positions [i*block_size, (i+1)*block_size). The first
+    num_prefix_blocks_held of them already hold this prompt's KV there and are not sent.
+    The epoch fences the handoff: a restarted decode worker (new epoch) refuses the KV.
+    """
+
+    worker_id: WorkerId
+    epoch: NonNegInt
+    kv_address: Annotated[str, msgspec.Meta(max_length=4096)]
+    block_ids: BlockIds
+    num_prefix_blocks_held: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefix_blocks_held > len(self.block_ids):
+            raise ValueError("num_prefix_blocks_held exceeds the number of reserved blocks")
+
+
+# ---------------------------------------------------------------- gateway <-> workers
+
+
+class ReserveRequest(Message, tag="reserve_request", kw_only=True):
+    """Gateway → decode: hold blocks for a prompt's KV until it lands (or timeout_ms)."""
+
+    request_id: Id
+    prompt_token_ids: TokenIds
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    timeout_ms: TimeoutMs  # the reservation is freed if no KV and DecodeRequest by then
+
+
+class ReserveResponse(Message, tag="reserve_response", kw_only=True):
+    request_id: Id
+    destination: DecodeDestination
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class PrefillRequest(Message, tag="prefill_request", kw_only=True):
+    """Gateway → prefill: compute the prompt's KV, sample the first token, ship the KV."""
+
+    request_id: Id
+    prompt_token_ids: TokenIds
+    sampling: SamplingSpec = SamplingSpec()
+    priority: int = 0  # larger runs first
+    timeout_ms: TimeoutMs
+    destination: DecodeDestination | None = None  # None: prefill only (KV stays cached here)
+
+
+class PrefillResult(Message, tag="prefill_result", kw_only=True):
+    """Prefill → gateway, sent as soon as the first token is sampled."""
+
+    request_id: Id
+    first_token_id: int
+    first_logprob: TokenLogprob | None = None
+    num_prompt_tokens: NonNegInt
+    num_cached_tokens: NonNegInt  # prompt tokens whose KV came from a prefix cache
+    transfer_status: TransferStatus
+    finish_reason: FinishReason | None = None  # set when the first token already ends it
+
+
+class TransferResult(Message, tag="transfer_result", kw_only=True):
+    """Prefill → gateway (and → decode): the KV handoff of one request has ended."""
+
+    request_id: Id
+    destination_worker_id: WorkerId
+    destination_epoch: NonNegInt
+    status: TransferStatus
+    num_blocks_sent: NonNegInt = 0
+    num_bytes_sent: NonNegInt = 0
+    error: Text | None = None
+
+
+class DecodeRequest(Message, tag="decode_request", kw_only=True):
+    """Gateway → decode: join the decode batch and stream tokens.
+
+    With `first_token_id` set, the prompt's KV was pushed into the reservation made for
+    `request_id`; without it, the decode worker prefills the prompt itself (short prompts).
+    """
+
+    request_id: Id
+    prompt_token_ids: TokenIds
+    sampling: SamplingSpec = SamplingSpec()
+    priority: int = 0
+    timeout_ms: TimeoutMs
+    first_token_id: int | None = None
+    first_logprob: TokenLogprob | None = None
+    epoch: NonNegInt | None = None  # the reservation's epoch; a mismatch is STALE_EPOCH
+
+    @property
+    def is_local_prefill(self) -> bool:
+        return self.first_token_id is None
+
+
+class TokenFrame(Message, tag="token_frame", kw_only=True):
+    """Decode → gateway: the tokens produced since the previous frame."""
+
+    request_id: Id
+    token_ids: TokenIds
+    text: Text = ""
+    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the last frame
+
+
+class AbortRequest(Message, tag="abort_request", kw_only=True):
+    """Gateway → worker: stop the request and free its blocks; unknown ids are not an error."""
+
+    request_id: Id
+    reason: Text = ""
+
+
+class AbortResponse(Message, tag="abort_response", kw_only=True):
+    request_id: Id
+    found: bool
+
+
+class ErrorFrame(Message, tag="error_frame", kw_only=True):
+    request_id: Id | None = None
+    code: ErrorCode
+    message: Text
+    retryable: bool = False
+
+
+# ---------------------------------------------------------------- workers -> Redis
+
+
+class WorkerInfo(Message, tag="worker_info", kw_only=True):
+    """A worker's registry entry; `epoch` is assigned by Redis at every start."""
+
+    worker_id: WorkerId
+    role: Role
+    model: Annotated[str, msgspec.Meta(max_length=1024)]
+    control_url: Annotated[str, msgspec.Meta(max_length=1024)]
+    kv_address: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    device: Annotated[str, msgspec.Meta(max_length=256)] = "cpu"
+    num_kv_blocks: NonNegInt
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    max_num_batched_tokens: NonNegInt = 0
+    epoch: NonNegInt = 0
+    started_unix_ms: NonNegInt = 0
+    draining: bool = False  # still serving what it has; route nothing new here
+
+
+class WorkerLoad(Message, tag="worker_load", kw_only=True):
+    worker_id: WorkerId
+    epoch: NonNegInt
+    num_running: NonNegInt = 0
+    num_waiting: NonNegInt = 0
+    num_kv_blocks_used: NonNegInt = 0
+    num_kv_blocks_total: NonNegInt = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    updated_unix_ms: NonNegInt = 0
+
+
+class PrefixIndexEvent(Message, tag="prefix_index_event", kw_only=True):
+    """Changes to one worker's prefix cache, as chained block hashes.
+
+    `reset`: drop every entry of this worker before applying `inserted` (a new epoch, or a
+    full republish after Redis lost state). Applied in order: reset, evicted, inserted.
+    """
+
+    worker_id: WorkerId
+    epoch: NonNegInt
+    inserted: BlockHashes = []
+    evicted: BlockHashes = []
+    reset: bool = False
+
+
+# ---------------------------------------------------------------- unions and codecs
+
+PrefillResponseFrame = Union[PrefillResult, TransferResult, ErrorFrame]
+DecodeResponseFrame = Union[TokenFrame, ErrorFrame]
+AnyMessage = Union[
+    ReserveRequest, ReserveResponse, PrefillRequest, PrefillResult, TransferResult,
+    DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame,
+    WorkerInfo, WorkerLoad, PrefixIndexEvent,
+]
+
+M = TypeVar("M")
+
+
+def encode(message: Message) -> bytes:
+    return msgspec.msgpack.encode((PROTOCOL_VERSION, message))
+
+
+class MessageDecoder:
+    """Decodes envelopes into one message type (or a union of them), checking the version."""
+
+    def __init__(self, message_type: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.message_type = message_type
+        self.max_bytes = max_bytes
+        self._envelope = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        if len(data) > self.max_bytes:
+            raise MessageTooLargeError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
+        try:
+            version, body = self._envelope.decode(data)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"not a pdserve message envelope: {exc}") from exc
+        if version != PROTOCOL_VERSION:
+            raise ProtocolVersionError(
+                f"peer speaks protocol version {version}, this process speaks {PROTOCOL_VERSION}")
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise ProtocolError(f"invalid {_type_name(self.message_type)}: {exc}") from exc
+
+
+def decode(data: bytes | memoryview, message_type: type[M], max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """One-off decode; hot paths keep a MessageDecoder."""
+    return MessageDecoder(message_type, max_bytes).decode(data)
+
+
+def _type_name(message_type: Any) -> str:
+    members = typing.get_args(message_type)
+    if members:
+        return " | ".join(_type_name(m) for m in members)
+    return getattr(message_type, "__name__", None) or str(message_type)

@@ -1,0 +1,364 @@
+"""The Redis routing state: worker registry, load, and the global prefix-cache index.
+
+This is the only module that knows the key schema (docs/redis_schema.md); every other
+module calls the methods below. `ns` is the namespace (default "pdserve"):
+
+    {ns}:workers                      SET    worker ids registered and not yet purged
+    {ns}:worker:{id}:epoch            STRING epoch counter, INCR at every worker start
+    {ns}:worker:{id}:info             STRING WorkerInfo (msgpack), PX lease_ttl   (the lease)
+    {ns}:worker:{id}:load             STRING WorkerLoad (msgpack), PX lease_ttl
+    {ns}:worker:{id}:prefixes         SET    block hashes this worker has in the index
+    {ns}:worker:{id}:prefix_epoch     STRING the epoch those hashes belong to
+    {ns}:prefix:{hash}                HASH   worker id -> epoch, one field per holder
+    {ns}:prefix_events                STREAM field "e": PrefixIndexEvent (msgpack), ~MAXLEN
+    {ns}:index_generation             STRING random token; changes when Redis lost its data
+
+Lifecycle of one worker's entries: register (INCR epoch) → heartbeat (SET info+load PX ttl,
+every period) → ... → deregister (graceful) or lease expiry then purge_expired_worker().
+A restart registers again with a higher epoch; its first index write drops every entry of
+the older epoch, in Redis and (through the stream) in every mirror.
+
+Invariants (kept atomic by Lua scripts, so no reader sees half a batch):
+  - every write carrying epoch e is refused (StaleEpochError) once the counter is above e:
+    a zombie incarnation cannot overwrite its successor;
+  - {ns}:prefix:{h} has field w  <=>  h is in {ns}:worker:{w}:prefixes;
+  - every index change appends exactly one event to the stream, in the same script.
+Every method has a deadline (`timeout_s`, else the instance's op_timeout_s). Only a single
+Redis instance is supported (scripts touch keys they compute; not Redis Cluster safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from common.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixIndexEvent, WorkerInfo,
+                             WorkerLoad, encode)
+
+StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
+
+# What a lost, restarted, loading or hung Redis looks like from redis-py and asyncio. Other
+# RedisErrors (a bad script, a wrong type) are bugs and propagate instead of being retried.
+REDIS_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                  TimeoutError)
+
+
+class StaleEpochError(RuntimeError):
+    """A newer incarnation of this worker id has registered; this one must stop writing."""
+
+
+class IndexSnapshot(msgspec.Struct, frozen=True):
+    generation: str  # "" when no index write happened since Redis started
+    last_event_id: StreamId
+    holdings: dict[str, tuple[int, list[int]]]  # worker id -> (epoch, hashes)
+
+
+# KEYS: epoch, info, load, workers. ARGV: worker id, epoch, info, load ("" keeps it), ttl ms.
+# Returns -1 when fenced, else 1 if the lease existed before, 0 if it was (re)created.
+_HEARTBEAT = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local mine = tonumber(ARGV[2])
+if cur > mine then return -1 end
+if cur < mine then redis.call('SET', KEYS[1], mine) end
+local existed = redis.call('EXISTS', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[5])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5]) end
+redis.call('SADD', KEYS[4], ARGV[1])
+return existed
+"""
+
+# KEYS: epoch, prefixes, prefix_epoch, events, generation, workers.
+# ARGV: worker id, epoch, reset, n_inserted, n_evicted, event, maxlen, prefix-key prefix,
+#       generation candidate, inserted hashes..., evicted hashes...
+# Returns the event's stream id, or -1 when fenced.
+_APPLY_INDEX = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local mine = tonumber(ARGV[2])
+if cur > mine then return -1 end
+if cur < mine then redis.call('SET', KEYS[1], mine) end
+redis.call('SET', KEYS[5], ARGV[9], 'NX')
+redis.call('SADD', KEYS[6], ARGV[1])
+local pfx = ARGV[8]
+local held_epoch = tonumber(redis.call('GET', KEYS[3]) or '-1')
+if ARGV[3] == '1' or held_epoch ~= mine then
+  for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', pfx .. h, ARGV[1]) end
+  redis.call('DEL', KEYS[2])
+  redis.call('SET', KEYS[3], mine)
+end
+local ni = tonumber(ARGV[4])
+local ne = tonumber(ARGV[5])
+for i = 1, ne do
+  local h = ARGV[9 + ni + i]
+  redis.call('HDEL', pfx .. h, ARGV[1])
+  redis.call('SREM', KEYS[2], h)
+end
+for i = 1, ni do
+  local h = ARGV[9 + i]
+  redis.call('HSET', pfx .. h, ARGV[1], mine)
+  redis.call('SADD', KEYS[2], h)
+end
+return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
+"""
+
+# KEYS: epoch, info, load, prefixes, prefix_epoch, workers, events.
+# ARGV: worker id, epoch, mode ('deregister' | 'expired'), event, maxlen, prefix-key prefix.
+# Returns 1 when purged, 0 when the worker is alive (mode 'expired'), -1 on epoch mismatch.
+_PURGE = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if ARGV[3] == 'expired' and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if cur ~= tonumber(ARGV[2]) then return -1 end
+local pfx = ARGV[6]
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[4])) do redis.call('HDEL', pfx .. h, ARGV[1]) end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('SREM', KEYS[6], ARGV[1])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
+return 1
+"""
+
+# KEYS: workers, events, generation. ARGV: worker-key prefix.
+# Atomic, so the holdings are exactly the state after the returned stream id.
+_SNAPSHOT = """
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local out = {redis.call('GET', KEYS[3]) or '', '0-0'}
+if #last > 0 then out[2] = last[1][1] end
+for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local e = redis.call('GET', ARGV[1] .. w .. ':prefix_epoch')
+  if e then
+    table.insert(out, w)
+    table.insert(out, e)
+    table.insert(out, redis.call('SMEMBERS', ARGV[1] .. w .. ':prefixes'))
+  end
+end
+return out
+"""
+
+
+def raise_if_cancelling(exc: BaseException) -> None:
+    """Re-raise a stop that arrived as a timeout.
+
+    On Python 3.11 a cancel racing an expiring asyncio.timeout (ours or redis-py's) can
+    surface as TimeoutError; a retry loop catching it would swallow the stop for good.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from exc
+
+
+async def stop_task(task: asyncio.Task[None], client: aioredis.Redis, timeout_s: float) -> bool:
+    """Cancel a background task and wait for it; True when it ended within the deadline.
+
+    If it is still stuck in a socket read, the client's connections are dropped to free it.
+    """
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        await client.connection_pool.disconnect()
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    return bool(done)
+
+
+def connect(url: str, connect_timeout_s: float = 1.0, socket_timeout_s: float = 5.0) -> aioredis.Redis:
+    """A client without hidden retries: callers own retry policy and deadlines."""
+    return aioredis.Redis.from_url(
+        url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 0), decode_responses=False)
+
+
+def stream_id_key(stream_id: StreamId) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class RedisState:
+    """Typed operations on the routing state; owns no tasks, holds no state but the client."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
+                 op_timeout_s: float = 1.0, stream_maxlen: int = 100_000) -> None:
+        self.client = client
+        self.ns = namespace
+        self.op_timeout_s = op_timeout_s
+        self.stream_maxlen = stream_maxlen
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._apply_index = client.register_script(_APPLY_INDEX)
+        self._purge = client.register_script(_PURGE)
+        self._snapshot = client.register_script(_SNAPSHOT)
+        self._info_decoder = MessageDecoder(WorkerInfo)
+        self._load_decoder = MessageDecoder(WorkerLoad)
+        self._event_decoder = MessageDecoder(PrefixIndexEvent)
+        # A fresh token per process: whichever writer first touches an empty Redis sets it.
+        self._generation_candidate = uuid.uuid4().hex
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # ---------------------------------------------------------------- keys (the schema)
+
+    def _worker_key(self, worker_id: str, field: str) -> str:
+        if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
+            raise ValueError(f"invalid worker id {worker_id!r}: must match {WORKER_ID_PATTERN}")
+        return f"{self.ns}:worker:{worker_id}:{field}"
+
+    @property
+    def _workers_key(self) -> str:
+        return f"{self.ns}:workers"
+
+    @property
+    def _prefix_key_prefix(self) -> str:
+        return f"{self.ns}:prefix:"
+
+    @property
+    def events_key(self) -> str:
+        return f"{self.ns}:prefix_events"
+
+    @property
+    def _generation_key(self) -> str:
+        return f"{self.ns}:index_generation"
+
+    def _deadline(self, timeout_s: float | None) -> asyncio.Timeout:
+        return asyncio.timeout(self.op_timeout_s if timeout_s is None else timeout_s)
+
+    # ---------------------------------------------------------------- registry and load
+
+    async def next_epoch(self, worker_id: str, timeout_s: float | None = None) -> int:
+        """Called exactly once per worker start; the returned epoch fences older starts."""
+        async with self._deadline(timeout_s):
+            return int(await self.client.incr(self._worker_key(worker_id, "epoch")))
+
+    async def heartbeat(self, info: WorkerInfo, load: WorkerLoad | None, lease_ttl_ms: int,
+                        timeout_s: float | None = None) -> bool:
+        """Renew the lease (and load); False when the lease had lapsed and was re-created."""
+        wid = info.worker_id
+        keys = [self._worker_key(wid, "epoch"), self._worker_key(wid, "info"),
+                self._worker_key(wid, "load"), self._workers_key]
+        args = [wid, info.epoch, encode(info), encode(load) if load is not None else b"",
+                lease_ttl_ms]
+        async with self._deadline(timeout_s):
+            result = int(await self._heartbeat(keys=keys, args=args))
+        if result < 0:
+            raise StaleEpochError(f"worker {wid} epoch {info.epoch} was superseded")
+        return result == 1
+
+    async def deregister(self, worker_id: str, epoch: int, timeout_s: float | None = None) -> bool:
+        """Graceful exit: drop the lease, load and index entries. False if fenced already."""
+        return await self._purge_worker(worker_id, epoch, "deregister", timeout_s) == 1
+
+    async def purge_expired_worker(self, worker_id: str, timeout_s: float | None = None) -> bool:
+        """Drop the index entries of a worker whose lease expired; False if it is alive."""
+        async with self._deadline(timeout_s):
+            epoch = int(await self.client.get(self._worker_key(worker_id, "epoch")) or 0)
+        return await self._purge_worker(worker_id, epoch, "expired", timeout_s) == 1
+
+    async def _purge_worker(self, worker_id: str, epoch: int, mode: str,
+                            timeout_s: float | None) -> int:
+        keys = [self._worker_key(worker_id, f) for f in ("epoch", "info", "load", "prefixes",
+                                                           "prefix_epoch")]
+        keys += [self._workers_key, self.events_key]
+        event = PrefixIndexEvent(worker_id=worker_id, epoch=epoch, reset=True)
+        args = [worker_id, epoch, mode, encode(event), self.stream_maxlen, self._prefix_key_prefix]
+        async with self._deadline(timeout_s):
+            return int(await self._purge(keys=keys, args=args))
+
+    async def list_worker_ids(self, timeout_s: float | None = None) -> list[str]:
+        """Every registered id, live or with a lapsed lease not yet purged."""
+        async with self._deadline(timeout_s):
+            return sorted(m.decode() for m in await self.client.smembers(self._workers_key))
+
+    async def list_workers(self, timeout_s: float | None = None) -> dict[str, WorkerInfo]:
+        """Workers holding a live lease, by id."""
+        return {w.worker_id: w for w in await self._read_all("info", self._info_decoder, timeout_s)}
+
+    async def list_loads(self, timeout_s: float | None = None) -> dict[str, WorkerLoad]:
+        """Latest load of each live worker; loads of an older epoch are left out."""
+        async with self._deadline(timeout_s):
+            workers = await self.list_workers(timeout_s)
+            loads = await self._read_all("load", self._load_decoder, timeout_s)
+        return {ld.worker_id: ld for ld in loads
+                if ld.worker_id in workers and workers[ld.worker_id].epoch == ld.epoch}
+
+    async def _read_all(self, field: str, decoder: MessageDecoder, timeout_s: float | None) -> list:
+        async with self._deadline(timeout_s):
+            ids = await self.list_worker_ids(timeout_s)
+            if not ids:
+                return []
+            blobs = await self.client.mget([self._worker_key(w, field) for w in ids])
+        return [decoder.decode(b) for b in blobs if b is not None]
+
+    # ---------------------------------------------------------------- prefix index
+
+    async def apply_index_event(self, event: PrefixIndexEvent,
+                                timeout_s: float | None = None) -> StreamId:
+        """Apply one batch of insert/evict changes atomically and append it to the stream."""
+        wid = event.worker_id
+        keys = [self._worker_key(wid, "epoch"), self._worker_key(wid, "prefixes"),
+                self._worker_key(wid, "prefix_epoch"), self.events_key, self._generation_key,
+                self._workers_key]
+        args: list[object] = [wid, event.epoch, "1" if event.reset else "0", len(event.inserted),
+                              len(event.evicted), encode(event), self.stream_maxlen,
+                              self._prefix_key_prefix, self._generation_candidate]
+        args += event.inserted
+        args += event.evicted
+        async with self._deadline(timeout_s):
+            result = await self._apply_index(keys=keys, args=args)
+        if isinstance(result, int):
+            raise StaleEpochError(f"worker {wid} epoch {event.epoch} was superseded")
+        return result.decode()
+
+    async def query_prefix_holders(self, hashes: Sequence[int],
+                                   timeout_s: float | None = None) -> list[dict[str, int]]:
+        """For each hash, worker id -> epoch as stored (callers filter by live epochs)."""
+        async with self._deadline(timeout_s):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for h in hashes:
+                    pipe.hgetall(f"{self._prefix_key_prefix}{h}")
+                rows = await pipe.execute()
+        return [{k.decode(): int(v) for k, v in row.items()} for row in rows]
+
+    async def snapshot_index(self, timeout_s: float | None = None) -> IndexSnapshot:
+        async with self._deadline(timeout_s):
+            out = await self._snapshot(keys=[self._workers_key, self.events_key,
+                                             self._generation_key],
+                                       args=[f"{self.ns}:worker:"])
+        holdings = {out[i].decode(): (int(out[i + 1]), [int(h) for h in out[i + 2]])
+                    for i in range(2, len(out), 3)}
+        return IndexSnapshot(out[0].decode(), out[1].decode(), holdings)
+
+    async def index_generation(self, timeout_s: float | None = None) -> str:
+        async with self._deadline(timeout_s):
+            return (await self.client.get(self._generation_key) or b"").decode()
+
+    async def first_event_id(self, timeout_s: float | None = None) -> StreamId | None:
+        """Oldest event still in the stream (older ones were trimmed), None when empty."""
+        async with self._deadline(timeout_s):
+            rows = await self.client.xrange(self.events_key, "-", "+", count=1)
+        return rows[0][0].decode() if rows else None
+
+    async def read_index_events(self, after_id: StreamId, count: int = 1000, block_ms: int | None = None,
+                                timeout_s: float | None = None
+                                ) -> list[tuple[StreamId, PrefixIndexEvent]]:
+        """Events after `after_id`, oldest first; waits up to block_ms for the first one."""
+        budget = (self.op_timeout_s if timeout_s is None else timeout_s) + (block_ms or 0) / 1000
+        async with asyncio.timeout(budget):
+            reply = await self.client.xread({self.events_key: after_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [(eid.decode(), self._event_decoder.decode(fields[b"e"])) for eid, fields in entries]
+
+    async def trim_events(self, max_len: int, timeout_s: float | None = None) -> None:
+        """Exact trim; for tests and operators (writers trim approximately on their own)."""
+        async with self._deadline(timeout_s):
+            await self.client.xtrim(self.events_key, maxlen=max_len, approximate=False)
+
+
+def live_epochs(workers: Mapping[str, WorkerInfo] | Iterable[WorkerInfo]) -> dict[str, int]:
+    """worker id -> epoch for the workers holding a lease (what index readers trust)."""
+    values = workers.values() if isinstance(workers, Mapping) else workers
+    return {w.worker_id: w.epoch for w in values}

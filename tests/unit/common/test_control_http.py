@@ -1,0 +1,193 @@
+"""The control-plane helpers over a real aiohttp server on 127.0.0.1, port 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from aiohttp import ClientSession
+
+from common.control_http import (MSGPACK_CONTENT_TYPE, ControlClient, ControlServer,
+                                 FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
+                                 make_app, message_handler, stream_handler)
+from common.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
+                             ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
+                             ReserveResponse, TokenFrame, TokenLogprob, Usage)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+TOKEN = "s3cret-token"
+
+
+class FakeWorker:
+    """Just enough of a decode worker to drive the transport: pure canned answers."""
+
+    def __init__(self) -> None:
+        self.stall_after_first = False
+        self.stream_closed = asyncio.Event()
+
+    async def reserve(self, request: ReserveRequest) -> ReserveResponse | ErrorFrame:
+        if request.max_tokens > 1000:
+            return ErrorFrame(request_id=request.request_id, code=ErrorCode.OVERLOADED,
+                              message="no free blocks", retryable=True)
+        num_blocks = -(-len(request.prompt_token_ids) // 4)
+        return ReserveResponse(request_id=request.request_id, block_size=4,
+                               destination=DecodeDestination(
+                                   worker_id="d0", epoch=2, kv_address="ucx://x",
+                                   block_ids=list(range(num_blocks)), num_prefix_blocks_held=1))
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenFrame | ErrorFrame]:
+        try:
+            for i in range(3):
+                yield TokenFrame(request_id=request.request_id, token_ids=[i], text=f"t{i}",
+                                 logprobs=[TokenLogprob(i, -0.5 * i, [(i, -0.5 * i)])])
+                if self.stall_after_first:
+                    await asyncio.sleep(60)
+            if request.sampling.max_tokens == 3:
+                yield TokenFrame(request_id=request.request_id, token_ids=[],
+                                 finish_reason=FinishReason.LENGTH,
+                                 usage=Usage(num_prompt_tokens=2, num_completion_tokens=3))
+            else:
+                yield ErrorFrame(request_id=request.request_id, code=ErrorCode.PEER_LOST,
+                                 message="prefill worker died")
+        finally:
+            self.stream_closed.set()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[FakeWorker, str]]:
+    worker = FakeWorker()
+    app = make_app(token=TOKEN, max_body_bytes=64 << 10)
+    app.router.add_post("/v1/reserve", message_handler(ReserveRequest, worker.reserve))
+    app.router.add_post("/v1/decode", stream_handler(DecodeRequest, worker.decode))
+    server = ControlServer(app, token=TOKEN)
+    url = await server.start()
+    yield worker, url
+    await server.stop()
+
+
+def decode_request(max_tokens: int = 3) -> DecodeRequest:
+    return DecodeRequest(request_id="r1", prompt_token_ids=[1, 2], timeout_ms=1000,
+                         first_token_id=7, sampling=msgspec.structs.replace(
+                             DecodeRequest(request_id="x", prompt_token_ids=[],
+                                           timeout_ms=1).sampling, max_tokens=max_tokens))
+
+
+async def test_message_call_round_trip_and_error_frame(served: tuple[FakeWorker, str]) -> None:
+    _, url = served
+    client = ControlClient(url, token=TOKEN)
+    try:
+        reply = await client.call("/v1/reserve", ReserveRequest(
+            request_id="r1", prompt_token_ids=list(range(10)), max_tokens=8, timeout_ms=500),
+            ReserveResponse, timeout_s=2.0)
+        assert reply.destination.block_ids == [0, 1, 2] and reply.destination.epoch == 2
+        with pytest.raises(RemoteError) as err:
+            await client.call("/v1/reserve", ReserveRequest(
+                request_id="r2", prompt_token_ids=[1], max_tokens=5000, timeout_ms=500),
+                ReserveResponse, timeout_s=2.0)
+        assert err.value.status == 503 and err.value.frame.retryable
+        assert err.value.frame.code is ErrorCode.OVERLOADED
+    finally:
+        await client.aclose()
+
+
+async def test_token_stream_frames_round_trip(served: tuple[FakeWorker, str]) -> None:
+    _, url = served
+    client = ControlClient(url, token=TOKEN)
+    try:
+        frames = [f async for f in client.stream("/v1/decode", decode_request(), TokenFrame,
+                                                 first_frame_timeout_s=2.0, frame_timeout_s=1.0)]
+        assert [f.token_ids for f in frames] == [[0], [1], [2], []]
+        assert "".join(f.text for f in frames) == "t0t1t2"
+        assert frames[2].logprobs == [TokenLogprob(2, -1.0, [(2, -1.0)])]
+        assert frames[-1].finish_reason is FinishReason.LENGTH
+        assert frames[-1].usage == Usage(num_prompt_tokens=2, num_completion_tokens=3)
+        # A stream that ends in an ErrorFrame raises after the frames before it.
+        received = []
+        with pytest.raises(RemoteError) as err:
+            async for frame in client.stream("/v1/decode", decode_request(max_tokens=9),
+                                             DecodeResponseFrame, 2.0, 1.0):
+                received.append(frame)
+        assert len(received) == 3 and err.value.frame.code is ErrorCode.PEER_LOST
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+async def test_missing_or_wrong_token_is_401(served: tuple[FakeWorker, str], token: str | None) -> None:
+    worker, url = served
+    client = ControlClient(url, token=token)
+    try:
+        with pytest.raises(RemoteError) as err:
+            await client.call("/v1/reserve", ReserveRequest(
+                request_id="r1", prompt_token_ids=[1], max_tokens=1, timeout_ms=500),
+                ReserveResponse, timeout_s=2.0)
+        assert err.value.status == 401 and err.value.frame.code is ErrorCode.UNAUTHORIZED
+        with pytest.raises(RemoteError) as err:
+            async for _ in client.stream("/v1/decode", decode_request(), TokenFrame, 2.0, 1.0):
+                pass
+        assert err.value.status == 401
+        assert not worker.stream_closed.is_set(), "the handler must not run unauthenticated"
+    finally:
+        await client.aclose()
+
+
+async def test_oversize_body_is_413(served: tuple[FakeWorker, str]) -> None:
+    _, url = served
+    client = ControlClient(url, token=TOKEN)
+    try:
+        with pytest.raises(RemoteError) as err:
+            await client.call("/v1/reserve", ReserveRequest(
+                request_id="r1", prompt_token_ids=list(range(100_000)), max_tokens=1,
+                timeout_ms=500), ReserveResponse, timeout_s=2.0)
+        assert err.value.status == 413 and err.value.frame.code is ErrorCode.TOO_LARGE
+    finally:
+        await client.aclose()
+
+
+async def test_protocol_version_mismatch_is_a_clear_400(served: tuple[FakeWorker, str]) -> None:
+    _, url = served
+    body = msgspec.msgpack.encode((99, {"type": "reserve_request"}))
+    async with ClientSession() as session:
+        async with session.post(url + "/v1/reserve", data=body, headers={
+                "Authorization": f"Bearer {TOKEN}", "Content-Type": MSGPACK_CONTENT_TYPE}) as resp:
+            assert resp.status == 400
+            frame = MessageDecoder(ErrorFrame).decode(await resp.read())
+    assert frame.code is ErrorCode.PROTOCOL_VERSION and "99" in frame.message
+
+
+async def test_stalled_stream_hits_the_frame_deadline_and_the_worker_sees_it(
+        served: tuple[FakeWorker, str]) -> None:
+    worker, url = served
+    worker.stall_after_first = True
+    client = ControlClient(url, token=TOKEN)
+    try:
+        received = []
+        start = time.monotonic()
+        with pytest.raises(FrameDeadlineError):
+            async with contextlib.aclosing(client.stream(
+                    "/v1/decode", decode_request(), TokenFrame, first_frame_timeout_s=2.0,
+                    frame_timeout_s=0.3)) as frames:
+                async for frame in frames:
+                    received.append(frame)
+        waited_s = time.monotonic() - start
+        assert len(received) == 1 and 0.3 <= waited_s < 1.5
+        # Hanging up cancels the worker's handler: its producer is closed promptly.
+        await asyncio.wait_for(worker.stream_closed.wait(), 2.0)
+    finally:
+        await client.aclose()
+
+
+def test_non_loopback_bind_requires_a_token() -> None:
+    app = make_app(token=None)
+    with pytest.raises(InsecureBindError, match="PDSERVE_INTERNAL_TOKEN"):
+        ControlServer(app, host="0.0.0.0")
+    with pytest.raises(InsecureBindError):
+        ControlServer(app, host="worker-3.internal")
+    ControlServer(make_app(token=TOKEN), host="0.0.0.0", token=TOKEN)  # allowed, not started
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5")
