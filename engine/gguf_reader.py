@@ -1,0 +1,194 @@
+"""GGUF files (llama.cpp format): config from metadata, dequantized tensors, tokenizer data.
+
+Tensors are renamed to the Hugging Face names the model uses and dequantized to float32
+with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
+
+llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
+its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
+(x0, x_{d/2}), ... used here. Per head of size d, the converter maps
+
+    HF row  j * (d/2) + i   ->   GGUF row  2 * i + j        (i < d/2, j in {0, 1})
+
+i.e. `w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`. `unpermute_rows` applies the inverse,
+`w.reshape(n_head, d/2, 2, in).swapaxes(1, 2)`, giving back the HF rows exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.loader import ModelLoadError
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTokenizerData:
+    """The tokenizer as GGUF metadata stores it (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unknown_token_id: int | None
+    padding_token_id: int | None
+    add_bos_token: bool
+    pre: str | None
+    chat_template: str | None
+    model: str | None = None  # tokenizer.ggml.model, e.g. "gpt2" (byte-level BPE) or "llama"
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor name; None when the model has no such tensor."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row order for RoPE (see the module docstring)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+class GGUFCheckpoint:
+    """One GGUF file of a `llama` architecture model."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # heavy import, only when a GGUF is loaded
+
+        self.path = path
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: file not found")
+        try:
+            self._reader = GGUFReader(str(path))
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+        self._fields = self._reader.fields
+        arch = self._get("general.architecture")
+        if arch != "llama":
+            raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                                 f"(supported: llama)")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        if "rope_freqs.weight" in self._tensors:
+            raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) "
+                                 f"are unsupported")
+
+    def _get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            if required:
+                raise ModelLoadError(f"{self.path}: metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def config(self) -> ModelConfig:
+        hidden = int(self._get("llama.embedding_length", required=True))
+        num_heads = int(self._get("llama.attention.head_count", required=True))
+        scaling = self._get("llama.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise ModelLoadError(f"{self.path}: unsupported rope scaling type {scaling!r}")
+        tokens = self._fields.get("tokenizer.ggml.tokens")
+        vocab = self._get("llama.vocab_size", len(tokens.data) if tokens is not None else None)
+        if vocab is None:
+            raise ModelLoadError(f"{self.path}: neither llama.vocab_size nor a token list")
+        bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
+        try:
+            return ModelConfig(
+                architecture="LlamaForCausalLM",
+                vocab_size=int(vocab),
+                hidden_size=hidden,
+                intermediate_size=int(self._get("llama.feed_forward_length", required=True)),
+                num_layers=int(self._get("llama.block_count", required=True)),
+                num_heads=num_heads,
+                num_kv_heads=int(self._get("llama.attention.head_count_kv", num_heads)),
+                head_dim=int(self._get("llama.attention.key_length", hidden // num_heads)),
+                rms_norm_eps=float(self._get("llama.attention.layer_norm_rms_epsilon",
+                                             required=True)),
+                rope_theta=float(self._get("llama.rope.freq_base", 10000.0)),
+                max_position_embeddings=int(self._get("llama.context_length", 2048)),
+                tie_word_embeddings="output.weight" not in self._tensors,
+                bos_token_id=None if bos is None else int(bos),
+                eos_token_ids=() if eos is None else (int(eos),),
+            )
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.path}: {exc}") from None
+
+    def tokenizer_data(self) -> GGUFTokenizerData:
+        def optional_int(key: str) -> int | None:
+            value = self._get(key)
+            return None if value is None else int(value)
+
+        return GGUFTokenizerData(
+            tokens=list(self._get("tokenizer.ggml.tokens", required=True)),
+            token_types=[int(t) for t in self._get("tokenizer.ggml.token_type", [])],
+            merges=list(self._get("tokenizer.ggml.merges", [])),
+            bos_token_id=optional_int("tokenizer.ggml.bos_token_id"),
+            eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
+            unknown_token_id=optional_int("tokenizer.ggml.unknown_token_id"),
+            padding_token_id=optional_int("tokenizer.ggml.padding_token_id"),
+            add_bos_token=bool(self._get("tokenizer.ggml.add_bos_token", False)),
+            pre=self._get("tokenizer.ggml.pre"),
+            chat_template=self._get("tokenizer.chat_template"),
+            model=self._get("tokenizer.ggml.model"),
+        )
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> torch shape of every tensor; GGUF tensors without one keep their name."""
+        # GGUF lists dimensions innermost first; torch lists them outermost first.
+        return {hf_name(name) or name: tuple(int(d) for d in reversed(t.shape))
+                for name, t in self._tensors.items()}
+
+    def iter_tensors(self, names: set[str], config: ModelConfig
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (HF name, float32 tensor) for the requested names, Q/K rows unpermuted."""
+        from gguf.quants import dequantize
+
+        for gguf_name, t in self._tensors.items():
+            name = hf_name(gguf_name)
+            if name not in names:
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape))
+            try:
+                weight = dequantize(t.data, t.tensor_type).reshape(shape)
+            except (NotImplementedError, ValueError) as exc:
+                raise ModelLoadError(f"{self.path}: cannot dequantize {gguf_name} "
+                                     f"({t.tensor_type.name}): {exc}") from None
+            if name.endswith("self_attn.q_proj.weight"):
+                weight = unpermute_rows(weight, config.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                weight = unpermute_rows(weight, config.num_kv_heads)
+            # F32 tensors come back as read-only views of the memory-mapped file.
+            if not weight.flags.writeable:
+                weight = weight.copy()
+            yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))

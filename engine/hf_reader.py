@@ -1,0 +1,173 @@
+"""Hugging Face checkpoint directories: `config.json` plus safetensors (single or sharded).
+
+Reads shapes from the safetensors headers first, so a loader can validate every tensor
+against the `ModelConfig` before it reads a single weight, then yields tensors one by one
+(file by file) so peak memory stays near the model's own size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.config import Llama3RopeScaling, ModelConfig
+from engine.loader import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, Llama3RopeScaling | None]:
+    # Newer configs nest theta and scaling in `rope_parameters`; older ones use
+    # `rope_theta` and `rope_scaling` at the top level.
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelLoadError(f"{path}: unsupported rope scaling type {rope_type!r} "
+                             f"(supported: default, llama3)")
+    try:
+        return theta, Llama3RopeScaling(
+            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+
+
+def read_config(directory: Path) -> ModelConfig:
+    """The ModelConfig of an HF directory; ModelLoadError names the file and the problem."""
+    path = directory / "config.json"
+    cfg = _read_json(path)
+    architectures = cfg.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported architecture {architecture!r} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {cfg['hidden_act']!r}")
+    if architecture != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ModelLoadError(f"{path}: attention_bias/mlp_bias on {architecture} is unsupported")
+    theta, scaling = _rope(cfg, path)
+    eos = _int_ids(cfg.get("eos_token_id"))
+    generation = directory / "generation_config.json"
+    if generation.exists():
+        extra = _int_ids(_read_json(generation).get("eos_token_id"))
+        eos += tuple(e for e in extra if e not in eos)
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        # Attention is never windowed here, so the context is capped at the window instead
+        # of silently attending further than the model was trained to.
+        window = cfg.get("sliding_window")
+        if window and (architecture == "MistralForCausalLM" or cfg.get("use_sliding_window")):
+            max_positions = min(max_positions, int(window))
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM",
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+
+
+class HFCheckpoint:
+    """The safetensors files of one directory and the tensors each holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index}: no 'weight_map' object")
+            self.files = sorted({directory / f for f in weight_map.values()})
+        else:
+            self.files = sorted(directory.glob("*.safetensors"))
+            if not self.files:
+                raise ModelLoadError(f"{directory}: no *.safetensors files "
+                                     f"(other weight formats are not supported)")
+            weight_map = None
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in self.files:
+            with self._open(file) as f:
+                for name in f.keys():
+                    self._file_of[name] = file
+                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                if self._file_of.get(name) != directory / file:
+                    raise ModelLoadError(f"{directory / file}: lacks tensor {name!r} "
+                                         f"listed in {index.name}")
+
+    @staticmethod
+    def _open(file: Path) -> Any:
+        try:
+            return safe_open(str(file), framework="pt")
+        except FileNotFoundError:
+            raise ModelLoadError(f"{file}: file not found") from None
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file}: unreadable safetensors ({exc})") from None
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor name in the checkpoint and its shape (from the headers only)."""
+        return dict(self._shapes)
+
+    def file_of(self, name: str) -> Path:
+        return self._file_of[name]
+
+    def iter_tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, tensor) for the given names, one file at a time."""
+        for file in self.files:
+            with self._open(file) as f:
+                for name in f.keys():
+                    if name not in names:
+                        continue
+                    try:
+                        yield name, f.get_tensor(name)
+                    except (SafetensorError, OSError, RuntimeError) as exc:
+                        raise ModelLoadError(f"{file}: cannot read tensor {name!r} "
+                                             f"({exc})") from None

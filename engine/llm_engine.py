@@ -1,0 +1,344 @@
+"""The engine loop: one readable cycle, `schedule -> run -> sample -> postprocess`.
+
+Lifecycle of a request inside one engine:
+
+    add_request ----------> WAITING -> RUNNING (chunked prefill, then decode) -> finished
+    add_request(PREFILL_ONLY)  ...  -> PREFILLED (first token out, blocks held)
+                                        -> release_prefilled() once its KV has been sent
+    reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
+    abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
+
+Every step returns one `RequestOutput` per request that produced a token or finished in that
+step. Text is streamed with the incremental detokenizer; text that may be the start of a stop
+string is held back until it is decided (see engine/stop_checker.py), so the concatenated
+`new_text` of a request is exactly its final output text.
+
+Invariants: a request id is tracked here iff the scheduler knows it (live or PREFILLED);
+finished requests produce exactly one output with `finish_reason` set.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager, Reservation
+from engine.block_pool import BlockPool
+from engine.kv_storage import KVStorage
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestMode, RequestStatus
+from engine.sampler import Sampler, SamplingState, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stop_checker import FinishReason, check_stop
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of the engine's KV pool and batches (model shape comes from ModelConfig)."""
+
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_tokens: int | None = None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+
+    @staticmethod
+    def blocks_for_bytes(config: ModelConfig, kv_cache_bytes: int, block_size: int,
+                         dtype: torch.dtype) -> int:
+        """How many blocks fit in `kv_cache_bytes` for this model (K and V, all layers)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        block_bytes = (2 * config.num_layers * block_size * config.num_kv_heads
+                       * config.head_dim * element_size)
+        return max(1, kv_cache_bytes // block_bytes)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None: more to come
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    prefilled: bool = False  # PREFILL_ONLY request parked with its KV (see release_prefilled)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Postprocessing state of one request: sampler memory, detokenizer, emitted text."""
+
+    request: Request
+    sampling: SamplingState
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    stop: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A whole finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler; driven by `step()` from a single thread."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+                 config: EngineConfig, sampler_seed: int | None = None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.kv_storage = KVStorage.for_model(model_config, config.num_kv_blocks,
+                                              config.block_size, config.dtype, config.device)
+        self.kv_cache = KVCacheManager(BlockPool(config.num_kv_blocks, config.block_size))
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            prefill_chunk_tokens=config.prefill_chunk_tokens),
+            self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_storage, config.block_size)
+        self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, priority: int = 0,
+                    mode: RequestMode = RequestMode.PREFILL_AND_DECODE) -> None:
+        """Queue a request; its outputs come from later `step()` calls."""
+        self._check_prompt(request_id, prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
+        self._track(request)
+        self.scheduler.add_request(request)
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> Reservation | None:
+        """Decode side: hold blocks for a prompt whose KV a peer will write. None when the
+        pool cannot hold it now. Prefix blocks already cached here are reported in
+        `num_cached_tokens` and need not be sent."""
+        self._check_prompt(request_id, prompt_token_ids)
+        if not self.kv_cache.can_reserve(list(prompt_token_ids)):
+            return None
+        return self.kv_cache.reserve(request_id, list(prompt_token_ids))
+
+    def release_reservation(self, request_id: str) -> None:
+        """Give back a reservation that will not be joined (transfer failed or aborted)."""
+        if self.kv_cache.holds_blocks(request_id) and request_id not in self._tracked:
+            self.kv_cache.release(request_id)
+
+    def add_decode_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                           params: SamplingParams, first_token_id: int,
+                           priority: int = 0) -> None:
+        """Decode side: join a reserved request whose prompt KV has landed. The first token
+        was sampled (and streamed) by the prefill side, so it is not emitted again."""
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority,
+                          mode=RequestMode.DECODE_ONLY)
+        tracked = self._track(request)
+        self.scheduler.add_decode_request(request, first_token_id)
+        # Replay the first token through the detokenizer and stop check, so that held bytes
+        # and held stop-string prefixes continue exactly where the prefill side left them.
+        delta = tracked.detokenizer.add(first_token_id)
+        tracked.text += delta
+        check = check_stop(params, self.tokenizer.eos_token_ids, request.output_token_ids,
+                           tracked.text, len(delta))
+        tracked.num_emitted_chars = check.emit_end
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Prefill side: the KV of a PREFILLED request has been sent (or given up): free it."""
+        self._tracked.pop(request_id, None)
+        self.scheduler.release_prefilled(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request in any state and free its blocks; False if it was not known."""
+        tracked = self._tracked.pop(request_id, None)
+        if self.scheduler.get_request(request_id) is not None:
+            self.scheduler.abort_request(request_id)
+        elif tracked is not None and tracked.request.status is RequestStatus.PREFILLED:
+            self.scheduler.release_prefilled(request_id)
+        return tracked is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_waiting + self.scheduler.num_running > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration. Returns the outputs of this step (possibly none)."""
+        schedule = self.scheduler.schedule()
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs | None] = {}
+        if not schedule.is_empty:
+            logits = self.runner.execute(schedule)
+            rows = [c.request_id for c in schedule.chunks if c.sample]
+            if rows:
+                tracked = [self._tracked[rid] for rid in rows]
+                result = self.sampler.sample(logits, [t.request.sampling_params for t in tracked],
+                                             [t.sampling for t in tracked])
+                sampled = dict(zip(rows, result.token_ids))
+                logprobs = dict(zip(rows, result.logprobs))
+            self.scheduler.update_from_output(schedule, sampled)
+        outputs = [self._postprocess(rid, token_id, logprobs[rid])
+                   for rid, token_id in sampled.items()]
+        for request in self.scheduler.drain_finished():
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None or request.request_id in sampled:
+                continue  # its output this step already carries the finish
+            outputs.append(self._finish_output(tracked, []))
+        return outputs
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Run prompts to completion together (continuous batching); results in input order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        results = {rid: GenerationResult(rid, [], "", "") for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while any(not r.finish_reason for r in results.values()):
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.text += out.new_text
+                result.logprobs.extend(out.logprobs)
+                if out.finish_reason:
+                    result.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt has no tokens")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+    def _track(self, request: Request) -> _Tracked:
+        sampling = SamplingState.create(request.sampling_params, request.prompt_token_ids,
+                                        self.config.device)
+        # The scheduler's list is the one record of output tokens; the sampler reads it.
+        sampling.output_token_ids = request.output_token_ids
+        tracked = _Tracked(request, sampling,
+                           IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
+        self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _postprocess(self, request_id: str, token_id: int,
+                     logprobs: TokenLogprobs | None) -> RequestOutput:
+        tracked = self._tracked[request_id]
+        request = tracked.request
+        delta = tracked.detokenizer.add(token_id)
+        tracked.text += delta
+        check = check_stop(request.sampling_params, self.tokenizer.eos_token_ids,
+                           request.output_token_ids, tracked.text, len(delta))
+        if check.finished:
+            tracked.stop = check.finish_reason
+            if check.stop_reason is not None and isinstance(check.stop_reason, str):
+                tracked.text = tracked.text[:check.emit_end]
+            if request.status is RequestStatus.RUNNING:
+                status = (RequestStatus.FINISHED_STOPPED if check.finish_reason is FinishReason.STOP
+                          else RequestStatus.FINISHED_LENGTH)
+                self.scheduler.finish_request(request_id, status)
+            elif request.status is RequestStatus.PREFILLED:
+                self.scheduler.release_prefilled(request_id)
+        elif request.status.is_finished:
+            pass  # ended by the scheduler (length / pool limit): release held text below
+        else:
+            return self._emit(tracked, [token_id], [logprobs], check.emit_end)
+        return self._finish_output(tracked, [token_id], [logprobs])
+
+    def _emit(self, tracked: _Tracked, token_ids: list[int], logprobs: list[TokenLogprobs | None],
+              emit_end: int) -> RequestOutput:
+        request = tracked.request
+        text = tracked.text[tracked.num_emitted_chars:emit_end]
+        tracked.num_emitted_chars = max(tracked.num_emitted_chars, emit_end)
+        return RequestOutput(
+            request.request_id, token_ids, text, logprobs, None, request.num_prompt_tokens,
+            request.num_output_tokens, request.num_cached_tokens,
+            prefilled=request.status is RequestStatus.PREFILLED)
+
+    def _finish_output(self, tracked: _Tracked, token_ids: list[int],
+                       logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
+        request = tracked.request
+        if tracked.stop is None:
+            # Not stopped by a stop rule: whatever was held back turned out to be plain text.
+            tracked.text += tracked.detokenizer.flush()
+        self._tracked.pop(request.request_id, None)
+        out = self._emit(tracked, token_ids, logprobs or [], len(tracked.text))
+        out.finish_reason = (tracked.stop.value if tracked.stop is not None
+                             else request.status.finish_reason)
+        out.prefilled = False  # finished: nothing left to transfer
+        return out
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        for rid in self._tracked:
+            if self.scheduler.get_request(rid) is None and \
+                    self._tracked[rid].request.status is not RequestStatus.PREFILLED:
+                raise AssertionError(f"{rid} tracked by the engine but unknown to the scheduler")
+
+
+def load_tokenizer(tokenizer_source: object) -> Tokenizer:
+    """The tokenizer for a `LoadedModel.tokenizer_source` (HF directory or GGUF metadata)."""
+    from pathlib import Path
+
+    if isinstance(tokenizer_source, Path):
+        return Tokenizer.from_hf_dir(tokenizer_source)
+    return Tokenizer.from_gguf_fields(tokenizer_source)
+
+
+def build_engine(model: str, config: EngineConfig, progress=None,
+                 kv_cache_bytes: int | None = None) -> LLMEngine:
+    """Load `model` ("default", a directory or a .gguf file) and build an engine around it.
+    With `kv_cache_bytes`, the KV pool is sized from it instead of `config.num_kv_blocks`."""
+    import dataclasses
+
+    from engine.loader import load_model
+
+    loaded = load_model(model, dtype=config.dtype, device=config.device, progress=progress)
+    if kv_cache_bytes is not None:
+        config = dataclasses.replace(config, num_kv_blocks=EngineConfig.blocks_for_bytes(
+            loaded.config, kv_cache_bytes, config.block_size, config.dtype))
+    return LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.tokenizer_source), config)

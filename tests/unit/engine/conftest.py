@@ -1,0 +1,127 @@
+"""Fixtures for the model tests: tiny random checkpoints written by transformers itself.
+
+The checkpoints are the independent reference: transformers builds and saves them, our loader
+reads them back, and transformers' own forward pass gives the logits we must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+# The init scale is well above the usual 0.02 so that logits have clear winners: with
+# near-uniform logits a greedy comparison would test rounding noise, not the model.
+_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+
+VARIANTS: dict[str, dict] = {
+    "llama_tied": dict(arch="llama", tie_word_embeddings=True, rope_theta=10000.0),
+    "llama_untied": dict(arch="llama", tie_word_embeddings=False, rope_theta=50000.0),
+    "llama_head_dim": dict(arch="llama", tie_word_embeddings=False, head_dim=24),
+    "qwen2_bias": dict(arch="qwen2", tie_word_embeddings=False, rope_theta=1000000.0),
+    "llama3_rope": dict(arch="llama", tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "sharded": dict(arch="llama", tie_word_embeddings=False, shard="20KB"),
+}
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    reference: torch.nn.Module  # the transformers model that wrote `path`, eval mode
+
+
+def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    spec = dict(VARIANTS[variant])
+    arch, shard = spec.pop("arch"), spec.pop("shard", None)
+    if "rope_theta" in spec:
+        spec["rope_parameters"] = dict(rope_type="default", rope_theta=spec.pop("rope_theta"))
+    config_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if arch == "llama"
+                             else (Qwen2Config, Qwen2ForCausalLM))
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_COMMON, **spec)).eval()
+    if arch == "qwen2":
+        # Biases start at zero; give them values so a dropped bias cannot go unnoticed.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(directory, **kwargs)
+    return TinyModel(path=directory, reference=model)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the module: on a small shared machine torch's spinning
+    OpenMP threads slow every step down several-fold when cores are oversubscribed."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """tiny_model(variant) -> a checkpoint of that variant, written once per session."""
+    cache: dict[str, TinyModel] = {}
+
+    def get(variant: str) -> TinyModel:
+        if variant not in cache:
+            cache[variant] = write_tiny_model(tmp_path_factory.mktemp(variant), variant)
+        return cache[variant]
+
+    return get
+
+
+class Stepper:
+    """Drives a ModelRunner the way the scheduler does: one ScheduleOutput per step."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+        from engine.kv_storage import KVStorage
+        from engine.model_runner import ModelRunner
+
+        dtype = next(model.parameters()).dtype
+        self.kv = KVStorage.for_model(model.config, num_blocks, block_size, dtype)
+        self.runner = ModelRunner(model, self.kv, block_size)
+
+    def step(self, *chunks: tuple) -> torch.Tensor:
+        """Each chunk is (request_id, token_ids, start_pos, block_ids, sample)."""
+        from engine.schedule_output import ScheduledChunk, ScheduleOutput
+
+        return self.runner.execute(ScheduleOutput(tuple(
+            ScheduledChunk(rid, tuple(ids), start, tuple(blocks), sample)
+            for rid, ids, start, blocks, sample in chunks)))
+
+    def greedy(self, prompt: list[int], num_tokens: int, block_ids: list[int],
+               request_id: str = "r") -> list[int]:
+        """Prefill the prompt in one chunk, then decode one token per step."""
+        logits = self.step((request_id, prompt, 0, block_ids, True))
+        seq, out = list(prompt), []
+        for _ in range(num_tokens):
+            token = int(logits[0].argmax())
+            out.append(token)
+            seq.append(token)
+            if len(out) < num_tokens:
+                logits = self.step((request_id, [token], len(seq) - 1, block_ids, True))
+        return out
+
+
+@pytest.fixture
+def stepper() -> Callable[..., Stepper]:
+    """stepper(model, num_blocks=64, block_size=4) -> a runner over a fresh KV pool."""
+
+    def make(model: torch.nn.Module, num_blocks: int = 64, block_size: int = 4) -> Stepper:
+        return Stepper(model, num_blocks, block_size)
+
+    return make
