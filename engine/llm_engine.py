@@ -129,6 +129,8 @@ class LLMEngine:
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.num_preemptions = 0  # requests sent back to recompute, since start
+        self.num_steps = 0
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -202,6 +204,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns the outputs of this step (possibly none)."""
         schedule = self.scheduler.schedule()
+        self.num_steps += 1
+        self.num_preemptions += len(schedule.preempted_request_ids)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if not schedule.is_empty:
