@@ -1,7 +1,7 @@
 """GPU engine benchmark: kernel correctness, kernel speed against the hardware floor, and
 (once the model runner lands) model-level decode/prefill speed against `transformers`.
 
-    python benchmarks/engine_gpu.py --kernels-only [--shape llama3-8b] [--markdown PATH]
+    python benchmarks/engine_gpu.py [--kernels-only] [--shape llama3-8b] [--markdown PATH]
 
 Sections, in one run:
   1. correctness  every Triton kernel on fresh random inputs (a new seed each run, printed),
@@ -10,10 +10,13 @@ Sections, in one run:
                   (FLOP/s) measured on this device, now;
   3. kernels      each kernel's median time beside its floor: the bytes it must move at the
                   measured copy rate (or, for prefill attention, its FLOPs at the matmul rate);
-  4. model        TODO(model runner): see `model_section` below.
+  4. model        decode and prefill steps of a Llama-3-8B-shaped model with random bf16
+                  weights beside their floors and `transformers` (benchmarks/engine_gpu_model.py),
+                  inside --time-budget-s.
 
 Without a CUDA device, section 1 runs under Triton's interpreter in fp32 on small shapes (bf16
-is wrong there) and sections 2-4 are skipped: it checks the kernels, it measures nothing.
+is wrong there), sections 2-3 are skipped and section 4 runs the torch path on a toy shape:
+it checks the plumbing, it measures nothing.
 """
 
 from __future__ import annotations
@@ -272,18 +275,18 @@ def time_kernels(cases: KernelCases, floors: Floors) -> list[TimingResult]:
     return results
 
 
-def model_section(args: argparse.Namespace) -> list[str]:
-    """Section 4, not built yet: needs engine/model_runner.py (CUDA graphs, memory planning).
+def model_section(args: argparse.Namespace, floors: Floors | None, seed: int,
+                  device_name: str) -> list[str]:
+    """Section 4 (benchmarks/engine_gpu_model.py); markdown lines, never raises."""
+    from benchmarks.engine_gpu_model import model_section as run_model_section
 
-    TODO(model runner): on a Llama-3-8B-shaped model with random bf16 weights, measure
-      - decode step time at batch 1, 32, 128, 256 with 512 and 2048 tokens of context, beside
-        the floor (weights + KV read per step) / measured copy rate;
-      - prefill time for 1x2048 and 8x2048 tokens, beside matmul FLOPs / measured matmul rate;
-      - `transformers` on the same device and weights: eager `generate`, and static cache +
-        `torch.compile`, in the same run;
-    and return the rows for `render_markdown`.
-    """
-    return []
+    shape = args.model_shape or ("llama3-8b" if floors is not None else "tiny")
+    # Without a device there is no floor to measure: nominal rates keep the arithmetic
+    # running, and the table says so.
+    copy_rate = floors.copy_bytes_per_s if floors else 1e11
+    matmul_rate = floors.matmul_flop_per_s if floors else 1e12
+    return run_model_section(shape, seed, copy_rate, matmul_rate, args.time_budget_s,
+                             device_name)
 
 
 def render_markdown(device_name: str, command: str, checks: list[CheckResult],
@@ -310,8 +313,12 @@ def render_markdown(device_name: str, command: str, checks: list[CheckResult],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels-only", action="store_true",
-                        help="sections 1-3 only (the model section is not built yet)")
+    parser.add_argument("--kernels-only", action="store_true", help="sections 1-3 only")
+    parser.add_argument("--model-shape", choices=("llama3-8b", "tiny"), default=None,
+                        help="section 4's model (default: llama3-8b on CUDA, tiny on CPU)")
+    parser.add_argument("--time-budget-s", type=float, default=420.0,
+                        help="wall time for section 4; transformers' compiled runs are "
+                             "skipped or killed to stay inside it (default: %(default)s)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="model shape (default: llama3-8b on CUDA, smollm2-135m on CPU)")
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh one")
@@ -352,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_rows: list[str] = []
     if not args.kernels_only:
-        model_rows = model_section(args)
-        if not model_rows:
-            print("model section: not built yet (needs engine/model_runner.py)")
+        model_rows = model_section(args, floors, seed, device_name)
 
     if args.markdown:
         command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])

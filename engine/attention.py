@@ -17,6 +17,17 @@ a chunked prefill, or a shared prefix) sees them exactly as if it had computed t
 Chunks are attended in groups: all single-token chunks (decode steps) in one padded batch,
 every longer chunk on its own, so a long prefill never pads the decode batch to its length.
 All gather indices and masks are built once per step here and reused by every layer.
+
+The kernel path (Triton, chosen on CUDA) needs no padded groups: `KernelAttentionMetadata`
+carries what the kernels read, one row per chunk,
+
+    block_tables[c, :]   chunk c's block ids, zero-padded to the widest table of the step
+    context_lens[c]      end_pos[c]: positions [0, end_pos) are attended after the write
+    cu_seqlens_q         query_start as an int32 tensor
+    slot_mapping[t]      as above; a negative slot is a padding token (never written)
+
+A step whose chunks are all single tokens runs the decode kernel (split-K over the context),
+any other step the chunked-prefill kernel, which also serves the decode rows it contains.
 """
 
 from __future__ import annotations
@@ -24,10 +35,54 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.backend import import_triton
 from engine.schedule_output import ScheduleOutput
+
+
+@dataclass(frozen=True, slots=True)
+class KernelAttentionMetadata:
+    """What the Triton attention kernels read; tensors on the model's device."""
+
+    slot_mapping: torch.Tensor  # [T] int64; negative: a padding token, not written
+    block_tables: torch.Tensor  # [num_chunks, max_blocks] int32, zero-padded
+    context_lens: torch.Tensor  # [num_chunks] int32: end_pos of each chunk (0 for padding)
+    cu_seqlens_q: torch.Tensor  # [num_chunks + 1] int32: query_start
+    max_query_len: int  # longest chunk of the step (a host int: no device sync)
+    num_decode_splits: int  # split-K factor of the decode kernel (used when max_query_len==1)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def for_decode(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, num_decode_splits: int) -> "KernelAttentionMetadata":
+        """A decode batch over caller-owned buffers (the CUDA-graph static inputs); the
+        decode kernel never reads cu_seqlens_q, so it is left empty."""
+        return cls(slot_mapping=slot_mapping, block_tables=block_tables,
+                   context_lens=context_lens, cu_seqlens_q=context_lens[:0],
+                   max_query_len=1, num_decode_splits=num_decode_splits)
+
+
+def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
+                         device: torch.device) -> int:
+    """Split-K factor for a decode batch: the kernel package's policy on CUDA; on the CPU
+    (Triton's interpreter) one split per 32 positions, so tests cover the merge cheaply."""
+    from engine.kernels.paged_decode_attention import MAX_SPLITS, num_decode_splits
+
+    if device.type != "cuda":
+        return max(1, min(MAX_SPLITS, max_context_len // 32))
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return num_decode_splits(num_seqs, num_kv_heads, max_context_len, num_sms)
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """True where the Triton path is chosen automatically: a CUDA device with triton."""
+    return torch.device(device).type == "cuda" and import_triton()[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +106,8 @@ class AttentionMetadata:
     end_pos: tuple[int, ...]  # per chunk: one past the last position computed this step
     block_tables: tuple[tuple[int, ...], ...]  # per chunk: the request's block ids
     block_size: int
-    groups: tuple[AttentionGroup, ...]
+    groups: tuple[AttentionGroup, ...]  # the torch path's padded groups; () on the kernel path
+    kernels: KernelAttentionMetadata | None = None  # set: the model runs the Triton path
 
     @property
     def num_tokens(self) -> int:
@@ -63,8 +119,13 @@ class AttentionMetadata:
 
     @classmethod
     def from_schedule(cls, schedule: ScheduleOutput, block_size: int,
-                      device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Builds the metadata; raises ValueError when a block table is too short."""
+                      device: torch.device | str = "cpu", use_kernels: bool | None = None,
+                      num_kv_heads: int = 1) -> "AttentionMetadata":
+        """Builds the metadata; raises ValueError when a block table is too short.
+
+        `use_kernels`: None picks the Triton path on CUDA (see `kernels_available`); True
+        forces it (Triton's interpreter runs it on CPU tensors in tests). `num_kv_heads`
+        only informs the decode kernel's split-K choice."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         query_start = [0]
@@ -74,9 +135,8 @@ class AttentionMetadata:
                 raise ValueError(
                     f"chunk of {chunk.request_id}: {len(chunk.block_ids)} blocks of "
                     f"{block_size} cannot hold {chunk.end_pos} positions")
-            table = chunk.block_ids
-            slots.extend(table[p // block_size] * block_size + p % block_size
-                         for p in range(chunk.start_pos, chunk.end_pos))
+            slots.extend(_chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos,
+                                      block_size))
             query_start.append(query_start[-1] + len(chunk.token_ids))
         meta_without_groups = cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -87,11 +147,51 @@ class AttentionMetadata:
             block_size=block_size,
             groups=(),
         )
+        if use_kernels is None:
+            use_kernels = kernels_available(device)
+        if use_kernels:
+            return dataclasses.replace(meta_without_groups, kernels=_build_kernel_metadata(
+                schedule, meta_without_groups.slot_mapping, num_kv_heads, device))
         decode = [i for i, c in enumerate(schedule.chunks) if len(c.token_ids) == 1]
         longer = [[i] for i, c in enumerate(schedule.chunks) if len(c.token_ids) > 1]
         groups = [_build_group(meta_without_groups, g, device)
                   for g in ([decode] if decode else []) + longer]
         return dataclasses.replace(meta_without_groups, groups=tuple(groups))
+
+
+def _chunk_slots(table: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions [start, end) through one block table. Vectorised for
+    long chunks: a 2048-token prefill would otherwise spend milliseconds in Python."""
+    if end - start == 1:
+        return [table[start // block_size] * block_size + start % block_size]
+    positions = np.arange(start, end)
+    blocks = np.asarray(table, dtype=np.int64)[positions // block_size]
+    return (blocks * block_size + positions % block_size).tolist()
+
+
+def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
+                           num_kv_heads: int, device: torch.device | str) -> KernelAttentionMetadata:
+    chunks = schedule.chunks
+    width = max(len(c.block_ids) for c in chunks)
+    tables = np.zeros((len(chunks), width), dtype=np.int32)
+    for row, chunk in enumerate(chunks):
+        tables[row, :len(chunk.block_ids)] = chunk.block_ids
+    query_start = [0]
+    for chunk in chunks:
+        query_start.append(query_start[-1] + len(chunk.token_ids))
+    max_query_len = max(len(c.token_ids) for c in chunks)
+    max_context = max(c.end_pos for c in chunks)
+    device = torch.device(device)
+    splits = (choose_decode_splits(len(chunks), num_kv_heads, max_context, device)
+              if max_query_len == 1 else 1)
+    return KernelAttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=torch.from_numpy(tables).to(device),
+        context_lens=torch.tensor([c.end_pos for c in chunks], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(query_start, dtype=torch.int32, device=device),
+        max_query_len=max_query_len,
+        num_decode_splits=splits,
+    )
 
 
 def _build_group(meta: AttentionMetadata, chunk_ids: list[int],
@@ -156,3 +256,24 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                             enable_gqa=qg.shape[1] != kg.shape[1])
         out.index_copy_(0, group.out_rows, og.transpose(1, 2)[group.query_valid])
     return out
+
+
+def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                            kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
+                            meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton path of `paged_attention`: same shapes and side effects (K/V written at
+    `meta.slot_mapping`, padding slots skipped), allocation-free apart from its output, so
+    it can be captured in a CUDA graph. q, k_new and v_new may be strided views."""
+    from engine.kernels.kv_cache_write import write_kv_cache_triton_
+    from engine.kernels.paged_decode_attention import paged_decode_attention_triton
+    from engine.kernels.prefill_attention import prefill_attention_triton
+
+    write_kv_cache_triton_(k_new, v_new, kv_layer_k, kv_layer_v, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.is_decode:
+        return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
+                                             meta.context_lens, scale,
+                                             meta.num_decode_splits, out=out)
+    return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
+                                    meta.cu_seqlens_q, meta.context_lens, scale,
+                                    meta.max_query_len, out=out)

@@ -5,20 +5,36 @@ side effect is writing the K/V of the scheduled tokens into their slots of `KVSt
 (positions [start_pos, end_pos) of each chunk); every other slot is left untouched, so
 blocks shared through prefix caching or owned by other requests are never clobbered.
 It keeps no state between steps: the schedule carries everything (positions, block tables).
+
+Paths: on CUDA (with triton) the model runs its Triton kernel path, and pure decode steps
+replay CUDA graphs captured here at start-up (engine/cuda_graphs.py); any other step (a
+prefill chunk, or a decode batch larger than the largest graph) runs the kernel path
+eagerly. Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors
+runs the kernel path under Triton's interpreter (tests only: it is slow).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, kernels_available
+from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
 from engine.schedule_output import ScheduleOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int) -> None:
+    """`cuda_graph_batch_sizes`: None captures DEFAULT_BATCH_SIZES where graphs can run (the
+    kernel path on CUDA) and none elsewhere; () captures none. With `use_kernels=True` on
+    CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+                 use_kernels: bool | None = None,
+                 cuda_graph_batch_sizes: Sequence[int] | None = None) -> None:
         if kv.layout.block_size != block_size:
             raise ValueError(f"KV storage block size {kv.layout.block_size} != {block_size}")
         if kv.layout.num_layers != model.config.num_layers:
@@ -28,6 +44,22 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
+        self.use_kernels = kernels_available(self.device) if use_kernels is None else use_kernels
+        self.graphs: DecodeGraphs | None = None
+        if not self.use_kernels:
+            return
+        model.prepare_kernels()
+        on_cuda = self.device.type == "cuda"
+        if cuda_graph_batch_sizes is None:
+            cuda_graph_batch_sizes = DEFAULT_BATCH_SIZES if on_cuda else ()
+        if cuda_graph_batch_sizes:
+            # A table never needs more columns than the pool has blocks or a sequence of
+            # the model's longest context needs.
+            width = min(kv.layout.num_blocks,
+                        math.ceil(model.config.max_position_embeddings / block_size))
+            self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
+                                       use_graphs=on_cuda)
+            self.graphs.capture()
 
     def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
         """float32 logits [number of chunks with sample=True, vocab], in chunk order.
@@ -38,6 +70,8 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if schedule.is_empty:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        if self.graphs is not None and self.graphs.can_run(schedule):
+            return self.graphs.run(schedule)
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -46,7 +80,9 @@ class ModelRunner:
             positions.extend(range(chunk.start_pos, chunk.end_pos))
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
-        attn = AttentionMetadata.from_schedule(schedule, self.block_size, self.device)
+        attn = AttentionMetadata.from_schedule(schedule, self.block_size, self.device,
+                                               use_kernels=self.use_kernels,
+                                               num_kv_heads=self.model.config.num_kv_heads)
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -7,6 +7,18 @@ Tokens of every sequence in a step are flattened into one dimension T; `position
 position of token t inside its own sequence and `AttentionMetadata` says which rows belong
 to which sequence. The numerics follow the reference implementation (RMSNorm in float32,
 rotate-half RoPE with cos/sin computed in float32) so float32 logits match it closely.
+
+Two paths share the parameters. The torch path (the CPU path) is the reference. The kernel
+path (chosen when `AttentionMetadata.kernels` is set, i.e. on CUDA) runs the Triton ops of
+engine/kernels: fused residual-add + RMSNorm, RoPE in place from precomputed tables, fused
+SiLU-and-multiply, the KV-cache write and paged attention; it needs `prepare_kernels()`
+first, which fuses q/k/v and gate/up into one matmul each:
+
+    qkv_weight      [q_out + 2 * kv_out, hidden]   q_proj/k_proj/v_proj.weight are views
+    gate_up_weight  [2 * intermediate, hidden]     gate_proj/up_proj.weight are views
+
+so checkpoint names and `state_dict()` are unchanged and no weight is stored twice. Every
+op of the kernel path is free of host syncs, so a decode step can be captured in a graph.
 """
 
 from __future__ import annotations
@@ -17,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import (AttentionMetadata, KernelAttentionMetadata, paged_attention,
+                              paged_attention_kernels)
 from engine.config import Llama3RopeScaling, ModelConfig
 from engine.kv_storage import KVStorage
 
@@ -71,6 +84,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _fuse_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0. The caller then re-points the inputs' parameters at views
+    of the result, which frees the inputs: fusing layer by layer needs one layer's worth of
+    extra memory, never a second copy of the model."""
+    with torch.no_grad():
+        return torch.cat([t.detach() for t in tensors])
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -111,6 +132,35 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_k, kv_v, attn, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def fuse_projections(self) -> None:
+        """One [q|k|v] weight (and bias); the three projections become views of it."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_rows([p.weight for p in projections])
+        self.qkv_bias = (_fuse_rows([p.bias for p in projections])
+                         if self.q_proj.bias is not None else None)
+        sizes = [p.weight.shape[0] for p in projections]
+        for proj, weight in zip(projections, self.qkv_weight.split(sizes)):
+            proj.weight = nn.Parameter(weight, requires_grad=False)
+        if self.qkv_bias is not None:
+            for proj, bias in zip(projections, self.qkv_bias.split(sizes)):
+                proj.bias = nn.Parameter(bias, requires_grad=False)
+
+    def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor,
+                        rope_tables: tuple[torch.Tensor, torch.Tensor], kv_k: torch.Tensor,
+                        kv_v: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
+        from engine.kernels.rope import apply_rope_triton_
+
+        t = x.shape[0]
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        # Strided views into the one projection output: the kernels take strides.
+        q = qkv[:, :q_out].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_out:q_out + kv_out].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_out + kv_out:].view(t, self.num_kv_heads, self.head_dim)
+        apply_rope_triton_(q, k, positions, *rope_tables)
+        out = paged_attention_kernels(q, k, v, kv_k, kv_v, meta, self.scale)
+        return self.o_proj(out.view(t, q_out))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -122,6 +172,20 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_projections(self) -> None:
+        """One [gate|up] weight; gate_proj and up_proj become views of it."""
+        self.gate_up_weight = _fuse_rows([self.gate_proj.weight, self.up_proj.weight])
+        gate, up = self.gate_up_weight.chunk(2)
+        self.gate_proj.weight = nn.Parameter(gate, requires_grad=False)
+        self.up_proj.weight = nn.Parameter(up, requires_grad=False)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.silu_mul import silu_mul_triton
+
+        gate_up = F.linear(x, self.gate_up_weight)
+        size = gate_up.shape[1] // 2
+        return self.down_proj(silu_mul_triton(gate_up[:, :size], gate_up[:, size:]))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -163,10 +227,36 @@ class LlamaForCausalLM(nn.Module):
         self.to(dtype)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
                                       config.rope_scaling).to(device)
+        # The kernel path's state, built by prepare_kernels(): cos/sin tables
+        # [max_position_embeddings, head_dim / 2] fp32, and the fused projections.
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare_kernels(self) -> None:
+        """Make the model ready for the kernel path; idempotent. Called once at start-up,
+        before any graph capture (it allocates and copies, which a capture may not do)."""
+        from engine.kernels.rope import rope_cos_sin
+
+        device = self.model.embed_tokens.weight.device
+        if self.rope_tables is None or self.rope_tables[0].device != device:
+            self.rope_tables = rope_cos_sin(
+                self.config.head_dim, self.config.max_position_embeddings,
+                self.config.rope_theta, self.config.rope_scaling, device)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = getattr(attn, "qkv_weight", None)
+            # Fused weights stay valid while the projections still alias them (a later
+            # .to() or a reload would have replaced the views with new tensors).
+            if fused is None or attn.q_proj.weight.data_ptr() != fused.data_ptr():
+                attn.fuse_projections()
+            fused = getattr(mlp, "gate_up_weight", None)
+            if fused is None or mlp.gate_proj.weight.data_ptr() != fused.data_ptr():
+                mlp.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
                 attn: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes K/V at attn.slot_mapping."""
+        if attn.kernels is not None:
+            return self._forward_kernels(input_ids, positions, kv, attn.kernels)
         x = self.model.embed_tokens(input_ids)
         # cos/sin once per step in float32, shared by every layer; [T, 1, head_dim].
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -176,6 +266,28 @@ class LlamaForCausalLM(nn.Module):
             kv_k, kv_v = kv.layer(n)
             x = layer(x, cos, sin, kv_k, kv_v, attn)
         return self.model.norm(x)
+
+    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
+                         meta: KernelAttentionMetadata) -> torch.Tensor:
+        from engine.kernels.rmsnorm import add_rms_norm_triton_, rms_norm_triton
+
+        if self.rope_tables is None:
+            raise RuntimeError("the kernel path needs prepare_kernels() first")
+        # The residual stream lives in `residual`; each add_rms_norm_ call adds a block's
+        # output to it and leaves the next block's normalised input in its first argument.
+        residual = self.model.embed_tokens(input_ids)
+        layers = self.model.layers
+        x = rms_norm_triton(residual, layers[0].input_layernorm.weight,
+                            layers[0].input_layernorm.eps)
+        for n, layer in enumerate(layers):
+            kv_k, kv_v = kv.layer(n)
+            x = layer.self_attn.forward_kernels(x, positions, self.rope_tables, kv_k, kv_v, meta)
+            norm = layer.post_attention_layernorm
+            add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
+            x = layer.mlp.forward_kernels(x)
+            norm = layers[n + 1].input_layernorm if n + 1 < len(layers) else self.model.norm
+            add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden]."""

@@ -1,0 +1,199 @@
+"""CUDA graphs for decode steps: one captured graph per batch size, replayed on padded batches.
+
+A decode step of a large model launches hundreds of kernels; issued one by one from Python
+it is bound by the host, not the GPU. Each graph replays a whole step (embedding, every
+layer, final norm, logits) with one launch. A graph reads its inputs from fixed addresses,
+so every input lives in one static int32 buffer, refilled before each replay:
+
+    static ints   [ input_ids | positions | slot_mapping | context_lens | block_tables ]
+                    max_batch   max_batch   max_batch      max_batch      max_batch x W
+    row r < n     the r-th chunk of the step (position = start_pos, context = end_pos)
+    row r >= n    padding up to the captured size B: token 0 at position 0, slot -1 (the
+                  KV write skips it), context 0 (attention returns zeros for it)
+    block_tables  W = max_blocks_per_seq columns; row r columns past its table are stale
+                  but never read (positions < context_lens[r] only)
+
+Lifecycle: constructed (buffers allocated) -> `capture()` exactly once, at start-up, after
+the KV pool exists (graphs bake in its address) -> `run(schedule)` for every decode step
+that `can_run`. Graphs are captured largest first into one shared memory pool, so they
+cost about one step's activations in all, not one per size.
+
+Invariants: `batch_sizes` is sorted and unique; a graph exists for each size after capture;
+padding rows always carry slot -1 and context 0 when a graph is replayed.
+
+Without CUDA (`use_graphs=False`, e.g. Triton's interpreter on CPU) `run` executes the very
+same padded step eagerly, so the buffer logic is testable where graphs are not.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, KernelAttentionMetadata, choose_decode_splits
+from engine.kv_storage import KVStorage
+from engine.models.llama import LlamaForCausalLM
+from engine.schedule_output import ScheduleOutput
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def padded_batch_size(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:
+    """Smallest captured size that holds `num_seqs` rows; None when none does. Pure."""
+    i = bisect.bisect_left(batch_sizes, num_seqs)
+    return batch_sizes[i] if i < len(batch_sizes) else None
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model over one KV pool."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+                 batch_sizes: Sequence[int], max_blocks_per_seq: int, use_graphs: bool) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"decode graphs need positive batch sizes, got {batch_sizes}")
+        if max_blocks_per_seq < 1:
+            raise ValueError(f"max_blocks_per_seq must be positive, got {max_blocks_per_seq}")
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.use_graphs = use_graphs
+        self.device = model.model.embed_tokens.weight.device
+        b, w = self.max_batch_size, max_blocks_per_seq
+        self._host = np.zeros(4 * b + b * w, dtype=np.int32)
+        self._ints = torch.zeros(4 * b + b * w, dtype=torch.int32, device=self.device)
+        self._views = _Views(self._host, b, w)
+        self._views.reset_padding(0)
+        self._ints.copy_(torch.from_numpy(self._host))
+        self._device_views = _Views(self._ints, b, w)
+        self._steps: dict[int, Callable[[], torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captured = False
+        self.pool_bytes = 0  # device memory the capture took (graph pool and warm-up)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def capture(self) -> None:
+        """Build (and on CUDA capture) one step per batch size; called exactly once."""
+        if self.captured:
+            raise RuntimeError("decode graphs are captured exactly once")
+        before = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        for size in reversed(self.batch_sizes):
+            step = self._make_step(size)
+            self._steps[size] = step
+            if not self.use_graphs:
+                continue
+            # Warm-up outside the capture: compiles the Triton kernels and lets cuBLAS pick
+            # its algorithms, neither of which may happen while capturing.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                logits = step()
+            self._graphs[size] = (graph, logits)
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+            self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.captured = True
+
+    def can_run(self, schedule: ScheduleOutput) -> bool:
+        """True for a pure decode step that fits a captured size and the table width."""
+        chunks = schedule.chunks
+        return (self.captured and 0 < len(chunks) <= self.max_batch_size
+                and all(len(c.token_ids) == 1 for c in chunks)
+                and max(len(c.block_ids) for c in chunks) <= self.max_blocks_per_seq)
+
+    def run(self, schedule: ScheduleOutput) -> torch.Tensor:
+        """float32 logits [number of sampling chunks, vocab]: replay (or, without graphs, run)
+        the step of the smallest captured size >= the batch. Requires `can_run`."""
+        if not self.can_run(schedule):
+            raise ValueError("decode graphs: this schedule is not a decode step that fits")
+        chunks = schedule.chunks
+        num_seqs = len(chunks)
+        size = padded_batch_size(num_seqs, self.batch_sizes)
+        assert size is not None  # can_run checked the largest size
+        host = self._views
+        width = 1
+        bs = self.block_size
+        for row, chunk in enumerate(chunks):
+            pos = chunk.start_pos
+            host.input_ids[row] = chunk.token_ids[0]
+            host.positions[row] = pos
+            host.slot_mapping[row] = chunk.block_ids[pos // bs] * bs + pos % bs
+            host.context_lens[row] = pos + 1
+            host.block_tables[row, :len(chunk.block_ids)] = chunk.block_ids
+            width = max(width, len(chunk.block_ids))
+        host.reset_padding(num_seqs)
+        dev = self._device_views
+        # Two copies: the per-row scalars, then only the table columns this batch uses.
+        dev.scalars.copy_(torch.from_numpy(host.scalars))
+        dev.block_tables[:num_seqs, :width].copy_(
+            torch.from_numpy(host.block_tables[:num_seqs, :width]))
+        if self.use_graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        else:
+            with torch.inference_mode():
+                logits = self._steps[size]()
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        if len(sample_rows) == num_seqs:
+            # A copy: the static output is overwritten by the next replay.
+            return logits[:num_seqs].clone()
+        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+
+    def check_invariants(self) -> None:
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise AssertionError(f"batch sizes not sorted and unique: {self.batch_sizes}")
+        if self.captured and set(self._steps) != set(self.batch_sizes):
+            raise AssertionError("a captured size has no step")
+        if self.use_graphs and self.captured and set(self._graphs) != set(self.batch_sizes):
+            raise AssertionError("a captured size has no graph")
+
+    def _make_step(self, size: int) -> Callable[[], torch.Tensor]:
+        dev = self._device_views
+        config = self.model.config
+        splits = choose_decode_splits(size, config.num_kv_heads,
+                                      self.max_blocks_per_seq * self.block_size, self.device)
+        kernels = KernelAttentionMetadata.for_decode(
+            dev.slot_mapping[:size], dev.block_tables[:size], dev.context_lens[:size], splits)
+        attn = AttentionMetadata(slot_mapping=dev.slot_mapping[:size], query_start=(),
+                                 start_pos=(), end_pos=(), block_tables=(),
+                                 block_size=self.block_size, groups=(), kernels=kernels)
+        input_ids, positions = dev.input_ids[:size], dev.positions[:size]
+
+        def step() -> torch.Tensor:
+            hidden = self.model(input_ids, positions, self.kv, attn)
+            return self.model.compute_logits(hidden)
+
+        return step
+
+
+class _Views:
+    """Named views into one flat int32 buffer (numpy on the host, torch on the device)."""
+
+    def __init__(self, flat, max_batch: int, width: int) -> None:
+        b = max_batch
+        self.scalars = flat[:4 * b]
+        self.input_ids = flat[:b]
+        self.positions = flat[b:2 * b]
+        self.slot_mapping = flat[2 * b:3 * b]
+        self.context_lens = flat[3 * b:4 * b]
+        self.block_tables = flat[4 * b:].reshape(b, width)
+
+    def reset_padding(self, num_live: int) -> None:
+        """Rows from `num_live` on become padding: never written, attend to nothing."""
+        self.input_ids[num_live:] = 0
+        self.positions[num_live:] = 0
+        self.slot_mapping[num_live:] = -1
+        self.context_lens[num_live:] = 0

@@ -1,0 +1,133 @@
+"""deploy/docker-compose.yml and its GPU override, resolved by the real Compose v2 binary."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
+                          resolved_compose)
+
+pytestmark = pytest.mark.timeout(120)
+PDSERVE_SERVICES = ("prefill", "decode", "gateway")
+WORKERS = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return resolved_compose()
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> dict:
+    return resolved_compose(("docker-compose.yml", "docker-compose.gpu.yml"))
+
+
+def test_compose_files_resolve_quietly() -> None:
+    for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")):
+        result = compose_config(files, {"PDSERVE_INTERNAL_TOKEN": "t"}, ("monitoring",))
+        assert result.returncode == 0, f"{files}: {result.stderr}"
+
+
+def test_compose_refuses_to_start_without_a_shared_token() -> None:
+    result = compose_config(("docker-compose.yml",))
+    assert result.returncode != 0
+    assert "PDSERVE_INTERNAL_TOKEN" in result.stderr
+
+
+def test_every_component_shares_the_same_token(cluster: dict) -> None:
+    tokens = {cluster["services"][s]["environment"]["PDSERVE_INTERNAL_TOKEN"]
+              for s in PDSERVE_SERVICES}
+    assert tokens == {"test-token"}
+
+
+def test_only_the_gateway_port_is_published(cluster: dict) -> None:
+    services = cluster["services"]
+    assert [p["target"] for p in services["gateway"]["ports"]] == [8000]
+    assert services["gateway"]["ports"][0]["host_ip"] == "127.0.0.1"
+    for name in WORKERS + ("redis",):
+        assert not services[name].get("ports"), f"{name} publishes a port"
+    # Fixed names would stop `--scale`.
+    for name in WORKERS:
+        assert "container_name" not in services[name]
+
+
+def test_start_order_is_gated_on_health(cluster: dict) -> None:
+    services = cluster["services"]
+    for name in WORKERS:
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert "/ready" in services[name]["healthcheck"]["test"]
+    gateway_deps = services["gateway"]["depends_on"]
+    for name in ("redis",) + WORKERS:
+        assert gateway_deps[name]["condition"] == "service_healthy", name
+    assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+
+
+def test_workers_get_time_to_drain(cluster: dict) -> None:
+    for name in WORKERS:
+        service = cluster["services"][name]
+        drain_s = float(service["command"][service["command"].index("--drain-timeout-s") + 1])
+        grace = service["stop_grace_period"]
+        assert grace.endswith("s") and float(grace[:-1]) > drain_s, name
+
+
+def test_tiers_file_is_mounted_where_the_gateway_reads_it(cluster: dict) -> None:
+    gateway = cluster["services"]["gateway"]
+    mounts = {v["target"]: v for v in gateway["volumes"]}
+    tiers_path = gateway["environment"]["PDSERVE_TIERS"]
+    assert mounts[tiers_path]["source"] == str(DEPLOY / "tiers.toml")
+    assert mounts[tiers_path]["read_only"] is True
+
+
+def test_monitoring_is_an_opt_in_profile() -> None:
+    assert set(resolved_compose()["services"]) == {"redis", "prefill", "decode", "gateway"}
+    with_monitoring = resolved_compose(profiles=("monitoring",))["services"]
+    assert {"prometheus", "grafana"} <= set(with_monitoring)
+    grafana_sources = {v["source"] for v in with_monitoring["grafana"]["volumes"]}
+    assert str(DEPLOY / "grafana" / "dashboards") in grafana_sources
+
+
+@pytest.mark.parametrize("service", PDSERVE_SERVICES)
+def test_service_runs_a_real_subcommand_with_real_options(cluster: dict, service: str) -> None:
+    spec = cluster["services"][service]
+    assert invocation_errors(f"compose {service}", spec["command"], spec["environment"]) == []
+
+
+@pytest.mark.parametrize("service", PDSERVE_SERVICES)
+def test_service_environment_reaches_the_parser(cluster: dict, service: str) -> None:
+    """Every PDSERVE_* variable of the service lands in the option it is meant for."""
+    spec = cluster["services"][service]
+    invocation_errors(f"compose {service}", spec["command"], spec["environment"])  # may skip
+    namespace = parsed_namespace(spec["command"], spec["environment"])
+    for name, value in spec["environment"].items():
+        dest = name.removeprefix("PDSERVE_").lower()
+        if dest in namespace and value != "":
+            assert _same(namespace[dest], value), \
+                f"{service}: {name}={value!r} parsed as {namespace[dest]!r}"
+
+
+def _same(parsed: object, text: str) -> bool:
+    if str(parsed) == text:
+        return True
+    try:
+        return float(parsed) == float(text)  # "30" -> 30.0
+    except (TypeError, ValueError):
+        return False
+
+
+def test_gpu_override_gives_each_pool_its_own_gpu(gpu_cluster: dict) -> None:
+    device_ids = []
+    for name in WORKERS:
+        service = gpu_cluster["services"][name]
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        device_ids += device["device_ids"]
+        assert service["environment"]["PDSERVE_DEVICE"] == "cuda"
+        assert service["image"] == gpu_cluster["services"]["gateway"]["image"]
+        assert service["build"]["dockerfile"].endswith("Dockerfile.cuda")
+    assert len(set(device_ids)) == len(device_ids) == 2
+
+
+@pytest.mark.parametrize("service", WORKERS)
+def test_gpu_services_still_run_real_options(gpu_cluster: dict, service: str) -> None:
+    spec = gpu_cluster["services"][service]
+    assert invocation_errors(f"gpu compose {service}", spec["command"], spec["environment"]) == []

@@ -1,0 +1,210 @@
+"""deploy/kubernetes: the kustomize base and overlays render and pass strict schema validation.
+
+Rendering uses `kubectl kustomize` when kubectl is on PATH; without it the base is rendered
+by concatenating its resources and applying its image tag (all the base uses), and the
+overlays skip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy_tools import (DEPLOY, invocation_errors, kubectl, kubernetes_validate,
+                          exported_metric_names, run)
+
+pytestmark = pytest.mark.timeout(180)
+KUSTOMIZE = DEPLOY / "kubernetes"
+TREES = ("base", "overlays/gpu", "overlays/autoscale", "overlays/external-redis")
+WORKERS = ("pdserve-prefill", "pdserve-decode")
+
+
+def render(tree: str) -> str:
+    binary = kubectl()
+    if binary is not None:
+        result = run([binary, "kustomize", str(KUSTOMIZE / tree)])
+        assert result.returncode == 0, f"{tree}: {result.stderr}"
+        return result.stdout
+    if tree != "base":
+        pytest.skip("kubectl is not on PATH: overlays need `kubectl kustomize` to render")
+    return _render_base_without_kubectl(KUSTOMIZE / tree)
+
+
+def _render_base_without_kubectl(root: Path) -> str:
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    assert set(kustomization) <= {"apiVersion", "kind", "labels", "resources", "images"}, \
+        "the base uses kustomize features this fallback does not render"
+    tags = {i["name"]: i["newTag"] for i in kustomization.get("images", [])}
+    docs = []
+    for resource in kustomization["resources"]:
+        for doc in yaml.safe_load_all((root / resource).read_text()):
+            for pod in _pod_specs([doc]):
+                for container in pod["containers"]:
+                    if container["image"] in tags:
+                        container["image"] += ":" + tags[container["image"]]
+            docs.append(doc)
+    return yaml.safe_dump_all(docs)
+
+
+def _pod_specs(docs: list[dict]) -> list[dict]:
+    return [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    out = {}
+    for tree in TREES:
+        try:
+            out[tree] = [d for d in yaml.safe_load_all(render(tree)) if d]
+        except pytest.skip.Exception:
+            continue
+    return out
+
+
+def by_name(docs: list[dict], kind: str, name: str) -> dict:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_tree_passes_strict_schema_validation(tree: str, tmp_path: Path) -> None:
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(render(tree))
+    result = run([*kubernetes_validate(), "--strict", "--quiet", str(manifest)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_strict_validation_catches_a_misspelt_field(tmp_path: Path) -> None:
+    """The validator really looks at fields (so the test above can fail)."""
+    text = render("base").replace("terminationGracePeriodSeconds:",
+                                  "terminationGracePeriodSecond:", 1)
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(text)
+    result = run([*kubernetes_validate(), "--strict", "--quiet", str(manifest)])
+    assert result.returncode != 0 and "terminationGracePeriodSecond" in result.stdout
+
+
+def test_pools_are_separate_deployments_and_the_gateway_has_a_service(rendered) -> None:
+    base = rendered["base"]
+    for name in WORKERS + ("pdserve-gateway", "pdserve-redis"):
+        assert by_name(base, "Deployment", name)["spec"]["replicas"] >= 1
+    service = by_name(base, "Service", "pdserve-gateway")
+    gateway = by_name(base, "Deployment", "pdserve-gateway")
+    assert service["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+    for name in WORKERS:
+        # Distinct selectors: scaling one pool never adopts the other's pods.
+        assert by_name(base, "Deployment", name)["spec"]["selector"] != \
+            gateway["spec"]["selector"]
+
+
+@pytest.mark.parametrize("name", WORKERS + ("pdserve-gateway",))
+def test_probes_and_graceful_termination(rendered, name: str) -> None:
+    deployment = by_name(rendered["base"], "Deployment", name)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert probe_path(container["readinessProbe"]) == "/ready"
+    assert probe_path(container["livenessProbe"]) == "/health"
+    assert container["lifecycle"]["preStop"]["exec"]["command"]
+    drain_s = 30.0
+    if "--drain-timeout-s" in container["args"]:
+        drain_s = float(container["args"][container["args"].index("--drain-timeout-s") + 1])
+    assert pod["terminationGracePeriodSeconds"] > drain_s
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e for e in container["env"]}
+    assert port_names["http"] == int(env["PDSERVE_PORT"]["value"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def probe_path(probe: dict) -> str:
+    if "httpGet" in probe:
+        return probe["httpGet"]["path"]
+    command = probe["exec"]["command"]
+    assert command[0] == "pdserve-healthcheck", command  # deploy/docker/healthcheck.py
+    return command[1]
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_worker_probes_can_carry_the_internal_token(rendered, name: str) -> None:
+    """An httpGet probe cannot send a header from a Secret: workers use exec probes, and the
+    probe script finds the token in the container's environment."""
+    (container,) = by_name(rendered["base"], "Deployment", name)["spec"]["template"]["spec"][
+        "containers"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "exec" in container[kind], kind
+    assert "PDSERVE_INTERNAL_TOKEN" in {e["name"] for e in container["env"]}
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_workers_register_an_address_the_gateway_can_reach(rendered, name: str) -> None:
+    (container,) = by_name(rendered["base"], "Deployment", name)["spec"]["template"]["spec"][
+        "containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PDSERVE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PDSERVE_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
+        "pdserve-secrets"
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_containers_run_real_subcommands_with_real_options(rendered, tree: str) -> None:
+    if tree not in rendered:
+        pytest.skip(f"{tree} was not rendered (kubectl absent)")
+    docs = rendered[tree]
+    config = {}
+    for doc in docs:
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "pdserve-config":
+            config = doc["data"]
+    errors = []
+    for deployment in [d for d in docs if d["kind"] == "Deployment"]:
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        if not container["image"].startswith("pdserve"):
+            continue
+        env = dict(config)
+        env.update({e["name"]: e.get("value", "") for e in container["env"]})
+        errors += invocation_errors(f"{tree} {deployment['metadata']['name']}",
+                                    container["args"], env)
+    assert errors == []
+
+
+def test_tiers_configmap_is_the_tiers_file(rendered) -> None:
+    configmap = by_name(rendered["base"], "ConfigMap", "pdserve-tiers")
+    assert configmap["data"]["tiers.toml"] == (DEPLOY / "tiers.toml").read_text()
+
+
+def test_gpu_overlay_requests_one_gpu_per_worker(rendered) -> None:
+    if "overlays/gpu" not in rendered:
+        pytest.skip("kubectl absent")
+    docs = rendered["overlays/gpu"]
+    for name in WORKERS:
+        (container,) = by_name(docs, "Deployment", name)["spec"]["template"]["spec"][
+            "containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert container["image"] == "pdserve:cuda"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PDSERVE_DEVICE"] == "cuda"
+        # The overlay replaces an env entry by index: it must still be the KV cache size.
+        assert env["PDSERVE_KV_CACHE_MB"] == "65536"
+        assert len(env) == len(container["env"])
+    (gateway,) = by_name(docs, "Deployment", "pdserve-gateway")["spec"]["template"]["spec"][
+        "containers"]
+    assert "nvidia.com/gpu" not in gateway["resources"].get("limits", {})
+
+
+def test_autoscalers_target_the_pools_on_an_exported_metric(rendered) -> None:
+    if "overlays/autoscale" not in rendered:
+        pytest.skip("kubectl absent")
+    hpas = [d for d in rendered["overlays/autoscale"] if d["kind"] == "HorizontalPodAutoscaler"]
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == set(WORKERS)
+    for hpa in hpas:
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["pods"]["metric"]["name"] in exported_metric_names()
+
+
+def test_external_redis_overlay_drops_the_in_cluster_redis(rendered) -> None:
+    if "overlays/external-redis" not in rendered:
+        pytest.skip("kubectl absent")
+    docs = rendered["overlays/external-redis"]
+    assert not [d for d in docs if d["metadata"]["name"] == "pdserve-redis"]
+    config = by_name(docs, "ConfigMap", "pdserve-config")
+    assert "pdserve-redis" not in config["data"]["PDSERVE_REDIS_URL"]
