@@ -45,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--kv-cache-mb", type=int, default=256,
                         help="memory for the paged KV cache in MiB (default: %(default)s)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
+                        help="on CUDA: size the KV cache to fill this fraction of the GPU's "
+                             "memory after weights and CUDA graphs (overrides --kv-cache-mb)")
     parser.set_defaults(func=run)
 
 
@@ -66,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
         return _fail(str(exc))
-    config = EngineConfig(dtype=getattr(torch, args.dtype), device=args.device)
+    try:
+        config = EngineConfig(dtype=getattr(torch, args.dtype), device=args.device,
+                              gpu_memory_fraction=args.gpu_memory_fraction)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         engine = build_engine(args.model, config, progress=_progress,
                               kv_cache_bytes=args.kv_cache_mb << 20)

@@ -138,7 +138,8 @@ class LLMEngine:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             prefill_chunk_tokens=config.prefill_chunk_tokens),
             self.kv_cache)
-        self.runner = ModelRunner(model, self.kv_storage, config.block_size)
+        self.runner = ModelRunner(model, self.kv_storage, config.block_size,
+                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -355,7 +356,20 @@ def build_engine(model: str, config: EngineConfig, progress=None,
     from engine.loader import load_model
 
     loaded = load_model(model, dtype=config.dtype, device=config.device, progress=progress)
-    if kv_cache_bytes is not None:
+    if config.gpu_memory_fraction is not None and str(config.device).startswith("cuda"):
+        from engine.cuda_graphs import DEFAULT_BATCH_SIZES
+        from engine.memory_plan import plan_for_model
+
+        graph_sizes = config.cuda_graph_batch_sizes
+        if graph_sizes is None:
+            graph_sizes = DEFAULT_BATCH_SIZES
+        plan = plan_for_model(loaded.model, config.block_size, config.dtype,
+                              config.gpu_memory_fraction, config.max_num_batched_tokens,
+                              max(graph_sizes, default=0))
+        if progress is not None:
+            progress(plan.report())
+        config = dataclasses.replace(config, num_kv_blocks=plan.num_kv_blocks)
+    elif kv_cache_bytes is not None:
         config = dataclasses.replace(config, num_kv_blocks=EngineConfig.blocks_for_bytes(
             loaded.config, kv_cache_bytes, config.block_size, config.dtype))
     return LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.tokenizer_source), config)
