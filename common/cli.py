@@ -15,6 +15,10 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "engine.generate_cli",
     "benchmarks.bench_cli",
+    "prefill_workers.cli",
+    "decode_workers.cli",
+    "gateway.cli",
+    "common.up_cli",
 )
 
 

@@ -1,0 +1,180 @@
+"""What the gateway adds: TTFT and CPU per relayed token, gateway vs the stub worker directly.
+
+One run, side by side: a stub decode worker (benchmarks/gateway_stub_worker.py) streams
+`--num-tokens` tokens per request, one frame per token, back to back or paced
+`--interval-ms` apart; the same streams are read
+
+    direct:   client ── DecodeRequest ──▶ stub            (first frame = first token)
+    gateway:  client ── /v1/completions stream ──▶ pdserve gateway ──▶ stub
+
+at 1, 16 and 100 concurrent streams. Reported: added TTFT p50/p99 (gateway minus direct),
+and the gateway process's CPU seconds (user + system, all threads, /proc/<pid>/stat) per
+1,000 relayed tokens. Every gateway stream is checked: exactly `num_tokens` events in
+order, then [DONE] (no event merged, dropped or reordered).
+
+    .venv/bin/python -m benchmarks.gateway_overhead [--rounds 3] [--num-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+from common.control_http import ControlClient
+from common.protocol import DecodeRequest, DecodeResponseFrame, SamplingSpec, TokenFrame
+from common.redis_server import RedisServer
+from gateway.sse import SseDecoder
+
+REPO = Path(__file__).resolve().parents[1]
+TIERS = "[tiers.standard]\nlocal_prefill_max_tokens = 1000000\n"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spawn(argv: list[str], marker: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = process.stdout.readline()
+    if marker not in line:
+        process.kill()
+        raise RuntimeError(f"{argv[0]} did not start: {line!r}")
+    return process, line.rsplit(" ", 1)[-1].strip()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def direct_stream(client: ControlClient, num_tokens: int) -> float:
+    started = time.perf_counter()
+    ttft = None
+    message = DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3],
+                            sampling=SamplingSpec(max_tokens=num_tokens), timeout_ms=60_000)
+    count = 0
+    async for frame in client.stream("/internal/decode", message, DecodeResponseFrame, 30, 30):
+        assert isinstance(frame, TokenFrame)
+        if ttft is None:
+            ttft = time.perf_counter() - started
+        count += len(frame.token_ids)
+    assert count == num_tokens, f"direct stream had {count} tokens"
+    return ttft
+
+
+async def gateway_stream(session: aiohttp.ClientSession, url: str, num_tokens: int) -> float:
+    body = {"model": "default", "prompt": "hi", "max_tokens": num_tokens, "stream": True}
+    started = time.perf_counter()
+    ttft = None
+    decoder, events = SseDecoder(), []
+    async with session.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for chunk in response.content.iter_any():
+            for event in decoder.feed(chunk):
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                events.append(event)
+    assert events[-1] == b"[DONE]", "stream did not end with [DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    # One event per token, each " word" in order (the stub's reply).
+    assert len(texts) == num_tokens, f"{len(texts)} events for {num_tokens} tokens"
+    assert all(t == " word" or (i == 0 and t == "word") for i, t in enumerate(texts)), texts[:5]
+    return ttft
+
+
+async def measure(url: str, stub_url: str, gateway_pid: int, concurrency: int, rounds: int,
+                  num_tokens: int) -> dict:
+    direct, via = [], []
+    cpu_s = 0.0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        client = ControlClient(stub_url, session=session)
+        await gateway_stream(session, url, num_tokens)  # warm the connection pools
+        await direct_stream(client, num_tokens)
+        for _ in range(rounds):
+            direct += await asyncio.gather(*(direct_stream(client, num_tokens)
+                                             for _ in range(concurrency)))
+            before = cpu_seconds(gateway_pid)
+            via += await asyncio.gather(*(gateway_stream(session, url, num_tokens)
+                                          for _ in range(concurrency)))
+            cpu_s += cpu_seconds(gateway_pid) - before
+    num_relayed = rounds * concurrency * num_tokens
+    return {"concurrency": concurrency,
+            "direct_p50_ms": 1000 * statistics.median(direct),
+            "gateway_p50_ms": 1000 * statistics.median(via),
+            "added_p50_ms": 1000 * (statistics.median(via) - statistics.median(direct)),
+            "added_p99_ms": 1000 * (percentile(via, 0.99) - percentile(direct, 0.99)),
+            "cpu_ms_per_1k_tokens": 1000 * cpu_s / num_relayed * 1000}
+
+
+def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace) -> list[dict]:
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
+                            "--namespace", namespace, "--num-tokens", str(args.num_tokens),
+                            "--token-interval-ms", str(interval_ms)], "listening on")
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as tiers:
+        tiers.write(TIERS)
+    gateway, url = spawn(["common.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+                          "--namespace", namespace, "--tiers", tiers.name,
+                          "--log-level", "warning"], "listening on")
+    try:
+        deadline = time.monotonic() + 20
+        while b'"ready": true' not in _get(url + "/ready"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("gateway not ready")
+            time.sleep(0.1)
+        return [asyncio.run(measure(url, stub_url, gateway.pid, c, args.rounds, args.num_tokens))
+                for c in args.concurrency]
+    finally:
+        for process in (gateway, stub):
+            process.terminate()
+            process.wait(10)
+        os.unlink(tiers.name)
+
+
+def _get(url: str) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.read()
+    except OSError:
+        return b""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--interval-ms", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
+    args = parser.parse_args()
+    print("| pacing | streams | direct TTFT p50 ms | gateway TTFT p50 ms | added p50 ms "
+          "| added p99 ms | gateway CPU ms / 1k tokens |")
+    print("|---|---|---|---|---|---|---|")
+    with RedisServer() as redis:
+        for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
+            for row in run_scenario(redis.url, interval, args):
+                print(f"| {label} | {row['concurrency']} | {row['direct_p50_ms']:.2f} | "
+                      f"{row['gateway_p50_ms']:.2f} | {row['added_p50_ms']:.2f} | "
+                      f"{row['added_p99_ms']:.2f} | {row['cpu_ms_per_1k_tokens']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

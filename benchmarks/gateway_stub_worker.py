@@ -1,0 +1,226 @@
+"""A stub prefill/decode worker speaking the control API, for gateway tests and benchmarks.
+
+It registers in Redis like a real worker (WorkerPublisher) and answers /internal/reserve,
+/internal/prefill, /internal/decode and /internal/abort with protocol messages, but it
+computes nothing: every request's output is the scripted `reply` (token id, text) list,
+one TokenFrame per token, paced `token_interval_s` apart (0: back to back).
+
+    prefill: PrefillResult(reply[0]) after prefill_delay_s, then TransferResult after
+             transfer_delay_s (FAILED when fail_transfer)
+    decode:  with first_token_id: checks it is reply[0], streams reply[1:]
+             without (local prefill): streams reply[0:]
+             last frame: finish_reason (length when max_tokens cut the reply) + usage
+
+`held` is what a real worker would hold KV for (reservations, prefills in flight, decodes);
+abort, a dropped stream or the end of a request removes the id and records when
+(time.monotonic, comparable across processes on one Linux host), so tests can check that
+the gateway frees everything, and how fast. Run standalone:
+    python -m benchmarks.gateway_stub_worker --redis-url URL --role decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from aiohttp import web
+
+from common.control_http import (ControlServer, RequestRejected, make_app, message_handler,
+                                 stream_handler)
+from common.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
+                             ErrorCode, FinishReason, PrefillRequest, PrefillResult,
+                             ReserveRequest, ReserveResponse, Role, TokenFrame, TransferResult,
+                             TransferStatus, Usage, WorkerInfo, WorkerLoad)
+from common.redis_state import RedisState, connect
+from common.worker_publisher import WorkerPublisher
+
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 4096
+
+
+class StubWorker:
+    def __init__(self, redis_url: str, role: Role, worker_id: str,
+                 reply: Sequence[tuple[int, str]], namespace: str = "pdserve",
+                 token_interval_s: float = 0.0, prefill_delay_s: float = 0.0,
+                 transfer_delay_s: float = 0.0, fail_transfer: bool = False,
+                 colocated: bool = False) -> None:
+        if not reply:
+            raise ValueError("the stub needs a reply of at least one token")
+        self.redis_url, self.role, self.worker_id = redis_url, role, worker_id
+        self.namespace = namespace
+        self.reply = list(reply)
+        self.token_interval_s = token_interval_s
+        self.prefill_delay_s = prefill_delay_s
+        self.transfer_delay_s = transfer_delay_s
+        self.fail_transfer = fail_transfer
+        self.colocated = colocated
+        self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
+        self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
+        self.aborts: list[str] = []
+        self.requests: list[str] = []  # "<kind>:<request id>" in arrival order
+        self.server: ControlServer | None = None
+        self.publisher: WorkerPublisher | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> str:
+        app = make_app(token=None)
+        app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self._reserve))
+        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, self._prefill))
+        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self._decode))
+        app.router.add_post("/internal/abort", message_handler(AbortRequest, self._abort))
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._health)
+        app.router.add_get("/internal/state", self._state)
+        self.server = ControlServer(app)
+        url = await self.server.start()
+        state = RedisState(connect(self.redis_url), namespace=self.namespace)
+        role = self.role
+        if self.colocated:
+            role = getattr(Role, "COLOCATED", Role.DECODE)
+        info = WorkerInfo(worker_id=self.worker_id, role=role, model="stub", control_url=url,
+                          kv_address="stub", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
+        self.publisher = WorkerPublisher(state, info, self._load)
+        await self.publisher.start()
+        return url
+
+    async def stop(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.stop()
+            await self.publisher.state.aclose()
+        if self.server is not None:
+            await self.server.stop()
+
+    def _load(self) -> WorkerLoad:
+        return WorkerLoad(worker_id=self.worker_id, epoch=0, num_running=len(self.held),
+                          num_kv_blocks_used=len(self.held), num_kv_blocks_total=NUM_KV_BLOCKS)
+
+    def _release(self, request_id: str) -> None:
+        if self.held.pop(request_id, None) is not None:
+            self.released_at[request_id] = time.monotonic()
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response({"held": self.held, "released_at": self.released_at,
+                                  "aborts": self.aborts, "requests": self.requests})
+
+    async def _reserve(self, message: ReserveRequest) -> ReserveResponse:
+        self.requests.append(f"reserve:{message.request_id}")
+        self.held[message.request_id] = "reserved"
+        num_blocks = math.ceil(len(message.prompt_token_ids) / BLOCK_SIZE)
+        destination = DecodeDestination(worker_id=self.worker_id, epoch=self.publisher.epoch,
+                                        kv_address="stub", block_ids=list(range(num_blocks)))
+        return ReserveResponse(request_id=message.request_id, destination=destination,
+                               block_size=BLOCK_SIZE)
+
+    async def _abort(self, message: AbortRequest) -> AbortResponse:
+        self.aborts.append(message.request_id)
+        found = message.request_id in self.held
+        self._release(message.request_id)
+        return AbortResponse(request_id=message.request_id, found=found)
+
+    async def _prefill(self, message: PrefillRequest) -> AsyncIterator[object]:
+        rid = message.request_id
+        self.requests.append(f"prefill:{rid}")
+        self.held[rid] = "prefilling"
+        try:
+            await asyncio.sleep(self.prefill_delay_s)
+            token_id, _ = self.reply[0]
+            finish = FinishReason.LENGTH if message.sampling.max_tokens == 1 else None
+            yield PrefillResult(request_id=rid, first_token_id=token_id,
+                                num_prompt_tokens=len(message.prompt_token_ids),
+                                num_cached_tokens=0, transfer_status=TransferStatus.PENDING,
+                                finish_reason=finish)
+            await asyncio.sleep(self.transfer_delay_s)
+            dest = message.destination
+            yield TransferResult(
+                request_id=rid, destination_worker_id=dest.worker_id if dest else self.worker_id,
+                destination_epoch=dest.epoch if dest else 0,
+                status=TransferStatus.FAILED if self.fail_transfer else TransferStatus.DONE,
+                error="stub transfer failure" if self.fail_transfer else None)
+        finally:
+            self._release(rid)
+
+    async def _decode(self, message: DecodeRequest) -> AsyncIterator[object]:
+        rid = message.request_id
+        self.requests.append(f"decode:{rid}")
+        if message.first_token_id is not None:
+            if self.held.get(rid) != "reserved":
+                raise RequestRejected(ErrorCode.UNKNOWN_REQUEST, f"no reservation for {rid}", rid)
+            if message.first_token_id != self.reply[0][0]:
+                raise RequestRejected(ErrorCode.BAD_REQUEST, "unexpected first token", rid)
+        self.held[rid] = "decoding"
+        num_total = min(len(self.reply), message.sampling.max_tokens)
+        start = 1 if message.first_token_id is not None else 0
+        try:
+            for i in range(start, num_total):
+                if self.token_interval_s:
+                    await asyncio.sleep(self.token_interval_s)
+                if rid not in self.held:  # aborted meanwhile
+                    yield TokenFrame(request_id=rid, token_ids=[], finish_reason=FinishReason.ABORT)
+                    return
+                token_id, text = self.reply[i]
+                last = i == num_total - 1
+                finish = None
+                if last:
+                    finish = FinishReason.LENGTH if num_total < len(self.reply) else FinishReason.STOP
+                yield TokenFrame(
+                    request_id=rid, token_ids=[token_id], text=text, finish_reason=finish,
+                    usage=Usage(num_prompt_tokens=len(message.prompt_token_ids),
+                                num_completion_tokens=num_total) if last else None)
+            if start >= num_total:  # the reply was all in the first token
+                yield TokenFrame(request_id=rid, token_ids=[], finish_reason=FinishReason.LENGTH,
+                                 usage=Usage(num_prompt_tokens=len(message.prompt_token_ids),
+                                             num_completion_tokens=num_total))
+        finally:
+            self._release(rid)
+
+
+def word_reply(tokenizer, text: str) -> list[tuple[int, str]]:
+    """(id, text) per token of `text`, using a tokenizer with encode/decode."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [(i, tokenizer.decode([i])) for i in ids]
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from gateway.model_files import read_model_info
+
+    _, tokenizer = read_model_info("default")
+    words = " ".join(["word"] * args.num_tokens)
+    stub = StubWorker(args.redis_url, Role(args.role), args.worker_id or
+                      f"stub-{args.role}-{os.getpid()}", word_reply(tokenizer, words),
+                      namespace=args.namespace, token_interval_s=args.token_interval_ms / 1000)
+    url = await stub.start()
+    print(f"stub worker listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await stub.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--role", default="decode", choices=["prefill", "decode"])
+    parser.add_argument("--worker-id")
+    parser.add_argument("--namespace", default="pdserve")
+    parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--token-interval-ms", type=float, default=0.0)
+    import uvloop
+
+    uvloop.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

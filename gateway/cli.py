@@ -1,0 +1,83 @@
+"""`pdserve gateway`: the OpenAI-compatible gateway in front of the worker pools.
+
+Every option can also be set as PDSERVE_<OPTION> (e.g. --redis-url ↔ PDSERVE_REDIS_URL);
+the command line wins. The environment is read when the parser is built, not at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+from common.control_http import INTERNAL_TOKEN_ENV
+
+
+def env_default(env: Mapping[str, str], option: str, default: str | None = None) -> str | None:
+    """The PDSERVE_<OPTION> value for `--option`, else `default`."""
+    return env.get("PDSERVE_" + option.lstrip("-").replace("-", "_").upper(), default)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    env = os.environ
+    p = subparsers.add_parser(
+        "gateway", help="run the OpenAI-compatible gateway",
+        description="Serve /v1/completions and /v1/chat/completions, routing each request "
+                    "to prefill/decode workers found in the Redis registry.")
+
+    def opt(name: str, default: str | None = None, **kwargs) -> None:
+        p.add_argument(name, default=env_default(env, name, default), **kwargs)
+
+    opt("--host", "127.0.0.1", help="address to bind (default 127.0.0.1)")
+    opt("--port", "8000", type=int, help="port to bind; 0 picks a free one (default 8000)")
+    opt("--redis-url", help="Redis holding the worker registry (required), "
+                            "e.g. redis://127.0.0.1:6379/0")
+    opt("--model-name", help="served model id (default: the model's name)")
+    opt("--tiers", help="TOML file with SLO tiers and API keys (default: built-in tiers)")
+    opt("--tokenizer-model", "default",
+        help='model path or "default" whose tokenizer and context length the gateway uses')
+    opt("--max-body-bytes", str(4 * 1024 * 1024), type=int, help="request body limit")
+    opt("--max-prompt-tokens", type=int, help="prompt length limit (default: context - 1)")
+    opt("--max-running", "1024", type=int, help="requests admitted at once, all tiers")
+    opt("--max-queued", "4096", type=int, help="requests queued for admission, all tiers")
+    opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
+    opt("--log-level", "info", help="debug | info | warning | error")
+    p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
+                   help=f"token for the workers' control API (default: ${INTERNAL_TOKEN_ENV})")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.redis_url:
+        print("pdserve gateway: --redis-url (or PDSERVE_REDIS_URL) is required, e.g. "
+              "redis://127.0.0.1:6379/0; `pdserve up` starts one for you", file=sys.stderr)
+        return 2
+    tiers_toml = None
+    if args.tiers:
+        try:
+            with open(args.tiers, encoding="utf-8") as f:
+                tiers_toml = f.read()
+        except OSError as exc:
+            print(f"pdserve gateway: cannot read --tiers file: {exc}", file=sys.stderr)
+            return 2
+    from gateway.main import GatewayConfig, run as run_gateway
+    from gateway.model_files import ModelFileError
+    from gateway.tiers import TierConfigError
+
+    config = GatewayConfig(
+        redis_url=args.redis_url, host=args.host, port=args.port,
+        tokenizer_model=args.tokenizer_model, model_name=args.model_name,
+        tiers_toml=tiers_toml, env=dict(os.environ), namespace=args.namespace,
+        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+        max_running=args.max_running, max_queued=args.max_queued,
+        internal_token=args.internal_token or None)
+    try:
+        run_gateway(config)
+    except (ModelFileError, TierConfigError, OSError) as exc:
+        print(f"pdserve gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0

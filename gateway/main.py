@@ -1,0 +1,143 @@
+"""`pdserve gateway` process: wiring only. Runs the OpenAI-compatible HTTP API on uvloop.
+
+    GatewayConfig ─▶ make_app(): model facts + tokenizer (no weights), tiers, admission gate,
+                     WorkerBackend ─▶ ClusterView (Redis registry/load polling, prefix-index
+                     mirror, purges) ─▶ the aiohttp app (gateway/http_api.py + ops_api.py)
+    serve(): AppRunner (client hang-up cancels its handler) → print the URL → wait for
+             SIGINT/SIGTERM → runner.cleanup() runs the cleanup_ctx below.
+
+Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
+session, the Redis client, the cluster view (its poll task and the mirror's task) start;
+on shutdown they stop in reverse order and every pending abort is awaited or cancelled,
+so no task outlives the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+from aiohttp import ClientSession, TCPConnector, web
+
+from common.prefix_index_mirror import PrefixIndexMirror
+from common.redis_state import RedisState, connect
+from gateway.admission import AdmissionController
+from gateway.admission_gate import AdmissionGate
+from gateway.cluster import ClusterView
+from gateway.http_api import ApiSettings, create_app
+from gateway.metrics import GatewayMetrics
+from gateway.model_files import read_model_info
+from gateway.ops_api import install
+from gateway.prompt_tokenizer import GatewayTokenizer
+from gateway.rate_limit import TokenRateLimiter
+from gateway.request_parsing import RequestLimits
+from gateway.tiers import load_tier_config
+from gateway.upstream import UpstreamTimeouts, WorkerBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer_model: str = "default"
+    model_name: str | None = None  # None: the model's own name
+    tiers_toml: str | None = None  # the tiers file's text
+    env: Mapping[str, str] | None = None  # where API keys named by the tiers file are read
+    namespace: str = "pdserve"
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int | None = None
+    max_running: int = 1024
+    max_queued: int = 4096
+    internal_token: str | None = None
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()
+
+
+BACKEND_KEY = web.AppKey("worker_backend", WorkerBackend)
+
+
+async def make_app(config: GatewayConfig) -> web.Application:
+    """The gateway app; call inside the running loop (the session binds to it)."""
+    info, engine_tokenizer = read_model_info(config.tokenizer_model)
+    tiers = load_tier_config(config.tiers_toml, config.env or {})
+    if tiers.is_open:
+        log.warning("no API keys configured: the API is open to anyone who can reach %s:%d",
+                    config.host, config.port)
+    names = [config.model_name or info.name]
+    names += [n for n in (info.name, config.tokenizer_model) if n not in names]
+    settings = ApiSettings(
+        served_models=tuple(names), created_at=int(time.time()),
+        limits=RequestLimits(max_model_len=info.max_model_len,
+                             max_prompt_tokens=config.max_prompt_tokens,
+                             vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes))
+    gate = AdmissionGate(
+        AdmissionController(tuple(tiers.tiers.values()), max_running_total=config.max_running,
+                            max_queued_total=config.max_queued, clock=time.monotonic),
+        TokenRateLimiter(time.monotonic))
+    tokenizer = GatewayTokenizer(engine_tokenizer)
+    metrics = GatewayMetrics()
+    state = RedisState(connect(config.redis_url), namespace=config.namespace)
+    cluster = ClusterView(state, PrefixIndexMirror(state), random.Random())
+    # No connection cap: every stream holds one upstream connection for its whole life.
+    session = ClientSession(connector=TCPConnector(limit=0))
+    backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
+                            internal_token=config.internal_token, timeouts=config.timeouts)
+    app = create_app(settings, tiers, backend, tokenizer, gate)
+    app[BACKEND_KEY] = backend
+    install(app, cluster, metrics)
+    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state))
+    return app
+
+
+def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
+                     state: RedisState) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await cluster.start()
+        try:
+            yield
+        finally:
+            await cluster.stop()
+            await backend.aclose()
+            await session.close()
+            await state.aclose()
+
+    return ctx
+
+
+async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = print) -> None:
+    """Run until SIGINT or SIGTERM; `on_listening` gets the bound URL (port 0 resolved)."""
+    app = await make_app(config)
+    # handler_cancellation: a client that hangs up cancels its handler at once, which is
+    # what aborts its request on the workers within milliseconds.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        shown = f"[{host}]" if ":" in host else host
+        on_listening(f"http://{shown}:{port}")
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def run(config: GatewayConfig) -> None:
+    import uvloop
+
+    uvloop.run(serve(config, on_listening=lambda url: print(f"pdserve gateway listening on {url}",
+                                                             flush=True)))

@@ -1,0 +1,103 @@
+"""The gateway's Prometheus metrics, rendered in the text exposition format (names `pdserve_`).
+
+    pdserve_gateway_ttft_seconds{tier}            histogram: backend start -> first token
+    pdserve_gateway_tpot_seconds{tier}            histogram: mean gap between later tokens
+    pdserve_gateway_requests_total{endpoint,status} counter: HTTP answers by status
+    pdserve_gateway_completions_total{tier,outcome} counter: finished / failed / aborted
+    pdserve_gateway_tokens_total{tier}            counter: tokens streamed to clients
+    pdserve_gateway_splice_mismatch_total         counter: worker usage disagreed with the
+                                                  tokens relayed (should stay 0)
+    pdserve_gateway_queue_depth{tier}, pdserve_gateway_running{tier}   gauges, read at scrape
+    pdserve_gateway_workers{role}                 gauge: routable workers
+    pdserve_gateway_redis_connected               gauge: 1 while registry polls succeed
+
+Recording is a few dict operations; nothing here does I/O. One instance per gateway
+(owned by the app), so tests get fresh counters.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.num = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.num += 1
+
+    def lines(self, name: str, labels: str) -> Iterable[str]:
+        cumulative = 0
+        sep = "," if labels else ""
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            yield f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cumulative}'
+        yield f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.num}'
+        yield f"{name}_sum{{{labels}}} {self.total}"
+        yield f"{name}_count{{{labels}}} {self.num}"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.ttft = defaultdict(lambda: Histogram(TTFT_BUCKETS_S))
+        self.tpot = defaultdict(lambda: Histogram(TPOT_BUCKETS_S))
+        self.requests: defaultdict[tuple[str, int], int] = defaultdict(int)
+        self.completions: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.tokens: defaultdict[str, int] = defaultdict(int)
+        self.num_splice_mismatches = 0
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] += 1
+
+    def observe_completion(self, tier: str, outcome: str, ttft_s: float | None,
+                           decode_s: float, num_tokens: int) -> None:
+        self.completions[(tier, outcome)] += 1
+        self.tokens[tier] += num_tokens
+        if ttft_s is not None:
+            self.ttft[tier].observe(ttft_s)
+        if num_tokens > 1:
+            self.tpot[tier].observe(decode_s / (num_tokens - 1))
+
+    def render(self, gauges: Callable[[], Iterable[tuple[str, str, str, float]]]) -> str:
+        """Prometheus text; `gauges` yields (name, help, labels, value) read at scrape time."""
+        out: list[str] = []
+        for name, help_text, kind, series in (
+                ("pdserve_gateway_ttft_seconds", "Time to first token (backend).", "histogram", self.ttft),
+                ("pdserve_gateway_tpot_seconds", "Mean time per output token after the first.",
+                 "histogram", self.tpot)):
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            for tier, hist in sorted(series.items()):
+                out += hist.lines(name, f'tier="{tier}"')
+        out += _counter("pdserve_gateway_requests_total", "HTTP answers by endpoint and status.",
+                        ((f'endpoint="{e}",status="{s}"', n) for (e, s), n in sorted(self.requests.items())))
+        out += _counter("pdserve_gateway_completions_total", "Generations by tier and outcome.",
+                        ((f'tier="{t}",outcome="{o}"', n) for (t, o), n in sorted(self.completions.items())))
+        out += _counter("pdserve_gateway_tokens_total", "Tokens streamed to clients.",
+                        ((f'tier="{t}"', n) for t, n in sorted(self.tokens.items())))
+        out += _counter("pdserve_gateway_splice_mismatch_total",
+                        "Generations whose worker usage disagreed with the tokens relayed.",
+                        (("", self.num_splice_mismatches),))
+        seen: set[str] = set()
+        for name, help_text, labels, value in gauges():
+            if name not in seen:
+                seen.add(name)
+                out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            out.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
+        return "\n".join(out) + "\n"
+
+
+def _counter(name: str, help_text: str, series: Iterable[tuple[str, int]]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+    lines += [f"{name}{{{labels}}} {n}" if labels else f"{name} {n}" for labels, n in series]
+    return lines

@@ -1,0 +1,147 @@
+"""Operator endpoints of the gateway: /health, /ready, /metrics, GET /admin/workers.
+
+    /health          200 while the process serves HTTP
+    /ready           200 once at least one decode (or colocated) worker is routable, else 503
+    /metrics         Prometheus text (gateway/metrics.py)
+    /admin/workers   {"workers": [{"id", "role", "pid", "epoch", "control_url", "state",
+                                   "load": {"num_running", "num_waiting", "kv_blocks_used",
+                                            "kv_blocks_total"}}]}
+                     state: "ready" | "draining" | "expired" (lease lapsed, not yet purged);
+                     needs an admin key when keys are configured (401/403 otherwise).
+
+`install(app, ...)` adds the routes and the outermost middleware that counts every answer
+by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from gateway.cluster import ClusterView, WorkerEntry, worker_role
+from gateway.errors import ApiError
+from gateway.http_api import GATE, TIERS, _bearer_key
+from gateway.metrics import GatewayMetrics
+from gateway.tiers import TierConfig, hash_key
+
+CLUSTER = web.AppKey("cluster", ClusterView)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+
+_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
+class WorkerLoadView(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+class WorkerRow(msgspec.Struct):
+    id: str
+    role: str | None
+    pid: int | None
+    epoch: int | None
+    control_url: str | None
+    state: str
+    load: WorkerLoadView | None
+
+
+class WorkerList(msgspec.Struct):
+    workers: list[WorkerRow]
+
+
+def install(app: web.Application, cluster: ClusterView, metrics: GatewayMetrics) -> None:
+    app[CLUSTER], app[METRICS] = cluster, metrics
+    app.middlewares.insert(0, count_middleware)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/ready", handle_ready)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/admin/workers", handle_admin_workers)
+
+
+@web.middleware
+async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    path = request.path if request.path in _COUNTED_PATHS else "other"
+    request.app[METRICS].observe_request(path, response.status)
+    return response
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    num_decode = cluster.num_decode_workers()
+    body = {"ready": num_decode > 0, "decode_workers": num_decode,
+            "redis_connected": cluster.redis_connected}
+    return web.json_response(body, status=200 if num_decode > 0 else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    app = request.app
+    text = app[METRICS].render(lambda: _gauges(app))
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def _gauges(app: web.Application):
+    controller = app[GATE].controller
+    for tier in sorted(app[TIERS].tiers):
+        yield ("pdserve_gateway_queue_depth", "Requests waiting for admission.",
+               f'tier="{tier}"', controller.num_queued_in(tier))
+        yield ("pdserve_gateway_running", "Requests admitted and not finished.",
+               f'tier="{tier}"', controller.num_running_in(tier))
+    cluster = app[CLUSTER]
+    counts: dict[str, int] = {}
+    for info in cluster.workers.values():
+        if not info.draining:
+            role = worker_role(info).value
+            counts[role] = counts.get(role, 0) + 1
+    for role in ("prefill", "decode", "colocated"):
+        yield ("pdserve_gateway_workers", "Routable workers by role.", f'role="{role}"',
+               counts.get(role, 0))
+    yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
+           int(cluster.redis_connected))
+
+
+async def handle_admin_workers(request: web.Request) -> web.Response:
+    _require_admin(request, request.app[TIERS])
+    rows = [_row(entry) for entry in request.app[CLUSTER].entries()]
+    return web.Response(body=msgspec.json.encode(WorkerList(workers=rows)),
+                        content_type="application/json")
+
+
+def _require_admin(request: web.Request, tiers: TierConfig) -> None:
+    if tiers.is_open:
+        return
+    key = _bearer_key(request)
+    if not key:
+        raise ApiError(401, "You didn't provide an API key (Authorization: Bearer <key>).",
+                       code="missing_api_key")
+    grant = tiers.keys.get(hash_key(key))
+    if grant is None:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    if not grant.is_admin:
+        raise ApiError(403, "This API key may not call /admin endpoints.", code="not_admin")
+
+
+def _row(entry: WorkerEntry) -> WorkerRow:
+    info, load = entry.info, entry.load
+    state = "expired" if info is None else "draining" if info.draining else "ready"
+    return WorkerRow(
+        id=entry.worker_id, role=worker_role(info).value if info else None,
+        pid=_pid_from_id(entry.worker_id), epoch=info.epoch if info else None,
+        control_url=info.control_url if info else None, state=state,
+        load=WorkerLoadView(num_running=load.num_running, num_waiting=load.num_waiting,
+                            kv_blocks_used=load.num_kv_blocks_used,
+                            kv_blocks_total=load.num_kv_blocks_total) if load else None)
+
+
+def _pid_from_id(worker_id: str) -> int | None:
+    # Default worker ids end in the process id (role-hostname-pid); custom ids may not.
+    tail = worker_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+

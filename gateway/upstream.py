@@ -1,0 +1,351 @@
+"""The real `CompletionBackend`: plans a route and runs the prefill → decode handoff.
+
+Long prompt (a prefill worker P and a decode worker D):
+
+    gateway                          D                               P
+      │── ReserveRequest ───────────▶│ holds blocks (timeout_ms)
+      │◀─ ReserveResponse(dest) ─────│
+      │── PrefillRequest(dest) ──────────────────────────────────────▶│ prefill, sample t1
+      │◀─ PrefillResult(t1) ──────────────────────────────────────────│
+      │ yield t1 to the client at once (stream-first)
+      │── DecodeRequest(t1, epoch) ─▶│ waits for the KV      ◀══ KV ══│ push
+      │◀─ TransferResult ─────────────────────────────────────────────│ (watched by a task)
+      │◀─ TokenFrame t2.. ───────────│ ... last frame: finish_reason + usage
+
+Short prompt (tier threshold) or no prefill worker: one DecodeRequest without a first
+token; D prefills it and its first frame carries t1.
+
+Exactly once at the splice: t1 comes only from PrefillResult (its text made here by
+`GatewayTokenizer.first_token_text`, as the engine makes it); D never re-sends t1, so the
+client sees t1, t2, ... tn, and the relayed count must equal D's `usage`
+(`num_completion_tokens`); a mismatch is counted in pdserve_gateway_splice_mismatch_total.
+
+Failure of any leg (error frame, deadline, transport, failed transfer) or a client that
+goes away (the generator is closed or its task cancelled): /internal/abort goes to every
+worker the request touched, and the open streams are dropped (D treats a dropped decode
+stream as an abort too). Aborts are sent from tasks this backend owns, so a cancelled
+handler cannot stop them half-way; `aclose()` cancels what is left at shutdown. Before
+the first token a failure is `BackendUnavailable` (HTTP 503); after it the same exception
+becomes an in-band SSE error event (gateway/http_api.py).
+
+Invariant: a generation that did not end with a finish_reason from its decode worker
+has sent an abort to every worker in its `legs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession
+
+from common.control_http import ControlClient, ControlError, RemoteError
+from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
+                             ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
+                             PrefillResult, ReserveRequest, ReserveResponse, SamplingSpec,
+                             TokenFrame, TokenLogprob as WireLogprob, TransferResult,
+                             TransferStatus)
+from engine.kv_cache import block_hashes
+from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
+from gateway.cluster import ClusterView
+from gateway.metrics import GatewayMetrics
+from gateway.prompt_tokenizer import GatewayTokenizer
+from gateway.router import NoWorkers
+from gateway.tiers import TierConfig
+
+log = logging.getLogger(__name__)
+
+# What a failing worker call looks like from here; anything else is a bug and propagates.
+UPSTREAM_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    reserve_s: float = 5.0  # answer to /internal/reserve
+    first_token_s: float = 120.0  # PrefillResult, or D's first frame (a long CPU prefill)
+    frame_s: float = 60.0  # between two frames of a running stream
+    reservation_ms: int = 120_000  # D holds the blocks this long for the KV + DecodeRequest
+    request_ms: int = 600_000  # the budget sent to workers with each request
+    abort_s: float = 2.0
+
+
+class Handoff:
+    """One generation's upstream state: which workers it touched, how the KV move went."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.legs: dict[str, ControlClient] = {}  # worker id -> client: abort these on failure
+        self.transfer_error: str | None = None
+
+
+class WorkerBackend:
+    def __init__(self, cluster: ClusterView, tokenizer: GatewayTokenizer, session: ClientSession,
+                 tiers: TierConfig, metrics: GatewayMetrics, internal_token: str | None = None,
+                 timeouts: UpstreamTimeouts = UpstreamTimeouts()) -> None:
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.session = session
+        self.tiers = tiers
+        self.metrics = metrics
+        self.internal_token = internal_token
+        self.timeouts = timeouts
+        self.num_aborts_sent = 0
+        self._clients: dict[str, ControlClient] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        """Let pending aborts finish (bounded), then cancel what is left."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.timeouts.abort_s)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        return self._generate(request)
+
+    # ---------------------------------------------------------------- one generation
+
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        started = time.perf_counter()
+        first_at: float | None = None
+        num_tokens, outcome = 0, "aborted"
+        handoff = Handoff(request.request_id)
+        try:
+            plan = self.cluster.plan(len(request.prompt_token_ids),
+                                     block_hashes(request.prompt_token_ids, self.cluster.block_size),
+                                     request.local_prefill)
+            if isinstance(plan, NoWorkers):
+                outcome = "unavailable"
+                raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
+            if plan.prefill_worker_id is None:
+                deltas = self._local_prefill(request, plan.decode_worker_id, handoff)
+            else:
+                deltas = self._disaggregated(request, plan.prefill_worker_id,
+                                             plan.decode_worker_id, handoff)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                    num_tokens += delta.num_tokens
+                    if delta.finish_reason is not None:
+                        outcome = "finished"
+                    yield delta
+        except BackendUnavailable:
+            outcome = "failed" if outcome != "unavailable" else outcome
+            raise
+        finally:
+            if outcome != "finished":
+                self._abort_legs(handoff)
+            self.metrics.observe_completion(
+                request.tier, outcome, None if first_at is None else first_at - started,
+                0.0 if first_at is None else time.perf_counter() - first_at, num_tokens)
+
+    async def _local_prefill(self, request: GenerationRequest, decode_id: str,
+                             handoff: Handoff) -> AsyncGenerator[TokenDelta, None]:
+        decoder = self._client(decode_id, handoff)
+        message = DecodeRequest(
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+            sampling=SamplingSpec.from_params(request.sampling),
+            priority=self._priority(request), timeout_ms=self.timeouts.request_ms)
+        frames = decoder.stream("/internal/decode", message, DecodeResponseFrame,
+                                self.timeouts.first_token_s, self.timeouts.frame_s)
+        async with contextlib.aclosing(frames):
+            async for delta in self._relay(frames, handoff, num_tokens_before=0,
+                                           worker_id=decode_id):
+                yield delta
+
+    async def _disaggregated(self, request: GenerationRequest, prefill_id: str, decode_id: str,
+                             handoff: Handoff) -> AsyncGenerator[TokenDelta, None]:
+        t = self.timeouts
+        prompt = list(request.prompt_token_ids)
+        decoder = self._client(decode_id, handoff)
+        try:
+            reserved: ReserveResponse = await decoder.call(
+                "/internal/reserve", ReserveRequest(
+                    request_id=request.request_id, prompt_token_ids=prompt,
+                    max_tokens=request.sampling.max_tokens, timeout_ms=t.reservation_ms),
+                ReserveResponse, t.reserve_s)
+        except UPSTREAM_FAILURES as exc:
+            raise _unavailable(f"decode worker {decode_id} could not reserve KV blocks", exc)
+        spec = SamplingSpec.from_params(request.sampling)
+        priority = self._priority(request)
+        prefiller = self._client(prefill_id, handoff)
+        prefill_frames = prefiller.stream(
+            "/internal/prefill", PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=prompt, sampling=spec,
+                priority=priority, timeout_ms=t.request_ms, destination=reserved.destination),
+            PrefillResponseFrame, t.first_token_s, t.first_token_s)
+        watcher: asyncio.Task[None] | None = None
+        next_frame: asyncio.Task[object] | None = None
+        decode_frames: AsyncGenerator[object, None] | None = None
+        try:
+            try:
+                first = await anext(prefill_frames)
+            except (StopAsyncIteration, *UPSTREAM_FAILURES) as exc:
+                raise _unavailable(f"prefill worker {prefill_id} failed", exc)
+            if not isinstance(first, PrefillResult):
+                raise BackendUnavailable(f"prefill worker {prefill_id} sent {type(first).__name__} "
+                                         "before the first token")
+            finished = first.finish_reason is not None
+            text = self.tokenizer.first_token_text(prompt, first.first_token_id,
+                                                   request.sampling, finished)
+            first_delta = TokenDelta(
+                text=text, num_tokens=1,
+                finish_reason=_finish_reason(first.finish_reason) if finished else None,
+                logprobs=self._logprobs([first.first_logprob]) if first.first_logprob else None)
+            if finished:
+                # Nothing to decode: free the reservation on D now rather than at its timeout.
+                self._abort_legs(handoff)
+                yield first_delta
+                return
+            decode_frames = decoder.stream(
+                "/internal/decode", DecodeRequest(
+                    request_id=request.request_id, prompt_token_ids=prompt, sampling=spec,
+                    priority=priority, timeout_ms=t.request_ms,
+                    first_token_id=first.first_token_id, first_logprob=first.first_logprob,
+                    epoch=reserved.destination.epoch),
+                DecodeResponseFrame, t.first_token_s, t.frame_s)
+            # Sent now, while token 1 is written to the client: D's wait for the KV starts
+            # at once instead of after the client write.
+            next_frame = asyncio.create_task(anext(decode_frames))
+            watcher = asyncio.create_task(self._watch_transfer(prefill_frames, handoff, decode_id))
+            yield first_delta
+            frame_task, next_frame = next_frame, None
+            async with contextlib.aclosing(_prepend(frame_task, decode_frames)) as frames:
+                async for delta in self._relay(frames, handoff, num_tokens_before=1,
+                                               worker_id=decode_id):
+                    yield delta
+        finally:
+            for task in (next_frame, watcher):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            if decode_frames is not None:
+                await decode_frames.aclose()
+            if watcher is None:  # else the watcher owned (and closed) the prefill stream
+                await prefill_frames.aclose()
+
+    async def _relay(self, frames: AsyncIterator[object], handoff: Handoff,
+                     num_tokens_before: int, worker_id: str) -> AsyncGenerator[TokenDelta, None]:
+        """D's frames as deltas; checks the splice count against D's usage at the end."""
+        num_tokens = num_tokens_before
+        try:
+            async for frame in frames:
+                assert isinstance(frame, TokenFrame)  # ErrorFrames raise in ControlClient
+                if frame.finish_reason is FinishReason.ABORT:
+                    raise BackendUnavailable(self._failure_text(handoff, "the request was aborted"))
+                num_tokens += len(frame.token_ids)
+                finish = _finish_reason(frame.finish_reason)
+                if finish is not None and frame.usage is not None \
+                        and frame.usage.num_completion_tokens != num_tokens:
+                    self.metrics.num_splice_mismatches += 1
+                    log.error("%s: relayed %d tokens, decode worker %s counted %d",
+                              handoff.request_id, num_tokens, worker_id,
+                              frame.usage.num_completion_tokens)
+                if not frame.token_ids and finish is None:
+                    continue
+                yield TokenDelta(text=frame.text, num_tokens=len(frame.token_ids),
+                                 finish_reason=finish,
+                                 logprobs=self._logprobs(frame.logprobs) if frame.logprobs else None)
+                if finish is not None:
+                    return
+        except UPSTREAM_FAILURES as exc:
+            raise _unavailable(self._failure_text(handoff, f"decode worker {worker_id} failed"), exc)
+        raise BackendUnavailable(f"decode worker {worker_id} ended the stream without finishing")
+
+    async def _watch_transfer(self, prefill_frames: AsyncGenerator[object, None],
+                              handoff: Handoff, decode_id: str) -> None:
+        """Reads P's TransferResult; a failed move aborts D so the client hears at once."""
+        error: str | None = None
+        try:
+            async with contextlib.aclosing(prefill_frames):
+                async for frame in prefill_frames:
+                    if isinstance(frame, TransferResult):
+                        if frame.status is TransferStatus.FAILED:
+                            error = frame.error or "KV transfer failed"
+                        return
+                error = "prefill worker ended its stream before the KV transfer finished"
+        except UPSTREAM_FAILURES as exc:
+            error = f"KV transfer: {exc}"
+        finally:
+            if error is not None:
+                handoff.transfer_error = error
+                log.warning("%s: %s; aborting on %s", handoff.request_id, error, decode_id)
+                self._abort_legs(handoff)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _client(self, worker_id: str, handoff: Handoff) -> ControlClient:
+        info = self.cluster.workers.get(worker_id)
+        if info is None:
+            raise BackendUnavailable(f"worker {worker_id} left the cluster", retry_after_s=1)
+        client = self._clients.get(info.control_url)
+        if client is None:
+            client = ControlClient(info.control_url, self.internal_token, self.session)
+            self._clients[info.control_url] = client
+        handoff.legs[worker_id] = client
+        return client
+
+    def _priority(self, request: GenerationRequest) -> int:
+        # Tiers: smaller number = more important; the protocol: larger runs first.
+        tier = self.tiers.tiers.get(request.tier)
+        return -tier.priority if tier is not None else 0
+
+    def _abort_legs(self, handoff: Handoff) -> None:
+        legs, handoff.legs = handoff.legs, {}
+        for worker_id, client in legs.items():
+            task = asyncio.get_running_loop().create_task(
+                self._send_abort(client, worker_id, handoff.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _send_abort(self, client: ControlClient, worker_id: str, request_id: str) -> None:
+        self.num_aborts_sent += 1
+        try:
+            await client.call("/internal/abort", AbortRequest(request_id=request_id,
+                                                              reason="gateway"),
+                              AbortResponse, self.timeouts.abort_s)
+        except UPSTREAM_FAILURES as exc:
+            # The worker's own deadlines free the request when it cannot hear us.
+            log.warning("abort of %s on %s failed: %s", request_id, worker_id, exc)
+
+    def _logprobs(self, wire: list[WireLogprob | None]) -> tuple[TokenLogprob, ...]:
+        text = self.tokenizer.token_text
+        return tuple(TokenLogprob(token=text(lp.token_id), logprob=lp.logprob,
+                                  top=tuple((text(t), v) for t, v in lp.top))
+                     for lp in wire if lp is not None)
+
+    @staticmethod
+    def _failure_text(handoff: Handoff, fallback: str) -> str:
+        return f"KV transfer failed: {handoff.transfer_error}" if handoff.transfer_error else fallback
+
+
+async def _prepend(first: asyncio.Task[object],
+                   rest: AsyncGenerator[object, None]) -> AsyncGenerator[object, None]:
+    try:
+        yield await first
+    except StopAsyncIteration:
+        return
+    async for item in rest:
+        yield item
+
+
+def _finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None or reason is FinishReason.ABORT:
+        return None
+    return reason.value
+
+
+def _unavailable(what: str, exc: BaseException) -> BackendUnavailable:
+    retry = None
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, RemoteError):
+        detail = exc.frame.message
+        if exc.frame.code is ErrorCode.OVERLOADED or exc.frame.retryable:
+            retry = 1.0
+    return BackendUnavailable(f"{what}: {detail}", retry_after_s=retry)

@@ -1,0 +1,150 @@
+"""A real `pdserve gateway` process in front of stub workers (benchmarks/gateway_stub_worker.py).
+
+The stubs run in-process on their own event loop thread, so tests can change their
+behaviour between requests and read what they hold; the gateway is a real subprocess
+found through the real Redis registry. Tiers used by the tests (the API is open, so the
+`x-pdserve-tier` header picks one):
+
+    standard     local_prefill_max_tokens = 0     every prompt is handed off P -> D
+    interactive  local_prefill_max_tokens = 10**6 every prompt is prefilled on D
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+from benchmarks.gateway_stub_worker import StubWorker, word_reply
+from common.protocol import Role
+from gateway.model_files import read_model_info
+
+REPO = Path(__file__).resolve().parents[2]
+TIERS_TOML = """
+[tiers.standard]
+local_prefill_max_tokens = 0
+[tiers.interactive]
+local_prefill_max_tokens = 1000000
+"""
+REPLY_TEXT = " The quick brown fox jumps over the lazy dog again and again"
+
+
+class LoopThread:
+    """An event loop on a daemon thread; `run` executes a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@dataclass
+class GatewayCluster:
+    url: str
+    prefill: StubWorker
+    decode: StubWorker
+    reply: list[tuple[int, str]]
+    process: subprocess.Popen
+    loop: LoopThread
+
+    @property
+    def reply_text(self) -> str:
+        return "".join(text for _, text in self.reply)
+
+    def wait_released(self, timeout_s: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.prefill.held or self.decode.held:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still held: prefill {self.prefill.held}, "
+                                     f"decode {self.decode.held}")
+            time.sleep(0.005)
+
+
+def start_gateway(redis_url: str, namespace: str, tiers_file: Path,
+                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+         "--namespace", namespace, "--tiers", str(tiers_file), "--log-level", "warning", *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = process.stdout.readline()  # the process prints its URL once it listens
+    if "listening on" not in line:
+        process.kill()
+        raise RuntimeError(f"gateway did not start: {line!r}")
+    return process, line.rsplit(" ", 1)[-1].strip()
+
+
+def wait_ready(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url}/ready did not answer 200 within {timeout_s} s")
+
+
+def launch(redis_url: str, tmp_dir: Path) -> GatewayCluster:
+    namespace = f"gwtest-{uuid.uuid4().hex[:8]}"
+    _, tokenizer = read_model_info("default")
+    reply = word_reply(tokenizer, REPLY_TEXT)
+    loop = LoopThread()
+    prefill = StubWorker(redis_url, Role.PREFILL, f"stub-p-{namespace}", reply, namespace=namespace)
+    decode = StubWorker(redis_url, Role.DECODE, f"stub-d-{namespace}", reply, namespace=namespace)
+    loop.run(prefill.start())
+    loop.run(decode.start())
+    tiers_file = tmp_dir / "tiers.toml"
+    tiers_file.write_text(TIERS_TOML)
+    process, url = start_gateway(redis_url, namespace, tiers_file)
+    wait_ready(url)
+    # /ready needs one decode worker; wait for the prefill worker too.
+    deadline = time.monotonic() + 10
+    while len(httpx.get(url + "/admin/workers").json()["workers"]) < 2:
+        assert time.monotonic() < deadline, "the gateway did not see both stub workers"
+        time.sleep(0.05)
+    return GatewayCluster(url, prefill, decode, reply, process, loop)
+
+
+def shutdown(cluster: GatewayCluster) -> int:
+    cluster.process.terminate()
+    try:
+        code = cluster.process.wait(10)
+    except subprocess.TimeoutExpired:
+        cluster.process.kill()
+        code = cluster.process.wait(5)
+    cluster.process.stdout.close()
+    cluster.loop.run(cluster.prefill.stop())
+    cluster.loop.run(cluster.decode.stop())
+    cluster.loop.close()
+    return code
+
+
+def sse_events(lines) -> list[Any]:
+    """The JSON payloads of an SSE stream's `data:` lines, "[DONE]" as the string."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -1,0 +1,100 @@
+"""Runs `pdserve up` as a real subprocess for the tests and reads its URL from its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class UpProcess:
+    def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "up", "--port", "0", "--threads-per-worker", "1",
+             "--log-dir", str(log_dir), "--log-level", "warning", *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._found = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._found.wait(start_timeout_s) or self.url is None:
+            self.stop()
+            raise RuntimeError("pdserve up did not come up:\n" + self.output)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("pdserve is up: "):
+                self.url = line.split()[3]
+                self._found.set()
+        self._found.set()  # the process ended
+
+    def get_json(self, url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+
+    def workers(self) -> list[dict]:
+        return self.get_json(f"{self.url}/admin/workers")["workers"]
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait(10)
+        self._reader.join(5)
+        return code
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if pid_alive(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def child_pids(parent_pid: int) -> list[int]:
+    """Direct children of `parent_pid`, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(") ", 1)[1].split()[1]) == parent_pid:
+            pids.append(int(entry.name))
+    return pids
