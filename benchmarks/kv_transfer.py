@@ -1,0 +1,246 @@
+"""KV-transfer throughput between two processes: this backend vs the raw paths under it.
+
+For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head dim 128,
+16-token blocks, bf16: 32 KiB per block per layer for K and again for V), it reports GB/s
+(median of --repeats) of:
+  ucx      this backend over UCX (announce + every layer + receiver confirmation)
+  tcp      this backend over TCP
+  raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
+  raw_tcp  a uvloop TCP stream into a preallocated buffer (BufferedProtocol)
+  copy     one copy in one process (numpy on CPU, device-to-device torch copy on CUDA)
+Destination blocks are fragmented into runs of --run-blocks (what a paged cache looks like).
+
+    python -m benchmarks.kv_transfer --device cpu
+    python -m benchmarks.kv_transfer --device cuda --max-mib 1024   # cuda_ipc on one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+LAYOUT = dict(dtype="bfloat16", num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
+BLOCK_LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K and V of one block in one layer
+
+
+def _sizes(max_mib: int) -> list[tuple[int, int]]:
+    """(num_layers, num_blocks) per size: 1 MiB uses 16 layers of 1 block, then 32 layers."""
+    out, mib = [(16, 1)], 2
+    while mib <= max_mib:
+        if mib >= 16:
+            out.append((32, mib // 2))
+        mib *= 4 if mib >= 16 else 8
+    return out
+
+
+def _storage(num_blocks: int, device: str, seed: int | None):
+    import torch
+    from engine.kv_storage import KVLayout, KVStorage
+    storage = KVStorage(KVLayout(num_blocks=num_blocks, **LAYOUT), device)
+    if seed is not None:  # the receiver's pool is touched by KVStorage's zeros()
+        storage.kv.view(torch.int16).random_()
+    return storage
+
+
+def _flat(num_bytes: int, device: str):
+    import torch
+    t = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    return t if device == "cuda" else t.numpy()
+
+
+def _filled(num_bytes: int, device: str):
+    buffer = _flat(num_bytes, device)
+    buffer[:] = 1  # first touch here, not inside the timed copy
+    return buffer
+
+
+async def _pipe_recv(conn) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+
+def receiver_main(mode: str, device: str, num_blocks: int, transports: str | None, conn):
+    import uvloop
+    uvloop.run(_receiver_loop(mode, device, num_blocks, transports, conn))
+
+
+async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
+    if mode in ("ucx", "tcp"):
+        from kv_transfer.backend import make_receiver
+        worker = None
+        if mode == "ucx":
+            from kv_transfer.ucx import UcxWorker
+            worker = UcxWorker(transports=transports)
+        receiver = await make_receiver(_storage(num_blocks, device, None), mode,
+                                       ucx_worker=worker)
+        conn.send(receiver.address)
+        while (job := await _pipe_recv(conn)) is not None:
+            handle = receiver.expect(job["request_id"], job["dst"], range(job["layers"]),
+                                     lambda ids: None, 60.0)
+            conn.send("ready")
+            await handle.wait()
+        await receiver.close()
+    elif mode == "raw_ucx":
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+        from kv_transfer.ucx import UcxWorker
+        worker = UcxWorker(transports=transports)
+        conn.send(worker.address_bytes)
+        tag, buffer = 1, None
+        while (num_bytes := await _pipe_recv(conn)) is not None:
+            if buffer is None:  # one buffer, touched once: page faults are not the path
+                buffer = _filled(num_bytes, device)
+            request = worker.ctx.worker.tag_recv(Array(buffer), Tag(tag))
+            conn.send("ready")
+            await request.wait()
+            tag += 1
+    else:  # raw_tcp
+        loop = asyncio.get_running_loop()
+        state: dict[str, Any] = {}
+
+        class Sink(asyncio.BufferedProtocol):
+            def get_buffer(self, sizehint):
+                if "view" not in state or state["pos"] == len(state["view"]):
+                    return memoryview(bytearray(1))  # nothing expected: nothing arrives
+                return state["view"][state["pos"]:]
+
+            def buffer_updated(self, nbytes):
+                state["pos"] += nbytes
+                if state["pos"] == len(state["view"]):
+                    state["done"].set_result(None)
+
+        server = await loop.create_server(Sink, "127.0.0.1", 0)
+        conn.send(server.sockets[0].getsockname()[1])
+        sink = None
+        while (num_bytes := await _pipe_recv(conn)) is not None:
+            sink = sink if sink is not None else memoryview(_filled(num_bytes, "cpu"))
+            state.update(view=sink, pos=0, done=loop.create_future())
+            conn.send("ready")
+            await state["done"]
+            conn.send("done")
+        server.close()
+
+
+async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, args) -> float:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    pool_blocks = 2 * num_blocks + 8
+    proc = ctx.Process(target=receiver_main, args=(mode, device, pool_blocks,
+                                                   args.transports, child))
+    proc.start()
+    address = await _pipe_recv(parent)
+    num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
+    times = []
+    try:
+        if mode in ("ucx", "tcp"):
+            from kv_transfer.backend import make_sender
+            from kv_transfer.interface import TransferSpec
+            worker = None
+            if mode == "ucx":
+                from kv_transfer.ucx import UcxWorker
+                worker = UcxWorker(transports=args.transports)
+            sender = make_sender(_storage(pool_blocks, device, 0), mode, ucx_worker=worker)
+            runs = [list(range(s, s + args.run_blocks))
+                    for s in range(num_blocks, 2 * num_blocks, args.run_blocks)]
+            for i in range(args.warmup + args.repeats):
+                random.shuffle(runs)
+                dst = [b for run in runs for b in run][:num_blocks]
+                parent.send(dict(request_id=f"r{i}", dst=dst, layers=num_layers))
+                await _pipe_recv(parent)
+                started = time.perf_counter()
+                spec = TransferSpec(request_id=f"r{i}", src_block_ids=list(range(num_blocks)),
+                                    dst_block_ids=dst, layer_begin=0, layer_end=num_layers)
+                handle = await sender.start(address, spec, 60.0)
+                for layer in range(num_layers):
+                    handle.send_layer(layer)
+                await handle.finish()
+                times.append(time.perf_counter() - started)
+            await sender.close()
+        elif mode == "raw_ucx":
+            from kv_transfer.ucx import UcxWorker
+            worker = UcxWorker(transports=args.transports)
+            endpoint = await worker.endpoint_to(address)
+            src = _filled(num_bytes, device)
+            for i in range(args.warmup + args.repeats):
+                parent.send(num_bytes)
+                await _pipe_recv(parent)
+                started = time.perf_counter()
+                await endpoint.send(src, tag=i + 1, force_tag=True)
+                times.append(time.perf_counter() - started)
+            endpoint.abort(period=10**8)
+        else:
+            _, writer = await asyncio.open_connection("127.0.0.1", address)
+            src = memoryview(_filled(num_bytes, "cpu"))
+            for i in range(args.warmup + args.repeats):
+                parent.send(num_bytes)
+                await _pipe_recv(parent)
+                started = time.perf_counter()
+                writer.write(src)
+                await writer.drain()
+                await _pipe_recv(parent)
+                times.append(time.perf_counter() - started)
+            writer.close()
+        parent.send(None)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return num_bytes / statistics.median(times[args.warmup:]) / 1e9
+
+
+def _copy_gbps(num_bytes: int, device: str, args) -> float:
+    import numpy as np
+    import torch
+    src, dst = _filled(num_bytes, device), _filled(num_bytes, device)
+    times = []
+    for _ in range(args.warmup + args.repeats):
+        started = time.perf_counter()
+        if device == "cuda":
+            dst.copy_(src)
+            torch.cuda.synchronize()
+        else:
+            np.copyto(dst, src)
+        times.append(time.perf_counter() - started)
+    return num_bytes / statistics.median(times[args.warmup:]) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--modes", default=None,
+                        help="comma list of ucx,tcp,raw_ucx,raw_tcp,copy (default: all that "
+                             "apply to the device)")
+    parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
+    parser.add_argument("--run-blocks", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    default = "ucx,raw_ucx,copy" if args.device == "cuda" else "ucx,tcp,raw_ucx,raw_tcp,copy"
+    modes = (args.modes or default).split(",")
+    rows = []
+    print(f"{'size':>9} " + " ".join(f"{m:>8}" for m in modes) + "   (GB/s)")
+    for num_layers, num_blocks in _sizes(args.max_mib):
+        num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
+        row = {"bytes": num_bytes}
+        for mode in modes:
+            row[mode] = (_copy_gbps(num_bytes, args.device, args) if mode == "copy" else
+                         asyncio.run(_measure(mode, args.device, num_layers, num_blocks, args)))
+        rows.append(row)
+        print(f"{num_bytes / 2**20:>7.0f}Mi " + " ".join(f"{row[m]:>8.2f}" for m in modes),
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Engine outputs -> protocol frames: token frames, logprobs, finish reasons, usage.
+
+Pure functions shared by the prefill and decode workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.protocol import ErrorCode, ErrorFrame, FinishReason, TokenFrame, TokenLogprob, Usage
+from engine.llm_engine import RequestOutput
+from engine.sampler import TokenLogprobs
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def to_token_logprob(logprobs: TokenLogprobs | None) -> TokenLogprob | None:
+    if logprobs is None:
+        return None
+    return TokenLogprob(logprobs.token_id, logprobs.logprob,
+                        list(zip(logprobs.top_token_ids, logprobs.top_logprobs)))
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """The protocol reason; "error" has none (it is reported as an ErrorFrame)."""
+    return None if reason is None else _FINISH.get(reason)
+
+
+def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
+                  ) -> TokenFrame | ErrorFrame:
+    """One frame for the outputs of one request that are ready now (in order).
+
+    The last output decides the end: a finish carries usage; an engine error becomes an
+    ErrorFrame (the tokens before it were already delivered or are dropped with it).
+    """
+    token_ids: list[int] = []
+    text: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    wants_logprobs = False
+    for out in outputs:
+        token_ids.extend(out.new_token_ids)
+        text.append(out.new_text)
+        for lp in out.logprobs:
+            converted = to_token_logprob(lp)
+            if converted is not None:
+                wants_logprobs = True
+                logprobs.append(converted)
+    last = outputs[-1]
+    if last.finish_reason == "error":
+        return ErrorFrame(request_id=request_id, code=ErrorCode.INTERNAL,
+                          message="the engine could not run this request (prompt too long "
+                                  "for the KV pool?)")
+    usage = None
+    if last.finish_reason is not None:
+        usage = Usage(num_prompt_tokens=last.num_prompt_tokens,
+                      num_completion_tokens=last.num_output_tokens,
+                      num_cached_tokens=last.num_cached_tokens)
+    return TokenFrame(request_id=request_id, token_ids=token_ids, text="".join(text),
+                      logprobs=logprobs if wants_logprobs else None,
+                      finish_reason=finish_reason(last.finish_reason), usage=usage)

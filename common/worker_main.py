@@ -1,0 +1,65 @@
+"""Process entry shared by both worker kinds: logging, threads, the event loop, exit codes.
+
+`run_worker(args, kind, build_role)` validates the options, sets torch's thread count,
+then runs `WorkerRuntime.serve` on uvloop (when installed). Heavy imports happen here, at
+run time, so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def run_worker(args: argparse.Namespace, kind: str,
+               build_role: Callable[[Any, Any], Any]) -> int:
+    """`build_role(options, runtime)` returns the RoleWorker; returns the exit code."""
+    from common.worker_options import options_from_args
+
+    try:
+        options = options_from_args(args, kind)
+    except ValueError as exc:
+        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=options.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {options.worker_id} %(levelname)s %(name)s: "
+                               f"%(message)s")
+    import torch
+
+    torch.set_num_threads(options.threads)
+    try:
+        import uvloop
+        runner: Callable[[Any], Any] = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(_serve(options, build_role))
+    except Exception as exc:  # a clear line for the launcher, the traceback in the log
+        logging.getLogger(__name__).exception("worker failed")
+        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(options: Any, build_role: Callable[[Any, Any], Any]) -> int:
+    import torch
+
+    from common.protocol import Role
+    from common.worker_runtime import WorkerRuntime
+    from engine.llm_engine import EngineConfig, build_engine
+
+    role = Role.PREFILL if options.role == "prefill" else Role.DECODE
+    runtime = WorkerRuntime(options.worker_id, role, options.model, options.device,
+                            options.host, options.port, options.internal_token,
+                            options.redis_url, options.namespace, options.drain_timeout_s)
+    config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
+                          max_num_batched_tokens=options.max_num_batched_tokens,
+                          dtype=getattr(torch, options.dtype), device=options.device)
+
+    def load() -> Any:
+        return build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+
+    return await runtime.serve(build_role(options, runtime), load)

@@ -1,0 +1,92 @@
+"""The Prometheus metrics every worker exports on GET /metrics (names prefixed pdserve_).
+
+Engine-side figures (queue lengths, batch sizes, KV usage, step times, throughput) are
+updated from each `StepReport` of the engine thread; handoff figures (KV bytes and seconds
+transferred, handoff failures by reason) by the prefill and decode workers themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from common.metrics import MetricsRegistry
+from engine.engine_thread import StepReport
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+THROUGHPUT_WINDOW_S = 5.0
+
+
+class WorkerMetrics:
+    def __init__(self, registry: MetricsRegistry) -> None:
+        self.registry = registry
+        self.num_waiting = registry.gauge("pdserve_queue_waiting_requests",
+                                          "requests waiting for their first step")
+        self.num_running = registry.gauge("pdserve_running_requests",
+                                          "requests in the running batch")
+        self.batch_size = registry.histogram("pdserve_batch_size",
+                                             "requests that produced a token per step",
+                                             BATCH_BUCKETS)
+        self.step_seconds = registry.histogram("pdserve_step_seconds", "engine step time")
+        self.kv_blocks_used = registry.gauge("pdserve_kv_blocks_used",
+                                             "KV blocks referenced by requests/reservations")
+        self.kv_blocks_total = registry.gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
+        self.kv_usage = registry.gauge("pdserve_kv_usage_ratio", "used / total KV blocks")
+        self.prefix_hit_tokens = registry.counter(
+            "pdserve_prefix_cache_hit_tokens_total", "prompt tokens served from a prefix cache")
+        self.prompt_tokens = registry.counter("pdserve_prompt_tokens_total",
+                                              "prompt tokens of requests started here")
+        self.generated_tokens = registry.counter("pdserve_generated_tokens_total",
+                                                 "tokens sampled by this worker")
+        self.kv_transfer_bytes = registry.counter(
+            "pdserve_kv_transfer_bytes_total", "KV bytes moved by completed transfers",
+            ("direction",))
+        self.kv_transfer_blocks = registry.counter(
+            "pdserve_kv_transfer_blocks_total", "KV blocks moved by completed transfers",
+            ("direction",))
+        self.kv_transfer_seconds = registry.histogram(
+            "pdserve_kv_transfer_seconds", "duration of completed KV transfers",
+            label_names=("direction",))
+        self.handoff_failures = registry.counter(
+            "pdserve_handoff_failures_total", "handoffs that ended in an error", ("reason",))
+        self.requests = registry.counter("pdserve_requests_total", "requests ended, by outcome",
+                                         ("outcome",))
+        self.reservations = registry.gauge("pdserve_reservations_held",
+                                           "reservations waiting for KV or their decode request")
+        self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode tokens)
+
+    def on_step(self, report: StepReport) -> None:
+        stats = report.stats
+        self.num_waiting.set(stats.num_waiting)
+        self.num_running.set(stats.num_running)
+        self.kv_blocks_used.set(stats.num_used_blocks)
+        self.kv_blocks_total.set(stats.num_blocks)
+        self.kv_usage.set(stats.num_used_blocks / max(1, stats.num_blocks))
+        if report.step_s <= 0.0:
+            return  # a command, not a step
+        self.step_seconds.observe(report.step_s)
+        if report.outputs:
+            self.batch_size.observe(len(report.outputs))
+        prefill_tokens = decode_tokens = 0
+        for out in report.outputs:
+            self.generated_tokens.inc(len(out.new_token_ids))
+            if out.num_output_tokens == 1 and out.new_token_ids:  # the prompt's first token
+                prefill_tokens += out.num_prompt_tokens - out.num_cached_tokens
+            else:
+                decode_tokens += len(out.new_token_ids)
+        now = time.monotonic()
+        self._window.append((now, prefill_tokens, decode_tokens))
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
+    def tokens_per_s(self) -> tuple[float, float]:
+        """(prefill, decode) tokens per second over the last few seconds."""
+        if not self._window:
+            return 0.0, 0.0
+        span = max(time.monotonic() - self._window[0][0], 1.0)
+        return (sum(p for _, p, _ in self._window) / span,
+                sum(d for _, _, d in self._window) / span)
+
+    def record_started(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_hit_tokens.inc(num_cached_tokens)

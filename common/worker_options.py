@@ -1,0 +1,120 @@
+"""Command-line options shared by `pdserve prefill-worker` and `pdserve decode-worker`.
+
+Every option can also come from the environment as PDSERVE_<OPTION_IN_UPPER_SNAKE>
+(--redis-url <-> PDSERVE_REDIS_URL); the command line wins. The environment is read when
+the parser is built (at run time), never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+TRANSPORTS = ("auto", "ucx", "tcp")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def env_name(option: str) -> str:
+    return "PDSERVE_" + option.lstrip("-").replace("-", "_").upper()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    role: str  # "prefill" | "decode" | "colocated"
+    model: str
+    redis_url: str
+    host: str
+    port: int
+    worker_id: str
+    device: str
+    dtype: str
+    threads: int
+    kv_cache_mb: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_transport: str
+    namespace: str
+    log_level: str
+    drain_timeout_s: float
+    internal_token: str | None
+    fault_transfer_delay_ms: int = 0
+    fault_request_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0 or self.fault_transfer_delay_ms < 0:
+            raise ValueError("--drain-timeout-s and --fault-transfer-delay-ms must be >= 0")
+
+
+def add_worker_options(parser: argparse.ArgumentParser, kind: str,
+                       env: Mapping[str, str] | None = None) -> None:
+    """Register the options of a worker of `kind` ("prefill" or "decode")."""
+    env = os.environ if env is None else env
+
+    def add(option: str, default, help_text: str, secret: bool = False, **kwargs) -> None:
+        default = env.get(env_name(option), default)
+        shown = "" if secret else "; default: %(default)s"  # never print a secret in --help
+        parser.add_argument(option, default=default,
+                            help=f"{help_text} [env {env_name(option)}{shown}]", **kwargs)
+
+    add("--model", "default", "model directory, .gguf file, or 'default'")
+    add("--redis-url", None, "Redis URL of the routing state (required), e.g. "
+        "redis://127.0.0.1:6379/0")
+    add("--host", "127.0.0.1", "address of the control HTTP server (a non-loopback address "
+        "needs PDSERVE_INTERNAL_TOKEN)")
+    add("--port", 0, "control HTTP port; 0 picks a free one", type=int)
+    add("--worker-id", None, "registry id (default: ROLE-HOSTNAME-PID)")
+    add("--device", "cpu", "cpu, cuda or cuda:N")
+    add("--dtype", "float32", "weights and KV-cache precision", choices=DTYPES)
+    add("--threads", max(1, (os.cpu_count() or 2) // 2), "torch CPU threads", type=int)
+    add("--kv-cache-mb", 256, "memory for the paged KV cache in MiB", type=int)
+    add("--block-size", 16, "tokens per KV block", type=int)
+    add("--max-num-seqs", 64, "most requests in one batch", type=int)
+    add("--max-num-batched-tokens", 512, "most tokens in one step (prefill chunk budget)",
+        type=int)
+    add("--kv-transport", "auto", "KV transfer backend (auto: ucx when importable, else tcp)",
+        choices=TRANSPORTS)
+    add("--namespace", "pdserve", "Redis key namespace")
+    add("--log-level", "info", "logging level", choices=LOG_LEVELS)
+    add("--drain-timeout-s", 30.0, "on SIGTERM, how long in-flight requests may finish",
+        type=float)
+    add("--internal-token", None, "shared token for the control API (prefer the "
+        "PDSERVE_INTERNAL_TOKEN environment variable)", secret=True)
+    if kind == "decode":
+        add("--role", "decode", "decode: receives KV from prefill workers; colocated: "
+            "prefills every request locally", choices=("decode", "colocated"))
+    if kind == "prefill":
+        add("--fault-transfer-delay-ms", 0, "fault injection for tests: sleep this long "
+            "before sending each layer's KV (0: off)", type=int)
+        add("--fault-request-prefix", "", "fault injection for tests: delay only requests "
+            "whose id starts with this")
+
+
+def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
+    """Validate parsed arguments; raises ValueError with a message for the user."""
+    if not args.redis_url:
+        raise ValueError(f"--redis-url (or {env_name('--redis-url')}) is required: workers "
+                         "find each other only through the Redis registry")
+    role = getattr(args, "role", kind)
+    worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    return WorkerOptions(
+        role=role, model=args.model, redis_url=args.redis_url, host=args.host,
+        port=int(args.port), worker_id=worker_id, device=args.device, dtype=args.dtype,
+        threads=int(args.threads), kv_cache_mb=int(args.kv_cache_mb),
+        block_size=int(args.block_size), max_num_seqs=int(args.max_num_seqs),
+        max_num_batched_tokens=int(args.max_num_batched_tokens),
+        kv_transport=args.kv_transport, namespace=args.namespace, log_level=args.log_level,
+        drain_timeout_s=float(args.drain_timeout_s),
+        internal_token=args.internal_token or None,
+        fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),
+        fault_request_prefix=getattr(args, "fault_request_prefix", ""))

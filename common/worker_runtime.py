@@ -1,0 +1,211 @@
+"""What every worker process runs around its role: control server, engine thread, registry.
+
+A role (prefill_workers.worker.PrefillWorker, decode_workers.worker.DecodeWorker) adds its
+/internal/* routes and plugs in through the `RoleWorker` protocol; this module owns the
+rest of the process:
+
+Lifecycle of a worker process:
+
+    start control server (GET /health = 200, /ready = 503)
+      -> load the model (in a thread), start the engine thread, role.attach()
+      -> register in Redis (new epoch), /ready = 200                           SERVING
+      -> SIGTERM/SIGINT: mark draining in the registry (route nothing new),    DRAINING
+         wait until role.num_in_flight == 0 (<= drain_timeout_s)
+      -> role.close(), stop the engine thread, deregister, stop the server      STOPPED
+
+Invariants: every background task (publisher, role tasks) is stopped before the loop ends;
+/ready answers 200 only while registered and not draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from common.control_http import ControlServer, make_app
+from common.metrics import MetricsRegistry
+from common.protocol import Role, WorkerInfo, WorkerLoad
+from common.redis_state import RedisState, connect
+from common.worker_metrics import WorkerMetrics
+from common.worker_publisher import WorkerPublisher
+from engine.block_pool import CacheEventKind
+from engine.engine_thread import EngineStats, EngineThread, StepReport, engine_stats
+
+log = logging.getLogger(__name__)
+
+
+class RoleWorker(Protocol):
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def kv_address(self) -> str | None: ...
+    def add_routes(self, app: web.Application) -> None: ...
+    async def attach(self, engine_thread: EngineThread) -> None: ...
+    def state(self) -> dict[str, Any]: ...
+    def check_invariants(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class WorkerRuntime:
+    def __init__(self, worker_id: str, role: Role, model_name: str, device: str,
+                 host: str, port: int, token: str | None, redis_url: str, namespace: str,
+                 drain_timeout_s: float) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.model_name = model_name
+        self.device = device
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.drain_timeout_s = drain_timeout_s
+        self.registry = MetricsRegistry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.app = make_app(token)
+        self.server = ControlServer(self.app, host, port, token)
+        self.engine_thread: EngineThread | None = None
+        self.publisher: WorkerPublisher | None = None
+        self.ready = False
+        self.draining = False
+        self._worker: RoleWorker | None = None
+        self._stop = asyncio.Event()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/ready", self._ready)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/internal/state", self._state)
+
+    @property
+    def epoch(self) -> int:
+        return self.publisher.epoch if self.publisher is not None else 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def serve(self, worker: RoleWorker, load_engine: Callable[[], Any],
+                    on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> int:
+        """Run the whole process lifecycle; returns the exit code."""
+        self._worker = worker
+        worker.add_routes(self.app)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._stop.set)
+        url = await self.server.start()
+        log.info("%s control server on %s; loading the model", self.worker_id, url)
+        try:
+            engine = await asyncio.to_thread(load_engine)
+            self.engine_thread = EngineThread(engine, loop, self._on_step)
+            self.engine_thread.start()
+            await worker.attach(self.engine_thread)
+            await self._register(engine, url, worker.kv_address)
+            self.ready = True
+            log.info("%s ready (epoch %d) on %s", self.worker_id, self.epoch, url)
+            if on_ready is not None:
+                result = on_ready(url)
+                if result is not None:
+                    await result
+            await self._stop.wait()
+            await self._drain(worker)
+            return 0
+        finally:
+            await self._shutdown(worker)
+
+    async def _register(self, engine: Any, url: str, kv_address: str | None) -> None:
+        info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
+                          control_url=url, kv_address=kv_address, device=self.device,
+                          num_kv_blocks=engine.kv_cache.num_blocks,
+                          block_size=engine.config.block_size,
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens)
+        state = RedisState(connect(self.redis_url), self.namespace)
+        self.publisher = WorkerPublisher(state, info, self._load)
+        # Redis may be starting too: registration retries until this deadline.
+        await self.publisher.start(timeout_s=30.0)
+
+    async def _drain(self, worker: RoleWorker) -> None:
+        self.draining = True
+        self.ready = False
+        if self.publisher is not None:
+            await self.publisher.set_draining()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout_s
+        while worker.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if worker.num_in_flight:
+            log.warning("%s: %d requests still in flight after the %.1f s drain timeout",
+                        self.worker_id, worker.num_in_flight, self.drain_timeout_s)
+
+    async def _shutdown(self, worker: RoleWorker) -> None:
+        self.ready = False
+        await worker.close()
+        if self.engine_thread is not None:
+            await self.engine_thread.stop()
+        if self.publisher is not None:
+            await self.publisher.stop(deregister=True)
+            await self.publisher.state.aclose()
+        await self.server.stop()
+
+    # ---------------------------------------------------------------- engine feedback
+
+    def _on_step(self, report: StepReport) -> None:
+        self.metrics.on_step(report)
+        if self.publisher is None or not report.cache_events:
+            return
+        # Keep the order of events: a hash may be evicted and inserted again in one step.
+        for event in report.cache_events:
+            if event.kind is CacheEventKind.INSERTED:
+                self.publisher.record_inserted((event.block_hash,))
+            else:
+                self.publisher.record_evicted((event.block_hash,))
+
+    def _load(self) -> WorkerLoad:
+        stats = self.engine_thread.stats if self.engine_thread is not None else None
+        prefill_tps, decode_tps = self.metrics.tokens_per_s()
+        return WorkerLoad(worker_id=self.worker_id, epoch=self.epoch,
+                          num_running=stats.num_running if stats else 0,
+                          num_waiting=stats.num_waiting if stats else 0,
+                          num_kv_blocks_used=stats.num_used_blocks if stats else 0,
+                          num_kv_blocks_total=stats.num_blocks if stats else 0,
+                          prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps)
+
+    # ---------------------------------------------------------------- HTTP
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive", "worker_id": self.worker_id})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ok = self.ready and self.engine_thread is not None and self.engine_thread.is_alive
+        return web.json_response({"ready": ok, "epoch": self.epoch}, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.registry.render(),
+                            headers={"Content-Type": self.registry.content_type})
+
+    async def _state(self, request: web.Request) -> web.Response:
+        body: dict[str, Any] = {"worker_id": self.worker_id, "role": self.role.value,
+                                "epoch": self.epoch, "ready": self.ready,
+                                "draining": self.draining}
+        if self.engine_thread is not None:
+            body["invariant_error"] = await self._check_invariants()
+            body.update(dataclasses.asdict(self.engine_thread.stats))
+        if self._worker is not None:
+            body.update(self._worker.state())
+        if self.publisher is not None:
+            body["redis_connected"] = self.publisher.connected
+        return web.json_response(body)
+
+    async def _check_invariants(self) -> str | None:
+        assert self.engine_thread is not None and self._worker is not None
+        try:
+            # Engine invariants on the engine thread; the fresh stats come back with them.
+            self.engine_thread.stats = await self.engine_thread.call(_checked_stats, 5.0)
+            self._worker.check_invariants()
+        except AssertionError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _checked_stats(engine: Any) -> EngineStats:
+    engine.check_invariants()
+    return engine_stats(engine)

@@ -1,0 +1,22 @@
+"""Wiring of one decode worker process: options -> KV receiver factory -> DecodeWorker.
+
+Runs (per process): a control HTTP server, one engine thread, one KV receiver (a TCP
+control server on the worker's host, port 0, plus the UCX or TCP data plane), and the
+registry publisher. See decode_workers/worker.py for the request lifecycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from decode_workers.worker import DecodeWorker
+
+
+def build_role(options: Any, runtime: Any) -> DecodeWorker:
+    async def make_receiver(storage: Any) -> Any:
+        from kv_transfer.backend import make_receiver as make
+        return await make(storage, options.kv_transport, host=options.host,
+                          token=options.internal_token or "")
+
+    return DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
+                        epoch=lambda: runtime.epoch, colocated=options.role == "colocated")

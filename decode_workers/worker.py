@@ -1,0 +1,358 @@
+"""Decode worker: reserve -> receive KV -> join the decode batch -> stream tokens.
+
+Handles POST /internal/reserve, /internal/decode and /internal/abort (common/protocol.py
+messages over common/control_http.py). The engine runs in its own thread (EngineThread).
+
+The handoff as this worker sees it (disaggregated request):
+
+    gateway                         decode worker                       prefill worker
+    ReserveRequest ───────────────▶ engine.reserve(prompt)
+                                    receiver.expect(rid, blocks, deadline)
+                   ◀─────────────── ReserveResponse(destination)
+                                                                  ◀──── PrefillRequest(dest)
+    DecodeRequest(first_token) ───▶ wait for the KV (deadline)   ◀════ KV layers (kv_transfer)
+                                    add_decode_request (blocks move to the request)
+                   ◀─────────────── TokenFrame(tokens 2..n) ... finish + usage
+
+Short prompts (DecodeRequest without first_token_id) skip the reservation: the request is
+prefilled here and its first frame carries the first token.
+
+Failure paths (each frees every block it holds, exactly once; see reservations.py):
+  * transfer fails or stalls -> the receiver aborts it by its deadline, waits until no
+    byte can land, then calls our release -> engine.release_reservation; a waiting
+    DecodeRequest gets TRANSFER_FAILED;
+  * no DecodeRequest by the reservation deadline -> released (the gateway died);
+  * AbortRequest or a client hang-up -> transfer cancelled and reservation released, or
+    the running request aborted in the engine;
+  * DecodeRequest.timeout_ms passes -> DEADLINE_EXCEEDED and the request is aborted.
+
+Lifecycle of this object: constructed (routes answer OVERLOADED) -> attach() (receiver
+started) -> serving -> close() (reservations released, tasks cancelled, receiver closed).
+Invariants: see reservations.py; every task this worker starts is in `_tasks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from common.control_http import message_handler, stream_handler
+from common.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
+                             ErrorCode, ErrorFrame, Message, ReserveRequest, ReserveResponse,
+                             TokenFrame)
+from common.worker_frames import merge_outputs
+from common.worker_metrics import WorkerMetrics
+from decode_workers.reservations import (EndReason, Reservation, ReservationState,
+                                         ReservationTable, blocks_to_receive)
+from engine.engine_thread import EngineThread, StreamEnd
+from engine.request import RequestMode
+from kv_transfer.errors import KVTransferError
+from kv_transfer.interface import TransferState
+
+log = logging.getLogger(__name__)
+
+_END_CODES = {EndReason.TRANSFER_FAILED: ErrorCode.TRANSFER_FAILED,
+              EndReason.EXPIRED: ErrorCode.DEADLINE_EXCEEDED,
+              EndReason.ABORTED: ErrorCode.ABORTED, EndReason.SHUTDOWN: ErrorCode.ABORTED}
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, metrics: WorkerMetrics, make_receiver: Callable[..., Any],
+                 epoch: Callable[[], int], colocated: bool = False) -> None:
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.colocated = colocated  # colocated: no reservations, every prompt prefilled here
+        self._make_receiver = make_receiver  # async (KVStorage) -> KVReceiver
+        self._epoch = epoch
+        self.table = ReservationTable()
+        self.engine: EngineThread | None = None
+        self.receiver: Any = None
+        self.draining = False
+        self._streams: set[str] = set()  # request ids with an open /internal/decode stream
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- RoleWorker
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + len(self.table)
+
+    @property
+    def kv_address(self) -> str | None:
+        return None if self.receiver is None else self.receiver.address
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self.reserve))
+        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self.decode))
+        app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
+
+    async def attach(self, engine: EngineThread) -> None:
+        self.engine = engine
+        if not self.colocated:
+            self.receiver = await self._make_receiver(engine.engine.kv_storage)
+
+    def state(self) -> dict[str, Any]:
+        return {"num_reservations": len(self.table), "num_streams": len(self._streams),
+                "reservations": [r.request_id for r in self.table.live()],
+                "streams": sorted(self._streams), "num_tasks": len(self._tasks)}
+
+    def check_invariants(self) -> None:
+        self.table.check_invariants()
+        if self.receiver is not None and hasattr(self.receiver, "check_invariants"):
+            self.receiver.check_invariants()
+
+    async def close(self) -> None:
+        self.draining = True
+        for reservation in self.table.live():
+            await self._drop(reservation, EndReason.SHUTDOWN, "worker shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        if self.receiver is not None:
+            await self.receiver.close()
+
+    # ---------------------------------------------------------------- reserve
+
+    async def reserve(self, request: ReserveRequest) -> Message:
+        rid = request.request_id
+        if self.engine is None or self.receiver is None or self.draining:
+            return _error(rid, ErrorCode.OVERLOADED, "not accepting reservations "
+                          "(loading, draining or colocated)", retryable=True)
+        if rid in self.table or rid in self._streams:
+            return _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
+        try:
+            held = await self.engine.call(lambda e: e.reserve(rid, request.prompt_token_ids))
+        except ValueError as exc:
+            return _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+        if held is None:
+            return _error(rid, ErrorCode.OVERLOADED, "not enough free KV blocks", retryable=True)
+        engine = self.engine.engine
+        block_size = engine.config.block_size
+        num_held, num_receive = blocks_to_receive(len(request.prompt_token_ids), block_size,
+                                                  held.num_cached_tokens)
+        loop = asyncio.get_running_loop()
+        timeout_s = request.timeout_ms / 1000
+        reservation = Reservation(rid, list(request.prompt_token_ids), list(held.block_ids),
+                                  num_held, num_receive, loop.time() + timeout_s)
+        self.table.add(reservation)
+        if num_receive:
+            # expect() must precede the sender's announcement: do it before answering.
+            reservation.handle = self.receiver.expect(
+                rid, reservation.receive_block_ids, range(engine.model_config.num_layers),
+                lambda _ids, r=reservation: self._on_transfer_failed(r), timeout_s)
+            self._spawn(self._watch_transfer(reservation))
+        reservation.timer = loop.call_at(reservation.deadline, self._on_deadline, reservation)
+        self.metrics.reservations.set(len(self.table))
+        destination = DecodeDestination(worker_id=self.worker_id, epoch=self._epoch(),
+                                        kv_address=self.receiver.address,
+                                        block_ids=list(held.block_ids),
+                                        num_prefix_blocks_held=num_held)
+        return ReserveResponse(request_id=rid, destination=destination, block_size=block_size)
+
+    async def _watch_transfer(self, reservation: Reservation) -> None:
+        """Mark LANDED as soon as the KV is in (and count its bytes); failures are
+        reported through the receiver's release callback."""
+        try:
+            await reservation.handle.wait()
+        except KVTransferError:
+            return
+        if reservation.state is ReservationState.RECEIVING:
+            self.table.mark_landed(reservation.request_id)
+        layout = self.engine.engine.kv_storage.layout
+        num_bytes = reservation.num_receive_blocks * layout.num_layers * 2 * layout.block_bytes
+        self.metrics.kv_transfer_bytes.inc(num_bytes, direction="received")
+        self.metrics.kv_transfer_blocks.inc(reservation.num_receive_blocks, direction="received")
+
+    def _on_transfer_failed(self, reservation: Reservation) -> None:
+        # Called by the receiver exactly once, after no byte of the transfer can land.
+        if reservation.state is not ReservationState.RELEASED:
+            self.metrics.handoff_failures.inc(reason="transfer_failed")
+        self._release(reservation, EndReason.TRANSFER_FAILED, "KV transfer failed")
+
+    def _on_deadline(self, reservation: Reservation) -> None:
+        reservation.timer = None
+        if reservation.attached or reservation.state not in (ReservationState.RECEIVING,
+                                                              ReservationState.LANDED):
+            return  # a DecodeRequest owns it now (its own waits are bounded), or it ended
+        self.metrics.handoff_failures.inc(reason="reservation_expired")
+        self._spawn(self._drop(reservation, EndReason.EXPIRED,
+                               "no decode request joined before the reservation deadline"))
+
+    async def _drop(self, reservation: Reservation, reason: EndReason, detail: str) -> None:
+        """Free a reservation that will not be joined, waiting until no byte can land."""
+        handle = reservation.handle
+        if handle is not None and handle.state is not TransferState.DONE:
+            reservation.end_reason = reservation.end_reason or reason
+            await handle.cancel(detail)  # its release callback frees the blocks
+        self._release(reservation, reason, detail)
+
+    def _release(self, reservation: Reservation, reason: EndReason, detail: str) -> None:
+        if self.table.release(reservation.request_id, reason, detail):
+            rid = reservation.request_id
+            self.engine.submit(lambda e: e.release_reservation(rid))
+            self.metrics.reservations.set(len(self.table))
+
+    # ---------------------------------------------------------------- decode
+
+    async def decode(self, request: DecodeRequest) -> AsyncIterator[Message]:
+        rid = request.request_id
+        if self.engine is None or (self.draining and request.is_local_prefill):
+            yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
+            return
+        if rid in self._streams:
+            yield _error(rid, ErrorCode.BAD_REQUEST, "request id already streaming")
+            return
+        try:
+            params = request.sampling.to_params()
+        except ValueError as exc:
+            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        self._streams.add(rid)
+        stream = self.engine.open_stream(rid)
+        in_engine = finished = False
+        reservation: Reservation | None = None
+        try:
+            if request.is_local_prefill:
+                await self.engine.call(lambda e: e.add_request(
+                    rid, request.prompt_token_ids, params, request.priority,
+                    RequestMode.PREFILL_AND_DECODE))
+                in_engine = True
+            else:
+                error = self._check_joinable(request, self.table.get(rid))
+                if error is not None:
+                    yield error
+                    return
+                reservation = self.table.get(rid)  # from here this stream owns its fate
+                reservation.attached = True
+                error = await self._wait_for_kv(reservation, deadline - loop.time())
+                if error is not None:
+                    yield error
+                    return
+                self.table.join(rid)
+                self.metrics.reservations.set(len(self.table))
+                in_engine = True  # from here the engine request owns the blocks
+                await self.engine.call(lambda e: e.add_decode_request(
+                    rid, request.prompt_token_ids, params, request.first_token_id,
+                    request.priority))
+            async for frame in self._frames(rid, stream, deadline):
+                # Only a normal finish leaves nothing behind in the engine.
+                finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
+                yield frame
+        except ValueError as exc:  # the engine refused the request (bad prompt, id in use)
+            finished = True
+            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+        finally:
+            self._streams.discard(rid)
+            self.engine.close_stream(rid)
+            if in_engine and not finished:
+                self.engine.submit(lambda e: e.abort_request(rid))
+            elif reservation is not None and reservation.state in (
+                    ReservationState.RECEIVING, ReservationState.LANDED):
+                self._spawn(self._drop(reservation, EndReason.ABORTED, "decode stream closed"))
+
+    def _check_joinable(self, request: DecodeRequest,
+                        reservation: Reservation | None) -> ErrorFrame | None:
+        rid = request.request_id
+        if reservation is None:
+            ended = self.table.tombstone(rid)
+            if ended is not None:
+                return _error(rid, _END_CODES[ended[0]], f"reservation ended: {ended[1]}")
+            return _error(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation for this request")
+        if request.epoch is not None and request.epoch != self._epoch():
+            return _error(rid, ErrorCode.STALE_EPOCH, f"reservation epoch {request.epoch} is "
+                          f"not this worker's epoch {self._epoch()}")
+        if reservation.attached:
+            return _error(rid, ErrorCode.BAD_REQUEST, "a decode request already joined")
+        return None
+
+    async def _wait_for_kv(self, reservation: Reservation, timeout_s: float) -> ErrorFrame | None:
+        rid = reservation.request_id
+        if reservation.handle is None or reservation.state is ReservationState.LANDED:
+            return None
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await reservation.handle.wait()  # the transfer's own deadline bounds it too
+        except TimeoutError:
+            self.metrics.handoff_failures.inc(reason="decode_deadline")
+            await self._drop(reservation, EndReason.EXPIRED, "request deadline passed")
+            return _error(rid, ErrorCode.DEADLINE_EXCEEDED, "KV did not land before the "
+                          "request deadline")
+        except KVTransferError as exc:
+            await self._drop(reservation, EndReason.TRANSFER_FAILED, str(exc))
+            reason = reservation.end_reason or EndReason.TRANSFER_FAILED
+            return _error(rid, _END_CODES[reason], f"KV transfer failed: {exc}")
+        self.table.mark_landed(rid)
+        return None
+
+    async def _frames(self, rid: str, stream: Any, deadline: float
+                      ) -> AsyncIterator[TokenFrame | ErrorFrame]:
+        loop = asyncio.get_running_loop()
+        first = True
+        while True:
+            try:
+                item = await stream.next(deadline - loop.time())
+            except TimeoutError:
+                self.metrics.handoff_failures.inc(reason="decode_deadline")
+                yield _error(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
+                return
+            items = [item, *stream.take_ready()]
+            outputs = [i for i in items if not isinstance(i, StreamEnd)]
+            end = next((i for i in items if isinstance(i, StreamEnd)), None)
+            if outputs:
+                if first:
+                    self.metrics.record_started(outputs[0].num_prompt_tokens,
+                                                outputs[0].num_cached_tokens)
+                    first = False
+                frame = merge_outputs(rid, outputs)
+                if end is None or frame.finish_reason is not None or \
+                        isinstance(frame, ErrorFrame):
+                    yield frame
+                    if isinstance(frame, ErrorFrame) or frame.finish_reason is not None:
+                        self.metrics.requests.inc(outcome=frame.finish_reason.value
+                                                  if isinstance(frame, TokenFrame) else "error")
+                        return
+            if end is not None:
+                self.metrics.requests.inc(outcome="aborted")
+                code = ErrorCode.ABORTED if end.error is None else ErrorCode.INTERNAL
+                yield _error(rid, code, f"request ended: {end.reason}")
+                return
+
+    # ---------------------------------------------------------------- abort
+
+    async def abort(self, request: AbortRequest) -> Message:
+        rid = request.request_id
+        found = False
+        reservation = self.table.get(rid)
+        if reservation is not None:
+            found = True
+            self.metrics.handoff_failures.inc(reason="aborted")
+            reservation.end_reason = EndReason.ABORTED
+            self._spawn(self._drop(reservation, EndReason.ABORTED,
+                                   request.reason or "aborted by the gateway"))
+        stream = self.engine.stream(rid) if self.engine is not None else None
+        if stream is not None:
+            found = True
+            stream.end(request.reason or "aborted by the gateway")
+            self.engine.submit(lambda e: e.abort_request(rid))
+        return AbortResponse(request_id=rid, found=found)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("decode worker task failed", exc_info=task.exception())
+
+
+def _error(request_id: str, code: ErrorCode, message: str, retryable: bool = False) -> ErrorFrame:
+    return ErrorFrame(request_id=request_id, code=code, message=message, retryable=retryable)

@@ -1,0 +1,245 @@
+"""Runs one LLMEngine in one dedicated thread and bridges it to an asyncio event loop.
+
+The engine is single-threaded (engine/llm_engine.py), so every call into it happens here:
+
+    event loop                                     engine thread
+    ----------                                     -------------
+    call(fn) / submit(fn) --- command queue --->   fn(engine) between two steps
+             future <---- call_soon_threadsafe ---  result or exception
+    RequestStream.queue <-- call_soon_threadsafe -- step(): outputs, cache events, stats
+    on_step(StepReport) (metrics, prefix index)     (runs while engine.has_unfinished())
+
+Lifecycle: start() -> RUNNING (steps while there is work, otherwise sleeps on a wake-up
+event that every command sets) -> stop() -> STOPPED (pending commands fail with
+EngineStopped, open streams end). A step that raises is fatal: every stream ends with the
+error and the thread stops (`failure` is set), because the scheduler state may be torn.
+
+Invariants:
+  * only the engine thread touches the engine; only the loop thread touches streams;
+  * every submitted command resolves its future exactly once (result, error, or stopped);
+  * `stats` is a snapshot taken on the engine thread after the latest step or command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.block_pool import CacheEvent
+from engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (shut down, or a step failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 0
+    num_held_tables: int = 0  # requests, parked prefills and reservations holding blocks
+    num_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    outputs: list[RequestOutput]
+    cache_events: list[CacheEvent]
+    step_s: float  # 0.0 when the report follows a command rather than a step
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """Put on a request's queue when it ends outside the engine (abort, shutdown, failure)."""
+
+    reason: str
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The outputs of one request, in order, as the engine thread produced them."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestOutput | StreamEnd] = field(default_factory=asyncio.Queue)
+
+    def end(self, reason: str, error: BaseException | None = None) -> None:
+        self.queue.put_nowait(StreamEnd(reason, error))
+
+    async def next(self, timeout_s: float) -> RequestOutput | StreamEnd:
+        """The next item; raises TimeoutError after timeout_s."""
+        async with asyncio.timeout(max(timeout_s, 0.0)):
+            return await self.queue.get()
+
+    def take_ready(self) -> list[RequestOutput | StreamEnd]:
+        items = []
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    return EngineStats(num_waiting=engine.num_waiting, num_running=engine.num_running,
+                       num_used_blocks=engine.kv_cache.num_used_blocks,
+                       num_blocks=engine.kv_cache.num_blocks,
+                       num_held_tables=len(engine.kv_cache.request_ids()),
+                       num_steps=engine.num_steps)
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step  # called on the loop thread
+        self.idle_wait_s = idle_wait_s
+        self.stats = engine_stats(engine)
+        self.failure: BaseException | None = None
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = \
+            queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---------------------------------------------------------------- loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Run fn(engine) on the engine thread before its next step; never blocks."""
+        future: asyncio.Future[T] = self.loop.create_future()
+        if self._stopping.is_set():
+            future.set_exception(EngineStopped("the engine thread has stopped"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+        """submit() and wait (bounded: a step of a large batch may take a while)."""
+        return await asyncio.wait_for(asyncio.shield(self.submit(fn)), timeout_s)
+
+    def open_stream(self, request_id: str) -> RequestStream:
+        """Subscribe before adding the request, so no output can be missed."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} already has a stream")
+        stream = self._streams[request_id] = RequestStream(request_id)
+        if self.failure is not None:
+            stream.end("engine failed", self.failure)
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def stream(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.1f s (a long step?)", timeout_s)
+        self._fail_pending(EngineStopped("the engine thread stopped"))
+        for stream in list(self._streams.values()):
+            stream.end("engine stopped")
+
+    def _deliver(self, report: StepReport) -> None:
+        self.stats = report.stats
+        for out in report.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+        try:
+            self.on_step(report)
+        except Exception:  # metrics or publishing must never stop token delivery
+            log.exception("on_step callback failed")
+
+    def _on_failure(self, error: BaseException) -> None:
+        self.failure = error
+        for stream in list(self._streams.values()):
+            stream.end("engine failed", error)
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                ran_commands = self._run_commands()
+                if engine.has_unfinished():
+                    started = time.perf_counter()
+                    outputs = engine.step()
+                    self._post(outputs, time.perf_counter() - started)
+                    continue
+                if ran_commands:
+                    self._post([], 0.0)
+                    continue
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter, then stop
+            log.exception("engine step failed; stopping the engine thread")
+            self._stopping.set()
+            self.loop.call_soon_threadsafe(self._on_failure, exc)
+        self._drain_commands(EngineStopped("the engine thread stopped"))
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # returned to the caller, the engine stays usable
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _post(self, outputs: list[RequestOutput], step_s: float) -> None:
+        report = StepReport(outputs, self.engine.kv_cache.drain_events(), step_s,
+                            engine_stats(self.engine))
+        self.loop.call_soon_threadsafe(self._deliver, report)
+
+    def _drain_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.loop.call_soon_threadsafe(_settle, future, None, error)
+            except RuntimeError:
+                return  # the loop is closed: nobody waits any more
+
+    def _fail_pending(self, error: BaseException) -> None:
+        self._drain_commands(error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return  # the caller gave up (cancelled); the command still ran
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

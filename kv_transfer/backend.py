@@ -1,0 +1,64 @@
+"""Choosing a data plane: `make_receiver` / `make_sender` for "ucx", "tcp" or "auto".
+
+"auto" takes UCX when `ucxx` imports and says in the log when it falls back to TCP. The
+UCX objects of one process share one `UcxWorker` (pass it to both if a process sends and
+receives); ucxx progresses one worker per event loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from engine.kv_storage import KVStorage
+from kv_transfer.layout import pool_bytes
+from kv_transfer.receiver import TransferReceiver
+from kv_transfer.sender import TransferSender
+
+log = logging.getLogger(__name__)
+
+
+def ucx_available() -> bool:
+    return importlib.util.find_spec("ucxx") is not None
+
+
+def resolve_backend(name: str) -> str:
+    if name not in ("auto", "ucx", "tcp"):
+        raise ValueError(f"unknown KV transfer backend {name!r} (auto, ucx, tcp)")
+    if name == "auto":
+        if ucx_available():
+            return "ucx"
+        log.warning("ucxx is not installed: KV transfer uses the TCP backend")
+        return "tcp"
+    if name == "tcp":
+        log.info("KV transfer uses the TCP backend (chosen explicitly)")
+    return name
+
+
+async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
+                        port: int = 0, token: str = "", ucx_worker=None,
+                        abort_timeout_s: float = 1.0) -> TransferReceiver:
+    """A started receiver; its `address` is what senders connect to."""
+    name = resolve_backend(backend)
+    if name == "ucx":
+        from kv_transfer.ucx import UcxReceivePlane, UcxWorker
+        plane = UcxReceivePlane(ucx_worker or UcxWorker(), pool_bytes(storage.kv))
+    else:
+        from kv_transfer.tcp import TcpReceivePlane
+        plane = TcpReceivePlane(pool_bytes(storage.kv))
+    receiver = TransferReceiver(storage, plane, host=host, port=port, token=token,
+                                abort_timeout_s=abort_timeout_s)
+    await receiver.start()
+    return receiver
+
+
+def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
+                ucx_worker=None, abort_timeout_s: float = 1.0) -> TransferSender:
+    name = resolve_backend(backend)
+    if name == "ucx":
+        from kv_transfer.ucx import UcxSendPlane, UcxWorker
+        plane = UcxSendPlane(ucx_worker or UcxWorker())
+    else:
+        from kv_transfer.tcp import TcpSendPlane
+        plane = TcpSendPlane()
+    return TransferSender(storage, plane, token=token, abort_timeout_s=abort_timeout_s)

@@ -1,0 +1,123 @@
+"""Block ids <-> byte ranges in the paged KV pool, coalescing, and the layout check.
+
+The pool (engine/kv_storage.py) is one tensor kv[layer, K|V, block, slot, head, dim], so
+one block of one layer's K is `block_bytes` contiguous bytes and adjacent block ids are
+adjacent. A transfer is cut into messages, one per (layer, K|V, run), where a run is a
+stretch of blocks consecutive on *both* sides:
+
+    src ids  4 5 6 | 9 | 10 11        dst ids  0 1 2 | 7 | 3 4
+             run 0  run1  run 2                run 0  run1 run 2
+
+Message index (the low bits of a UCX tag, the frame tag on TCP):
+
+    index = ((layer - layer_begin) * 2 + kv_index) * num_runs + run_index
+
+so both sides derive the same numbering from the spec alone, and the messages of one
+layer are one contiguous index range (what `send_layer` sends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+from engine.kv_storage import KVLayout
+from kv_transfer.errors import LayoutMismatch
+from kv_transfer.interface import TransferSpec
+
+# Message indices take the low bits of a 64-bit tag; the receiver's transfer sequence
+# number takes the rest (see tag_for), so tags of concurrent transfers never collide.
+MESSAGE_INDEX_BITS = 20
+MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
+MAX_TRANSFER_SEQ = 1 << (64 - MESSAGE_INDEX_BITS)
+
+
+class BlockRun(msgspec.Struct, frozen=True):
+    src_start: int
+    dst_start: int
+    num_blocks: int
+
+
+class Message(msgspec.Struct, frozen=True):
+    index: int
+    src_offset_bytes: int
+    dst_offset_bytes: int
+    num_bytes: int
+
+
+def plan_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[BlockRun]:
+    """Coalesce (src, dst) pairs into runs consecutive on both sides, in spec order."""
+    runs: list[BlockRun] = []
+    start = 0
+    for i in range(1, len(src_block_ids) + 1):
+        if (i == len(src_block_ids) or src_block_ids[i] != src_block_ids[i - 1] + 1
+                or dst_block_ids[i] != dst_block_ids[i - 1] + 1):
+            runs.append(BlockRun(src_block_ids[start], dst_block_ids[start], i - start))
+            start = i
+    return runs
+
+
+class TransferPlan:
+    """Every message of one transfer, per layer; side-effect free after construction."""
+
+    def __init__(self, layout: KVLayout, spec: TransferSpec) -> None:
+        spec.validate(layout.num_layers)
+        self.layout = layout
+        self.spec = spec
+        self.runs = plan_runs(spec.src_block_ids, spec.dst_block_ids)
+        self.num_messages = (spec.layer_end - spec.layer_begin) * 2 * len(self.runs)
+        if self.num_messages > MAX_MESSAGES:
+            raise ValueError(f"transfer {spec.request_id}: {self.num_messages} messages "
+                             f"exceed {MAX_MESSAGES}; send fewer layers or blocks at once")
+        self.num_bytes = (spec.layer_end - spec.layer_begin) * 2 * len(spec.src_block_ids) \
+            * layout.block_bytes
+
+    def layer_messages(self, layer: int) -> list[Message]:
+        if layer not in self.spec.layers:
+            raise ValueError(f"transfer {self.spec.request_id}: layer {layer} not in "
+                             f"{self.spec.layers}")
+        layout, out = self.layout, []
+        for kv_index in (0, 1):
+            base = ((layer - self.spec.layer_begin) * 2 + kv_index) * len(self.runs)
+            for run_index, run in enumerate(self.runs):
+                out.append(Message(
+                    base + run_index,
+                    layout.offset_bytes(layer, kv_index, run.src_start),
+                    layout.offset_bytes(layer, kv_index, run.dst_start),
+                    run.num_blocks * layout.block_bytes))
+        return out
+
+    def all_messages(self) -> list[Message]:
+        return [m for layer in self.spec.layers for m in self.layer_messages(layer)]
+
+
+def tag_for(transfer_seq: int, message_index: int) -> int:
+    """64-bit tag: receiver-assigned sequence number (high bits) | message index (low)."""
+    if not 0 < transfer_seq < MAX_TRANSFER_SEQ:
+        raise ValueError(f"transfer sequence {transfer_seq} out of range")
+    return (transfer_seq << MESSAGE_INDEX_BITS) | message_index
+
+
+def split_tag(tag: int) -> tuple[int, int]:
+    return tag >> MESSAGE_INDEX_BITS, tag & (MAX_MESSAGES - 1)
+
+
+def pool_bytes(kv: torch.Tensor) -> Any:
+    """The whole pool as a flat uint8 object the transports accept, without a copy.
+
+    CPU: a numpy array (buffer protocol; torch tensors are not bytes-like). CUDA: a uint8
+    tensor, which exposes `__cuda_array_interface__` (bf16 tensors do not, hence the view).
+    """
+    if not kv.is_contiguous():
+        raise ValueError("the KV pool must be contiguous")
+    flat = kv.view(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()
+
+
+def check_layouts(local: KVLayout, remote: KVLayout, remote_name: str) -> None:
+    """Raise LayoutMismatch when blocks cannot move between the two pools."""
+    diff = local.compatible_with(remote)
+    if diff is not None:
+        raise LayoutMismatch(f"KV layout of {remote_name} differs from ours: {diff}")

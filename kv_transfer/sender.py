@@ -1,0 +1,313 @@
+"""The sending side (prefill worker): cached peer links, announcements, per-layer sends.
+
+Runs: no server; one control connection per receiver address (a `PeerLink`, cached and
+reused by every transfer to that peer) plus the data plane's per-peer state (a UCX
+endpoint built from the receiver's worker address; nothing for TCP, whose data frames share
+the control connection).
+
+Lifecycle of a link: connect -> Hello/Welcome (layouts checked: a mismatch raises
+LayoutMismatch before any data moves) -> cached -> lost (peer closed or died: every
+transfer on it fails with PeerLost, the entry and its endpoint are dropped; the next start()
+connects afresh and learns the peer's new epoch and worker address).
+
+Lifecycle of a transfer: see interface.py. Failure on this side (deadline, cancel(), a
+failed send) = stop posting sends, drain those in flight (<= abort_timeout_s), then Abort to
+the receiver, which may then release its blocks. An Abort from the receiver is answered the
+same way. A sender that cannot drain closes the link instead (the receiver then treats it
+as a dead peer).
+
+Invariants (check_invariants): a link in `_links` is not lost; every transfer in a link's
+table is IN_FLIGHT; every task is in `_tasks` or in a transfer's task set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any, Protocol
+
+from engine.kv_storage import KVStorage
+from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, TransferCancelled,
+                                TransferRejected, TransferTimeout)
+from kv_transfer.framing import FrameConnection
+from kv_transfer.interface import TransferSpec, TransferState
+from kv_transfer.layout import Message, TransferPlan, check_layouts, pool_bytes
+from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
+                                  Hello, Landed, Refused, Rejected, Welcome)
+
+log = logging.getLogger(__name__)
+
+
+class PeerLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.conn: FrameConnection | None = None
+        self.welcome: asyncio.Future[Welcome | Refused] = \
+            asyncio.get_running_loop().create_future()
+        self.epoch: str | None = None
+        self.data: Any = None  # the plane's per-peer state (a UCX endpoint)
+        self.transfers: dict[str, OutboundTransfer] = {}
+        self.accepts: dict[str, asyncio.Future[Accepted | Rejected]] = {}
+        self.lost = False
+        self.torn_down = False  # _on_lost ran (it runs once per link)
+
+
+class SendPlane(Protocol):
+    async def connect(self, link: PeerLink, welcome: Welcome) -> None: ...
+    async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
+                   src: Any, stopped: "OutboundTransfer") -> None: ...
+    def disconnect(self, link: PeerLink) -> None: ...
+    async def close(self) -> None: ...
+
+
+class OutboundTransfer:
+    def __init__(self, sender: "TransferSender", link: PeerLink, plan: TransferPlan,
+                 transfer_seq: int, deadline: float) -> None:
+        self.spec = plan.spec
+        self.plan = plan
+        self.transfer_seq = transfer_seq
+        self.deadline = deadline
+        self.state = TransferState.IN_FLIGHT
+        self.stopped = False  # checked by the plane before posting each message
+        self._sender, self._link = sender, link
+        self._sent_layers: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._outcome: KVTransferError | None = None
+        self._terminal = asyncio.Event()
+        self._timer = asyncio.get_running_loop().call_at(
+            deadline, self.fail, TransferTimeout(
+                f"transfer {self.spec.request_id}: not confirmed by the deadline"))
+
+    def send_layer(self, layer: int) -> None:
+        if layer in self._sent_layers:
+            raise ValueError(f"transfer {self.spec.request_id}: layer {layer} sent twice")
+        messages = self.plan.layer_messages(layer)
+        self._sent_layers.add(layer)
+        if self.state is not TransferState.IN_FLIGHT:
+            return  # the failure is reported by finish()
+        task = asyncio.get_running_loop().create_task(self._sender.plane.send(
+            self._link, self.transfer_seq, messages, self._sender.src, self))
+        self._tasks.add(task)
+        task.add_done_callback(self._send_done)
+
+    def _send_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(PeerLost(f"transfer {self.spec.request_id}: send failed: "
+                               f"{task.exception()!r}"))
+
+    async def finish(self) -> None:
+        if len(self._sent_layers) != len(self.spec.layers) and not self.state.is_terminal:
+            await self.cancel("finish() before every layer was sent")
+            raise ValueError(f"transfer {self.spec.request_id}: layers "
+                             f"{sorted(set(self.spec.layers) - self._sent_layers)} not sent")
+        await self._terminal.wait()  # the deadline timer bounds this wait
+        if self._outcome is not None:
+            raise self._outcome
+
+    async def cancel(self, reason: str) -> None:
+        self.fail(TransferCancelled(f"transfer {self.spec.request_id} cancelled by sender: "
+                                    f"{reason}"))
+        await self._terminal.wait()
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._tasks)
+
+    # -- driven by the sender ----------------------------------------------------------------
+    def landed(self) -> None:
+        if self.state is TransferState.IN_FLIGHT:
+            self.state = TransferState.DONE
+            self._settle(None)
+
+    def fail(self, error: KVTransferError, peer_aborted: bool = False) -> None:
+        """Stop, drain, tell the receiver (unless its link is gone), then wake finish()."""
+        if self.state.is_terminal:
+            return
+        self.state = (TransferState.CANCELLED if isinstance(error, TransferCancelled)
+                      else TransferState.FAILED)
+        self.stopped = True
+        self._outcome = error
+        self._timer.cancel()
+        self._sender.own(self._drain_and_abort(str(error)))
+
+    def link_lost(self, error: PeerLost) -> None:
+        for task in self._tasks:
+            task.cancel()  # sends to a dead peer may never complete
+        if not self.state.is_terminal:
+            self.state, self.stopped, self._outcome = TransferState.FAILED, True, error
+            self._timer.cancel()
+        self._settle(self._outcome)
+
+    async def _drain_and_abort(self, reason: str) -> None:
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=self._sender.abort_timeout_s)
+            if pending:
+                log.warning("transfer %s: sends did not drain; closing the link",
+                            self.spec.request_id)
+                self._sender.drop_link(self._link, "sends did not drain")
+        if self._link.conn is not None and not self._link.lost:
+            self._link.conn.send_message(Abort(request_id=self.spec.request_id, reason=reason))
+        self._settle(self._outcome)
+
+    def _settle(self, outcome: KVTransferError | None) -> None:
+        self._outcome = outcome
+        self._link.transfers.pop(self.spec.request_id, None)
+        self._terminal.set()
+
+
+class TransferSender:
+    def __init__(self, storage: KVStorage, plane: SendPlane, *, token: str = "",
+                 abort_timeout_s: float = 1.0) -> None:
+        self.layout = storage.layout
+        self.src = pool_bytes(storage.kv)
+        self.plane = plane
+        self.epoch = secrets.token_hex(8)
+        self.abort_timeout_s = abort_timeout_s
+        self._token = token
+        self._links: dict[str, PeerLink] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def num_links(self) -> int:
+        return len(self._links)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._tasks) + sum(t.num_tasks for link in self._links.values()
+                                      for t in link.transfers.values())
+
+    async def start(self, peer_address: str, spec: TransferSpec,
+                    timeout_s: float) -> OutboundTransfer:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        plan = TransferPlan(self.layout, spec)
+        try:
+            link = await asyncio.wait_for(self._link(peer_address), timeout_s)
+        except TimeoutError:
+            raise TransferTimeout(f"transfer {spec.request_id}: no handshake with "
+                                  f"{peer_address} within {timeout_s:.3f}s") from None
+        rid = spec.request_id
+        if rid in link.transfers or rid in link.accepts:
+            raise ValueError(f"transfer {rid} to {peer_address} already started")
+        reply_future = loop.create_future()
+        link.accepts[rid] = reply_future
+        link.conn.send_message(Announce(spec=spec))
+        try:
+            reply = await asyncio.wait_for(reply_future, max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise TransferTimeout(f"transfer {rid}: not accepted within {timeout_s:.3f}s") \
+                from None
+        finally:
+            link.accepts.pop(rid, None)
+        if isinstance(reply, Rejected):
+            raise TransferRejected(f"transfer {rid} rejected by {peer_address}: {reply.reason}")
+        transfer = OutboundTransfer(self, link, plan, reply.transfer_seq, deadline)
+        link.transfers[rid] = transfer
+        return transfer
+
+    async def _link(self, address: str) -> PeerLink:
+        link = self._links.get(address)
+        if link is not None and not link.lost:
+            return link
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            link = self._links.get(address)
+            if link is not None and not link.lost:
+                return link
+            return await self._connect(address)
+
+    async def _connect(self, address: str) -> PeerLink:
+        host, _, port = address.rpartition(":")
+        link = PeerLink(address)
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(
+                lambda: FrameConnection(lambda c, m: self._on_message(link, m),
+                                        lambda c, e: self._on_lost(link, e)),
+                host, int(port))
+        except OSError as exc:
+            raise PeerLost(f"cannot connect to KV receiver {address}: {exc}") from exc
+        link.conn = conn
+        try:
+            conn.send_message(Hello(version=PROTOCOL_VERSION, token=self._token,
+                                    layout=self.layout, epoch=self.epoch))
+            reply = await link.welcome
+            if isinstance(reply, Refused):
+                error = LayoutMismatch if reply.layout_mismatch else TransferRejected
+                raise error(f"KV receiver {address} refused us: {reply.reason}")
+            check_layouts(self.layout, reply.layout, address)
+            link.epoch = reply.epoch
+            await self.plane.connect(link, reply)
+        except BaseException:
+            conn.close()
+            link.lost = True
+            raise
+        self._links[address] = link
+        return link
+
+    def _on_message(self, link: PeerLink, message: ControlMessage) -> None:
+        if isinstance(message, (Welcome, Refused)):
+            if not link.welcome.done():
+                link.welcome.set_result(message)
+        elif isinstance(message, (Accepted, Rejected)):
+            future = link.accepts.get(message.request_id)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, Landed):
+            transfer = link.transfers.get(message.request_id)
+            if transfer is not None:
+                transfer.landed()
+        elif isinstance(message, Abort):
+            transfer = link.transfers.get(message.request_id)
+            if transfer is None:  # nothing in flight: answer at once so it can release
+                link.conn.send_message(Abort(request_id=message.request_id, reason="unknown"))
+            else:
+                transfer.fail(TransferCancelled(f"transfer {message.request_id} aborted by "
+                                                f"receiver: {message.reason}"))
+
+    def _on_lost(self, link: PeerLink, exc: Exception | None) -> None:
+        if link.torn_down:
+            return
+        link.lost = link.torn_down = True
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
+        if not link.welcome.done():
+            link.welcome.set_exception(PeerLost(f"KV receiver {link.address} closed the "
+                                                f"connection during the handshake"))
+            link.welcome.exception()  # retrieved here; _connect re-raises it
+        for future in link.accepts.values():
+            if not future.done():
+                future.set_exception(PeerLost(f"KV receiver {link.address} lost"))
+        for transfer in list(link.transfers.values()):
+            transfer.link_lost(PeerLost(f"transfer {transfer.spec.request_id}: receiver "
+                                        f"{link.address} lost ({exc})"))
+        self.plane.disconnect(link)
+
+    def drop_link(self, link: PeerLink, reason: str) -> None:
+        log.warning("dropping KV link to %s: %s", link.address, reason)
+        if link.conn is not None:
+            link.conn.close()
+        self._on_lost(link, None)
+
+    async def close(self) -> None:
+        for link in list(self._links.values()):
+            self.drop_link(link, "sender closing")
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.abort_timeout_s)
+        await self.plane.close()
+
+    def check_invariants(self) -> None:
+        for link in self._links.values():
+            assert not link.lost
+            for transfer in link.transfers.values():
+                assert transfer.state is TransferState.IN_FLIGHT

@@ -1,0 +1,22 @@
+"""Wiring of one prefill worker process: options -> KV sender factory -> PrefillWorker.
+
+Runs (per process): a control HTTP server (common/control_http.py), one engine thread, one
+KV sender (UCX or TCP links to decode workers, opened on first use), and the registry
+publisher. See prefill_workers/worker.py for the request lifecycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefill_workers.worker import PrefillWorker
+
+
+def build_role(options: Any, runtime: Any) -> PrefillWorker:
+    def make_sender(storage: Any) -> Any:
+        from kv_transfer.backend import make_sender as make
+        return make(storage, options.kv_transport, token=options.internal_token or "")
+
+    return PrefillWorker(runtime.metrics, make_sender,
+                         transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,
+                         fault_request_prefix=options.fault_request_prefix)

@@ -1,0 +1,265 @@
+"""Prefill worker: admit -> prefill (chunked, batched) -> first token -> push KV -> release.
+
+Handles POST /internal/prefill (a stream: PrefillResult, then TransferResult) and
+POST /internal/abort. The engine runs in its own thread (EngineThread); KV moves with the
+kv_transfer sender (UCX, or TCP).
+
+Lifecycle of one request here:
+
+    PrefillRequest ─▶ QUEUED ─(engine: PREFILL_ONLY, chunked with other prompts)─▶ PREFILLED
+        (first token sampled; blocks parked)  ──▶ PrefillResult sent at once
+    PREFILLED ─▶ PUSHING (sender.start, send_layer for every layer, finish) ─▶ TransferResult
+        DONE | FAILED | SKIPPED ──▶ engine.release_prefilled (full blocks stay prefix-cached)
+
+    The first token may end the request (EOS, max_tokens=1): PrefillResult carries the
+    finish_reason and nothing is sent (TransferResult SKIPPED; the gateway aborts the
+    reservation). Blocks the destination already holds (num_prefix_blocks_held) are not
+    sent; prefix blocks cached here are not recomputed (the engine's prefix cache).
+
+KV goes out after the prefill step, per request, one send per layer: the engine computes
+every layer of a chunk in one step, so "as each layer finishes" is not observable through
+its API; the layers are still posted separately so the receiver's layer accounting holds.
+
+Failures: abort or client hang-up while QUEUED -> engine abort; while PUSHING -> the send is
+cancelled (the receiver is told and frees its reservation) and the blocks released here;
+the request deadline (timeout_ms) bounds queueing, prefill and the push.
+
+Invariants: a request id is in `_active` exactly while its stream is open; every request
+that reached the engine is aborted or released exactly once when its stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from common.control_http import message_handler, stream_handler
+from common.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
+                             TransferStatus)
+from common.worker_frames import finish_reason, to_token_logprob
+from common.worker_metrics import WorkerMetrics
+from engine.engine_thread import EngineThread, StreamEnd
+from engine.request import RequestMode
+from kv_transfer.errors import KVTransferError, TransferCancelled
+from prefill_workers.push_plan import plan_push
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Active:
+    request_id: str
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    abort_reason: str = ""
+    pushing: bool = False  # blocks are being read by the sender: only the stream frees them
+
+
+class PrefillWorker:
+    def __init__(self, metrics: WorkerMetrics, make_sender: Callable[[Any], Any],
+                 transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "") -> None:
+        self.metrics = metrics
+        self._make_sender = make_sender  # (KVStorage) -> KVSender
+        # Fault injection for tests: pushes of requests whose id starts with the prefix
+        # sleep before each layer, so a transfer can be stalled or cut mid-way.
+        self.transfer_layer_delay_s = transfer_layer_delay_s
+        self.fault_request_prefix = fault_request_prefix
+        self.engine: EngineThread | None = None
+        self.sender: Any = None
+        self.draining = False
+        self._active: dict[str, _Active] = {}
+
+    # ---------------------------------------------------------------- RoleWorker
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    @property
+    def kv_address(self) -> str | None:
+        return None  # a sender only
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, self.prefill))
+        app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
+
+    async def attach(self, engine: EngineThread) -> None:
+        self.engine = engine
+        self.sender = self._make_sender(engine.engine.kv_storage)
+
+    def state(self) -> dict[str, Any]:
+        return {"num_active": len(self._active), "active": sorted(self._active)}
+
+    def check_invariants(self) -> None:
+        if self.sender is not None and hasattr(self.sender, "check_invariants"):
+            self.sender.check_invariants()
+
+    async def close(self) -> None:
+        self.draining = True
+        for active in self._active.values():
+            active.abort_reason = "worker shutting down"
+            active.aborted.set()
+        if self.sender is not None:
+            await self.sender.close()
+
+    # ---------------------------------------------------------------- prefill
+
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[Message]:
+        rid = request.request_id
+        if self.engine is None or self.draining:
+            yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
+            return
+        if rid in self._active:
+            yield _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
+            return
+        try:
+            params = request.sampling.to_params()
+        except ValueError as exc:
+            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        active = self._active[rid] = _Active(rid)
+        stream = self.engine.open_stream(rid)
+        in_engine = False
+        try:
+            await self.engine.call(lambda e: e.add_request(
+                rid, request.prompt_token_ids, params, request.priority,
+                RequestMode.PREFILL_ONLY))
+            in_engine = True
+            try:
+                item = await stream.next(deadline - loop.time())
+            except TimeoutError:
+                self.metrics.handoff_failures.inc(reason="prefill_deadline")
+                yield _error(rid, ErrorCode.DEADLINE_EXCEEDED, "prefill not done by the deadline")
+                return
+            if isinstance(item, StreamEnd):
+                code = ErrorCode.ABORTED if item.error is None else ErrorCode.INTERNAL
+                yield _error(rid, code, f"request ended: {item.reason}")
+                return
+            if item.finish_reason == "error":
+                yield _error(rid, ErrorCode.INTERNAL, "the engine could not prefill this "
+                             "prompt (too long for the KV pool?)")
+                return
+            self.metrics.record_started(item.num_prompt_tokens, item.num_cached_tokens)
+            if item.finished:
+                in_engine = False  # the engine already freed it
+            async for frame in self._after_first_token(request, item, active, deadline):
+                yield frame
+        except ValueError as exc:  # the engine refused the prompt
+            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+        finally:
+            self._active.pop(rid, None)
+            self.engine.close_stream(rid)
+            if in_engine:
+                # PREFILLED (KV sent or given up) or still queued: either way, free it now.
+                self.engine.submit(lambda e: e.abort_request(rid))
+
+    async def _after_first_token(self, request: PrefillRequest, out: Any, active: _Active,
+                                 deadline: float) -> AsyncIterator[Message]:
+        rid = request.request_id
+        destination = request.destination
+        spec = None
+        if destination is not None and not out.finished:
+            engine = self.engine.engine
+            src = await self.engine.call(lambda e: e.kv_cache.block_table(rid))
+            active.pushing = True  # from here only this stream may free the blocks
+            spec = plan_push(rid, src, destination.block_ids,
+                             destination.num_prefix_blocks_held, out.num_prompt_tokens,
+                             engine.config.block_size, engine.model_config.num_layers)
+        yield PrefillResult(
+            request_id=rid, first_token_id=out.new_token_ids[0],
+            first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
+            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+            transfer_status=TransferStatus.PENDING if spec is not None else TransferStatus.SKIPPED,
+            finish_reason=finish_reason(out.finish_reason) if out.finished else None)
+        if destination is None:
+            return
+        if spec is None:
+            yield TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
+                                 destination_epoch=destination.epoch,
+                                 status=TransferStatus.SKIPPED)
+            return
+        yield await self._push(spec, destination, active, deadline)
+
+    async def _push(self, spec: Any, destination: Any, active: _Active,
+                    deadline: float) -> TransferResult:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        result = dict(request_id=spec.request_id, destination_worker_id=destination.worker_id,
+                      destination_epoch=destination.epoch)
+        handle = None
+        active.pushing = True
+        try:
+            handle = await self.sender.start(destination.kv_address, spec,
+                                             max(deadline - loop.time(), 0.001))
+            delayed = self.transfer_layer_delay_s > 0 and \
+                spec.request_id.startswith(self.fault_request_prefix)
+            for layer in spec.layers:
+                if delayed:
+                    await asyncio.sleep(self.transfer_layer_delay_s)
+                if handle.state.is_terminal or active.aborted.is_set():
+                    break
+                handle.send_layer(layer)
+            if active.aborted.is_set():
+                raise TransferCancelled(active.abort_reason)
+            await _unless(handle.finish(), active.aborted, active)
+        except KVTransferError as exc:
+            if handle is not None and not handle.state.is_terminal:
+                await handle.cancel(str(exc))  # tells the receiver, which frees its blocks
+            reason = type(exc).__name__
+            self.metrics.handoff_failures.inc(reason=f"transfer_{reason}")
+            log.info("KV push of %s failed: %s", spec.request_id, exc)
+            return TransferResult(status=TransferStatus.FAILED, error=f"{reason}: {exc}",
+                                  **result)
+        layout = self.engine.engine.kv_storage.layout
+        num_blocks = len(spec.src_block_ids)
+        num_bytes = num_blocks * len(spec.layers) * 2 * layout.block_bytes
+        self.metrics.kv_transfer_bytes.inc(num_bytes, direction="sent")
+        self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
+        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started, direction="sent")
+        return TransferResult(status=TransferStatus.DONE, num_blocks_sent=num_blocks,
+                              num_bytes_sent=num_bytes, **result)
+
+    # ---------------------------------------------------------------- abort
+
+    async def abort(self, request: AbortRequest) -> Message:
+        rid = request.request_id
+        active = self._active.get(rid)
+        if active is None:
+            return AbortResponse(request_id=rid, found=False)
+        active.abort_reason = request.reason or "aborted by the gateway"
+        active.aborted.set()
+        stream = self.engine.stream(rid)
+        if stream is not None:
+            stream.end(active.abort_reason)
+        if not active.pushing:
+            # While pushing, the stream frees the blocks once the send has drained.
+            self.engine.submit(lambda e: e.abort_request(rid))
+        return AbortResponse(request_id=rid, found=True)
+
+
+async def _unless(awaitable: Any, aborted: asyncio.Event, active: _Active) -> None:
+    """Await `awaitable` unless `aborted` is set first (then raise TransferCancelled)."""
+    work = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(aborted.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        stop.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    raise TransferCancelled(active.abort_reason)
+
+
+def _error(request_id: str, code: ErrorCode, message: str, retryable: bool = False) -> ErrorFrame:
+    return ErrorFrame(request_id=request_id, code=code, message=message, retryable=retryable)

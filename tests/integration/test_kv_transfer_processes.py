@@ -1,0 +1,315 @@
+"""KV transfer between real processes on loopback, for the UCX and TCP backends.
+
+This file is also the peer program: `python test_kv_transfer_processes.py ROLE CONFIG_JSON`
+runs a receiver or a sender and reports one JSON line per event on stdout. The sender's
+pool is random from a seed, so the receiver can check bytes without shipping them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT = dict(dtype="bfloat16", num_layers=4, num_blocks=64, block_size=16,
+              num_kv_heads=2, head_dim=32)
+BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
+
+
+# ---------------------------------------------------------------------------- peer program
+def _emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _pool(layout_fields: dict, seed: int | None):
+    import torch
+    from engine.kv_storage import KVLayout, KVStorage
+    storage = KVStorage(KVLayout(**layout_fields))
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        storage.kv.view(torch.int16).copy_(
+            torch.randint(-2**15, 2**15, storage.kv.shape, dtype=torch.int16, generator=g))
+    return storage
+
+
+def _resources() -> dict:
+    with open("/proc/self/maps") as f:
+        num_maps = sum(1 for _ in f)
+    with open("/proc/self/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return dict(num_maps=num_maps, rss_kb=rss_kb, num_fds=len(os.listdir("/proc/self/fd")),
+                num_tasks=len(asyncio.all_tasks()))
+
+
+async def _run_receiver(cfg: dict) -> None:
+    import torch
+    from kv_transfer.backend import make_receiver
+    storage = _pool(cfg.get("layout", LAYOUT), None)
+    receiver = await make_receiver(storage, cfg["backend"], token=cfg.get("token", ""),
+                                   abort_timeout_s=0.5)
+    _emit(event="address", address=receiver.address)
+    transfers = cfg["transfers"]
+    releases: dict[str, int] = {}
+
+    async def one(t: dict) -> None:
+        rid = t["request_id"]
+        releases[rid] = 0
+
+        def release(ids: list[int]) -> None:
+            assert ids == t["dst"]
+            releases[rid] += 1
+        started = time.monotonic()
+        handle = receiver.expect(rid, t["dst"], range(*t["layers"]), release, t["timeout_s"])
+        try:
+            await handle.wait()
+            outcome = "ok"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        elapsed = time.monotonic() - started
+        await asyncio.sleep(0.05)  # a second release would show up here
+        result = dict(event="done", request_id=rid, outcome=outcome, elapsed_s=elapsed,
+                      releases=releases[rid], state=handle.state.value)
+        if outcome == "ok" and "src_seed" in t:
+            src = _pool(cfg.get("layout", LAYOUT), t["src_seed"]).kv
+            a, b = range(*t["layers"]), storage.kv
+            result["bitwise"] = all(
+                torch.equal(src[a.start:a.stop, :, s].view(torch.int16),
+                            b[a.start:a.stop, :, d].view(torch.int16))
+                for s, d in zip(t["src"], t["dst"]))
+        result["pool_nonzero"] = int(torch.count_nonzero(storage.kv.view(torch.int16)))
+        _emit(**result)
+
+    if cfg.get("loop"):
+        await _receive_loop(receiver, cfg["loop"])
+    else:
+        await asyncio.gather(*(one(t) for t in transfers))
+    receiver.check_invariants()
+    _emit(event="stats", num_sessions=receiver.num_sessions, num_expected=receiver.num_expected,
+          num_tasks=receiver.num_tasks, num_posted=getattr(receiver.plane, "num_posted", 0)
+          if hasattr(receiver.plane, "num_posted") else receiver.plane.num_registered)
+    await asyncio.sleep(cfg.get("linger_s", 0.5))
+    await receiver.close()
+
+
+async def _receive_loop(receiver, loop_cfg: dict) -> None:
+    n, window, dst = loop_cfg["count"], 8, loop_cfg["dst"]
+    handles = {}
+    for i in range(min(window, n)):
+        handles[i] = receiver.expect(f"loop-{i}", dst, range(0, 4), lambda ids: None, 30.0)
+    for i in range(n):
+        await handles.pop(i).wait()
+        if i + window < n:
+            handles[i + window] = receiver.expect(f"loop-{i + window}", dst, range(0, 4),
+                                                  lambda ids: None, 30.0)
+        if i + 1 in (100, n):
+            _emit(event="checkpoint", i=i + 1, **_resources(),
+                  num_sessions=receiver.num_sessions, num_receiver_tasks=receiver.num_tasks)
+
+
+async def _run_sender(cfg: dict) -> None:
+    from kv_transfer.backend import make_sender
+    from kv_transfer.interface import TransferSpec
+    storage = _pool(cfg.get("layout", LAYOUT), cfg["seed"])
+    sender = make_sender(storage, cfg["backend"], token=cfg.get("token", ""),
+                         abort_timeout_s=0.5)
+    if cfg.get("loop"):
+        n, src, dst = cfg["loop"]["count"], cfg["loop"]["src"], cfg["loop"]["dst"]
+        for i in range(n):
+            spec = TransferSpec(request_id=f"loop-{i}", src_block_ids=src, dst_block_ids=dst,
+                                layer_begin=0, layer_end=4)
+            handle = await sender.start(cfg["peer"], spec, 30.0)
+            for layer in range(4):
+                handle.send_layer(layer)
+            await handle.finish()
+            if i + 1 in (100, n):
+                _emit(event="checkpoint", i=i + 1, **_resources(), num_links=sender.num_links,
+                      num_sender_tasks=sender.num_tasks,
+                      num_endpoints=getattr(sender.plane, "num_endpoints", 0))
+        await sender.close()
+        return
+
+    async def one(t: dict) -> None:
+        spec = TransferSpec(request_id=t["request_id"], src_block_ids=t["src"],
+                            dst_block_ids=t["dst"], layer_begin=t["layers"][0],
+                            layer_end=t["layers"][1])
+        started = time.monotonic()
+        try:
+            handle = await sender.start(cfg["peer"], spec, t["timeout_s"])
+            for layer in range(*t["layers"]):
+                handle.send_layer(layer)
+                _emit(event="sent_layer", request_id=t["request_id"], layer=layer)
+                await asyncio.sleep(t.get("layer_delay_s", 0.0))  # "computing" the next layer
+            await handle.finish()
+            outcome = "ok"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        _emit(event="done", request_id=t["request_id"], outcome=outcome,
+              elapsed_s=time.monotonic() - started)
+    await asyncio.gather(*(one(t) for t in cfg["transfers"]))
+    await sender.close()
+
+
+# ---------------------------------------------------------------------------- test harness
+class Peer:
+    def __init__(self, role: str, cfg: dict) -> None:
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, __file__, role, json.dumps(cfg)],
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def next_event(self, event: str, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # the peer's own deadlines bound this read
+            if not line:
+                raise AssertionError(f"peer exited ({self.proc.wait()}) before {event!r}")
+            message = json.loads(line)
+            if message["event"] == event:
+                return message
+        raise AssertionError(f"no {event!r} within {timeout_s}s")
+
+    def events(self, event: str, count: int) -> list[dict]:
+        return [self.next_event(event) for _ in range(count)]
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def transfer(rid, src, dst, seed=None, timeout_s=10.0, **extra):
+    t = dict(request_id=rid, src=src, dst=dst, layers=[0, 4], timeout_s=timeout_s, **extra)
+    if seed is not None:
+        t["src_seed"] = seed
+    return t
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layers_sent_as_they_finish_land_bitwise(backend):
+    t = transfer("a", [5, 6, 7, 20, 41, 42], [0, 1, 2, 30, 9, 10], seed=11, layer_delay_s=0.02)
+    receiver = Peer("receiver", dict(backend=backend, transfers=[t], token="s3cret"))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=11, peer=address, transfers=[t],
+                                 token="s3cret"))
+    assert sender.next_event("done")["outcome"] == "ok"
+    done = receiver.next_event("done")
+    assert done["outcome"] == "ok" and done["bitwise"] and done["releases"] == 0
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_senders_into_one_receiver_concurrently(backend):
+    ta = transfer("a", [1, 2, 3, 4], [10, 11, 12, 13], seed=1)
+    tb = transfer("b", [1, 2, 9, 4], [20, 21, 40, 23], seed=2)
+    receiver = Peer("receiver", dict(backend=backend, transfers=[ta, tb]))
+    address = receiver.next_event("address")["address"]
+    senders = [Peer("sender", dict(backend=backend, seed=s, peer=address, transfers=[t]))
+               for s, t in ((1, ta), (2, tb))]
+    for sender in senders:
+        assert sender.next_event("done")["outcome"] == "ok"
+    results = receiver.events("done", 2)
+    assert all(r["outcome"] == "ok" and r["bitwise"] for r in results)
+    assert all(s.finish() == 0 for s in senders) and receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_killed_mid_transfer_receiver_raises_and_releases_once(backend):
+    t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=5.0, layer_delay_s=30.0)
+    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    sender.next_event("sent_layer")
+    time.sleep(0.2)  # layer 0 lands; the sender dies while "computing" layer 1
+    sender.kill()
+    killed_at = time.monotonic()
+    done = receiver.next_event("done")
+    assert done["outcome"] == "PeerLost" and done["releases"] == 1
+    assert time.monotonic() - killed_at < 3.0  # seen via the control connection, not the deadline
+    assert receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_killed_sender_raises_within_deadline(backend):
+    t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=5.0, layer_delay_s=0.5)
+    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    sender.next_event("sent_layer")
+    receiver.kill()
+    done = sender.next_event("done")
+    assert done["outcome"] == "PeerLost" and done["elapsed_s"] < 5.0
+    assert sender.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_deadline_aborts_a_slow_sender_on_both_sides(backend):
+    # The deadline falls while the sender "computes" layer 1 (after its start-up, ~2 s).
+    t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=4.0, layer_delay_s=3.0)
+    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    done = receiver.next_event("done")
+    assert done["outcome"] == "TransferTimeout" and done["releases"] == 1
+    assert done["elapsed_s"] < 4.0 + 0.5 + 0.5  # deadline + abort handshake bound + slack
+    assert sender.next_event("done")["outcome"] == "TransferCancelled"
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_is_a_clear_error_before_any_data_moves(backend):
+    t = transfer("a", [1, 2], [3, 4], timeout_s=6.0)  # outlives the sender's start-up
+    receiver = Peer("receiver", dict(backend=backend, transfers=[t],
+                                     layout=dict(LAYOUT, head_dim=64)))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    assert sender.next_event("done")["outcome"] == "LayoutMismatch"
+    done = receiver.next_event("done")
+    assert done["outcome"] == "TransferTimeout" and done["pool_nonzero"] == 0
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_thousand_transfers_leave_no_growth(backend):
+    loop = dict(count=1000, src=[1, 2, 5], dst=[7, 8, 3])
+    receiver = Peer("receiver", dict(backend=backend, transfers=[], loop=loop))
+    address = receiver.next_event("address")["address"]
+    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, loop=loop))
+    s100, s1000 = sender.events("checkpoint", 2)
+    r100, r1000 = receiver.events("checkpoint", 2)
+    stats = receiver.next_event("stats")
+    for a, b in ((s100, s1000), (r100, r1000)):
+        assert b["num_maps"] <= a["num_maps"] + 2, (a, b)  # no new shm/registered segments
+        assert b["num_fds"] == a["num_fds"] and b["num_tasks"] <= a["num_tasks"]
+        assert b["rss_kb"] < a["rss_kb"] + 8 * 1024, (a, b)
+    assert s1000["num_links"] == 1 and s1000["num_sender_tasks"] == 0
+    assert s1000["num_endpoints"] == (1 if backend == "ucx" else 0)
+    assert r1000["num_sessions"] == 1
+    assert stats["num_expected"] == 0 and stats["num_posted"] == 0 and stats["num_tasks"] == 0
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+if __name__ == "__main__":
+    role, config = sys.argv[1], json.loads(sys.argv[2])
+    import uvloop
+    uvloop.run(_run_receiver(config) if role == "receiver" else _run_sender(config))

@@ -1,0 +1,491 @@
+"""Prefill and decode worker processes on the default model, driven the way the gateway does.
+
+Real processes (`python -m common.cli prefill-worker|decode-worker`, port 0, found through
+the Redis registry), a real Redis-protocol server, real KV transfer on loopback (UCX for
+one prefill/decode pair, TCP for the other). The TCP pair's prefill worker sleeps before
+each layer of requests named "fault-*" (--fault-transfer-delay-ms, --fault-request-prefix),
+so their transfers take ~9 s: long enough to stall past a deadline or to kill the decode
+worker mid-transfer.
+
+The Redis server is private to this module because one test stops it for 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from common.control_http import ControlClient, ControlError, RemoteError
+from common.metrics import parse_samples
+from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
+                             PrefillRequest, PrefillResponseFrame, PrefillResult,
+                             ReserveRequest, ReserveResponse, SamplingSpec, TokenFrame,
+                             TransferResult, TransferStatus)
+from common.redis_server import RedisServer
+from common.redis_state import RedisState, connect
+
+# Generous: the module fixture starts four model-loading processes on a shared host.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "handoff-test"
+SHORT = "The capital of France is"
+LONG = ("Here is a long story about a lighthouse keeper who lived alone on a small rocky "
+        "island far from the coast. Every night he climbed the spiral stairs, trimmed the "
+        "wick, polished the great lens and watched the beam sweep across the dark water. "
+        "Ships passed in the distance, and sometimes a fishing boat came close enough that "
+        "he could hear the crew singing. In winter the storms were fierce; waves crashed "
+        "over the rocks and the whole tower trembled. ") * 2
+GREEDY = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+LAYER_DELAY_MS = 300  # x 30 layers: a 9 s transfer for "fault-*" requests on the TCP pair
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    args: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    control_url: str = ""
+    epoch: int = 0
+
+    def start(self, redis_url: str) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", *self.args, "--redis-url", redis_url,
+             "--worker-id", self.worker_id, "--namespace", NAMESPACE, "--threads", "1",
+             "--kv-cache-mb", "48", "--log-level", "warning"],
+            cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    workers: dict[str, Worker]
+    reference: dict[str, list[int]] = field(default_factory=dict)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+
+
+async def wait_registered(redis_url: str, workers: list[Worker], timeout_s: float) -> None:
+    """Until every worker is in the registry and its /ready answers 200."""
+    state = RedisState(connect(redis_url), NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    try:
+        async with aiohttp.ClientSession() as session:
+            pending = list(workers)
+            while pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers not ready: {[w.worker_id for w in pending]}: "
+                                       + " | ".join(w.log_path.read_text()[-2000:]
+                                                    for w in pending))
+                for w in pending:
+                    assert w.process.poll() is None, w.log_path.read_text()[-3000:]
+                with contextlib.suppress(Exception):
+                    infos = await state.list_workers()
+                    for w in list(pending):
+                        info = infos.get(w.worker_id)
+                        if info is None:
+                            continue
+                        async with session.get(info.control_url + "/ready") as response:
+                            if response.status == 200:
+                                w.control_url, w.epoch = info.control_url, info.epoch
+                                pending.remove(w)
+                await asyncio.sleep(0.3)
+    finally:
+        await state.aclose()
+
+
+def reference_outputs(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    import torch
+
+    from engine.llm_engine import EngineConfig, build_engine
+    torch.set_num_threads(1)
+    engine = build_engine("default", EngineConfig(num_kv_blocks=64))
+    params = GREEDY.to_params()
+    return {name: engine.generate([ids], params)[0].token_ids for name, ids in prompts.items()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Cluster:
+    logs = tmp_path_factory.mktemp("workers")
+    redis = RedisServer()
+    redis.start()
+    pair = ["--max-num-batched-tokens", "64"]  # chunked prefill of the long prompt
+    workers = {
+        "p-ucx": Worker("p-ucx", ["prefill-worker", "--kv-transport", "ucx", *pair],
+                        logs / "p-ucx.log"),
+        "d-ucx": Worker("d-ucx", ["decode-worker", "--kv-transport", "ucx"], logs / "d-ucx.log"),
+        "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp",
+                                  "--fault-transfer-delay-ms", str(LAYER_DELAY_MS),
+                                  "--fault-request-prefix", "fault-"],
+                        logs / "p-tcp.log"),
+        "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp"], logs / "d-tcp.log"),
+    }
+    for w in workers.values():
+        w.start(redis.url)
+    try:
+        from engine.loader import load_model
+        from engine.llm_engine import load_tokenizer
+        tokenizer = load_tokenizer(load_model("default").tokenizer_source)
+        prompts = {"short": tokenizer.encode(SHORT), "long": tokenizer.encode(LONG)}
+        assert 100 <= len(prompts["long"]) <= 300, len(prompts["long"])
+        reference = reference_outputs(prompts)
+        asyncio.run(wait_registered(redis.url, list(workers.values()), 150))
+        yield Cluster(redis, workers, reference, prompts)
+    finally:
+        for w in workers.values():  # all at once: each drains and deregisters
+            if w.process is not None and w.process.poll() is None:
+                w.process.send_signal(signal.SIGTERM)
+        for w in workers.values():
+            w.stop()
+        redis.stop()
+
+
+# ------------------------------------------------------------------------- the gateway's part
+
+@dataclass
+class Handoff:
+    reserve: ReserveResponse | None = None
+    prefill: PrefillResult | None = None
+    transfer: TransferResult | None = None
+    tokens: list[int] = field(default_factory=list)
+    decode_error: Exception | None = None
+    prefill_error: Exception | None = None
+    elapsed_s: float = 0.0
+
+
+async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
+                      sampling: SamplingSpec = GREEDY, timeout_ms: int = 30_000) -> Handoff:
+    """reserve on D -> prefill on P -> decode on D (sent right after the first token)."""
+    result = Handoff()
+    started = time.monotonic()
+    pc, dc = ControlClient(p.control_url), ControlClient(d.control_url)
+    try:
+        result.reserve = await dc.call("/internal/reserve", ReserveRequest(
+            request_id=rid, prompt_token_ids=prompt, max_tokens=sampling.max_tokens,
+            timeout_ms=timeout_ms), ReserveResponse, 5.0)
+        decode_task = None
+        try:
+            async for frame in pc.stream("/internal/prefill", PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                    timeout_ms=timeout_ms, destination=result.reserve.destination),
+                    PrefillResponseFrame, timeout_ms / 1000, timeout_ms / 1000):
+                if isinstance(frame, PrefillResult):
+                    result.prefill = frame
+                    result.tokens.append(frame.first_token_id)
+                    decode_task = asyncio.create_task(_decode(dc, rid, prompt, sampling,
+                                                              frame, result, timeout_ms))
+                elif isinstance(frame, TransferResult):
+                    result.transfer = frame
+        except ControlError as exc:
+            result.prefill_error = exc
+            await dc.call("/internal/abort", AbortRequest(request_id=rid), AbortResponse, 2.0)
+        if decode_task is not None:
+            await decode_task
+    finally:
+        await pc.aclose()
+        await dc.aclose()
+    result.elapsed_s = time.monotonic() - started
+    return result
+
+
+async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: SamplingSpec,
+                  first: PrefillResult, result: Handoff, timeout_ms: int) -> None:
+    try:
+        async for frame in dc.stream("/internal/decode", DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                timeout_ms=timeout_ms, first_token_id=first.first_token_id,
+                epoch=result.reserve.destination.epoch), TokenFrame,
+                timeout_ms / 1000, timeout_ms / 1000):
+            result.tokens.extend(frame.token_ids)
+    except ControlError as exc:
+        result.decode_error = exc
+
+
+async def worker_state(w: Worker) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(w.control_url + "/internal/state",
+                               timeout=aiohttp.ClientTimeout(total=5)) as response:
+            return await response.json()
+
+
+async def metrics(w: Worker) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(w.control_url + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=5)) as response:
+            return parse_samples(await response.text())
+
+
+async def wait_no_blocks_held(w: Worker, timeout_s: float) -> dict:
+    """Poll /internal/state until the worker holds no block; returns the last state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = await worker_state(w)
+        assert state["invariant_error"] is None, state
+        if state["num_used_blocks"] == 0 and state["num_held_tables"] == 0:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{w.worker_id} still holds blocks: {state}")
+        await asyncio.sleep(0.1)
+
+
+def sent_bytes(samples: dict[str, float]) -> float:
+    return samples.get('pdserve_kv_transfer_bytes_total{direction="sent"}', 0.0)
+
+
+def received_bytes(samples: dict[str, float]) -> float:
+    return samples.get('pdserve_kv_transfer_bytes_total{direction="received"}', 0.0)
+
+
+# ------------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("backend", ["ucx", "tcp"])
+def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str) -> None:
+    p, d = cluster.workers[f"p-{backend}"], cluster.workers[f"d-{backend}"]
+
+    async def run() -> None:
+        for name in ("short", "long"):
+            result = await run_handoff(p, d, f"same-{backend}-{name}", cluster.prompts[name])
+            assert result.prefill_error is None and result.decode_error is None, result
+            assert result.transfer.status is TransferStatus.DONE
+            assert result.tokens == cluster.reference[name], name
+        await wait_no_blocks_held(p, 2.0)
+        await wait_no_blocks_held(d, 2.0)
+
+    asyncio.run(run())
+
+
+def test_shared_prefix_sends_fewer_kv_bytes(cluster: Cluster) -> None:
+    p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
+    # A prefix no earlier request had (chained hashes differ from the first block on).
+    long_ids = [11, 12, 13] + cluster.prompts["long"][40:]
+
+    async def run() -> None:
+        before = sent_bytes(await metrics(p)), received_bytes(await metrics(d))
+        first = await run_handoff(p, d, "prefix-1", long_ids + [1, 2, 3])
+        middle = sent_bytes(await metrics(p)), received_bytes(await metrics(d))
+        second = await run_handoff(p, d, "prefix-2", long_ids + [4, 5, 6])
+        after = sent_bytes(await metrics(p)), received_bytes(await metrics(d))
+        assert first.transfer.status is second.transfer.status is TransferStatus.DONE
+        assert second.reserve.destination.num_prefix_blocks_held >= 4
+        first_sent, second_sent = middle[0] - before[0], after[0] - middle[0]
+        assert first_sent == first.transfer.num_bytes_sent > 0
+        assert first.transfer.num_blocks_sent == -(-len(long_ids + [1, 2, 3]) // 16)
+        assert 0 < second_sent < first_sent / 2
+        assert after[1] - middle[1] == second_sent  # both sides count the same bytes
+
+    asyncio.run(run())
+
+
+def test_abort_reaches_the_decode_worker_within_100_ms(cluster: Cluster) -> None:
+    d = cluster.workers["d-ucx"]
+
+    async def run() -> None:
+        client = ControlClient(d.control_url)
+        frames: list[TokenFrame] = []
+        ended: list[Exception] = []
+        aborted_at: list[float] = []
+
+        async def consume() -> None:
+            try:
+                async for frame in client.stream("/internal/decode", DecodeRequest(
+                        request_id="abort-me", prompt_token_ids=cluster.prompts["short"],
+                        sampling=SamplingSpec(max_tokens=500, temperature=0.0,
+                                              ignore_eos=True),
+                        timeout_ms=60_000), TokenFrame, 30.0, 30.0):
+                    frames.append(frame)
+            except RemoteError as exc:
+                ended.append(exc)
+                aborted_at.append(time.monotonic())
+
+        task = asyncio.create_task(consume())
+        while sum(len(f.token_ids) for f in frames) < 3:
+            await asyncio.sleep(0.01)
+        abort_client = ControlClient(d.control_url)
+        sent = time.monotonic()
+        answer = await abort_client.call("/internal/abort", AbortRequest(request_id="abort-me"),
+                                         AbortResponse, 2.0)
+        abort_latency_s = time.monotonic() - sent
+        await asyncio.wait_for(task, 5.0)
+        await abort_client.aclose()
+        await client.aclose()
+        assert answer.found
+        assert abort_latency_s < 0.1, abort_latency_s
+        assert ended and ended[0].frame.code is ErrorCode.ABORTED
+        assert aborted_at[0] - sent < 0.5  # the stream ends at the next step boundary
+        assert sum(len(f.token_ids) for f in frames) < 500
+        await wait_no_blocks_held(d, 2.0)
+        print(f"abort answered in {abort_latency_s * 1000:.1f} ms; stream ended "
+              f"{(aborted_at[0] - sent) * 1000:.1f} ms after it was sent")
+
+    asyncio.run(run())
+
+
+def test_stalled_transfer_fails_within_its_deadline_and_frees_both_sides(
+        cluster: Cluster) -> None:
+    p, d = cluster.workers["p-tcp"], cluster.workers["d-tcp"]
+
+    async def run() -> None:
+        failures_before = sum(v for k, v in (await metrics(d)).items()
+                              if k.startswith("pdserve_handoff_failures_total"))
+        timeout_ms = 4000  # the push needs ~9 s: it stalls past the deadline
+        result = await run_handoff(p, d, "fault-stall", cluster.prompts["long"],
+                                   timeout_ms=timeout_ms)
+        assert result.prefill is not None
+        assert result.transfer.status is TransferStatus.FAILED, result.transfer
+        assert isinstance(result.decode_error, RemoteError), result
+        assert result.decode_error.frame.code in (ErrorCode.TRANSFER_FAILED,
+                                                  ErrorCode.DEADLINE_EXCEEDED)
+        assert result.elapsed_s < timeout_ms / 1000 + 2.0, result.elapsed_s
+        await wait_no_blocks_held(p, 2.0)
+        await wait_no_blocks_held(d, 2.0)
+        failures_after = sum(v for k, v in (await metrics(d)).items()
+                             if k.startswith("pdserve_handoff_failures_total"))
+        assert failures_after > failures_before
+
+    asyncio.run(run())
+
+
+def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster) -> None:
+    p, d = cluster.workers["p-tcp"], cluster.workers["d-tcp"]
+
+    async def run() -> None:
+        rid, prompt = "fault-kill-decode", cluster.prompts["long"]
+        dc, pc = ControlClient(d.control_url), ControlClient(p.control_url)
+        reserve = await dc.call("/internal/reserve", ReserveRequest(
+            request_id=rid, prompt_token_ids=prompt, max_tokens=12, timeout_ms=20_000),
+            ReserveResponse, 5.0)
+        frames = []
+        killed_at = None
+        async for frame in pc.stream("/internal/prefill", PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=GREEDY, timeout_ms=20_000,
+                destination=reserve.destination), PrefillResponseFrame, 20.0, 20.0):
+            frames.append(frame)
+            if isinstance(frame, PrefillResult):
+                await asyncio.sleep(1.0)  # ~3 of 30 layers sent
+                d.kill()
+                killed_at = time.monotonic()
+        detected_s = time.monotonic() - killed_at
+        await dc.aclose()
+        await pc.aclose()
+        assert isinstance(frames[-1], TransferResult)
+        assert frames[-1].status is TransferStatus.FAILED, frames[-1]
+        assert detected_s < 3.0, detected_s  # well before the 20 s deadline
+        await wait_no_blocks_held(p, 2.0)
+        samples = await metrics(p)
+        assert any(k.startswith("pdserve_handoff_failures_total") for k in samples)
+
+    asyncio.run(run())
+
+
+def test_killing_the_prefill_worker_frees_the_reservation_and_restart_purges_index(
+        cluster: Cluster) -> None:
+    p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
+    from engine.kv_cache import block_hashes
+
+    async def run() -> None:
+        state = RedisState(connect(cluster.redis.url), NAMESPACE)
+        long_hashes = block_hashes(cluster.prompts["long"], 16)
+        holders = await state.query_prefix_holders(long_hashes[:4])
+        old_epoch = p.epoch
+        assert all(h.get(p.worker_id) == old_epoch for h in holders), holders
+
+        timeout_ms = 2500
+        prompt = [7, 8, 9] + cluster.prompts["long"]  # not cached: a real prefill
+        task = asyncio.create_task(run_handoff(p, d, "kill-prefill", prompt,
+                                               timeout_ms=timeout_ms))
+        await asyncio.sleep(0.3)  # 4 chunks of 64 tokens take longer than this
+        p.kill()
+        killed_at = time.monotonic()
+        result = await asyncio.wait_for(task, 10)
+        assert result.prefill_error is not None, result
+        assert result.prefill is None  # died before the first token
+        assert time.monotonic() - killed_at < 2.0
+        await wait_no_blocks_held(d, 2.0)
+
+        p.start(cluster.redis.url)
+        await wait_registered(cluster.redis.url, [p], 60)
+        assert p.epoch > old_epoch
+        holders = await state.query_prefix_holders(long_hashes[:4])
+        for per_hash in holders:
+            assert p.worker_id not in per_hash, holders  # the old epoch's entries are gone
+        again = await run_handoff(p, d, "after-restart", cluster.prompts["short"])
+        assert again.tokens == cluster.reference["short"]
+        await state.aclose()
+
+    asyncio.run(run())
+
+
+def test_redis_outage_does_not_stop_a_running_decode(cluster: Cluster) -> None:
+    d = cluster.workers["d-ucx"]
+    outage_s = 10.0
+
+    async def run() -> None:
+        client = ControlClient(d.control_url)
+        arrivals: list[tuple[float, int]] = []
+        max_tokens = 150
+        stopped_at = restarted_at = None
+        frames = client.stream("/internal/decode", DecodeRequest(
+            request_id="through-outage", prompt_token_ids=cluster.prompts["short"],
+            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            timeout_ms=120_000), TokenFrame, 30.0, 30.0)
+        last = None
+        async for frame in frames:
+            arrivals.append((time.monotonic(), len(frame.token_ids)))
+            last = frame
+            if stopped_at is None:
+                cluster.redis.stop()
+                stopped_at = time.monotonic()
+            elif restarted_at is None and time.monotonic() - stopped_at >= outage_s:
+                cluster.redis.start()
+                restarted_at = time.monotonic()
+        await client.aclose()
+        if restarted_at is None:
+            await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - stopped_at)))
+            cluster.redis.start()
+        assert last.finish_reason is not None and last.usage.num_completion_tokens == max_tokens
+        during = sum(n for t, n in arrivals if stopped_at + 1 < t < stopped_at + outage_s)
+        assert during > 10, arrivals  # tokens kept flowing while Redis was down
+        assert sum(n for _, n in arrivals) == max_tokens
+        # The worker republishes itself once Redis is back.
+        await wait_registered(cluster.redis.url, [d], 15)
+
+    asyncio.run(run())
+
+
+def test_sigterm_drains_deregisters_and_exits_zero(cluster: Cluster) -> None:
+    d = cluster.workers["d-ucx"]
+
+    async def run() -> None:
+        state = RedisState(connect(cluster.redis.url), NAMESPACE)
+        d.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        while d.process.poll() is None and time.monotonic() - started < 20:
+            await asyncio.sleep(0.1)
+        assert d.process.returncode == 0, d.log_path.read_text()[-2000:]
+        assert d.worker_id not in await state.list_workers()
+        await state.aclose()
+
+    asyncio.run(run())

@@ -1,0 +1,100 @@
+"""EngineThread bridging, with a scripted engine: commands between steps, outputs routed to
+the right request's stream, a failing step ending every stream (not hanging it)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from engine.engine_thread import EngineStopped, EngineThread, StreamEnd
+from engine.llm_engine import RequestOutput
+
+pytestmark = [pytest.mark.timeout(20)]
+
+
+class ScriptedEngine:
+    """Emits one token per step for each added request until it has `n` of them."""
+
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        self.requests: dict[str, list[int]] = {}
+        self.num_steps = 0
+        self.fail_at_step = fail_at_step
+        self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
+                                        request_ids=lambda: frozenset(self.requests),
+                                        drain_events=lambda: [])
+
+    num_waiting = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests)
+
+    def add(self, rid: str, n: int) -> None:
+        if rid in self.requests:
+            raise ValueError("in use")
+        self.requests[rid] = [n]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.num_steps == self.fail_at_step:
+            raise RuntimeError("kernel exploded")
+        outputs = []
+        for rid, state in list(self.requests.items()):
+            state.append(len(state))
+            done = len(state) > state[0]
+            outputs.append(RequestOutput(rid, [len(state)], "", [], "length" if done else None,
+                                         3, len(state) - 1, 0))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+
+async def collect(stream) -> list:
+    items = []
+    while True:
+        item = await stream.next(5.0)
+        items.append(item)
+        if isinstance(item, StreamEnd) or item.finish_reason:
+            return items
+
+
+def test_outputs_reach_their_own_stream_and_commands_return_results() -> None:
+    async def run() -> None:
+        reports = []
+        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), reports.append)
+        thread.start()
+        a, b = thread.open_stream("a"), thread.open_stream("b")
+        await thread.call(lambda e: e.add("a", 3))
+        await thread.call(lambda e: e.add("b", 5))
+        with pytest.raises(ValueError, match="in use"):
+            await thread.call(lambda e: e.add("z", 1) or e.add("z", 1))  # error comes back
+        await thread.call(lambda e: None)  # the thread lives on
+        got_a, got_b = await asyncio.gather(collect(a), collect(b))
+        assert [o.request_id for o in got_a] == ["a"] * 3 and got_a[-1].finish_reason
+        assert [o.request_id for o in got_b] == ["b"] * 5
+        assert reports and reports[-1].stats.num_steps >= 5
+        await thread.stop()
+        with pytest.raises(EngineStopped):
+            await thread.call(lambda e: None)
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_ends_every_stream_with_the_error() -> None:
+    async def run() -> None:
+        thread = EngineThread(ScriptedEngine(fail_at_step=2), asyncio.get_running_loop(),
+                              lambda r: None)
+        thread.start()
+        stream = thread.open_stream("a")
+        await thread.call(lambda e: e.add("a", 10))
+        items = await collect(stream)
+        assert isinstance(items[-1], StreamEnd) and "exploded" in str(items[-1].error)
+        assert not thread.is_alive
+        await thread.stop()
+
+    asyncio.run(run())
