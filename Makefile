@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/pdserve generate --chat "Write one sentence about the capital of France."
+	$(VENV)/bin/pdserve up
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
