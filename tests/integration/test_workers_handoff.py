@@ -199,7 +199,9 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
                                                               frame, result, timeout_ms))
                 elif isinstance(frame, TransferResult):
                     result.transfer = frame
-        except ControlError as exc:
+        # A worker killed mid-stream surfaces as aiohttp's ClientPayloadError, which
+        # ControlClient.stream does not wrap in ControlError.
+        except (ControlError, aiohttp.ClientError) as exc:
             result.prefill_error = exc
             await dc.call("/internal/abort", AbortRequest(request_id=rid), AbortResponse, 2.0)
         if decode_task is not None:
@@ -220,7 +222,7 @@ async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: Samp
                 epoch=result.reserve.destination.epoch), TokenFrame,
                 timeout_ms / 1000, timeout_ms / 1000):
             result.tokens.extend(frame.token_ids)
-    except ControlError as exc:
+    except (ControlError, aiohttp.ClientError) as exc:
         result.decode_error = exc
 
 
