@@ -9,7 +9,9 @@ A token stream is a chunked response of length-prefixed frames:
 
 Security: a control server bound to a loopback address may run without a token; bound to any
 other address it refuses to start without one (`PDSERVE_INTERNAL_TOKEN`, read by the CLI, not
-here). With a token set, every request must carry `Authorization: Bearer <token>`, else 401.
+here). With a token set, every request must carry `Authorization: Bearer <token>`, else 401,
+except the probe paths (`/health`, `/ready`, `/metrics`), which reveal no request data and
+must answer orchestrators' probes and Prometheus scrapes that carry no token.
 Bodies above `max_body_bytes` get 413 before they are read into memory.
 
 Deadlines: `ControlClient.call` has one overall deadline; `ControlClient.stream` has one for
@@ -26,6 +28,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import ClientSession, ClientTimeout, web
 
 from common.protocol import (MAX_MESSAGE_BYTES, ErrorCode, ErrorFrame, Message, MessageDecoder,
@@ -117,6 +120,11 @@ async def error_middleware(request: web.Request,
         return error_response(ErrorCode.TOO_LARGE, exc.text or "request body too large", 413)
 
 
+# Read-only paths open without the token: liveness, readiness and metrics carry no request
+# data, and probes (kubelet, Docker HEALTHCHECK, Prometheus) should not need the secret.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
 def token_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
     expected = f"Bearer {token}".encode()
 
@@ -124,6 +132,8 @@ def token_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
     async def check_token(request: web.Request,
                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:
+        if request.path in PROBE_PATHS and request.method == "GET":
+            return await handler(request)
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):  # constant time: no token oracle
             return error_response(ErrorCode.UNAUTHORIZED, "missing or wrong internal token", 401)
@@ -276,6 +286,8 @@ class ControlClient:
                                            response.status)
         except TimeoutError as exc:
             raise FrameDeadlineError(f"{path}: no answer within {timeout_s} s") from exc
+        except aiohttp.ClientError as exc:  # refused, reset, cut mid-body: the peer is gone
+            raise ControlError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
     async def stream(self, path: str, message: Message, frame_type: Any,
                      first_frame_timeout_s: float, frame_timeout_s: float) -> AsyncIterator[Any]:
@@ -295,6 +307,8 @@ class ControlClient:
                     timeout=ClientTimeout(total=None))
         except TimeoutError as exc:
             raise FrameDeadlineError(f"{path}: no response within {timeout_s} s") from exc
+        except aiohttp.ClientError as exc:
+            raise ControlError(f"{path}: {type(exc).__name__}: {exc}") from exc
         try:
             if response.content_type != FRAMES_CONTENT_TYPE:
                 body = await asyncio.wait_for(response.content.read(self.max_frame_bytes + 1),
@@ -309,6 +323,9 @@ class ControlClient:
                 except TimeoutError as exc:
                     raise FrameDeadlineError(
                         f"{path}: no frame within {timeout_s} s (stream stalled)") from exc
+                except aiohttp.ClientError as exc:  # the worker died mid-stream
+                    raise ControlError(f"{path}: stream broken: {type(exc).__name__}: {exc}") \
+                        from exc
                 if frame is None:
                     return
                 yield _raise_if_error(frame, response.status)

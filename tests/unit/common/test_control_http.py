@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-from aiohttp import ClientSession
+import aiohttp
+from aiohttp import ClientSession, web
 
-from common.control_http import (MSGPACK_CONTENT_TYPE, ControlClient, ControlServer,
-                                 FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
+from common.control_http import (FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, ControlClient,
+                                 ControlError, ControlServer, FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
                                  make_app, message_handler, stream_handler)
 from common.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
                              ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
@@ -134,6 +135,51 @@ async def test_missing_or_wrong_token_is_401(served: tuple[FakeWorker, str], tok
         assert not worker.stream_closed.is_set(), "the handler must not run unauthenticated"
     finally:
         await client.aclose()
+
+
+async def test_probe_paths_are_open_but_nothing_else_is() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = make_app(token=TOKEN)
+    for path in ("/health", "/ready", "/metrics", "/internal/state"):
+        app.router.add_get(path, ok)
+    server = ControlServer(app, token=TOKEN)
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path in ("/health", "/ready", "/metrics"):
+                async with session.get(url + path) as response:
+                    assert response.status == 200, path
+            async with session.get(url + "/internal/state") as response:
+                assert response.status == 401
+            async with session.get(url + "/internal/state",
+                                   headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+                assert response.status == 200
+    finally:
+        await server.stop()
+
+
+async def test_peer_dying_mid_stream_is_a_control_error() -> None:
+    async def die_mid_frame(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(b"\x00\x00\x01\x00partial")  # announces 256 bytes, sends 7
+        request.transport.abort()  # the connection drops as when the process dies
+        return response
+
+    app = make_app(token=None)
+    app.router.add_post("/v1/decode", die_mid_frame)
+    server = ControlServer(app)
+    url = await server.start()
+    client = ControlClient(url)
+    try:
+        with pytest.raises(ControlError):
+            async for _ in client.stream("/v1/decode", decode_request(), TokenFrame, 2.0, 1.0):
+                pass
+    finally:
+        await client.aclose()
+        await server.stop()
 
 
 async def test_oversize_body_is_413(served: tuple[FakeWorker, str]) -> None:
