@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gateway.cli import env_default
+from common.cli_env import env_default, env_flag
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,8 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--host", "127.0.0.1", help="gateway address (default 127.0.0.1)")
     opt("--prefill", "1", type=int, help="prefill workers (default 1)")
     opt("--decode", "1", type=int, help="decode workers (default 1)")
-    p.add_argument("--colocated", action="store_true",
-                   help="run --workers colocated decode workers that prefill locally")
+    p.add_argument("--colocated", action="store_true", default=env_flag(env, "--colocated"),
+                   help="run --workers colocated decode workers that prefill locally "
+                        "[env PDSERVE_COLOCATED=1]")
     opt("--workers", "2", type=int, help="colocated workers with --colocated (default 2)")
     opt("--redis-url", help="use this Redis instead of starting one")
     opt("--tiers", help="tiers TOML file for the gateway")

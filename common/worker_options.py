@@ -13,13 +13,11 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.cli_env import env_name
+
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def env_name(option: str) -> str:
-    return "PDSERVE_" + option.lstrip("-").replace("-", "_").upper()
 
 
 @dataclass(frozen=True, slots=True)

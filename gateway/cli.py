@@ -12,12 +12,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from common.cli_env import env_default
 from common.control_http import INTERNAL_TOKEN_ENV
-
-
-def env_default(env: Mapping[str, str], option: str, default: str | None = None) -> str | None:
-    """The PDSERVE_<OPTION> value for `--option`, else `default`."""
-    return env.get("PDSERVE_" + option.lstrip("-").replace("-", "_").upper(), default)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -41,6 +41,13 @@ def _pool(layout_fields: dict, seed: int | None):
     return storage
 
 
+async def _gate(cfg: dict) -> None:
+    """Wait for the test's "go" line, so deadlines start after both processes are up."""
+    if cfg.get("gate"):
+        _emit(event="gated")
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
 def _resources() -> dict:
     with open("/proc/self/maps") as f:
         num_maps = sum(1 for _ in f)
@@ -91,7 +98,11 @@ async def _run_receiver(cfg: dict) -> None:
     if cfg.get("loop"):
         await _receive_loop(receiver, cfg["loop"])
     else:
-        await asyncio.gather(*(one(t) for t in transfers))
+        await _gate(cfg)
+
+        async def expecting() -> None:  # runs after every one() registered its expect()
+            _emit(event="expecting")
+        await asyncio.gather(*(one(t) for t in transfers), expecting())
     receiver.check_invariants()
     _emit(event="stats", num_sessions=receiver.num_sessions, num_expected=receiver.num_expected,
           num_tasks=receiver.num_tasks, num_posted=getattr(receiver.plane, "num_posted", 0)
@@ -148,12 +159,15 @@ async def _run_sender(cfg: dict) -> None:
                 handle.send_layer(layer)
                 _emit(event="sent_layer", request_id=t["request_id"], layer=layer)
                 await asyncio.sleep(t.get("layer_delay_s", 0.0))  # "computing" the next layer
+                if handle.state.is_terminal:
+                    break  # a prefill worker stops sending once the transfer failed
             await handle.finish()
             outcome = "ok"
         except Exception as exc:
             outcome = type(exc).__name__
         _emit(event="done", request_id=t["request_id"], outcome=outcome,
               elapsed_s=time.monotonic() - started)
+    await _gate(cfg)
     await asyncio.gather(*(one(t) for t in cfg["transfers"]))
     await sender.close()
 
@@ -163,7 +177,12 @@ class Peer:
     def __init__(self, role: str, cfg: dict) -> None:
         env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen([sys.executable, __file__, role, json.dumps(cfg)],
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=ROOT)
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
     def next_event(self, event: str, timeout_s: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -191,6 +210,21 @@ class Peer:
                 self.proc.kill()
 
 
+def start_pair(backend: str, receiver_cfg: dict, sender_cfgs: list[dict]):
+    """Receiver and senders up and gated; then the receiver expects, then senders start."""
+    receiver = Peer("receiver", dict(receiver_cfg, backend=backend, gate=True))
+    address = receiver.next_event("address")["address"]
+    senders = [Peer("sender", dict(cfg, backend=backend, peer=address, gate=True))
+               for cfg in sender_cfgs]
+    for peer in [receiver, *senders]:
+        peer.next_event("gated")
+    receiver.go()
+    receiver.next_event("expecting")
+    for sender in senders:
+        sender.go()
+    return receiver, senders
+
+
 def transfer(rid, src, dst, seed=None, timeout_s=10.0, **extra):
     t = dict(request_id=rid, src=src, dst=dst, layers=[0, 4], timeout_s=timeout_s, **extra)
     if seed is not None:
@@ -202,10 +236,8 @@ def transfer(rid, src, dst, seed=None, timeout_s=10.0, **extra):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layers_sent_as_they_finish_land_bitwise(backend):
     t = transfer("a", [5, 6, 7, 20, 41, 42], [0, 1, 2, 30, 9, 10], seed=11, layer_delay_s=0.02)
-    receiver = Peer("receiver", dict(backend=backend, transfers=[t], token="s3cret"))
-    address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=11, peer=address, transfers=[t],
-                                 token="s3cret"))
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t], token="s3cret"),
+                                     [dict(seed=11, transfers=[t], token="s3cret")])
     assert sender.next_event("done")["outcome"] == "ok"
     done = receiver.next_event("done")
     assert done["outcome"] == "ok" and done["bitwise"] and done["releases"] == 0
@@ -217,10 +249,8 @@ def test_layers_sent_as_they_finish_land_bitwise(backend):
 def test_two_senders_into_one_receiver_concurrently(backend):
     ta = transfer("a", [1, 2, 3, 4], [10, 11, 12, 13], seed=1)
     tb = transfer("b", [1, 2, 9, 4], [20, 21, 40, 23], seed=2)
-    receiver = Peer("receiver", dict(backend=backend, transfers=[ta, tb]))
-    address = receiver.next_event("address")["address"]
-    senders = [Peer("sender", dict(backend=backend, seed=s, peer=address, transfers=[t]))
-               for s, t in ((1, ta), (2, tb))]
+    receiver, senders = start_pair(backend, dict(transfers=[ta, tb]),
+                                   [dict(seed=1, transfers=[ta]), dict(seed=2, transfers=[tb])])
     for sender in senders:
         assert sender.next_event("done")["outcome"] == "ok"
     results = receiver.events("done", 2)
@@ -232,9 +262,8 @@ def test_two_senders_into_one_receiver_concurrently(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sender_killed_mid_transfer_receiver_raises_and_releases_once(backend):
     t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=5.0, layer_delay_s=30.0)
-    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
-    address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t]),
+                                     [dict(seed=3, transfers=[t])])
     sender.next_event("sent_layer")
     time.sleep(0.2)  # layer 0 lands; the sender dies while "computing" layer 1
     sender.kill()
@@ -249,9 +278,8 @@ def test_sender_killed_mid_transfer_receiver_raises_and_releases_once(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_killed_sender_raises_within_deadline(backend):
     t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=5.0, layer_delay_s=0.5)
-    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
-    address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t]),
+                                     [dict(seed=3, transfers=[t])])
     sender.next_event("sent_layer")
     receiver.kill()
     done = sender.next_event("done")
@@ -262,14 +290,13 @@ def test_receiver_killed_sender_raises_within_deadline(backend):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_deadline_aborts_a_slow_sender_on_both_sides(backend):
-    # The deadline falls while the sender "computes" layer 1 (after its start-up, ~2 s).
-    t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=4.0, layer_delay_s=3.0)
-    receiver = Peer("receiver", dict(backend=backend, transfers=[t]))
-    address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    # The deadline falls while the sender "computes" layer 1.
+    t = transfer("a", [1, 2, 3], [4, 5, 6], timeout_s=1.5, layer_delay_s=3.0)
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t]),
+                                     [dict(seed=3, transfers=[dict(t, timeout_s=10.0)])])
     done = receiver.next_event("done")
     assert done["outcome"] == "TransferTimeout" and done["releases"] == 1
-    assert done["elapsed_s"] < 4.0 + 0.5 + 0.5  # deadline + abort handshake bound + slack
+    assert done["elapsed_s"] < 1.5 + 0.5 + 0.5  # deadline + abort handshake bound + slack
     assert sender.next_event("done")["outcome"] == "TransferCancelled"
     assert sender.finish() == 0 and receiver.finish() == 0
 
@@ -277,11 +304,9 @@ def test_receiver_deadline_aborts_a_slow_sender_on_both_sides(backend):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layout_mismatch_is_a_clear_error_before_any_data_moves(backend):
-    t = transfer("a", [1, 2], [3, 4], timeout_s=6.0)  # outlives the sender's start-up
-    receiver = Peer("receiver", dict(backend=backend, transfers=[t],
-                                     layout=dict(LAYOUT, head_dim=64)))
-    address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, transfers=[t]))
+    t = transfer("a", [1, 2], [3, 4], timeout_s=1.0)
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t], layout=dict(LAYOUT, head_dim=64)),
+                                     [dict(seed=3, transfers=[t])])
     assert sender.next_event("done")["outcome"] == "LayoutMismatch"
     done = receiver.next_event("done")
     assert done["outcome"] == "TransferTimeout" and done["pool_nonzero"] == 0
