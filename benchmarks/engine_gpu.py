@@ -70,6 +70,9 @@ class TimingResult:
     time_us: float
     floor_us: float
     floor_kind: str  # "memory" or "matmul"
+    # Per call inside one CUDA graph of back-to-back calls: no host launch cost (which
+    # dominates `time_us` for tiny kernels, as in a decode step's graph), L2 not flushed.
+    graph_us: float
 
     @property
     def fraction_of_floor(self) -> float:
@@ -149,6 +152,7 @@ def check_kernels(cases: KernelCases, tol: Tolerance, small: bool) -> list[Check
     rope.apply_rope_reference_(ref_q, ref_k, positions, cos, sin)
     rope.apply_rope_triton_(q, k, positions, cos, sin)
     results.append(tol.check("apply_rope_", f"{num_tokens} tokens", [(q, ref_q), (k, ref_k)]))
+    results.append(_check_rope_write_kv(c, tol, positions, cos, sin))
 
     contexts = [1, 17, 40, 0] if small else [1, 17, 600, 2048, 0, 4000]
     k_cache, v_cache, tables, lens = c.paged(contexts)
@@ -188,11 +192,38 @@ def check_kernels(cases: KernelCases, tol: Tolerance, small: bool) -> list[Check
     return results
 
 
+def _check_rope_write_kv(c: KernelCases, tol: Tolerance, positions, cos, sin) -> CheckResult:
+    from engine.kernels import rope_kv_write
+
+    num_tokens = positions.shape[0]
+    q = c.randn(num_tokens, c.num_heads, c.head_dim)
+    k = c.randn(num_tokens, c.num_kv_heads, c.head_dim)
+    v = c.randn(num_tokens, c.num_kv_heads, c.head_dim)
+    caches = [c.nan_like(c.randn(num_tokens // BLOCK_SIZE + 2, BLOCK_SIZE, c.num_kv_heads,
+                                 c.head_dim)) for _ in range(2)]
+    slots = c.torch.randperm(caches[0].shape[0] * BLOCK_SIZE, device=c.device)[:num_tokens]
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_caches = [t.clone() for t in caches]
+    rope_kv_write.rope_write_kv_reference_(ref_q, ref_k, v, positions, cos, sin, *ref_caches,
+                                           slots)
+    rope_kv_write.rope_write_kv_triton_(q, k, v, positions, cos, sin, *caches, slots)
+    flat = [t.view(-1, c.num_kv_heads, c.head_dim)[slots.long()] for t in caches + ref_caches]
+    return tol.check("rope_write_kv_", f"{num_tokens} tokens",
+                     [(q, ref_q), (k, ref_k), (flat[0], flat[2]), (flat[1], flat[3])])
+
+
 def _bench_us(fn: Callable[[], object]) -> float:
     """Median microseconds, L2 flushed between runs (triton's do_bench)."""
     import triton.testing
 
     return 1000.0 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _graph_us(fn: Callable[[], object]) -> float:
+    """Median microseconds per call, calls replayed back to back from one CUDA graph."""
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 def measure_floors() -> Floors:
@@ -214,7 +245,7 @@ def measure_floors() -> Floors:
 def time_kernels(cases: KernelCases, floors: Floors) -> list[TimingResult]:
     """Section 3: bf16 kernels at the model's shape; floors from the bytes/FLOPs they need."""
     from engine.kernels import (kv_cache_write, paged_decode_attention, prefill_attention,
-                                rmsnorm, rope, silu_mul)
+                                rmsnorm, rope, rope_kv_write, silu_mul)
 
     c, torch = cases, cases.torch
     elt = torch.tensor([], dtype=c.dtype).element_size()
@@ -226,7 +257,8 @@ def time_kernels(cases: KernelCases, floors: Floors) -> list[TimingResult]:
             floor_us, kind = 1e6 * num_flops / floors.matmul_flop_per_s, "matmul"
         else:
             floor_us, kind = 1e6 * num_bytes / floors.copy_bytes_per_s, "memory"
-        results.append(TimingResult(kernel, case, _bench_us(fn), floor_us, kind))
+        results.append(TimingResult(kernel, case, _bench_us(fn), floor_us, kind,
+                                    _graph_us(fn)))
 
     for num_tokens in (1, 256, 2048):
         x, res, w = c.randn(num_tokens, c.hidden), c.randn(num_tokens, c.hidden), c.randn(c.hidden)
@@ -249,18 +281,24 @@ def time_kernels(cases: KernelCases, floors: Floors) -> list[TimingResult]:
         add("write_kv_cache_", f"{num_tokens} tokens",
             lambda: kv_cache_write.write_kv_cache_triton_(k, k, kc, vc, slots),
             num_bytes=4 * k.numel() * elt)
+        add("rope_write_kv_", f"{num_tokens} tokens",
+            lambda: rope_kv_write.rope_write_kv_triton_(q, k, k, pos, cos, sin, kc, vc, slots),
+            num_bytes=(2 * q.numel() + 5 * k.numel()) * elt + 2 * num_tokens * c.head_dim * 4)
 
     num_sms = torch.cuda.get_device_properties(c.device).multi_processor_count
     for batch in (1, 32, 128, 256):
         for context in (512, 2048):
             kc, vc, tables, lens = c.paged([context] * batch)
             q = c.randn(batch, c.num_heads, c.head_dim)
-            splits = paged_decode_attention.num_decode_splits(
+            policy = paged_decode_attention.num_decode_splits(
                 batch, c.num_kv_heads, tables.shape[1] * BLOCK_SIZE, num_sms)
-            add("paged_decode_attention", f"batch {batch} ctx {context} splits {splits}",
-                lambda: paged_decode_attention.paged_decode_attention_triton(
-                    q, kc, vc, tables, lens, c.head_dim ** -0.5, splits),
-                num_bytes=2 * batch * context * c.num_kv_heads * c.head_dim * elt)
+            # At batch 1 every split factor, to pick the small-batch policy from data.
+            for splits in ((1, 2, 4, 8, 16, 32) if batch == 1 else (policy,)):
+                mark = " (policy)" if splits == policy else ""
+                add("paged_decode_attention", f"batch {batch} ctx {context} splits {splits}{mark}",
+                    lambda splits=splits: paged_decode_attention.paged_decode_attention_triton(
+                        q, kc, vc, tables, lens, c.head_dim ** -0.5, splits),
+                    num_bytes=2 * batch * context * c.num_kv_heads * c.head_dim * elt)
             del kc, vc
 
     for num_seqs in (1, 8):
@@ -302,10 +340,14 @@ def render_markdown(device_name: str, command: str, checks: list[CheckResult],
     lines += [f"| {r.kernel} | {r.case} | {r.max_abs_err:.2e} | {'yes' if r.ok else 'NO'} |"
               for r in checks]
     if timings:
-        lines += ["", "| kernel | case | time (us) | floor (us) | floor kind | % of floor |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {t.kernel} | {t.case} | {t.time_us:.1f} | {t.floor_us:.1f} | "
-                  f"{t.floor_kind} | {100 * t.fraction_of_floor:.0f}% |" for t in timings]
+        lines += ["", "time: one call launched from Python, L2 flushed (includes the host's "
+                  "launch cost); in graph: per call, replayed back to back from a CUDA graph "
+                  "(the decode step's situation; L2 warm).", "",
+                  "| kernel | case | time (us) | in graph (us) | floor (us) | floor kind "
+                  "| % of floor |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {t.kernel} | {t.case} | {t.time_us:.1f} | {t.graph_us:.1f} | "
+                  f"{t.floor_us:.1f} | {t.floor_kind} | {100 * t.fraction_of_floor:.0f}% |"
+                  for t in timings]
     if model_rows:
         lines += [""] + model_rows
     return "\n".join(lines) + "\n"
@@ -352,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
               f"bf16 matmul {floors.matmul_flop_per_s / 1e12:.0f} TFLOP/s", flush=True)
         timings = time_kernels(KernelCases(shape, device, dtype, seed + 1), floors)
         for t in timings:
-            print(f"{t.kernel:24s} {t.case:36s} {t.time_us:9.1f} us  floor {t.floor_us:9.1f} us"
+            print(f"{t.kernel:24s} {t.case:36s} {t.time_us:9.1f} us  graph {t.graph_us:8.1f} us"
+                  f"  floor {t.floor_us:9.1f} us"
                   f" ({t.floor_kind})  {100 * t.fraction_of_floor:5.1f}% of floor", flush=True)
     else:
         print("timings: skipped (no CUDA device)")

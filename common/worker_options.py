@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.cli_env import env_name
+from common.cli_env import env_flag, env_name
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")
@@ -36,6 +36,7 @@ class WorkerOptions:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_transport: str
+    kv_shared_memory: bool
     namespace: str
     log_level: str
     drain_timeout_s: float
@@ -82,6 +83,12 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         type=int)
     add("--kv-transport", "auto", "KV transfer backend (auto: ucx when importable, else tcp)",
         choices=TRANSPORTS)
+    parser.add_argument(
+        "--kv-shared-memory", action="store_true", default=env_flag(env, "--kv-shared-memory"),
+        help="UCX only: move KV over shared memory / cuda_ipc between workers of one host "
+             "(faster; UCX then cannot report a dead peer, and a prefill worker killed in the "
+             "middle of a copy can abort the decode worker; every worker of the cluster must "
+             "agree) [env PDSERVE_KV_SHARED_MEMORY; default: off]")
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--drain-timeout-s", 30.0, "on SIGTERM, how long in-flight requests may finish",
@@ -111,7 +118,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         threads=int(args.threads), kv_cache_mb=int(args.kv_cache_mb),
         block_size=int(args.block_size), max_num_seqs=int(args.max_num_seqs),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
-        kv_transport=args.kv_transport, namespace=args.namespace, log_level=args.log_level,
+        kv_transport=args.kv_transport, kv_shared_memory=bool(args.kv_shared_memory),
+        namespace=args.namespace, log_level=args.log_level,
         drain_timeout_s=float(args.drain_timeout_s),
         internal_token=args.internal_token or None,
         fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),

@@ -16,7 +16,8 @@ def build_role(options: Any, runtime: Any) -> DecodeWorker:
     async def make_receiver(storage: Any) -> Any:
         from kv_transfer.backend import make_receiver as make
         return await make(storage, options.kv_transport, host=options.host,
-                          token=options.internal_token or "")
+                          token=options.internal_token or "",
+                          ucx_shared_memory=options.kv_shared_memory)
 
     return DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
                         epoch=lambda: runtime.epoch, colocated=options.role == "colocated")

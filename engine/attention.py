@@ -265,10 +265,18 @@ def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
     `meta.slot_mapping`, padding slots skipped), allocation-free apart from its output, so
     it can be captured in a CUDA graph. q, k_new and v_new may be strided views."""
     from engine.kernels.kv_cache_write import write_kv_cache_triton_
+
+    write_kv_cache_triton_(k_new, v_new, kv_layer_k, kv_layer_v, meta.slot_mapping)
+    return attend_cached_kernels(q, kv_layer_k, kv_layer_v, meta, scale)
+
+
+def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
+                          meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention_kernels` for a step whose K/V the caller already wrote at
+    `meta.slot_mapping` (the model fuses that write into its RoPE kernel)."""
     from engine.kernels.paged_decode_attention import paged_decode_attention_triton
     from engine.kernels.prefill_attention import prefill_attention_triton
 
-    write_kv_cache_triton_(k_new, v_new, kv_layer_k, kv_layer_v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.is_decode:
         return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,

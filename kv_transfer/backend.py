@@ -37,12 +37,20 @@ def resolve_backend(name: str) -> str:
 
 async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
                         port: int = 0, token: str = "", ucx_worker=None,
-                        abort_timeout_s: float = 1.0) -> TransferReceiver:
-    """A started receiver; its `address` is what senders connect to."""
+                        abort_timeout_s: float = 1.0,
+                        ucx_shared_memory: bool = False) -> TransferReceiver:
+    """A started receiver; its `address` is what senders connect to.
+
+    `ucx_shared_memory` (when `ucx_worker` is not given) selects UCX's shared-memory and
+    cuda_ipc transports, which need UCX endpoint error handling off: faster on one host, but
+    a sender killed in the middle of a copy can make UCX abort *this* process. Off by
+    default: a dying prefill worker must never take a decode worker with it.
+    """
     name = resolve_backend(backend)
     if name == "ucx":
         from kv_transfer.ucx import UcxReceivePlane, UcxWorker
-        plane = UcxReceivePlane(ucx_worker or UcxWorker(), pool_bytes(storage.kv))
+        worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory)
+        plane = UcxReceivePlane(worker, pool_bytes(storage.kv))
     else:
         from kv_transfer.tcp import TcpReceivePlane
         plane = TcpReceivePlane(pool_bytes(storage.kv))
@@ -53,11 +61,13 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
 
 
 def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
-                ucx_worker=None, abort_timeout_s: float = 1.0) -> TransferSender:
+                ucx_worker=None, abort_timeout_s: float = 1.0,
+                ucx_shared_memory: bool = False) -> TransferSender:
+    """A sender; `ucx_shared_memory` as for `make_receiver` (both peers must agree)."""
     name = resolve_backend(backend)
     if name == "ucx":
         from kv_transfer.ucx import UcxSendPlane, UcxWorker
-        plane = UcxSendPlane(ucx_worker or UcxWorker())
+        plane = UcxSendPlane(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory))
     else:
         from kv_transfer.tcp import TcpSendPlane
         plane = TcpSendPlane()

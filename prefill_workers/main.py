@@ -15,7 +15,8 @@ from prefill_workers.worker import PrefillWorker
 def build_role(options: Any, runtime: Any) -> PrefillWorker:
     def make_sender(storage: Any) -> Any:
         from kv_transfer.backend import make_sender as make
-        return make(storage, options.kv_transport, token=options.internal_token or "")
+        return make(storage, options.kv_transport, token=options.internal_token or "",
+                    ucx_shared_memory=options.kv_shared_memory)
 
     return PrefillWorker(runtime.metrics, make_sender,
                          transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,

@@ -4,6 +4,7 @@
     rope.py                    rope_cos_sin, apply_rope_ (in place, Llama-3 scaling)
     silu_mul.py                silu_mul (SiLU(gate) * up)
     kv_cache_write.py          write_kv_cache_ (scatter a step's K/V at a slot mapping)
+    rope_kv_write.py           rope_write_kv_ (RoPE + the KV-cache write in one kernel)
     paged_decode_attention.py  paged_decode_attention (block tables, GQA, split-K)
     prefill_attention.py       prefill_attention (chunked prefill over a cached prefix)
 

@@ -5,13 +5,16 @@ so loaders copy tensors by name and validate shapes against `expected_shapes()`.
 
 Tokens of every sequence in a step are flattened into one dimension T; `positions[t]` is the
 position of token t inside its own sequence and `AttentionMetadata` says which rows belong
-to which sequence. The numerics follow the reference implementation (RMSNorm in float32,
-rotate-half RoPE with cos/sin computed in float32) so float32 logits match it closely.
+to which sequence. The torch path follows transformers' numerics exactly (RMSNorm in fp32;
+RoPE angles in fp32, cos/sin then rounded to the model dtype and the rotation done in it).
+The kernel path rotates in fp32 from fp32 tables and rounds once: in bf16 it is at least as
+accurate, and differs from the torch path by rounding only (about 1% of the logits' norm
+for a small random model), enough to swap greedy picks between near-equal logits.
 
 Two paths share the parameters. The torch path (the CPU path) is the reference. The kernel
 path (chosen when `AttentionMetadata.kernels` is set, i.e. on CUDA) runs the Triton ops of
 engine/kernels: fused residual-add + RMSNorm, RoPE in place from precomputed tables, fused
-SiLU-and-multiply, the KV-cache write and paged attention; it needs `prepare_kernels()`
+SiLU-and-multiply, RoPE fused with the KV-cache write, and paged attention; it needs `prepare_kernels()`
 first, which fuses q/k/v and gate/up into one matmul each:
 
     qkv_weight      [q_out + 2 * kv_out, hidden]   q_proj/k_proj/v_proj.weight are views
@@ -29,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (AttentionMetadata, KernelAttentionMetadata, paged_attention,
-                              paged_attention_kernels)
+from engine.attention import (AttentionMetadata, KernelAttentionMetadata,
+                              attend_cached_kernels, paged_attention)
 from engine.config import Llama3RopeScaling, ModelConfig
 from engine.kv_storage import KVStorage
 
@@ -148,7 +151,7 @@ class LlamaAttention(nn.Module):
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor,
                         rope_tables: tuple[torch.Tensor, torch.Tensor], kv_k: torch.Tensor,
                         kv_v: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
-        from engine.kernels.rope import apply_rope_triton_
+        from engine.kernels.rope_kv_write import rope_write_kv_triton_
 
         t = x.shape[0]
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -157,8 +160,9 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_out].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_out:q_out + kv_out].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_out + kv_out:].view(t, self.num_kv_heads, self.head_dim)
-        apply_rope_triton_(q, k, positions, *rope_tables)
-        out = paged_attention_kernels(q, k, v, kv_k, kv_v, meta, self.scale)
+        # One kernel rotates q and k and writes this step's K/V into the cache.
+        rope_write_kv_triton_(q, k, v, positions, *rope_tables, kv_k, kv_v, meta.slot_mapping)
+        out = attend_cached_kernels(q, kv_k, kv_v, meta, self.scale)
         return self.o_proj(out.view(t, q_out))
 
 

@@ -12,8 +12,8 @@ import torch
 from benchmarks.engine_gpu import Tolerance
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ("rms_norm", "add_rms_norm_", "silu_mul", "apply_rope_", "write_kv_cache_",
-           "paged_decode_attention", "prefill_attention")
+KERNELS = ("rms_norm", "add_rms_norm_", "silu_mul", "apply_rope_", "rope_write_kv_",
+           "write_kv_cache_", "paged_decode_attention", "prefill_attention")
 
 
 @pytest.mark.timeout(300)

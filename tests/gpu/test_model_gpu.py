@@ -25,8 +25,15 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 BLOCK_SIZE = 16
 VOCAB = 512
-# Relative to the largest logit: bf16 keeps 8 mantissa bits, fp32 in the interpreter ~23.
-LOGIT_TOLERANCE = 3e-2 if ON_CUDA else 1e-4
+# ||ours - reference|| / ||reference|| for logits and for each layer's K/V cache. This model's
+# bf16 forward differs from its own fp32 forward by up to 2.6% (measured, init scale 0.1);
+# a wrong RoPE table, mask or block lookup moves the logits by tens of percent. The
+# interpreter runs fp32, where both paths agree to ~1e-6.
+TOLERANCE = 5e-2 if ON_CUDA else 1e-4
+# Greedy tokens must agree wherever the reference's top-2 logit gap exceeds this share of its
+# largest logit: below it, rounding may legitimately swap near-equal candidates (a random
+# tiny model has many: gaps under 1% occur in a few percent of steps).
+DECISIVE_GAP = TOLERANCE
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 
 PROMPTS = [[5, 17, 3, 99, 250, 42, 8, 311, 7, 7, 400],
@@ -41,11 +48,11 @@ def hf_config(rope_llama3: bool):
     rope = (dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                  high_freq_factor=4.0, original_max_position_embeddings=32)
             if rope_llama3 else dict(rope_type="default", rope_theta=10000.0))
-    # A large init scale gives logits clear winners, so greedy comparisons test the model
-    # rather than rounding noise between near-equal logits.
+    # Init scale 0.1: attention sharp enough that positions (RoPE) change the logits, yet
+    # bf16 rounding noise stays ~2% (at 0.25 it reaches 10% and greedy ties abound).
     return LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.25,
+                       max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
                        tie_word_embeddings=False, rope_parameters=rope)
 
 
@@ -88,12 +95,29 @@ def step(runner: ModelRunner, *chunks) -> torch.Tensor:
 
 
 def rel_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
+    """||ours - reference|| / ||reference||, in fp32 (per row when `reference` is a row)."""
+    diff = (ours.float() - reference.float()).norm()
+    return float(diff / reference.float().norm())
 
 
-def greedy_batch(runner: ModelRunner, num_tokens: int, chunked: bool) -> list[list[int]]:
+def cache_error(ours: KVStorage, reference: KVStorage, blocks: list[int]) -> float:
+    """The worst relative error over layers and K/V of the cache contents in `blocks`."""
+    return max(rel_error(ours.kv[layer, kv, blocks], reference.kv[layer, kv, blocks])
+               for layer in range(ours.kv.shape[0]) for kv in (0, 1))
+
+
+def unused_blocks(*tables) -> list[int]:
+    live = {b for t in tables for b in t}
+    return [b for b in range(40) if b not in live]
+
+
+def greedy_batch(runner: ModelRunner, num_tokens: int, chunked: bool,
+                 forced: list[list[int]] | None = None
+                 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill every prompt (in two chunks when `chunked`, batched with the others), then
-    decode them together one token per step."""
+    decode them together one token per step. Feeds back each row's argmax, or, when
+    `forced` is given, forced[i][step] (teacher forcing: both paths see one sequence).
+    Returns (the tokens fed back, the logits [num_prompts, vocab] of every step)."""
     chunks = []
     for i, (prompt, table) in enumerate(zip(PROMPTS, TABLES)):
         cut = len(prompt) // 2 if chunked and len(prompt) > 2 else 0
@@ -103,13 +127,35 @@ def greedy_batch(runner: ModelRunner, num_tokens: int, chunked: bool) -> list[li
     logits = step(runner, *chunks)
     seqs = [list(p) for p in PROMPTS]
     outs: list[list[int]] = [[] for _ in PROMPTS]
-    for _ in range(num_tokens):
+    history = []
+    for n in range(num_tokens):
+        history.append(logits.float().cpu())
         for i, row in enumerate(logits):
-            outs[i].append(int(row.argmax()))
+            outs[i].append(int(row.argmax()) if forced is None else forced[i][n])
             seqs[i].append(outs[i][-1])
-        logits = step(runner, *[(f"r{i}", [s[-1]], len(s) - 1, TABLES[i], True)
-                                for i, s in enumerate(seqs)])
-    return outs
+        if n + 1 < num_tokens:
+            logits = step(runner, *[(f"r{i}", [s[-1]], len(s) - 1, TABLES[i], True)
+                                    for i, s in enumerate(seqs)])
+    return outs, history
+
+
+def assert_same_decoding(got: list[torch.Tensor], expected: list[torch.Tensor],
+                         tokens: list[list[int]]) -> None:
+    """Teacher-forced comparison: at every step every row's logits agree within TOLERANCE,
+    and the argmax equals the reference token wherever the reference's top-2 gap exceeds
+    DECISIVE_GAP of its largest logit. At least a third of the steps must be that clear
+    (about half are, for this model), so the token check is never vacuous."""
+    num_decisive = num_rows = 0
+    for n, (ours, reference) in enumerate(zip(got, expected)):
+        for i in range(reference.shape[0]):
+            error = rel_error(ours[i], reference[i])
+            assert error < TOLERANCE, f"step {n} row {i}: logits differ by {error:.2e}"
+            top = reference[i].topk(2).values
+            num_rows += 1
+            if top[0] - top[1] > DECISIVE_GAP * reference[i].abs().max():
+                num_decisive += 1
+                assert int(ours[i].argmax()) == tokens[i][n], f"step {n} row {i}"
+    assert num_decisive * 3 >= num_rows, f"only {num_decisive} of {num_rows} steps clear"
 
 
 def test_kernel_path_logits_and_cache_match_torch_path(pair):
@@ -124,19 +170,19 @@ def test_kernel_path_logits_and_cache_match_torch_path(pair):
               ("c", [9], 2, TABLES[2], True))
     expected, got = step(torch_runner, *chunks), step(kernel_runner, *chunks)
     assert got.shape == expected.shape == (3, VOCAB)
-    assert rel_error(got, expected) < LOGIT_TOLERANCE
-    live = [b for t in TABLES for b in t]  # blocks outside every table stay zero in both
-    assert torch.allclose(kernel_runner.kv.kv[:, :, live].float(),
-                          torch_runner.kv.kv[:, :, live].float(),
-                          atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
-    assert not kernel_runner.kv.kv[:, :, [b for b in range(40) if b not in live]].any()
+    for row in range(3):
+        assert rel_error(got[row], expected[row]) < TOLERANCE
+    live = [b for t in TABLES for b in t]
+    assert cache_error(kernel_runner.kv, torch_runner.kv, live) < TOLERANCE
+    assert not kernel_runner.kv.kv[:, :, unused_blocks(*TABLES)].any()
 
 
 def test_kernel_path_greedy_matches_torch_path(pair):
     _, model = pair
-    expected = greedy_batch(make_runner(model, False), 6, chunked=False)
-    assert greedy_batch(make_runner(model, True), 6, chunked=True) == expected
-    assert len({t for seq in expected for t in seq}) > 3
+    tokens, expected = greedy_batch(make_runner(model, False), 6, chunked=False)
+    _, got = greedy_batch(make_runner(model, True), 6, chunked=True, forced=tokens)
+    assert_same_decoding(got, expected, tokens)
+    assert len({t for seq in tokens for t in seq}) > 3
 
 
 def test_padded_decode_steps_match_unpadded_steps(pair):
@@ -146,14 +192,16 @@ def test_padded_decode_steps_match_unpadded_steps(pair):
     padded = make_runner(model, True, graph_sizes=(2, 4))
     assert padded.graphs is not None and padded.graphs.captured == True  # noqa: E712
     padded.graphs.check_invariants()
-    assert greedy_batch(padded, 5, chunked=False) == greedy_batch(eager, 5, chunked=False)
+    tokens, expected = greedy_batch(eager, 5, chunked=False)
+    _, got = greedy_batch(padded, 5, chunked=False, forced=tokens)
+    assert_same_decoding(got, expected, tokens)
     for runner in (eager, padded):
         step(runner, ("s", PROMPTS[0], 0, [33, 34], True))
     single = (("s", [77], len(PROMPTS[0]), [33, 34], True),)
-    assert rel_error(step(padded, *single), step(eager, *single)) < LOGIT_TOLERANCE
-    # Padding rows (slot -1) wrote nothing: the caches agree everywhere.
-    assert torch.allclose(padded.kv.kv.float(), eager.kv.kv.float(),
-                          atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+    assert rel_error(step(padded, *single), step(eager, *single)) < TOLERANCE
+    # Padding rows (slot -1) wrote nothing: blocks outside every table are still zero.
+    assert not padded.kv.kv[:, :, unused_blocks(*TABLES, [33, 34])].any()
+    assert cache_error(padded.kv, eager.kv, list(range(40))) < TOLERANCE
 
 
 @needs_cuda
@@ -168,11 +216,11 @@ def test_cuda_graph_replay_gives_eager_logits(pair):
     assert graphed.graphs.can_run(ScheduleOutput(tuple(
         ScheduledChunk(r, tuple(ids), s, tuple(b), smp) for r, ids, s, b, smp in chunks)))
     got, expected = step(graphed, *chunks), step(eager, *chunks)
-    assert rel_error(got, expected) < LOGIT_TOLERANCE
-    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    for row in range(len(chunks)):
+        assert rel_error(got[row], expected[row]) < TOLERANCE
     # Replaying again with other inputs gives other logits: the graph reads the new inputs.
     again = step(graphed, *[(r, [ids[0] + 100], s + 1, b, smp) for r, ids, s, b, smp in chunks])
-    assert rel_error(again, got) > 1e-3
+    assert rel_error(again, got) > 10 * TOLERANCE
 
 
 @needs_cuda
@@ -183,15 +231,25 @@ def test_kernel_path_matches_transformers_in_bf16(pair):
         ours = step(runner, (f"p{i}", prompt, 0, table, True))
         with torch.no_grad():
             theirs = reference(torch.tensor([prompt], device=DEVICE)).logits[0, -1]
-        assert rel_error(ours[0], theirs) < LOGIT_TOLERANCE
+        assert rel_error(ours[0], theirs) < TOLERANCE
 
 
 @needs_cuda
 def test_greedy_matches_transformers_in_bf16(pair):
+    """transformers' greedy `generate` picks the tokens; our batched, chunked, graph-replayed
+    decode is fed the same tokens and must give the same logits at every step."""
     reference, model = pair
-    ours = greedy_batch(make_runner(model, True, graph_sizes=(1, 2, 4)), 8, chunked=True)
-    for prompt, got in zip(PROMPTS, ours):
+    num_tokens = 8
+    tokens, expected = [], []
+    for prompt in PROMPTS:
         with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=8,
-                                     min_new_tokens=8, do_sample=False)
-        assert out[0, len(prompt):].tolist() == got
+            out = reference.generate(torch.tensor([prompt], device=DEVICE),
+                                     max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                     do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        expected.append(torch.stack([row[0].float().cpu() for row in out.logits]))
+    per_step = [torch.stack([e[n] for e in expected]) for n in range(num_tokens)]
+    _, got = greedy_batch(make_runner(model, True, graph_sizes=(1, 2, 4)), num_tokens,
+                          chunked=True, forced=tokens)
+    assert_same_decoding(got, per_step, tokens)
