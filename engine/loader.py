@@ -20,18 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.gguf_reader import GGUFTokenizerData
+    from engine.gguf_metadata import GGUFTokenizerData
     from engine.models.llama import LlamaForCausalLM
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _NUM_PROGRESS_REPORTS = 10
-
-
-class ModelLoadError(Exception):
-    """A model could not be loaded; the message names the file and the problem."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,12 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from engine.gguf_metadata import GGUFTokenizerData
 
 TOKEN_TYPE_CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL: special, e.g. <|im_start|>
 TOKEN_TYPE_USER_DEFINED = 4  # added but not special, e.g. <think>
@@ -64,82 +66,6 @@ _PRE_SPLITS: dict[str | None, tuple[str, ...]] = {
 
 class UnsupportedTokenizerError(ValueError):
     """The file describes a tokenizer this module cannot reproduce faithfully."""
-
-
-class GGUFTokenizerFieldsLike(Protocol):
-    """What `Tokenizer.from_gguf_fields` reads; `engine.gguf_reader.GGUFTokenizerData` fits."""
-
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unknown_token_id: int | None
-    padding_token_id: int | None
-    add_bos_token: bool
-    pre: str | None
-    chat_template: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFTokenizerFields:
-    """The `tokenizer.ggml.*` metadata of a GGUF file (see `read_gguf_tokenizer_fields`)."""
-
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    unknown_token_id: int | None
-    padding_token_id: int | None
-    add_bos_token: bool
-    pre: str | None
-    chat_template: str | None
-    model: str = "gpt2"  # tokenizer.ggml.model
-
-
-def read_gguf_tokenizer_fields(path: str | Path) -> GGUFTokenizerFields:
-    """Reads the tokenizer metadata of a GGUF file (tensor data is memory-mapped, not read)."""
-    import gguf  # heavy; only needed on this path
-
-    reader = gguf.GGUFReader(str(path))
-    fields = reader.fields
-
-    def scalar(key: str) -> Any:
-        field = fields.get(key)
-        return None if field is None else field.parts[field.data[0]][0].item()
-
-    def string(key: str) -> str | None:
-        field = fields.get(key)
-        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
-
-    def strings(key: str) -> list[str]:
-        field = fields.get(key)
-        if field is None:
-            return []
-        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-
-    def ints(key: str) -> list[int]:
-        field = fields.get(key)
-        return [] if field is None else [int(field.parts[i][0]) for i in field.data]
-
-    tokens = strings("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
-    add_bos = scalar("tokenizer.ggml.add_bos_token")
-    return GGUFTokenizerFields(
-        tokens=tokens,
-        token_types=ints("tokenizer.ggml.token_type"),
-        merges=strings("tokenizer.ggml.merges"),
-        bos_token_id=scalar("tokenizer.ggml.bos_token_id"),
-        eos_token_id=scalar("tokenizer.ggml.eos_token_id"),
-        unknown_token_id=scalar("tokenizer.ggml.unknown_token_id"),
-        padding_token_id=scalar("tokenizer.ggml.padding_token_id"),
-        add_bos_token=bool(add_bos) if add_bos is not None else False,
-        pre=string("tokenizer.ggml.pre"),
-        chat_template=string("tokenizer.chat_template"),
-        model=string("tokenizer.ggml.model") or "gpt2",
-    )
 
 
 class Tokenizer:
@@ -203,8 +129,8 @@ class Tokenizer:
 
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
-    def from_gguf_fields(cls, data: GGUFTokenizerFieldsLike) -> Tokenizer:
-        model_name = getattr(data, "model", "gpt2")
+    def from_gguf_fields(cls, data: GGUFTokenizerData) -> Tokenizer:
+        model_name = data.model or "gpt2"  # files without the key predate other models
         if model_name != "gpt2" or not data.merges:
             raise UnsupportedTokenizerError(
                 f"GGUF tokenizer model {model_name!r} (merges: {len(data.merges)}) is not supported; "

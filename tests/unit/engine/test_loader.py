@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import Llama3RopeScaling
-from engine.gguf_reader import GGUFCheckpoint, GGUFTokenizerData, unpermute_rows
+from engine.gguf_metadata import GGUFTokenizerData
+from engine.gguf_reader import GGUFCheckpoint, unpermute_rows
 from engine.loader import ModelLoadError, load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import regex
 
-from engine.tokenizer import (GGUFTokenizerFields, Tokenizer, UnsupportedTokenizerError,
-                              read_gguf_tokenizer_fields)
+from engine.gguf_metadata import GGUFTokenizerData, read_gguf_tokenizer_data
+from engine.tokenizer import Tokenizer, UnsupportedTokenizerError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -53,12 +53,12 @@ def gguf_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fields() -> GGUFTokenizerFields:
-    return read_gguf_tokenizer_fields(gguf_dir() / GGUF_NAME)
+def fields() -> GGUFTokenizerData:
+    return read_gguf_tokenizer_data(gguf_dir() / GGUF_NAME)
 
 
 @pytest.fixture(scope="module")
-def tok(fields: GGUFTokenizerFields) -> Tokenizer:
+def tok(fields: GGUFTokenizerData) -> Tokenizer:
     return Tokenizer.from_gguf_fields(fields)
 
 
@@ -121,19 +121,19 @@ def test_digits_split_like_llama_cpp_smollm(tok: Tokenizer, ref, text: str) -> N
 @pytest.mark.parametrize("pre,pieces", [
     ("gpt2", ["12345"]), ("smollm", ["1", "2", "3", "4", "5"]),
     ("llama-bpe", ["123", "45"]), ("qwen2", ["1", "2", "3", "4", "5"])])
-def test_pre_selects_the_digit_split(fields: GGUFTokenizerFields, pre: str, pieces: list[str]) -> None:
+def test_pre_selects_the_digit_split(fields: GGUFTokenizerData, pre: str, pieces: list[str]) -> None:
     tok = Tokenizer.from_gguf_fields(_replace(fields, pre=pre))
     assert [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("12345")] == pieces
 
 
-def test_unsupported_gguf_tokenizers_are_refused(fields: GGUFTokenizerFields) -> None:
+def test_unsupported_gguf_tokenizers_are_refused(fields: GGUFTokenizerData) -> None:
     with pytest.raises(UnsupportedTokenizerError, match="llama"):
         Tokenizer.from_gguf_fields(_replace(fields, model="llama", merges=[]))
     with pytest.raises(UnsupportedTokenizerError, match="tekken"):
         Tokenizer.from_gguf_fields(_replace(fields, pre="tekken"))
 
 
-def test_add_bos_token_prefixes_once(fields: GGUFTokenizerFields) -> None:
+def test_add_bos_token_prefixes_once(fields: GGUFTokenizerData) -> None:
     tok = Tokenizer.from_gguf_fields(_replace(fields, add_bos_token=True))
     assert tok.encode("hi") == [1, *tok.encode("hi", add_special_tokens=False)]
     chat = tok.encode_chat([{"role": "user", "content": "hi"}])
@@ -152,7 +152,7 @@ def test_chat_template_matches_transformers(tok: Tokenizer, ref, conversation, a
     assert tok.encode_chat(conversation, add_generation_prompt) == list(expected_ids)
 
 
-def test_template_features_of_hugging_face(fields: GGUFTokenizerFields, ref) -> None:
+def test_template_features_of_hugging_face(fields: GGUFTokenizerData, ref) -> None:
     template = (
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}"
         "{{ raise_exception('no tools') }}{% endif %}"
@@ -209,12 +209,12 @@ def test_from_hf_dir_errors_name_the_file(tmp_path: Path, ref) -> None:
         Tokenizer.from_hf_dir(tmp_path)
 
 
-def test_no_template_is_a_clear_error(fields: GGUFTokenizerFields) -> None:
+def test_no_template_is_a_clear_error(fields: GGUFTokenizerData) -> None:
     tok = Tokenizer.from_gguf_fields(_replace(fields, chat_template=None))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
-def _replace(fields: GGUFTokenizerFields, **changes) -> GGUFTokenizerFields:
+def _replace(fields: GGUFTokenizerData, **changes) -> GGUFTokenizerData:
     import dataclasses
     return dataclasses.replace(fields, **changes)
