@@ -12,12 +12,16 @@ Contract of `generate`:
   * when the consumer stops iterating early (client gone), the generator is closed with
     `aclose()`; the backend must release the request's work on its workers then;
   * raises `BackendUnavailable` (503 to the client) when it cannot serve at all.
+
+A backend may also offer `generate_batches` (`BatchingBackend`): the same deltas, in the
+same order, grouped into non-empty lists of whatever arrived together, so the HTTP layer
+writes one batch with one socket write. `delta_batches` picks it when it is there.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -59,6 +63,30 @@ class CompletionBackend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream the request's tokens (see the module docstring for the contract)."""
         ...
+
+
+@runtime_checkable
+class BatchingBackend(Protocol):
+    def generate_batches(self, request: GenerationRequest
+                         ) -> AsyncGenerator[list[TokenDelta], None]:
+        """`generate`'s deltas grouped into non-empty lists, order kept."""
+        ...
+
+
+def delta_batches(backend: CompletionBackend, request: GenerationRequest
+                  ) -> AsyncGenerator[list[TokenDelta], None]:
+    if isinstance(backend, BatchingBackend):
+        return backend.generate_batches(request)
+    return _one_per_batch(backend.generate(request))
+
+
+async def _one_per_batch(deltas: AsyncGenerator[TokenDelta, None]
+                         ) -> AsyncGenerator[list[TokenDelta], None]:
+    try:
+        async for delta in deltas:
+            yield [delta]
+    finally:
+        await deltas.aclose()  # the backend's cleanup runs when the client goes away
 
 
 class PromptTokenizer(Protocol):

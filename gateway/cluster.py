@@ -8,7 +8,7 @@ worker never deregisters), so their prefix entries stop attracting routes.
 
 Lifecycle: created (empty, not ready) → start(): first poll + mirror snapshot within a
 deadline, or keep trying in the background when Redis is not up yet → polling ... →
-stop() cancels and awaits both tasks.
+stop() cancels and awaits both tasks, each within a deadline.
 
 When Redis is unreachable the last snapshot stays in use; routing decisions made since the
 last poll are applied to it (`router.with_assignment`) so a burst between two polls does
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from common.prefix_index_mirror import PrefixIndexMirror
 from common.protocol import WorkerInfo, WorkerLoad
-from common.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling
+from common.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
 from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerLoad as
                             RouteLoad, WorkerRole, WorkerView, plan_route, with_assignment)
 
@@ -119,9 +119,9 @@ class ClusterView:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        # Bounded: a cancel swallowed inside a redis-py read must not hang the shutdown.
+        if task is not None and not await stop_task(task, self.state.client, timeout_s=2.0):
+            log.error("cluster view task did not stop within its deadline")
         if self._mirror_started:
             await self.mirror.stop()
             self._mirror_started = False

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import (BackendUnavailable, CompletionBackend, GenerationRequest,
-                             PromptTokenizer, TokenDelta)
+                             PromptTokenizer, TokenDelta, delta_batches)
 from gateway.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, chat_logprobs,
                                    completion_logprobs)
 from gateway.errors import (ApiError, body_too_large, internal_error, method_not_allowed,
@@ -145,11 +145,11 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
     num_generated = 0
     try:
-        deltas = app[BACKEND].generate(generation)
+        batches = delta_batches(app[BACKEND], generation)
         if validated.stream:
-            response, num_generated = await _stream(request, validated, generation, deltas)
+            response, num_generated = await _stream(request, validated, generation, batches)
         else:
-            response, num_generated = await _collect(validated, generation, deltas)
+            response, num_generated = await _collect(validated, generation, batches)
         return response
     finally:
         # The charge was prompt + max_tokens; what was not generated goes back.
@@ -189,9 +189,9 @@ def _tokenize(tokenizer: PromptTokenizer, validated: ValidatedRequest) -> tuple[
     return tuple(tokenizer.encode(validated.prompt_text))
 
 
-async def _first_delta(deltas: AsyncGenerator[TokenDelta, None]) -> TokenDelta:
+async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[TokenDelta]:
     try:
-        return await anext(deltas)
+        return await anext(batches)
     except BackendUnavailable as exc:
         raise overloaded(str(exc), exc.retry_after_s) from exc
     except StopAsyncIteration:
@@ -200,63 +200,80 @@ async def _first_delta(deltas: AsyncGenerator[TokenDelta, None]) -> TokenDelta:
 
 async def _stream(request: web.Request, validated: ValidatedRequest,
                   generation: GenerationRequest,
-                  deltas: AsyncGenerator[TokenDelta, None]) -> tuple[web.StreamResponse, int]:
+                  batches: AsyncGenerator[list[TokenDelta], None]
+                  ) -> tuple[web.StreamResponse, int]:
+    """One SSE event per token; all the events of one batch leave in one write.
+
+    aiohttp's `write` awaits the transport only past 64 KiB buffered, so a client that
+    keeps up costs no suspension per batch; one that lags makes us wait here, and the
+    tokens that arrive meanwhile come as a bigger next batch.
+    """
     created = int(time.time())
     chat = validated.endpoint is Endpoint.CHAT
     encoder = (ChatChunkEncoder if chat else CompletionChunkEncoder)(
         generation.request_id, created, validated.model)
+    encode = encoder.text
     num_generated = 0
     response = web.StreamResponse(headers=SSE_HEADERS)
     try:
-        delta = await _first_delta(deltas)
+        batch = await _first_batch(batches)
         await response.prepare(request)
-        head = encoder.role() if chat else b""
+        events = [encoder.role()] if chat else []
         while True:
-            num_generated += delta.num_tokens
-            await response.write(head + encoder.text(delta.text, delta.logprobs, delta.finish_reason))
-            head = b""
-            if delta.finish_reason is not None:
+            finished = False
+            for delta in batch:
+                num_generated += delta.num_tokens
+                events.append(encode(delta.text, delta.logprobs, delta.finish_reason))
+                if delta.finish_reason is not None:
+                    finished = True
+                    break
+            if finished:
                 break
+            await response.write(events[0] if len(events) == 1 else b"".join(events))
+            events.clear()
             try:
-                delta = await anext(deltas)
+                batch = await anext(batches)
             except StopAsyncIteration:
                 break
             except BackendUnavailable as exc:
                 # Headers are out: report in-band, as OpenAI-compatible servers do.
-                await response.write(encode_event(overloaded(str(exc)).body_bytes()))
+                events.append(encode_event(overloaded(str(exc)).body_bytes()))
                 break
         if validated.include_usage:
-            await response.write(encoder.usage(_usage(generation, num_generated)))
-        await response.write(DONE_EVENT)
-        await response.write_eof()
+            events.append(encoder.usage(_usage(generation, num_generated)))
+        events.append(DONE_EVENT)
+        # With the end-of-body chunk: the last events, [DONE] and the end in one write.
+        await response.write_eof(b"".join(events))
     except ConnectionResetError:
         # The client is gone; nothing more can be sent. Closing the generator (below)
         # is what stops the work upstream.
         log.info("client went away during %s", generation.request_id)
     finally:
-        await deltas.aclose()
+        await batches.aclose()
     return response, num_generated
 
 
 async def _collect(validated: ValidatedRequest, generation: GenerationRequest,
-                   deltas: AsyncGenerator[TokenDelta, None]) -> tuple[web.Response, int]:
+                   batches: AsyncGenerator[list[TokenDelta], None]) -> tuple[web.Response, int]:
     texts, logprobs, num_generated, finish_reason = [], [], 0, None
     try:
-        delta = await _first_delta(deltas)
-        while True:
-            texts.append(delta.text)
-            logprobs.extend(delta.logprobs or ())
-            num_generated += delta.num_tokens
-            finish_reason = delta.finish_reason
-            if finish_reason is not None:
-                break
-            delta = await anext(deltas)
+        batch = await _first_batch(batches)
+        while finish_reason is None:
+            for delta in batch:
+                texts.append(delta.text)
+                logprobs.extend(delta.logprobs or ())
+                num_generated += delta.num_tokens
+                finish_reason = delta.finish_reason
+                if finish_reason is not None:
+                    break
+            else:
+                batch = await anext(batches)
     except StopAsyncIteration:
         pass
     except BackendUnavailable as exc:
         raise overloaded(str(exc), exc.retry_after_s) from exc
     finally:
-        await deltas.aclose()
+        await batches.aclose()
     text = "".join(texts)
     usage = _usage(generation, num_generated)
     created = int(time.time())

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession
@@ -52,6 +52,7 @@ from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeR
 from engine.kv_cache import block_hashes
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.cluster import ClusterView
+from gateway.frame_reader import FrameBatchDecoder, stream_frame_batches
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.router import NoWorkers
@@ -95,6 +96,7 @@ class WorkerBackend:
         self.timeouts = timeouts
         self.num_aborts_sent = 0
         self._clients: dict[str, ControlClient] = {}
+        self._decode_frames = FrameBatchDecoder(DecodeResponseFrame)  # fresh() per stream
         self._background: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -105,12 +107,21 @@ class WorkerBackend:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        async with contextlib.aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    def generate_batches(self, request: GenerationRequest
+                         ) -> AsyncGenerator[list[TokenDelta], None]:
+        """The deltas of every frame one socket read brought, as one non-empty list."""
         return self._generate(request)
 
     # ---------------------------------------------------------------- one generation
 
-    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+    async def _generate(self, request: GenerationRequest
+                        ) -> AsyncGenerator[list[TokenDelta], None]:
         started = time.perf_counter()
         first_at: float | None = None
         num_tokens, outcome = 0, "aborted"
@@ -128,13 +139,14 @@ class WorkerBackend:
                 deltas = self._disaggregated(request, plan.prefill_worker_id,
                                              plan.decode_worker_id, handoff)
             async with contextlib.aclosing(deltas):
-                async for delta in deltas:
+                async for batch in deltas:
                     if first_at is None:
                         first_at = time.perf_counter()
-                    num_tokens += delta.num_tokens
-                    if delta.finish_reason is not None:
+                    for delta in batch:
+                        num_tokens += delta.num_tokens
+                    if batch[-1].finish_reason is not None:
                         outcome = "finished"
-                    yield delta
+                    yield batch
         except BackendUnavailable:
             outcome = "failed" if outcome != "unavailable" else outcome
             raise
@@ -145,22 +157,25 @@ class WorkerBackend:
                 request.tier, outcome, None if first_at is None else first_at - started,
                 0.0 if first_at is None else time.perf_counter() - first_at, num_tokens)
 
-    async def _local_prefill(self, request: GenerationRequest, decode_id: str,
-                             handoff: Handoff) -> AsyncGenerator[TokenDelta, None]:
-        decoder = self._client(decode_id, handoff)
+    def _local_prefill(self, request: GenerationRequest, decode_id: str,
+                       handoff: Handoff) -> AsyncGenerator[list[TokenDelta], None]:
         message = DecodeRequest(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling=SamplingSpec.from_params(request.sampling),
             priority=self._priority(request), timeout_ms=self.timeouts.request_ms)
-        frames = decoder.stream("/internal/decode", message, DecodeResponseFrame,
-                                self.timeouts.first_token_s, self.timeouts.frame_s)
-        async with contextlib.aclosing(frames):
-            async for delta in self._relay(frames, handoff, num_tokens_before=0,
-                                           worker_id=decode_id):
-                yield delta
+        # Returned, not wrapped: one generator level less per relayed batch.
+        return self._relay(self._decode_stream(decode_id, handoff, message), handoff,
+                           num_tokens_before=0, worker_id=decode_id)
+
+    def _decode_stream(self, decode_id: str, handoff: Handoff,
+                       message: DecodeRequest) -> AsyncGenerator[list[object], None]:
+        client = self._client(decode_id, handoff)
+        return stream_frame_batches(self.session, client.base_url + "/internal/decode",
+                                    message, self._decode_frames, self.timeouts.first_token_s,
+                                    self.timeouts.frame_s, token=self.internal_token)
 
     async def _disaggregated(self, request: GenerationRequest, prefill_id: str, decode_id: str,
-                             handoff: Handoff) -> AsyncGenerator[TokenDelta, None]:
+                             handoff: Handoff) -> AsyncGenerator[list[TokenDelta], None]:
         t = self.timeouts
         prompt = list(request.prompt_token_ids)
         decoder = self._client(decode_id, handoff)
@@ -181,8 +196,8 @@ class WorkerBackend:
                 priority=priority, timeout_ms=t.request_ms, destination=reserved.destination),
             PrefillResponseFrame, t.first_token_s, t.first_token_s)
         watcher: asyncio.Task[None] | None = None
-        next_frame: asyncio.Task[object] | None = None
-        decode_frames: AsyncGenerator[object, None] | None = None
+        next_frame: asyncio.Task[list[object]] | None = None
+        decode_frames: AsyncGenerator[list[object], None] | None = None
         try:
             try:
                 first = await anext(prefill_frames)
@@ -201,25 +216,24 @@ class WorkerBackend:
             if finished:
                 # Nothing to decode: free the reservation on D now rather than at its timeout.
                 self._abort_legs(handoff)
-                yield first_delta
+                yield [first_delta]
                 return
-            decode_frames = decoder.stream(
-                "/internal/decode", DecodeRequest(
-                    request_id=request.request_id, prompt_token_ids=prompt, sampling=spec,
-                    priority=priority, timeout_ms=t.request_ms,
-                    first_token_id=first.first_token_id, first_logprob=first.first_logprob,
-                    epoch=reserved.destination.epoch),
-                DecodeResponseFrame, t.first_token_s, t.frame_s)
+            decode_frames = self._decode_stream(decode_id, handoff, DecodeRequest(
+                request_id=request.request_id, prompt_token_ids=prompt, sampling=spec,
+                priority=priority, timeout_ms=t.request_ms,
+                first_token_id=first.first_token_id, first_logprob=first.first_logprob,
+                epoch=reserved.destination.epoch))
             # Sent now, while token 1 is written to the client: D's wait for the KV starts
             # at once instead of after the client write.
             next_frame = asyncio.create_task(anext(decode_frames))
             watcher = asyncio.create_task(self._watch_transfer(prefill_frames, handoff, decode_id))
-            yield first_delta
+            yield [first_delta]
             frame_task, next_frame = next_frame, None
-            async with contextlib.aclosing(_prepend(frame_task, decode_frames)) as frames:
-                async for delta in self._relay(frames, handoff, num_tokens_before=1,
-                                               worker_id=decode_id):
-                    yield delta
+            relay = self._relay(_prepend(frame_task, decode_frames), handoff,
+                                num_tokens_before=1, worker_id=decode_id)
+            async with contextlib.aclosing(relay):
+                async for batch in relay:
+                    yield batch
         finally:
             for task in (next_frame, watcher):
                 if task is not None:
@@ -230,30 +244,52 @@ class WorkerBackend:
             if watcher is None:  # else the watcher owned (and closed) the prefill stream
                 await prefill_frames.aclose()
 
-    async def _relay(self, frames: AsyncIterator[object], handoff: Handoff,
-                     num_tokens_before: int, worker_id: str) -> AsyncGenerator[TokenDelta, None]:
-        """D's frames as deltas; checks the splice count against D's usage at the end."""
+    async def _relay(self, batches: AsyncGenerator[list[object], None], handoff: Handoff,
+                     num_tokens_before: int, worker_id: str
+                     ) -> AsyncGenerator[list[TokenDelta], None]:
+        """D's frame batches as delta batches (never empty); closes `batches` when done.
+
+        Checks the splice count against D's usage at the end.
+        """
         num_tokens = num_tokens_before
         try:
-            async for frame in frames:
-                assert isinstance(frame, TokenFrame)  # ErrorFrames raise in ControlClient
-                if frame.finish_reason is FinishReason.ABORT:
-                    raise BackendUnavailable(self._failure_text(handoff, "the request was aborted"))
-                num_tokens += len(frame.token_ids)
-                finish = _finish_reason(frame.finish_reason)
-                if finish is not None and frame.usage is not None \
-                        and frame.usage.num_completion_tokens != num_tokens:
-                    self.metrics.num_splice_mismatches += 1
-                    log.error("%s: relayed %d tokens, decode worker %s counted %d",
-                              handoff.request_id, num_tokens, worker_id,
-                              frame.usage.num_completion_tokens)
-                if not frame.token_ids and finish is None:
-                    continue
-                yield TokenDelta(text=frame.text, num_tokens=len(frame.token_ids),
-                                 finish_reason=finish,
-                                 logprobs=self._logprobs(frame.logprobs) if frame.logprobs else None)
-                if finish is not None:
-                    return
+            async with contextlib.aclosing(batches):
+                async for frames in batches:
+                    deltas: list[TokenDelta] = []
+                    for frame in frames:
+                        assert isinstance(frame, TokenFrame)  # ErrorFrames raise in the reader
+                        reason = frame.finish_reason
+                        if reason is None and frame.token_ids and not frame.logprobs:
+                            # The common case, kept short: one more token, nothing else.
+                            num_tokens += len(frame.token_ids)
+                            deltas.append(TokenDelta(text=frame.text,
+                                                     num_tokens=len(frame.token_ids)))
+                            continue
+                        if reason is FinishReason.ABORT:
+                            if deltas:  # what came before the abort is still the client's
+                                yield deltas
+                            raise BackendUnavailable(
+                                self._failure_text(handoff, "the request was aborted"))
+                        num_tokens += len(frame.token_ids)
+                        finish = _finish_reason(reason)
+                        if finish is not None and frame.usage is not None \
+                                and frame.usage.num_completion_tokens != num_tokens:
+                            self.metrics.num_splice_mismatches += 1
+                            log.error("%s: relayed %d tokens, decode worker %s counted %d",
+                                      handoff.request_id, num_tokens, worker_id,
+                                      frame.usage.num_completion_tokens)
+                        if not frame.token_ids and finish is None:
+                            continue
+                        deltas.append(TokenDelta(
+                            text=frame.text, num_tokens=len(frame.token_ids), finish_reason=finish,
+                            logprobs=self._logprobs(frame.logprobs) if frame.logprobs else None))
+                        if finish is not None:
+                            # Frames after the finishing one (none from a correct worker)
+                            # are dropped with the stream.
+                            yield deltas
+                            return
+                    if deltas:
+                        yield deltas
         except UPSTREAM_FAILURES as exc:
             raise _unavailable(self._failure_text(handoff, f"decode worker {worker_id} failed"), exc)
         raise BackendUnavailable(f"decode worker {worker_id} ended the stream without finishing")
@@ -325,8 +361,8 @@ class WorkerBackend:
         return f"KV transfer failed: {handoff.transfer_error}" if handoff.transfer_error else fallback
 
 
-async def _prepend(first: asyncio.Task[object],
-                   rest: AsyncGenerator[object, None]) -> AsyncGenerator[object, None]:
+async def _prepend(first: asyncio.Task[list[object]],
+                   rest: AsyncGenerator[list[object], None]) -> AsyncGenerator[list[object], None]:
     try:
         yield await first
     except StopAsyncIteration:
