@@ -3,8 +3,11 @@
 For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head dim 128,
 16-token blocks, bf16: 32 KiB per block per layer for K and again for V), it reports GB/s
 (median of --repeats) of:
-  ucx      this backend over UCX (announce + every layer + receiver confirmation)
+  ucx      this backend over UCX (announce + every layer + receiver confirmation); packed
+           (gather -> one message per layer group -> scatter) where the policy says so
+  ucx_per_run  the same with packing off: one zero-copy message per (layer, K|V, run)
   tcp      this backend over TCP
+  tcp_per_run  the same with packing off
   raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
   raw_tcp  a uvloop TCP stream into a preallocated buffer (BufferedProtocol)
   copy     one copy in one process (numpy on CPU, device-to-device torch copy on CUDA)
@@ -12,6 +15,7 @@ Destination blocks are fragmented into runs of --run-blocks (what a paged cache 
 
     python -m benchmarks.kv_transfer --device cpu
     python -m benchmarks.kv_transfer --device cuda --max-mib 1024   # cuda_ipc on one GPU
+    python -m benchmarks.kv_transfer --device cuda --check           # correctness, 2 processes
 """
 
 from __future__ import annotations
@@ -71,20 +75,25 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
 
 
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
-    if mode in ("ucx", "tcp"):
+    if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check"):
+        import torch
         from kv_transfer.backend import make_receiver
-        worker = None
-        if mode == "ucx":
+        worker, backend = None, mode.split("_")[0] if mode != "check" else "ucx"
+        if backend == "ucx":
             from kv_transfer.ucx import UcxWorker
             worker = UcxWorker(transports=transports)
-        receiver = await make_receiver(_storage(num_blocks, device, None), mode,
-                                       ucx_worker=worker)
+        storage = _storage(num_blocks, device, None)
+        receiver = await make_receiver(storage, backend, ucx_worker=worker)
         conn.send(receiver.address)
         while (job := await _pipe_recv(conn)) is not None:
+            if mode == "check":  # re-poisoned per job: what it does not write must stay so
+                storage.kv.view(torch.int16).fill_(POISON)
             handle = receiver.expect(job["request_id"], job["dst"], range(job["layers"]),
                                      lambda ids: None, 60.0)
             conn.send("ready")
             await handle.wait()
+            if mode == "check":
+                conn.send(_check_pool(storage.kv, job))
         await receiver.close()
     elif mode == "raw_ucx":
         from ucxx._lib.arr import Array
@@ -127,6 +136,73 @@ async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
         server.close()
 
 
+POISON = 0x5A5A  # the check's receiver pool, as int16: blocks not written must keep it
+
+
+def _pattern(num_elements: int):
+    """Deterministic int16 contents of the check's sender pool (no RNG: both sides make it)."""
+    import torch
+    return ((torch.arange(num_elements, dtype=torch.int64) * 7919) % 65521 - 32760) \
+        .to(torch.int16)
+
+
+async def _check(args) -> dict:
+    """One transfer of fragmented, non-contiguous blocks between two processes (UCX)."""
+    import torch
+    from kv_transfer.backend import make_sender
+    from kv_transfer.interface import TransferSpec
+    from kv_transfer.ucx import UcxWorker
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    pool_blocks, num_layers = 96, LAYOUT["num_layers"]
+    proc = ctx.Process(target=receiver_main, args=("check", args.device, pool_blocks,
+                                                   args.transports, child))
+    proc.start()
+    try:
+        address = await _pipe_recv(parent)
+        storage = _storage(pool_blocks, args.device, None)
+        storage.kv.view(torch.int16).copy_(_pattern(storage.kv.numel()).view(storage.kv.shape))
+        sender = make_sender(storage, "ucx", ucx_worker=UcxWorker(transports=args.transports))
+        src = [3, 4, 5, 17, 40, 41, 9, 60, 61, 62, 63, 2]
+        dst = [70, 71, 72, 8, 50, 51, 33, 10, 11, 12, 13, 90]
+        results = []
+        for i, layers in enumerate((num_layers, 1)):  # every layer; then one (a small message)
+            job = dict(request_id=f"check{i}", src=src, dst=dst, layers=layers)
+            parent.send(job)
+            await _pipe_recv(parent)
+            handle = await sender.start(address, TransferSpec(
+                request_id=job["request_id"], src_block_ids=src, dst_block_ids=dst,
+                layer_begin=0, layer_end=layers), 60.0)
+            for layer in reversed(range(layers)):  # any order is allowed
+                handle.send_layer(layer)
+            await handle.finish()
+            results.append(dict(await _pipe_recv(parent), packing=str(handle.plan.packing)
+                                if hasattr(handle.plan, "packing") else None))
+        await sender.close()
+        parent.send(None)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    ok = all(r["bitwise_equal"] and r["poison_untouched"] for r in results)
+    return dict(device=args.device, transports=args.transports, ok=ok, transfers=results)
+
+
+def _check_pool(kv, job: dict) -> dict:
+    """Destination blocks equal the sender's seeded pool; every other byte still poison."""
+    import torch
+    expected = _pattern(kv.numel()).view(kv.shape)
+    got = kv.view(torch.int16).cpu()
+    layers = range(job["layers"])
+    equal = all(torch.equal(got[:len(layers), :, d], expected[:len(layers), :, s])
+                for s, d in zip(job["src"], job["dst"]))
+    touched = torch.zeros(got.shape[:3], dtype=torch.bool)
+    touched[:len(layers), :, job["dst"]] = True
+    untouched_ok = bool((got[~touched] == POISON).all())
+    return dict(bitwise_equal=equal, poison_untouched=untouched_ok,
+                num_blocks=len(job["dst"]), num_layers=len(layers))
+
+
 async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, args) -> float:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -138,14 +214,20 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
     times = []
     try:
-        if mode in ("ucx", "tcp"):
+        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run"):
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
-            worker = None
-            if mode == "ucx":
+            from kv_transfer.packing import PackingLimits
+            worker, backend = None, mode.split("_")[0]
+            if backend == "ucx":
                 from kv_transfer.ucx import UcxWorker
                 worker = UcxWorker(transports=args.transports)
-            sender = make_sender(_storage(pool_blocks, device, 0), mode, ucx_worker=worker)
+            limits = PackingLimits.for_device(device == "cuda")
+            if mode.endswith("_per_run"):
+                limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
+                                       min_message_bytes=0, pack_below_run_bytes=0)
+            sender = make_sender(_storage(pool_blocks, device, 0), backend, ucx_worker=worker,
+                                 limits=limits)
             runs = [list(range(s, s + args.run_blocks))
                     for s in range(num_blocks, 2 * num_blocks, args.run_blocks)]
             for i in range(args.warmup + args.repeats):
@@ -215,15 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--modes", default=None,
-                        help="comma list of ucx,tcp,raw_ucx,raw_tcp,copy (default: all that "
-                             "apply to the device)")
+                        help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,raw_ucx,raw_tcp,"
+                             "copy (default: all that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--check", action="store_true",
+                        help="only check correctness (bitwise, poison untouched); exit 1 if not")
     args = parser.parse_args(argv)
-    default = "ucx,raw_ucx,copy" if args.device == "cuda" else "ucx,tcp,raw_ucx,raw_tcp,copy"
+    if args.check:
+        result = asyncio.run(_check(args))
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0 if result["ok"] else 1
+    default = ("ucx,ucx_per_run,raw_ucx,copy" if args.device == "cuda"
+               else "ucx,ucx_per_run,tcp,tcp_per_run,raw_ucx,raw_tcp,copy")
     modes = (args.modes or default).split(",")
     rows = []
     print(f"{'size':>9} " + " ".join(f"{m:>8}" for m in modes) + "   (GB/s)")

@@ -11,7 +11,8 @@ import importlib.util
 import logging
 
 from engine.kv_storage import KVStorage
-from kv_transfer.layout import pool_bytes
+from kv_transfer.packing import PackingLimits
+from kv_transfer.staging import StagingPool
 from kv_transfer.receiver import TransferReceiver
 from kv_transfer.sender import TransferSender
 
@@ -47,13 +48,16 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     default: a dying prefill worker must never take a decode worker with it.
     """
     name = resolve_backend(backend)
+    limits = PackingLimits.for_device(storage.kv.is_cuda)
+    staging = StagingPool(storage.kv.device, slot_bytes=limits.slot_bytes,
+                          num_slots=limits.num_slots)
     if name == "ucx":
         from kv_transfer.ucx import UcxReceivePlane, UcxWorker
         worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory)
-        plane = UcxReceivePlane(worker, pool_bytes(storage.kv))
+        plane = UcxReceivePlane(worker, storage.kv, staging)
     else:
         from kv_transfer.tcp import TcpReceivePlane
-        plane = TcpReceivePlane(pool_bytes(storage.kv))
+        plane = TcpReceivePlane(storage.kv, staging)
     receiver = TransferReceiver(storage, plane, host=host, port=port, token=token,
                                 abort_timeout_s=abort_timeout_s)
     await receiver.start()
@@ -62,8 +66,11 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
 
 def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
                 ucx_worker=None, abort_timeout_s: float = 1.0,
-                ucx_shared_memory: bool = False) -> TransferSender:
-    """A sender; `ucx_shared_memory` as for `make_receiver` (both peers must agree)."""
+                ucx_shared_memory: bool = False,
+                limits: PackingLimits | None = None) -> TransferSender:
+    """A sender; `ucx_shared_memory` as for `make_receiver` (both peers must agree).
+
+    `limits`: staging budget and when to pack (packing.py); default per device."""
     name = resolve_backend(backend)
     if name == "ucx":
         from kv_transfer.ucx import UcxSendPlane, UcxWorker
@@ -71,4 +78,5 @@ def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
     else:
         from kv_transfer.tcp import TcpSendPlane
         plane = TcpSendPlane()
-    return TransferSender(storage, plane, token=token, abort_timeout_s=abort_timeout_s)
+    return TransferSender(storage, plane, token=token, abort_timeout_s=abort_timeout_s,
+                          limits=limits)

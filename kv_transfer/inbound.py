@@ -19,6 +19,7 @@ import logging
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
+from kv_transfer.packing import PackedPlan
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class InboundTransfer:
         self.layers = layers
         self.deadline = deadline  # loop.time() based
         self.state = TransferState.PENDING
-        self.plan: TransferPlan | None = None
+        self.plan: TransferPlan | PackedPlan | None = None
         self.transfer_seq: int | None = None
         self.session: object | None = None  # the control connection it was announced on
         self.num_landed = 0
@@ -46,7 +47,7 @@ class InboundTransfer:
     def num_messages(self) -> int:
         return self.plan.num_messages if self.plan is not None else 0
 
-    def accept(self, plan: TransferPlan, transfer_seq: int, session: object) -> None:
+    def accept(self, plan: TransferPlan | PackedPlan, transfer_seq: int, session: object) -> None:
         assert self.state is TransferState.PENDING
         self.plan, self.transfer_seq, self.session = plan, transfer_seq, session
         self.state = TransferState.IN_FLIGHT

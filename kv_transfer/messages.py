@@ -3,7 +3,7 @@
     sender                                   receiver
       |-- Hello(token, layout, epoch, ucx) ---->|   checks token and layout
       |<-- Welcome(layout, epoch, ucx) ---------|   (or Refused, then close)
-      |-- Announce(spec) ---------------------->|   matches an expect(); assigns seq
+      |-- Announce(spec, packing) ------------->|   matches an expect(); assigns seq
       |<-- Accepted(request_id, seq) -----------|   (or Rejected); data may flow now
       |== data: UCX tags or TCP data frames ===>|
       |<-- Landed(request_id) ------------------|   every block of every layer landed
@@ -18,6 +18,7 @@ import msgspec
 
 from engine.kv_storage import KVLayout
 from kv_transfer.interface import TransferSpec
+from kv_transfer.packing import Packing
 
 PROTOCOL_VERSION = 1
 
@@ -43,6 +44,7 @@ class Refused(msgspec.Struct, tag="refused", kw_only=True):
 
 class Announce(msgspec.Struct, tag="announce", kw_only=True):
     spec: TransferSpec
+    packing: Packing | None = None  # None: one message per (layer, K|V, run), zero copy
 
 
 class Accepted(msgspec.Struct, tag="accepted", kw_only=True):

@@ -35,6 +35,7 @@ from kv_transfer.framing import FrameConnection
 from kv_transfer.inbound import InboundTransfer
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
+from kv_transfer.packing import PackedPlan
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
                                   Hello, Refused, Rejected, Landed, Welcome)
 
@@ -228,7 +229,8 @@ class TransferReceiver:
             reason = "destination blocks or layers differ from the expected ones"
         if reason is None:
             try:
-                plan = TransferPlan(self.layout, spec)
+                plan = (TransferPlan(self.layout, spec) if message.packing is None
+                        else PackedPlan(self.layout, spec, message.packing))
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:

@@ -10,7 +10,12 @@ LayoutMismatch before any data moves) -> cached -> lost (peer closed or died: ev
 transfer on it fails with PeerLost, the entry and its endpoint are dropped; the next start()
 connects afresh and learns the peer's new epoch and worker address).
 
-Lifecycle of a transfer: see interface.py. Failure on this side (deadline, cancel(), a
+Lifecycle of a transfer: see interface.py. A packed transfer (packing.py; always on CUDA,
+on the host for small runs) has one ordered pump task: as layer groups complete it takes
+a staging slot (bounded pool, FIFO, waits bounded by the deadline), gathers the group's
+blocks into it, synchronizes the CUDA stream (UCX reads the slot on its own streams), sends
+it, and releases the slot once the send completed or failed. Messages leave in index
+order, the order the receiver posts its receives in. Failure on this side (deadline, cancel(), a
 failed send) = stop posting sends, drain those in flight (<= abort_timeout_s), then Abort to
 the receiver, which may then release its blocks. An Abort from the receiver is answered the
 same way. A sender that cannot drain closes the link instead (the receiver then treats it
@@ -27,12 +32,17 @@ import logging
 import secrets
 from typing import Any, Protocol
 
+import torch
+
 from engine.kv_storage import KVStorage
 from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, TransferCancelled,
                                 TransferRejected, TransferTimeout)
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferSpec, TransferState
-from kv_transfer.layout import Message, TransferPlan, check_layouts, pool_bytes
+from kv_transfer.layout import Message, TransferPlan, check_layouts, pool_bytes, tag_for
+from kv_transfer.packing import (PackedMessage, PackedPlan, PackingLimits, block_index,
+                                 choose_packing, gather, wait_device)
+from kv_transfer.staging import StagingPool
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
                                   Hello, Landed, Refused, Rejected, Welcome)
 
@@ -57,13 +67,16 @@ class SendPlane(Protocol):
     async def connect(self, link: PeerLink, welcome: Welcome) -> None: ...
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
                    src: Any, stopped: "OutboundTransfer") -> None: ...
+    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
+        """Send one packed message; returns once `staged` may be reused."""
+    reuses_staging: bool  # False: each packed message needs its own buffer (TCP)
     def disconnect(self, link: PeerLink) -> None: ...
     async def close(self) -> None: ...
 
 
 class OutboundTransfer:
-    def __init__(self, sender: "TransferSender", link: PeerLink, plan: TransferPlan,
-                 transfer_seq: int, deadline: float) -> None:
+    def __init__(self, sender: "TransferSender", link: PeerLink,
+                 plan: TransferPlan | PackedPlan, transfer_seq: int, deadline: float) -> None:
         self.spec = plan.spec
         self.plan = plan
         self.transfer_seq = transfer_seq
@@ -71,10 +84,14 @@ class OutboundTransfer:
         self.state = TransferState.IN_FLIGHT
         self.stopped = False  # checked by the plane before posting each message
         self._sender, self._link = sender, link
+        self.link = link
+        self.src_index: Any = None  # packed: the source block ids as a device tensor
         self._sent_layers: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcome: KVTransferError | None = None
         self._terminal = asyncio.Event()
+        self._next_group = 0  # packed: the next layer group the pump sends
+        self._pump: asyncio.Task[None] | None = None
         self._timer = asyncio.get_running_loop().call_at(
             deadline, self.fail, TransferTimeout(
                 f"transfer {self.spec.request_id}: not confirmed by the deadline"))
@@ -82,6 +99,15 @@ class OutboundTransfer:
     def send_layer(self, layer: int) -> None:
         if layer in self._sent_layers:
             raise ValueError(f"transfer {self.spec.request_id}: layer {layer} sent twice")
+        if isinstance(self.plan, PackedPlan):
+            self.plan.group_of(layer)  # raises on a layer outside the spec
+            self._sent_layers.add(layer)
+            if self.state is TransferState.IN_FLIGHT and self._pump is None \
+                    and self._group_ready(self._next_group):
+                self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+                self._tasks.add(self._pump)
+                self._pump.add_done_callback(self._send_done)
+            return
         messages = self.plan.layer_messages(layer)
         self._sent_layers.add(layer)
         if self.state is not TransferState.IN_FLIGHT:
@@ -90,6 +116,23 @@ class OutboundTransfer:
             self._link, self.transfer_seq, messages, self._sender.src, self))
         self._tasks.add(task)
         task.add_done_callback(self._send_done)
+
+    def _group_ready(self, group: int) -> bool:
+        plan = self.plan
+        return group < len(plan.groups) and all(  # type: ignore[union-attr]
+            layer in self._sent_layers for layer in plan.group_layers(group))
+
+    async def _run_pump(self) -> None:
+        """Send ready layer groups in order; exits when the next group is not ready yet."""
+        try:
+            while not self.stopped and self._group_ready(self._next_group):
+                for m in self.plan.group_messages(self._next_group):
+                    if self.stopped:
+                        return
+                    await self._sender.send_packed(self, m)
+                self._next_group += 1
+        finally:
+            self._pump = None
 
     def _send_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -119,6 +162,7 @@ class OutboundTransfer:
     def landed(self) -> None:
         if self.state is TransferState.IN_FLIGHT:
             self.state = TransferState.DONE
+            self._timer.cancel()  # else the loop holds this transfer until the deadline
             self._settle(None)
 
     def fail(self, error: KVTransferError, peer_aborted: bool = False) -> None:
@@ -159,9 +203,13 @@ class OutboundTransfer:
 
 class TransferSender:
     def __init__(self, storage: KVStorage, plane: SendPlane, *, token: str = "",
-                 abort_timeout_s: float = 1.0) -> None:
+                 abort_timeout_s: float = 1.0, limits: PackingLimits | None = None) -> None:
         self.layout = storage.layout
+        self.kv = storage.kv
         self.src = pool_bytes(storage.kv)
+        self.limits = limits or PackingLimits.for_device(storage.kv.is_cuda)
+        self.staging = StagingPool(storage.kv.device, slot_bytes=self.limits.slot_bytes,
+                                   num_slots=self.limits.num_slots)
         self.plane = plane
         self.epoch = secrets.token_hex(8)
         self.abort_timeout_s = abort_timeout_s
@@ -188,7 +236,11 @@ class TransferSender:
                     timeout_s: float) -> OutboundTransfer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        plan = TransferPlan(self.layout, spec)
+        packing = choose_packing(self.layout, spec, slot_bytes=self.limits.slot_bytes,
+                                 min_message_bytes=self.limits.min_message_bytes,
+                                 pack_below_run_bytes=self.limits.pack_below_run_bytes)
+        plan = (TransferPlan(self.layout, spec) if packing is None
+                else PackedPlan(self.layout, spec, packing))
         try:
             link = await asyncio.wait_for(self._link(peer_address), timeout_s)
         except TimeoutError:
@@ -199,7 +251,7 @@ class TransferSender:
             raise ValueError(f"transfer {rid} to {peer_address} already started")
         reply_future = loop.create_future()
         link.accepts[rid] = reply_future
-        link.conn.send_message(Announce(spec=spec))
+        link.conn.send_message(Announce(spec=spec, packing=packing))
         try:
             reply = await asyncio.wait_for(reply_future, max(deadline - loop.time(), 0))
         except TimeoutError:
@@ -212,6 +264,34 @@ class TransferSender:
         transfer = OutboundTransfer(self, link, plan, reply.transfer_seq, deadline)
         link.transfers[rid] = transfer
         return transfer
+
+    async def send_packed(self, transfer: OutboundTransfer, m: PackedMessage) -> None:
+        """Gather message m into staging and send it; the staging is released on every path."""
+        loop = asyncio.get_running_loop()
+        if transfer.src_index is None:
+            transfer.src_index = block_index(transfer.spec.src_block_ids, self.kv.device)
+        tag = tag_for(transfer.transfer_seq, m.index)
+        if not self.plane.reuses_staging:  # TCP: the transport keeps the buffer until written
+            staged = torch.empty(m.num_bytes, dtype=torch.uint8, device=self.kv.device)
+            gather(self.kv, m, transfer.src_index, staged)
+            wait_device(self.kv)
+            await self.plane.send_staged(transfer.link, tag, staged)
+            return
+        try:
+            slot_id = await asyncio.wait_for(self.staging.acquire(),
+                                             max(transfer.deadline - loop.time(), 0))
+        except TimeoutError:
+            raise TransferTimeout(f"transfer {transfer.spec.request_id}: no staging slot "
+                                  "before the deadline") from None
+        try:
+            if m.num_bytes > self.staging.slot_bytes:
+                raise ValueError(f"message of {m.num_bytes} bytes exceeds the staging slot")
+            slot = self.staging.slot(slot_id)
+            gather(self.kv, m, transfer.src_index, slot)
+            wait_device(self.kv)
+            await self.plane.send_staged(transfer.link, tag, slot[:m.num_bytes])
+        finally:
+            self.staging.release(slot_id)
 
     async def _link(self, address: str) -> PeerLink:
         link = self._links.get(address)

@@ -6,64 +6,122 @@ for every read, so the kernel copies socket bytes directly into the KV pool (no 
 the sender writes views of its pool (uvloop copies only what the socket cannot take yet).
 Host (CPU) pools only: a CUDA pool needs the UCX plane.
 
-Invariants: `_dests` holds exactly the messages of IN_FLIGHT transfers not yet landed;
-after `flush(transfer)` none of its tags has a destination, so no byte can land in its
-blocks (frames still in the socket are read into scratch and dropped).
+Packed transfers (packing.py; host pools with small runs): a packed frame is read into a
+staging slot taken when its first byte arrives (a fresh buffer if the pool is exhausted:
+the reader never waits), scattered into the blocks when its last byte arrived, and the
+slot released at once. The sender gathers each packed message into a buffer of its own,
+since the transport may hold it until the socket takes it.
+
+Invariants: `_dests` and `_packed` hold exactly the messages of IN_FLIGHT transfers not
+yet landed; a staging slot is held only by a packed frame being read; after
+`flush(transfer)` none of its tags has a destination, so no byte can land in its blocks
+(frames still in the socket are read into scratch and dropped).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kv_transfer.inbound import InboundTransfer
-from kv_transfer.layout import Message, split_tag, tag_for
+from kv_transfer.interface import TransferState
+from kv_transfer.layout import Message, pool_bytes, split_tag, tag_for
+from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
+from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
 
 
 class TcpReceivePlane:
-    def __init__(self, dst: Any) -> None:
-        self._dst = memoryview(dst).cast("B")
+    def __init__(self, kv: torch.Tensor, staging: StagingPool) -> None:
+        self._kv = kv
+        self._dst = memoryview(pool_bytes(kv)).cast("B")
+        self._staging = staging
         self._dests: dict[int, memoryview] = {}
         self._transfers: dict[int, tuple[InboundTransfer, Any]] = {}
+        # packed: tag -> message; tag -> (staging tensor, slot id or None) while being read
+        self._packed: dict[int, PackedMessage] = {}
+        self._staged: dict[int, tuple[torch.Tensor, int | None]] = {}
+        self._dst_index: dict[int, torch.Tensor] = {}
 
     def ucx_address(self) -> bytes | None:
         return None
 
     def post(self, transfer: InboundTransfer, on_landed, on_failed) -> None:
         seq = transfer.transfer_seq
-        for m in transfer.plan.all_messages():
-            self._dests[tag_for(seq, m.index)] = \
-                self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
+        if isinstance(transfer.plan, PackedPlan):
+            for m in transfer.plan.all_messages():
+                self._packed[tag_for(seq, m.index)] = m
+            self._dst_index[seq] = block_index(transfer.plan.spec.dst_block_ids,
+                                               self._kv.device)
+        else:
+            for m in transfer.plan.all_messages():
+                self._dests[tag_for(seq, m.index)] = \
+                    self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
         self._transfers[seq] = (transfer, on_landed)
 
     def dest_for(self, tag: int) -> memoryview | None:
-        return self._dests.get(tag)
+        dest = self._dests.get(tag)
+        if dest is None and tag in self._packed:
+            m = self._packed[tag]
+            slot_id = self._staging.try_acquire() \
+                if m.num_bytes <= self._staging.slot_bytes else None
+            staged = (self._staging.slot(slot_id)[:m.num_bytes] if slot_id is not None
+                      else torch.empty(m.num_bytes, dtype=torch.uint8))
+            self._staged[tag] = (staged, slot_id)
+            dest = self._dests[tag] = memoryview(staged.numpy())
+        return dest
 
     def data_landed(self, tag: int) -> None:
         if self._dests.pop(tag, None) is None:
             return  # a frame of a flushed transfer: dropped
+        m = self._packed.pop(tag, None)
+        if m is not None:
+            staged, slot_id = self._staged.pop(tag)
+            seq = split_tag(tag)[0]
+            entry = self._transfers.get(seq)
+            if entry is not None and entry[0].state is TransferState.IN_FLIGHT:
+                scatter(self._kv, m, self._dst_index[seq], staged)
+            if slot_id is not None:
+                self._staging.release(slot_id)
         entry = self._transfers.get(split_tag(tag)[0])
         if entry is not None:
             transfer, on_landed = entry
             if transfer.num_landed + 1 == transfer.num_messages:
                 del self._transfers[transfer.transfer_seq]
+                self._dst_index.pop(transfer.transfer_seq, None)
             on_landed(transfer)
 
     async def flush(self, transfer: InboundTransfer) -> None:
-        self._transfers.pop(transfer.transfer_seq, None)
+        seq = transfer.transfer_seq
+        self._transfers.pop(seq, None)
+        self._dst_index.pop(seq, None)
         for m in transfer.plan.all_messages():
-            self._dests.pop(tag_for(transfer.transfer_seq, m.index), None)
+            tag = tag_for(seq, m.index)
+            self._dests.pop(tag, None)
+            self._packed.pop(tag, None)
+            staged = self._staged.pop(tag, None)
+            if staged is not None and staged[1] is not None:
+                self._staging.release(staged[1])  # the reader now drops this frame
 
     @property
     def num_registered(self) -> int:
-        return len(self._dests)
+        return len(self._dests) + len(self._packed) + self._staging.num_acquired
 
     async def close(self) -> None:
         self._dests.clear()
         self._transfers.clear()
+        self._packed.clear()
+        self._staged.clear()
+        self._dst_index.clear()
 
 
 class TcpSendPlane:
+    reuses_staging = False  # transport.write may keep a reference until the socket drains
+
+    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
+        await link.conn.send_data(tag, staged.numpy())
+
     async def connect(self, link: PeerLink, welcome: Any) -> None:
         return None  # data frames share the control connection
 

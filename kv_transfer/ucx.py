@@ -10,7 +10,9 @@ Choices (measured on a 2-core host; see docs/kv_transfer.md):
     "cuda_ipc,cuda_copy,cma,posix,sysv,self,tcp"), default: UCX's own choice.
   * Progress mode "blocking" (epoll fd on the event loop): about twice the throughput of
     ucxx's default progress thread on 2 cores.
-  * The pool is never copied: every message is a view of the flat pool (numpy on CPU, a
+  * Packed transfers (packing.py) go through staging slots: the receiver keeps
+    PACKED_WINDOW receives posted in message order and scatters each one as it lands.
+  * Per-run transfers never copy the pool: every message is a view of the flat pool (numpy on CPU, a
     uint8 tensor exposing __cuda_array_interface__ on CUDA). ucxx has no explicit memory
     registration API; UCX's registration cache maps the pool's pages on first use and
     keeps them, since the pool never moves (so no per-transfer registration).
@@ -26,7 +28,9 @@ Peer death: without endpoint error handling UCX does not report a dead peer, and
 killed *during* a cma copy makes UCX abort the copying process (the receiver with the
 default get-based rendezvous). The control connection (framing.py) reports a dead peer
 at once; deadlines cover the rest. Invariants: `_requests` holds exactly the posted,
-unflushed receives; every watcher task is in `_watchers` and cancelled by flush/close.
+unflushed receives (and, packed, their staging slots, released exactly once: by the
+watcher after a scatter or by flush); every watcher task is in `_watchers` and cancelled
+by flush/close.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 import ucxx
 from ucxx._lib.arr import Array
 from ucxx._lib.libucxx import UCXAddress
@@ -43,12 +48,17 @@ from ucxx._lib_async import application_context
 from ucxx.types import Tag
 
 from kv_transfer.inbound import InboundTransfer
-from kv_transfer.layout import Message, tag_for
+from kv_transfer.interface import TransferState
+from kv_transfer.layout import Message, pool_bytes, tag_for
+from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
+from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
 
 log = logging.getLogger(__name__)
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+# Receives a packed transfer keeps posted: one lands while the next is on the wire.
+PACKED_WINDOW = 2
 
 
 class UcxWorker:
@@ -87,10 +97,13 @@ class UcxWorker:
 
 
 class UcxReceivePlane:
-    def __init__(self, worker: UcxWorker, dst: Any) -> None:
+    def __init__(self, worker: UcxWorker, kv: torch.Tensor, staging: StagingPool) -> None:
         self._worker = worker
-        self._dst = dst
-        self._requests: dict[int, list[tuple[int, Any]]] = {}
+        self._kv = kv
+        self._dst = pool_bytes(kv)
+        self._staging = staging
+        # seq -> posted, unflushed receives: (tag, request, staging slot id or None)
+        self._requests: dict[int, list[tuple[int, Any, int | None]]] = {}
         self._watchers: dict[int, asyncio.Task[None]] = {}
 
     def ucx_address(self) -> bytes | None:
@@ -98,18 +111,20 @@ class UcxReceivePlane:
 
     def post(self, transfer: InboundTransfer, on_landed, on_failed) -> None:
         seq, worker = transfer.transfer_seq, self._worker.ctx.worker
-        requests = []
-        for m in transfer.plan.all_messages():
-            tag = tag_for(seq, m.index)
-            view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
-            requests.append((tag, worker.tag_recv(Array(view), Tag(tag))))
+        requests: list[tuple[int, Any, int | None]] = []
+        if not isinstance(transfer.plan, PackedPlan):
+            for m in transfer.plan.all_messages():
+                tag = tag_for(seq, m.index)
+                view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
+                requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
         self._requests[seq] = requests
+        watch = self._watch if not isinstance(transfer.plan, PackedPlan) else self._watch_packed
         self._watchers[seq] = asyncio.get_running_loop().create_task(
-            self._watch(transfer, requests, on_landed, on_failed))
+            watch(transfer, requests, on_landed, on_failed))
 
     async def _watch(self, transfer: InboundTransfer, requests, on_landed, on_failed) -> None:
         try:
-            for _, request in requests:
+            for _, request, _ in requests:
                 await request.wait()
                 on_landed(transfer)
         except asyncio.CancelledError:
@@ -121,6 +136,61 @@ class UcxReceivePlane:
         finally:
             if self._watchers.get(transfer.transfer_seq) is asyncio.current_task():
                 del self._watchers[transfer.transfer_seq]
+
+    async def _watch_packed(self, transfer: InboundTransfer, posted, on_landed,
+                            on_failed) -> None:
+        """Keep PACKED_WINDOW receives posted, in message order; scatter each as it lands.
+
+        After a failure began it keeps receiving (and discards): the sender drains its
+        in-flight sends before answering the Abort, and a rendezvous send completes only
+        once we match it. flush() ends this task.
+        """
+        plan, seq = transfer.plan, transfer.transfer_seq
+        messages = plan.all_messages()
+        dst_index = block_index(plan.spec.dst_block_ids, self._kv.device)
+        buffers: dict[int, tuple[Any, Any]] = {}  # tag -> (staging tensor, message)
+        next_post = 0
+        try:
+            while posted or next_post < len(messages):
+                while next_post < len(messages) and len(posted) < PACKED_WINDOW:
+                    m = messages[next_post]
+                    slot_id, staged = self._staging_for(m.num_bytes)
+                    tag = tag_for(seq, m.index)
+                    buffer = staged if staged.is_cuda else staged.numpy()
+                    posted.append((tag, self._worker.ctx.worker.tag_recv(
+                        Array(buffer), Tag(tag)), slot_id))
+                    buffers[tag] = (staged, m)
+                    next_post += 1
+                tag, request, slot_id = posted[0]
+                await request.wait()
+                posted.pop(0)
+                staged, m = buffers.pop(tag)
+                try:
+                    if transfer.state is TransferState.IN_FLIGHT:
+                        scatter(self._kv, m, dst_index, staged)
+                        wait_device(self._kv)  # before the slot is reused or Landed sent
+                finally:
+                    if slot_id is not None:
+                        self._staging.release(slot_id)
+                on_landed(transfer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            on_failed(transfer, exc)
+        else:
+            self._requests.pop(seq, None)
+        finally:
+            if self._watchers.get(seq) is asyncio.current_task():
+                del self._watchers[seq]
+
+    def _staging_for(self, num_bytes: int) -> tuple[int | None, torch.Tensor]:
+        """A pool slot, or (pool exhausted or too small) a buffer of its own: the receiver
+        never waits for staging, so a sender holding a slot for us always gets matched."""
+        if num_bytes <= self._staging.slot_bytes:
+            slot_id = self._staging.try_acquire()
+            if slot_id is not None:
+                return slot_id, self._staging.slot(slot_id)[:num_bytes]
+        return None, torch.empty(num_bytes, dtype=torch.uint8, device=self._kv.device)
 
     def dest_for(self, tag: int) -> memoryview | None:
         return None  # data never arrives on the control connection
@@ -135,9 +205,15 @@ class UcxReceivePlane:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         requests = self._requests.pop(seq, [])
-        pending = [(tag, r) for tag, r in requests if not r.completed]
-        if not pending:
-            return
+        pending = [(tag, r) for tag, r, _ in requests if not r.completed]
+        if pending:
+            await self._complete(transfer, pending)
+        for _, _, slot_id in requests:  # no receive into these slots is posted any more
+            if slot_id is not None:
+                self._staging.release(slot_id)
+
+    async def _complete(self, transfer: InboundTransfer, pending: list[tuple[int, Any]]) -> None:
+        """Complete unmatched receives with zero-byte messages from ourselves."""
         loopback = await self._worker.loopback()
         for tag, _ in pending:
             await loopback.send(_EMPTY, tag=tag, force_tag=True)
@@ -181,13 +257,30 @@ class UcxSendPlane:
         link.data = await self._worker.endpoint_to(welcome.ucx_address)
         self.num_endpoints += 1
 
+    reuses_staging = True  # send_staged returns only once UCX is done with the buffer
+
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
                    src: Any, transfer: OutboundTransfer) -> None:
-        endpoint = link.data
-        sends = [endpoint.send(src[m.src_offset_bytes:m.src_offset_bytes + m.num_bytes],
-                               tag=tag_for(transfer_seq, m.index), force_tag=True)
-                 for m in messages if not transfer.stopped]
-        await asyncio.gather(*sends)
+        # Post every send of the layer first (no coroutine per message: ~10 us each in
+        # Python), then wait for them in order; UCX progresses them all meanwhile.
+        endpoint = link.data._ep
+        requests = []
+        for m in messages:
+            if transfer.stopped:
+                break
+            view = src[m.src_offset_bytes:m.src_offset_bytes + m.num_bytes]
+            requests.append(endpoint.tag_send(Array(view), Tag(tag_for(transfer_seq, m.index))))
+        for request in requests:
+            if not request.completed:
+                await request.wait()
+            request.check_error()
+
+    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
+        buffer = staged if staged.is_cuda else staged.numpy()
+        request = link.data._ep.tag_send(Array(buffer), Tag(tag))
+        if not request.completed:
+            await request.wait()
+        request.check_error()
 
     def disconnect(self, link: PeerLink) -> None:
         if link.data is not None:

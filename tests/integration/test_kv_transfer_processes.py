@@ -130,8 +130,13 @@ async def _run_sender(cfg: dict) -> None:
     from kv_transfer.backend import make_sender
     from kv_transfer.interface import TransferSpec
     storage = _pool(cfg.get("layout", LAYOUT), cfg["seed"])
+    from kv_transfer.packing import PackingLimits
+    limits = PackingLimits.for_device(False)
+    if cfg.get("unpacked"):  # one zero-copy message per run, whatever the run size
+        limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
+                               min_message_bytes=0, pack_below_run_bytes=0)
     sender = make_sender(storage, cfg["backend"], token=cfg.get("token", ""),
-                         abort_timeout_s=0.5)
+                         abort_timeout_s=0.5, limits=limits)
     if cfg.get("loop"):
         n, src, dst = cfg["loop"]["count"], cfg["loop"]["src"], cfg["loop"]["dst"]
         for i in range(n):
@@ -233,11 +238,13 @@ def transfer(rid, src, dst, seed=None, timeout_s=10.0, **extra):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("unpacked", [False, True], ids=["packed", "per_run"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layers_sent_as_they_finish_land_bitwise(backend):
+def test_layers_sent_as_they_finish_land_bitwise(backend, unpacked):
     t = transfer("a", [5, 6, 7, 20, 41, 42], [0, 1, 2, 30, 9, 10], seed=11, layer_delay_s=0.02)
     receiver, (sender,) = start_pair(backend, dict(transfers=[t], token="s3cret"),
-                                     [dict(seed=11, transfers=[t], token="s3cret")])
+                                     [dict(seed=11, transfers=[t], token="s3cret",
+                                           unpacked=unpacked)])
     assert sender.next_event("done")["outcome"] == "ok"
     done = receiver.next_event("done")
     assert done["outcome"] == "ok" and done["bitwise"] and done["releases"] == 0
