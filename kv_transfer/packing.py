@@ -49,14 +49,14 @@ class PackingLimits(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def for_device(cls, on_cuda: bool) -> "PackingLimits":
         # CUDA: 4 x 64 MiB of device memory; a message costs ~60 us of Python + rendezvous,
-        # so it must carry >= 32 MiB to be short next to its ~15 us of HBM time. Host:
-        # 4 x 8 MiB, runs < 64 KiB packed: on a loaded 2-core host packing 128 KiB runs
-        # was slower than sending them (two memcpys, OpenMP threads contending).
+        # so it must carry >= 32 MiB to be short next to its ~15 us of HBM time. Host: never
+        # packed by default: on an idle 16-core host packing was slower than zero-copy runs
+        # at every size measured, 1 MiB to 256 MiB (docs/benchmarks_kv_transfer.md).
         if on_cuda:
             return cls(slot_bytes=64 << 20, num_slots=4, min_message_bytes=32 << 20,
                        pack_below_run_bytes=1 << 62)
         return cls(slot_bytes=8 << 20, num_slots=4, min_message_bytes=4 << 20,
-                   pack_below_run_bytes=64 << 10)
+                   pack_below_run_bytes=0)
 
 
 class PackedMessage(msgspec.Struct, frozen=True):

@@ -131,7 +131,11 @@ async def _run_sender(cfg: dict) -> None:
     from kv_transfer.interface import TransferSpec
     storage = _pool(cfg.get("layout", LAYOUT), cfg["seed"])
     from kv_transfer.packing import PackingLimits
-    limits = PackingLimits.for_device(False)
+    # Packed unless asked otherwise: the path CUDA pools always take, so the failure tests
+    # (kills, deadlines, 1,000 transfers) exercise staging slots on the CPU too.
+    host = PackingLimits.for_device(False)
+    limits = PackingLimits(slot_bytes=host.slot_bytes, num_slots=host.num_slots,
+                           min_message_bytes=host.min_message_bytes, pack_below_run_bytes=1 << 62)
     if cfg.get("unpacked"):  # one zero-copy message per run, whatever the run size
         limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
                                min_message_bytes=0, pack_below_run_bytes=0)
