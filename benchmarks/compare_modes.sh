@@ -11,7 +11,8 @@
 #   WORKLOAD=mixed  DURATION=60  START_RATE=0.5  MAX_RUNS=8  SEED=0  API=chat
 #   UP_DISAGG_ARGS / UP_COLOCATED_ARGS   extra `pdserve up` options per mode
 #   BENCH_ARGS                           extra `pdserve bench goodput` options (e.g. --slo)
-#   READY_TIMEOUT=600                    seconds to wait for a cluster's /v1/models
+#   READY_TIMEOUT=600                    seconds to wait for a cluster's /ready
+#   WARMUP=10                            seconds of discarded warm-up load at START_RATE
 # Output: OUT_DIR/{disaggregated,colocated}/{goodput.json,up.log,plots/} and
 #         OUT_DIR/summary.json (both goodputs and their ratio).
 set -euo pipefail
@@ -26,6 +27,7 @@ MAX_RUNS="${MAX_RUNS:-8}"
 SEED="${SEED:-0}"
 API="${API:-chat}"
 READY_TIMEOUT="${READY_TIMEOUT:-600}"
+WARMUP="${WARMUP:-10}"
 UP_DISAGG_ARGS="${UP_DISAGG_ARGS:---prefill 1 --decode 1}"
 UP_COLOCATED_ARGS="${UP_COLOCATED_ARGS:---colocated --workers 2}"
 BENCH_ARGS="${BENCH_ARGS:-}"
@@ -48,9 +50,9 @@ free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-wait_ready() {  # $1: base URL; polls /v1/models until it answers or READY_TIMEOUT passes
+wait_ready() {  # $1: base URL; polls /ready (a decode worker registered) until READY_TIMEOUT
     local deadline=$((SECONDS + READY_TIMEOUT))
-    until curl -fsS --max-time 5 "$1/v1/models" >/dev/null 2>&1; do
+    until curl -fsS --max-time 5 "$1/ready" >/dev/null 2>&1; do
         if ! kill -0 "$UP_PID" 2>/dev/null; then
             echo "pdserve up exited before it was ready" >&2; return 1
         fi
@@ -72,6 +74,12 @@ run_mode() {  # $1: mode name, $2: extra `pdserve up` options
     "$PY" -m common.cli up --port "$port" $up_args >"$dir/up.log" 2>&1 &
     UP_PID=$!
     wait_ready "$url"
+    # Warm-up, discarded: the first requests compile kernels and fill caches; a search
+    # whose first point pays for that would bracket the wrong rate.
+    echo ">> $mode: warm-up" >&2
+    "$PY" -m common.cli bench run --url "$url" --api "$API" --workload "$WORKLOAD" \
+        --seed "$((SEED + 1))" --rate "$START_RATE" --duration "$WARMUP" --ignore-eos \
+        --no-progress --output "$dir/warmup.json" >/dev/null
     echo ">> $mode: pdserve bench goodput ($WORKLOAD)" >&2
     # shellcheck disable=SC2086
     "$PY" -m common.cli bench goodput --url "$url" --api "$API" --workload "$WORKLOAD" \
