@@ -7,6 +7,7 @@ stderr, so `pdserve generate ... > out.txt` captures exactly the completion.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
                         help="on CUDA: size the KV cache to fill this fraction of the GPU's "
                              "memory after weights and CUDA graphs (overrides --kv-cache-mb)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallel size: split the model over this many processes "
+                             "on this host (gloo on CPU; on CUDA one GPU per rank from "
+                             "--device on, nccl); it must divide the model's KV heads "
+                             "(default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -74,11 +80,32 @@ def run(args: argparse.Namespace) -> int:
                               gpu_memory_fraction=args.gpu_memory_fraction)
     except ValueError as exc:
         return _fail(str(exc))
-    try:
-        engine = build_engine(args.model, config, progress=_progress,
-                              kv_cache_bytes=args.kv_cache_mb << 20)
-    except ModelLoadError as exc:
-        return _fail(f"cannot load the model: {exc}")
+    if args.tp < 1:
+        return _fail("--tp must be at least 1")
+    if args.tp > 1 and args.gpu_memory_fraction is not None:
+        return _fail("--gpu-memory-fraction is not supported with --tp above 1; "
+                     "use --kv-cache-mb (per rank)")
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.tp > 1:
+                from engine.tensor_parallel import tensor_parallel_engine
+
+                engine = stack.enter_context(tensor_parallel_engine(
+                    args.model, config, args.tp, args.kv_cache_mb << 20, args.threads,
+                    progress=_progress))
+            else:
+                engine = build_engine(args.model, config, progress=_progress,
+                                      kv_cache_bytes=args.kv_cache_mb << 20)
+        except ModelLoadError as exc:
+            return _fail(f"cannot load the model: {exc}")
+        except ValueError as exc:
+            if args.tp == 1:
+                raise
+            return _fail(str(exc))  # a TP size that does not split the model
+        return _generate(args, engine, params)
+
+
+def _generate(args: argparse.Namespace, engine, params) -> int:
     tokenizer = engine.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

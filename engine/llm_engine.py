@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop_checker import FinishReason, check_stop
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.tensor_parallel import TensorParallelGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +130,19 @@ class LLMEngine:
     """One model, one KV pool, one scheduler; driven by `step()` from a single thread."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
-                 config: EngineConfig, sampler_seed: int | None = None) -> None:
+                 config: EngineConfig, sampler_seed: int | None = None,
+                 tp: "TensorParallelGroup | None" = None) -> None:
+        """With `tp` (rank 0 of a group), `model` is this rank's shard, `model_config` the
+        whole model's, and every step is sent to the followers before it runs here."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
-        self.kv_storage = KVStorage.for_model(model_config, config.num_kv_blocks,
+        kv_config = model_config
+        if tp is not None:
+            from engine.tensor_parallel import shard_config
+
+            kv_config = shard_config(model_config, tp.tp_size)  # this rank's KV heads only
+        self.kv_storage = KVStorage.for_model(kv_config, config.num_kv_blocks,
                                               config.block_size, config.dtype, config.device)
         self.kv_cache = KVCacheManager(BlockPool(config.num_kv_blocks, config.block_size))
         self.scheduler = Scheduler(
@@ -140,6 +152,10 @@ class LLMEngine:
             self.kv_cache)
         self.runner = ModelRunner(model, self.kv_storage, config.block_size,
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
+        if tp is not None:
+            from engine.tensor_parallel import DrivingRunner
+
+            self.runner = DrivingRunner(self.runner, tp)
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -329,6 +345,12 @@ class LLMEngine:
                              else request.status.finish_reason)
         out.prefilled = False  # finished: nothing left to transfer
         return out
+
+    def close(self) -> None:
+        """Release tensor-parallel followers (they exit); nothing to do at TP 1. Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -44,6 +44,12 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
+        if model.tp_size > 1:
+            # A tensor-parallel shard runs the torch path only (its all-reduces are eager).
+            if use_kernels:
+                raise ValueError("use_kernels=True with a tensor-parallel model: "
+                                 "only the torch path supports tensor parallelism")
+            use_kernels = False
         self.use_kernels = kernels_available(self.device) if use_kernels is None else use_kernels
         self.graphs: DecodeGraphs | None = None
         if not self.use_kernels:

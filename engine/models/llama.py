@@ -27,6 +27,7 @@ op of the kernel path is free of host syncs, so a decode step can be captured in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,11 +200,16 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        # Tensor parallel: o_proj and down_proj output partial sums; this adds them up
+        # across ranks (engine/tensor_parallel.py). None: the whole layer is here.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_k: torch.Tensor, kv_v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_k, kv_v, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.self_attn(self.input_layernorm(x), cos, sin, kv_k, kv_v, attn)
+        x = x + (out if self.all_reduce is None else self.all_reduce(out))
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if self.all_reduce is None else self.all_reduce(out))
 
 
 class LlamaModel(nn.Module):
@@ -234,12 +240,25 @@ class LlamaForCausalLM(nn.Module):
         # The kernel path's state, built by prepare_kernels(): cos/sin tables
         # [max_position_embeddings, head_dim / 2] fp32, and the fused projections.
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Ranks holding a shard each (config then describes the shard); see enable_tensor_parallel.
+        self.tp_size = 1
+
+    def enable_tensor_parallel(self, tp_size: int,
+                               all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Mark this model as one of `tp_size` shards whose layers sum their partial
+        outputs with `all_reduce`. Only the torch path supports it."""
+        self.tp_size = tp_size
+        for layer in self.model.layers:
+            layer.all_reduce = all_reduce
 
     def prepare_kernels(self) -> None:
         """Make the model ready for the kernel path; idempotent. Called once at start-up,
         before any graph capture (it allocates and copies, which a capture may not do)."""
         from engine.kernels.rope import rope_cos_sin
 
+        if self.tp_size > 1:
+            raise ValueError("the kernel path does not support tensor parallelism; "
+                             "a sharded model runs the torch path")
         device = self.model.embed_tokens.weight.device
         if self.rope_tables is None or self.rope_tables[0].device != device:
             self.rope_tables = rope_cos_sin(

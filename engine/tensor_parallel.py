@@ -1,0 +1,391 @@
+"""Tensor parallelism inside one engine: N processes on one host each hold 1/N of every layer.
+
+Sharding (Megatron-style; rank r of N holds the r-th contiguous slice):
+
+    q/k/v_proj  [heads * head_dim, hidden]   column-parallel: rows of heads  [r*H/N, (r+1)*H/N)
+    gate/up     [intermediate, hidden]        column-parallel: rows           [r*I/N, (r+1)*I/N)
+    o_proj      [hidden, heads * head_dim]    row-parallel: columns of the same heads, then
+    down_proj   [hidden, intermediate]        row-parallel   all-reduce(sum) of the partial outputs
+    embeddings, norms, lm_head                replicated
+
+Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
+attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
+rank is therefore an ordinary `LlamaForCausalLM` built from `shard_config()`, with two
+all-reduces per layer. N must divide num_kv_heads (hence num_heads) and intermediate_size.
+
+Rank 0 drives; the other ranks follow:
+
+    rank 0:  schedule -> broadcast(StepMessage) -> execute -> sample -> postprocess
+    rank k:               receive(StepMessage)  -> execute (logits discarded)
+    the first message carries the KV layout; a message without a schedule ends the followers
+
+Messages are msgspec-encoded bytes broadcast as a uint8 tensor (length first), never pickles.
+
+Lifecycle of a follower: spawned -> connected (process group up) -> weights loaded and
+sharded -> KV layout received, pool allocated -> following steps -> shutdown message -> exit.
+Invariants: every rank executes the same schedules in the same order; only rank 0 samples,
+so sampling state (seeds, penalties) lives in one process.
+
+On CPU the group uses gloo; on CUDA nccl, with NCCL_NVLS_ENABLE=0 in every rank's
+environment (NVLink multicast is not available on the machines this runs on). TP > 1 runs
+the torch path of the model (no Triton kernels, no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import enum
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.kv_storage import KVLayout, KVStorage
+from engine.schedule_output import ScheduleOutput
+
+if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports this module early
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.models.llama import LlamaForCausalLM
+
+HOST = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def check_shardable(config: ModelConfig, tp_size: int) -> None:
+    """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model."""
+    if tp_size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if config.num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "
+            f"KV heads ({config.num_heads} attention heads); use a size that divides "
+            f"{config.num_kv_heads}")
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
+                         f"intermediate size {config.intermediate_size}")
+
+
+def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The shape one rank holds: heads and intermediate size divided by `tp_size`."""
+    check_shardable(config, tp_size)
+    return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
+                               num_kv_heads=config.num_kv_heads // tp_size,
+                               intermediate_size=config.intermediate_size // tp_size)
+
+
+class ShardDim(enum.Enum):
+    REPLICATED = None
+    COLUMN = 0  # split the output features (weight rows, bias)
+    ROW = 1  # split the input features (weight columns)
+
+
+_COLUMN_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
+                    "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight")
+_ROW_SUFFIXES = ("o_proj.weight", "down_proj.weight")
+
+
+def shard_dim(name: str) -> ShardDim:
+    """How the checkpoint tensor `name` is split across ranks (pure)."""
+    if name.endswith(_COLUMN_SUFFIXES):
+        return ShardDim.COLUMN
+    if name.endswith(_ROW_SUFFIXES):
+        return ShardDim.ROW
+    return ShardDim.REPLICATED
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor)."""
+    dim = shard_dim(name)
+    if dim is ShardDim.REPLICATED or tp_size == 1:
+        return tensor
+    if tensor.shape[dim.value] % tp_size:
+        raise ValueError(f"{name}: dimension {dim.value} of shape {list(tensor.shape)} "
+                         f"does not split into {tp_size}")
+    return tensor.chunk(tp_size, dim=dim.value)[tp_rank]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelGroup:
+    """This process's place in the group. `device` is where collectives' tensors live
+    (CPU for gloo, this rank's GPU for nccl)."""
+
+    tp_rank: int
+    tp_size: int
+    device: torch.device
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
+        dist.all_reduce(x)
+        return x
+
+
+def shard_model(full: "LlamaForCausalLM", group: TensorParallelGroup,
+                device: torch.device | str) -> "LlamaForCausalLM":
+    """This rank's model: built from shard_config, filled from the full model's state dict,
+    its decoder layers wired to all-reduce. The caller drops `full` afterwards."""
+    from engine.models.llama import LlamaForCausalLM
+
+    dtype = full.model.embed_tokens.weight.dtype
+    model = LlamaForCausalLM(shard_config(full.config, group.tp_size), dtype=dtype,
+                             device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in full.state_dict().items():
+            params[name].copy_(shard_tensor(name, tensor, group.tp_rank, group.tp_size))
+    model.enable_tensor_parallel(group.tp_size, group.all_reduce)
+    return model.eval()
+
+
+class StepMessage(msgspec.Struct, frozen=True):
+    """Rank 0 -> followers, once per step. No schedule: shut down."""
+
+    schedule: ScheduleOutput | None
+
+
+class _Broadcast:
+    """Length-prefixed msgspec bytes from rank 0 to every rank, over tensor broadcasts."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def send(self, payload: bytes) -> None:
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=self.device), 0)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        dist.broadcast(data, 0)
+
+    def receive(self) -> bytes:
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(size, 0)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(data, 0)
+        return data.cpu().numpy().tobytes()
+
+
+class DrivingRunner:
+    """Rank 0's runner: sends each schedule to the followers, then runs its own shard.
+    Constructing it sends the KV layout (followers allocate their pool from it)."""
+
+    def __init__(self, runner: "ModelRunner", group: TensorParallelGroup) -> None:
+        if group.tp_rank != 0:
+            raise ValueError(f"only rank 0 drives; this is rank {group.tp_rank}")
+        self.runner = runner
+        self._channel = _Broadcast(group.device)
+        self._closed = False
+        self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
+
+    def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel group has been shut down")
+        self._channel.send(msgspec.msgpack.encode(StepMessage(schedule)))
+        return self.runner.execute(schedule)
+
+    def close(self) -> None:
+        """Tell the followers to exit; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._channel.send(msgspec.msgpack.encode(StepMessage(None)))
+
+
+def follow(model: "LlamaForCausalLM", group: TensorParallelGroup,
+           device: torch.device | str) -> int:
+    """A follower's loop: receive the KV layout, then execute each step until told to stop.
+    Returns the number of steps executed."""
+    from engine.model_runner import ModelRunner
+
+    channel = _Broadcast(group.device)
+    layout = msgspec.msgpack.decode(channel.receive(), type=KVLayout)
+    runner = ModelRunner(model, KVStorage(layout, device), layout.block_size,
+                         use_kernels=False, cuda_graph_batch_sizes=())
+    decoder = msgspec.msgpack.Decoder(StepMessage)
+    num_steps = 0
+    while (message := decoder.decode(channel.receive())).schedule is not None:
+        runner.execute(message.schedule)
+        num_steps += 1
+    return num_steps
+
+
+def rank_device(device: str, tp_rank: int) -> torch.device:
+    """Rank r's device: `cuda:i` -> `cuda:i+r` (one GPU per rank); CPU is shared."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + tp_rank)
+
+
+def connect(tp_rank: int, tp_size: int, store: dist.Store, device: torch.device,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+    """Join the default process group (gloo on CPU, nccl on CUDA). `timeout_s` bounds every
+    collective, so a follower whose driver died exits instead of waiting forever."""
+    if device.type == "cuda":
+        # NVLink multicast (NVLS) is unavailable on the target machines; NCCL must not try it.
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, store=store, rank=tp_rank, world_size=tp_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallelGroup(tp_rank, tp_size, device)
+
+
+class Followers:
+    """Ranks 1..N-1 as child processes of rank 0, and the store they rendezvous through.
+    Rank 0 owns them: `stop()` waits for them to exit (after DrivingRunner.close) and kills
+    any that do not."""
+
+    def __init__(self, tp_size: int, model: str, dtype: str, device: str,
+                 threads: int | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        # Port 0: the store binds a free port and the children learn it from their argv.
+        self.store = dist.TCPStore(HOST, 0, tp_size, True,
+                                   timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        env = dict(os.environ)
+        if torch.device(device).type == "cuda":
+            env["NCCL_NVLS_ENABLE"] = "0"
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(1, tp_size):
+            argv = [sys.executable, "-m", "engine.tensor_parallel", "--rank", str(rank),
+                    "--tp", str(tp_size), "--port", str(self.store.port), "--model", model,
+                    "--dtype", dtype, "--device", device, "--timeout-s", str(timeout_s)]
+            if threads is not None:
+                argv += ["--threads", str(threads)]
+            # Followers print nothing a user asked for: their stdout joins rank 0's stderr.
+            self.processes.append(subprocess.Popen(argv, env=env, stdout=sys.stderr))
+
+    def stop(self, timeout_s: float = 30.0) -> list[int]:
+        """Wait for every follower; kill those still running after `timeout_s`. Their exit
+        codes, in rank order."""
+        codes = []
+        for process in self.processes:
+            try:
+                codes.append(process.wait(timeout=timeout_s) if timeout_s > 0
+                             else _kill_if_running(process))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes.append(process.wait())
+        return codes
+
+
+def _kill_if_running(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        process.kill()
+    return process.wait()
+
+
+def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
+               device: torch.device | str):
+    """Load the whole checkpoint on the CPU, keep this rank's shard on `device`. Returns
+    (LoadedModel of the full model without its weights, sharded model)."""
+    from engine.loader import load_model
+
+    loaded = load_model(model, dtype=dtype, device="cpu")
+    check_shardable(loaded.config, group.tp_size)
+    sharded = shard_model(loaded.model, group, device)
+    return dataclasses.replace(loaded, model=sharded)
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The model's shape without loading weights (so a bad TP size fails before spawning)."""
+    from pathlib import Path
+
+    from engine.errors import ModelLoadError
+
+    if model == "default":
+        from engine.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(model).expanduser()
+    if path.is_dir():
+        from engine.hf_reader import read_config
+
+        return read_config(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from engine.gguf_reader import GGUFCheckpoint
+
+        return GGUFCheckpoint(path).config()
+    raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+
+
+@contextlib.contextmanager
+def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
+                           kv_cache_bytes: int, threads: int | None = None,
+                           progress: Callable[[str], None] | None = None
+                           ) -> Iterator["LLMEngine"]:
+    """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
+    gone when the block exits. `kv_cache_bytes` is per rank. Raises ValueError (TP size
+    does not fit the model) or ModelLoadError before any process is spawned."""
+    from engine.llm_engine import EngineConfig, LLMEngine, load_tokenizer
+
+    report = progress or (lambda message: None)
+    full_config = read_model_config(model)
+    check_shardable(full_config, tp_size)
+    dtype_name = str(config.dtype).removeprefix("torch.")
+    followers = Followers(tp_size, model, dtype_name, config.device, threads)
+    connected, engine = False, None
+    try:
+        device = rank_device(config.device, 0)
+        report(f"tensor parallel: waiting for {tp_size - 1} follower rank(s)")
+        group = connect(0, tp_size, followers.store, device)
+        connected = True
+        loaded = load_shard(model, group, config.dtype, device)
+        num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size),
+                                                   kv_cache_bytes, config.block_size,
+                                                   config.dtype)
+        engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
+                                            device=str(device), cuda_graph_batch_sizes=())
+        engine = LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.tokenizer_source),
+                           engine_config, tp=group)
+        report(f"tensor parallel: {tp_size} ranks ready")
+        yield engine
+    finally:
+        if engine is not None:
+            engine.close()
+        # Followers blocked in a collective (rank 0 failed before its first message) would
+        # only notice at the group timeout: do not wait for them then.
+        codes = followers.stop(timeout_s=30.0 if engine is not None else 0.0)
+        if connected:
+            dist.destroy_process_group()
+        if engine is not None and any(codes):
+            report(f"tensor parallel: follower exit codes {codes}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """A follower rank: `python -m engine.tensor_parallel --rank R --tp N --port P ...`."""
+    parser = argparse.ArgumentParser(prog="engine.tensor_parallel")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = rank_device(args.device, args.rank)
+    store = dist.TCPStore(HOST, args.port, args.tp, False,
+                          timeout=datetime.timedelta(seconds=args.timeout_s))
+    group = connect(args.rank, args.tp, store, device, args.timeout_s)
+    try:
+        loaded = load_shard(args.model, group, getattr(torch, args.dtype), device)
+        follow(loaded.model, group, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
