@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import ReleaseBlocks, TransferState
@@ -108,3 +109,25 @@ class InboundTransfer:
             assert self.num_releases == 1
         if not self.state.is_terminal:
             assert self.num_releases == 0
+
+
+class InboundHandle:
+    """The receiver's handle on one expected transfer (kv_transfer.interface.RecvHandle).
+
+    `cancel_transfer` is the owning receiver's: it fails the transfer with TransferCancelled
+    and returns once no byte of it can still land (so the blocks are released)."""
+
+    def __init__(self, transfer: InboundTransfer,
+                 cancel_transfer: Callable[[InboundTransfer, str], Awaitable[None]]) -> None:
+        self._transfer, self._cancel_transfer = transfer, cancel_transfer
+
+    @property
+    def state(self) -> TransferState:
+        return self._transfer.state
+
+    async def wait(self) -> None:
+        await self._transfer.wait()
+
+    async def cancel(self, reason: str) -> None:
+        await self._cancel_transfer(self._transfer, reason)
+

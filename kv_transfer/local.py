@@ -17,25 +17,9 @@ import torch
 from engine.kv_storage import KVStorage
 from kv_transfer.errors import (KVTransferError, PeerLost, TransferCancelled, TransferRejected,
                                 TransferTimeout)
-from kv_transfer.inbound import InboundTransfer
+from kv_transfer.inbound import InboundHandle, InboundTransfer
 from kv_transfer.interface import ReleaseBlocks, TransferSpec, TransferState
 from kv_transfer.layout import TransferPlan, check_layouts
-
-
-class LocalRecvHandle:
-    def __init__(self, receiver: "LocalReceiver", transfer: InboundTransfer) -> None:
-        self._receiver, self._transfer = receiver, transfer
-
-    @property
-    def state(self) -> TransferState:
-        return self._transfer.state
-
-    async def wait(self) -> None:
-        await self._transfer.wait()
-
-    async def cancel(self, reason: str) -> None:
-        self._receiver.fail(self._transfer, TransferCancelled(
-            f"transfer {self._transfer.request_id} cancelled by receiver: {reason}"))
 
 
 class LocalReceiver:
@@ -48,7 +32,7 @@ class LocalReceiver:
         self._expected: dict[str, InboundTransfer] = {}
 
     def expect(self, request_id: str, dst_block_ids: list[int], layers: range,
-               release: ReleaseBlocks, timeout_s: float) -> LocalRecvHandle:
+               release: ReleaseBlocks, timeout_s: float) -> InboundHandle:
         if request_id in self._expected:
             raise ValueError(f"transfer {request_id} is already expected")
         loop = asyncio.get_running_loop()
@@ -57,7 +41,11 @@ class LocalReceiver:
         transfer.timer = loop.call_at(transfer.deadline, self.fail, transfer, TransferTimeout(
             f"transfer {request_id}: not complete within {timeout_s:.3f}s"))
         self._expected[request_id] = transfer
-        return LocalRecvHandle(self, transfer)
+        return InboundHandle(transfer, self.cancel_transfer)
+
+    async def cancel_transfer(self, transfer: InboundTransfer, reason: str) -> None:
+        self.fail(transfer, TransferCancelled(
+            f"transfer {transfer.request_id} cancelled by receiver: {reason}"))
 
     def fail(self, transfer: InboundTransfer, error: KVTransferError) -> None:
         if transfer.begin_failure(error):

@@ -32,7 +32,7 @@ from typing import Protocol
 from engine.kv_storage import KVStorage
 from kv_transfer.errors import KVTransferError, PeerLost, TransferCancelled, TransferTimeout
 from kv_transfer.framing import FrameConnection
-from kv_transfer.inbound import InboundTransfer
+from kv_transfer.inbound import InboundHandle, InboundTransfer
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
 from kv_transfer.packing import PackedPlan
@@ -51,23 +51,6 @@ class ReceivePlane(Protocol):
     def data_landed(self, tag: int) -> None: ...
     async def flush(self, transfer: InboundTransfer) -> None: ...
     async def close(self) -> None: ...
-
-
-class ReceiveHandle:
-    def __init__(self, receiver: "TransferReceiver", transfer: InboundTransfer) -> None:
-        self._receiver, self._transfer = receiver, transfer
-
-    @property
-    def state(self) -> TransferState:
-        return self._transfer.state
-
-    async def wait(self) -> None:
-        await self._transfer.wait()
-
-    async def cancel(self, reason: str) -> None:
-        self._receiver.fail(self._transfer, TransferCancelled(
-            f"transfer {self._transfer.request_id} cancelled by receiver: {reason}"), True)
-        await self._receiver.settled(self._transfer)
 
 
 class TransferReceiver:
@@ -106,7 +89,7 @@ class TransferReceiver:
 
     # -- the owner's API -------------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: list[int], layers: range,
-               release: ReleaseBlocks, timeout_s: float) -> ReceiveHandle:
+               release: ReleaseBlocks, timeout_s: float) -> InboundHandle:
         if request_id in self._expected:
             raise ValueError(f"transfer {request_id} is already expected")
         loop = asyncio.get_running_loop()
@@ -115,7 +98,12 @@ class TransferReceiver:
         transfer.timer = loop.call_at(transfer.deadline, self.fail, transfer, TransferTimeout(
             f"transfer {request_id}: not complete within {timeout_s:.3f}s"), True)
         self._expected[request_id] = transfer
-        return ReceiveHandle(self, transfer)
+        return InboundHandle(transfer, self.cancel_transfer)
+
+    async def cancel_transfer(self, transfer: InboundTransfer, reason: str) -> None:
+        self.fail(transfer, TransferCancelled(
+            f"transfer {transfer.request_id} cancelled by receiver: {reason}"), True)
+        await self.settled(transfer)
 
     async def settled(self, transfer: InboundTransfer) -> None:
         try:
