@@ -31,9 +31,9 @@ from pathlib import Path
 
 import aiohttp
 
-from common.control_http import ControlClient
-from common.protocol import DecodeRequest, DecodeResponseFrame, SamplingSpec, TokenFrame
-from common.redis_server import RedisServer
+from common.contract.control_http import ControlClient
+from common.contract.protocol import DecodeRequest, DecodeResponseFrame, SamplingSpec, TokenFrame
+from common.launcher.redis_server import RedisServer
 from gateway.sse import SseDecoder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace) -
                             "--token-interval-ms", str(interval_ms)], "listening on")
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as tiers:
         tiers.write(TIERS)
-    gateway, url = spawn(["common.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+    gateway, url = spawn(["common.launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
                           "--log-level", "warning"], "listening on")
     try:

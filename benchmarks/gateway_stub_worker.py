@@ -30,14 +30,14 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from common.control_http import (ControlServer, RequestRejected, make_app, message_handler,
+from common.contract.control_http import (ControlServer, RequestRejected, make_app, message_handler,
                                  stream_handler)
-from common.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResult,
                              ReserveRequest, ReserveResponse, Role, TokenFrame, TransferResult,
                              TransferStatus, Usage, WorkerInfo, WorkerLoad)
-from common.redis_state import RedisState, connect
-from common.worker_publisher import WorkerPublisher
+from common.contract.redis_state import RedisState, connect
+from common.worker.publisher import WorkerPublisher
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 4096

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from common.worker_options import add_worker_options
+    from common.worker.options import add_worker_options
 
     parser = subparsers.add_parser(
         "decode-worker", help="run one decode worker (one engine, one device)",
@@ -18,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.worker_main import run_worker
+    from common.worker.main import run_worker
     from decode_workers.main import build_role
 
     return run_worker(args, "decode", build_role)

@@ -1,7 +1,7 @@
 """Decode worker: reserve -> receive KV -> join the decode batch -> stream tokens.
 
-Handles POST /internal/reserve, /internal/decode and /internal/abort (common/protocol.py
-messages over common/control_http.py). The engine runs in its own thread (EngineThread).
+Handles POST /internal/reserve, /internal/decode and /internal/abort (common/contract/protocol.py
+messages over common/contract/control_http.py). The engine runs in its own thread (EngineThread).
 
 The handoff as this worker sees it (disaggregated request):
 
@@ -40,12 +40,12 @@ from typing import Any
 
 from aiohttp import web
 
-from common.control_http import message_handler, stream_handler
-from common.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
+from common.contract.control_http import message_handler, stream_handler
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                              ErrorCode, ErrorFrame, Message, ReserveRequest, ReserveResponse,
                              TokenFrame)
-from common.worker_frames import merge_outputs
-from common.worker_metrics import WorkerMetrics
+from common.worker.output_frames import merge_outputs
+from common.worker.metrics import WorkerMetrics
 from decode_workers.reservations import (EndReason, Reservation, ReservationState,
                                          ReservationTable, blocks_to_receive)
 from engine.engine_thread import EngineThread, StreamEnd

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.llm_engine import EngineConfig, build_engine
     from engine.loader import ModelLoadError
-    from engine.sampling_params import SamplingParams
+    from common.contract.sampling_params import SamplingParams
 
     if args.threads is not None:
         if args.threads < 1:

@@ -34,7 +34,7 @@ from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop_checker import FinishReason, check_stop
 from engine.tokenizer import Tokenizer

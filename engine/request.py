@@ -29,7 +29,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 
 class RequestMode(enum.Enum):

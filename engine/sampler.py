@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 
 class FinishReason(enum.Enum):

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 
 class BackendUnavailable(Exception):

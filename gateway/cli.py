@@ -12,8 +12,8 @@ import os
 import sys
 from collections.abc import Mapping
 
-from common.cli_env import env_default
-from common.control_http import INTERNAL_TOKEN_ENV
+from common.contract.option_env import env_default
+from common.contract.control_http import INTERNAL_TOKEN_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,8 +1,8 @@
 """The gateway's view of the cluster: registry + load polling, the prefix-index mirror, purges.
 
-Discovery is only through Redis (common/redis_state.py). One owned task polls the live
+Discovery is only through Redis (common/contract/redis_state.py). One owned task polls the live
 workers and their loads every `poll_period_s` and rebuilds the routing snapshot; the
-prefix-index mirror (common/prefix_index_mirror.py) follows the index stream in its own
+prefix-index mirror (common/contract/prefix_index_mirror.py) follows the index stream in its own
 task. Every `purge_period_s` the poller also purges workers whose lease lapsed (a crashed
 worker never deregisters), so their prefix entries stop attracting routes.
 
@@ -28,9 +28,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.prefix_index_mirror import PrefixIndexMirror
-from common.protocol import WorkerInfo, WorkerLoad
-from common.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
+from common.contract.prefix_index_mirror import PrefixIndexMirror
+from common.contract.protocol import WorkerInfo, WorkerLoad
+from common.contract.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
 from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerLoad as
                             RouteLoad, WorkerRole, WorkerView, plan_route, with_assignment)
 

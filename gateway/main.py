@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from aiohttp import ClientSession, TCPConnector, web
 
-from common.prefix_index_mirror import PrefixIndexMirror
-from common.redis_state import RedisState, connect
+from common.contract.prefix_index_mirror import PrefixIndexMirror
+from common.contract.redis_state import RedisState, connect
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.cluster import ClusterView

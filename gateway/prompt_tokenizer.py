@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from engine.stop_checker import check_stop
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from gateway.errors import ApiError, invalid_request, unsupported
 from gateway.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                 SamplingFields)

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession
 
-from common.control_http import ControlClient, ControlError, RemoteError
-from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
+from common.contract.control_http import ControlClient, ControlError, RemoteError
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
                              PrefillResult, ReserveRequest, ReserveResponse, SamplingSpec,
                              TokenFrame, TokenLogprob as WireLogprob, TransferResult,
@@ -52,7 +52,7 @@ from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeR
 from engine.kv_cache import block_hashes
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.cluster import ClusterView
-from gateway.frame_reader import FrameBatchDecoder, stream_frame_batches
+from common.contract.frames import FrameBatchDecoder, stream_frame_batches
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.router import NoWorkers

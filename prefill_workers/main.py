@@ -1,6 +1,6 @@
 """Wiring of one prefill worker process: options -> KV sender factory -> PrefillWorker.
 
-Runs (per process): a control HTTP server (common/control_http.py), one engine thread, one
+Runs (per process): a control HTTP server (common/contract/control_http.py), one engine thread, one
 KV sender (UCX or TCP links to decode workers, opened on first use), and the registry
 publisher. See prefill_workers/worker.py for the request lifecycle.
 """

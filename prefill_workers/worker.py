@@ -39,11 +39,11 @@ from typing import Any
 
 from aiohttp import web
 
-from common.control_http import message_handler, stream_handler
-from common.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
+from common.contract.control_http import message_handler, stream_handler
+from common.contract.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
                              TransferStatus)
-from common.worker_frames import finish_reason, to_token_logprob
-from common.worker_metrics import WorkerMetrics
+from common.worker.output_frames import finish_reason, to_token_logprob
+from common.worker.metrics import WorkerMetrics
 from engine.engine_thread import EngineThread, StreamEnd
 from engine.request import RequestMode
 from kv_transfer.errors import KVTransferError, TransferCancelled

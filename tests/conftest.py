@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.redis_server import RedisServer
+from common.launcher.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

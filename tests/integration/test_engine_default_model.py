@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine, build_engine
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -160,7 +160,7 @@ def test_abort_frees_blocks(loaded):
 
 def test_generate_cli_streams_only_the_text(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", "The capital of France is",
+        [sys.executable, "-m", "common.launcher.cli", "generate", "The capital of France is",
          "--max-tokens", "12", "--threads", "1"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -170,7 +170,7 @@ def test_generate_cli_streams_only_the_text(tmp_path):
 
 def test_generate_cli_bad_model_is_a_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "generate", "hi", "--model",
+        [sys.executable, "-m", "common.launcher.cli", "generate", "hi", "--model",
          str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "missing.gguf" in proc.stderr and proc.stdout == ""

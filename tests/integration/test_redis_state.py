@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.prefix_index_mirror import PrefixIndexMirror
-from common.protocol import PrefixIndexEvent, Role, WorkerInfo, WorkerLoad
-from common.redis_server import RedisServer
-from common.redis_state import RedisState, StaleEpochError, connect, live_epochs
-from common.worker_publisher import WorkerPublisher
+from common.contract.prefix_index_mirror import PrefixIndexMirror
+from common.contract.protocol import PrefixIndexEvent, Role, WorkerInfo, WorkerLoad
+from common.launcher.redis_server import RedisServer
+from common.contract.redis_state import RedisState, StaleEpochError, connect, live_epochs
+from common.worker.publisher import WorkerPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

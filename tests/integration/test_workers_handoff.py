@@ -1,6 +1,6 @@
 """Prefill and decode worker processes on the default model, driven the way the gateway does.
 
-Real processes (`python -m common.cli prefill-worker|decode-worker`, port 0, found through
+Real processes (`python -m common.launcher.cli prefill-worker|decode-worker`, port 0, found through
 the Redis registry), a real Redis-protocol server, real KV transfer on loopback (UCX for
 one prefill/decode pair, TCP for the other). The TCP pair's prefill worker sleeps before
 each layer of requests named "fault-*" (--fault-transfer-delay-ms, --fault-request-prefix),
@@ -25,14 +25,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from common.control_http import ControlClient, ControlError, RemoteError
-from common.metrics import parse_samples
-from common.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
+from common.contract.control_http import ControlClient, ControlError, RemoteError
+from common.contract.metrics import parse_samples
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                              PrefillRequest, PrefillResponseFrame, PrefillResult,
                              ReserveRequest, ReserveResponse, SamplingSpec, TokenFrame,
                              TransferResult, TransferStatus)
-from common.redis_server import RedisServer
-from common.redis_state import RedisState, connect
+from common.launcher.redis_server import RedisServer
+from common.contract.redis_state import RedisState, connect
 
 # Generous: the module fixture starts four model-loading processes on a shared host.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -62,7 +62,7 @@ class Worker:
     def start(self, redis_url: str) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *self.args, "--redis-url", redis_url,
+            [sys.executable, "-m", "common.launcher.cli", *self.args, "--redis-url", redis_url,
              "--worker-id", self.worker_id, "--namespace", NAMESPACE, "--threads", "1",
              "--kv-cache-mb", "48", "--log-level", "warning"],
             cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -180,7 +180,7 @@ def test_entrypoint_substitutes_the_container_ip(fake_pdserve: Path) -> None:
 
 @pytest.fixture
 def ready_server() -> Iterator[tuple[int, dict]]:
-    """A control server stand-in: the token on every path (as common/control_http.py does)."""
+    """A control server stand-in: the token on every path (as common/contract/control_http.py does)."""
     state = {"ready": 503}
 
     class Handler(http.server.BaseHTTPRequestHandler):

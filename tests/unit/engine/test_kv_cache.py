@@ -12,7 +12,7 @@ import engine.kv_cache
 from engine.block_pool import BlockPool, CacheEventKind
 from engine.kv_cache import KVCacheManager, Reservation, block_hash, block_hashes
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 BS = 4
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine.kv_cache.__file__)))

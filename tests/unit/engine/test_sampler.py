@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingState
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 EOS = 3
 VOCAB = 16

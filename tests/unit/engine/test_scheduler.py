@@ -12,7 +12,7 @@ import pytest
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from engine.schedule_output import ScheduleOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from engine.stop_checker import FinishReason, StopCheck, check_stop, find_stop_string
 
 EOS = 2

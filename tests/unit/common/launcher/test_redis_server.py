@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.redis_server import (RedisBinary, RedisServer, RedisServerError, find_redis_binary,
+from common.launcher.redis_server import (RedisBinary, RedisServer, RedisServerError, find_redis_binary,
                                  ping)
 
 pytestmark = pytest.mark.timeout(30)

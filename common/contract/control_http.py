@@ -1,6 +1,6 @@
 """The internal control plane: aiohttp helpers for gateway ↔ worker calls.
 
-Bodies are protocol envelopes (common/protocol.py) with content type application/x-msgpack.
+Bodies are protocol envelopes (common/contract/protocol.py) with content type application/x-msgpack.
 A token stream is a chunked response of length-prefixed frames:
 
     ┌────────────── 4 bytes ─────────────┬──────── length bytes ─────────┐
@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import ClientSession, ClientTimeout, web
 
-from common.protocol import (MAX_MESSAGE_BYTES, ErrorCode, ErrorFrame, Message, MessageDecoder,
+from common.contract.protocol import (MAX_MESSAGE_BYTES, ErrorCode, ErrorFrame, Message, MessageDecoder,
                              ProtocolError, ProtocolVersionError, encode)
 
 INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"

@@ -2,7 +2,7 @@
 
 Each gateway replica keeps one, so routing reads never touch Redis:
 
-    Redis (common/redis_state.py)            this process
+    Redis (common/contract/redis_state.py)            this process
     ─────────────────────────────            ─────────────────────────────────────────
     snapshot_index() ── atomic ───────────▶  PrefixIndex.load(holdings) at stream id S
     prefix_events stream (S, ...] ── XREAD ▶  PrefixIndex.apply(event), last_event_id = id
@@ -23,8 +23,8 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
-from common.protocol import PrefixIndexEvent
-from common.redis_state import (REDIS_FAILURES, RedisState, StreamId, raise_if_cancelling,
+from common.contract.protocol import PrefixIndexEvent
+from common.contract.redis_state import (REDIS_FAILURES, RedisState, StreamId, raise_if_cancelling,
                                 stop_task, stream_id_key)
 
 logger = logging.getLogger(__name__)

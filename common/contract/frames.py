@@ -1,6 +1,6 @@
 """Reads a worker's frame stream in batches: every complete frame one socket read delivered.
 
-The wire format is `common/control_http.py`'s (a 4-byte big-endian length, then a msgpack
+The wire format is `common/contract/control_http.py`'s (a 4-byte big-endian length, then a msgpack
 `[version, message]` envelope, repeated). `ControlClient.stream` reads it one frame at a
 time (two `readexactly`, two msgpack decodes and one `asyncio.timeout` per frame); on the
 gateway's relay path that is paid once per token, so this reader does the same job per
@@ -38,9 +38,9 @@ from typing import Any
 import msgspec
 from aiohttp import ClientResponse, ClientSession, ClientTimeout
 
-from common.control_http import (FRAME_HEADER, FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE,
+from common.contract.control_http import (FRAME_HEADER, FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE,
                                  ControlError, FrameDeadlineError, RemoteError)
-from common.protocol import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorFrame, Message,
+from common.contract.protocol import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorFrame, Message,
                              MessageDecoder, ProtocolError, encode)
 
 _HEADER_SIZE = FRAME_HEADER.size

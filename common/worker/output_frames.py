@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.protocol import ErrorCode, ErrorFrame, FinishReason, TokenFrame, TokenLogprob, Usage
+from common.contract.protocol import ErrorCode, ErrorFrame, FinishReason, TokenFrame, TokenLogprob, Usage
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
 

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.cli_env import env_flag, env_name
+from common.contract.option_env import env_flag, env_name
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")

@@ -18,7 +18,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "prefill_workers.cli",
     "decode_workers.cli",
     "gateway.cli",
-    "common.up_cli",
+    "common.launcher.up_cli",
 )
 
 

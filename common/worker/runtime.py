@@ -28,12 +28,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from common.control_http import ControlServer, make_app
-from common.metrics import MetricsRegistry
-from common.protocol import Role, WorkerInfo, WorkerLoad
-from common.redis_state import RedisState, connect
-from common.worker_metrics import WorkerMetrics
-from common.worker_publisher import WorkerPublisher
+from common.contract.control_http import ControlServer, make_app
+from common.contract.metrics import MetricsRegistry
+from common.contract.protocol import Role, WorkerInfo, WorkerLoad
+from common.contract.redis_state import RedisState, connect
+from common.worker.metrics import WorkerMetrics
+from common.worker.publisher import WorkerPublisher
 from engine.block_pool import CacheEventKind
 from engine.engine_thread import EngineStats, EngineThread, StepReport, engine_stats
 

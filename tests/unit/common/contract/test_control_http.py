@@ -12,10 +12,10 @@ import pytest
 import aiohttp
 from aiohttp import ClientSession, web
 
-from common.control_http import (FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, ControlClient,
+from common.contract.control_http import (FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, ControlClient,
                                  ControlError, ControlServer, FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
                                  make_app, message_handler, stream_handler)
-from common.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
+from common.contract.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
                              ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
                              ReserveResponse, TokenFrame, TokenLogprob, Usage)
 

@@ -7,14 +7,14 @@ import dataclasses
 import msgspec
 import pytest
 
-from common.protocol import (AbortRequest, AbortResponse, AnyMessage, DecodeDestination,
+from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, DecodeDestination,
                              DecodeRequest, ErrorCode, ErrorFrame, FinishReason, MessageDecoder,
                              MessageTooLargeError, PrefillRequest, PrefillResponseFrame,
                              PrefillResult, PrefixIndexEvent, ProtocolError, ProtocolVersionError,
                              ReserveRequest, ReserveResponse, Role, SamplingSpec, TokenFrame,
                              TokenLogprob, TransferResult, TransferStatus, Usage, WorkerInfo,
                              WorkerLoad, decode, encode)
-from engine.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 DEST = DecodeDestination(worker_id="decode-0", epoch=4, kv_address="ucx://10.0.0.2:7000",
                          block_ids=[9, 3, 12], num_prefix_blocks_held=1)

@@ -13,11 +13,11 @@ import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from hypothesis import given, settings, strategies as st
 
-from common.control_http import (FRAME_HEADER, ControlError, ControlServer, FrameDeadlineError,
+from common.contract.control_http import (FRAME_HEADER, ControlError, ControlServer, FrameDeadlineError,
                                  RemoteError, encode_frame, make_app)
-from common.protocol import (DecodeRequest, DecodeResponseFrame, ErrorCode, ErrorFrame,
+from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, ErrorCode, ErrorFrame,
                              FinishReason, ProtocolVersionError, SamplingSpec, TokenFrame)
-from gateway.frame_reader import FrameBatchDecoder, stream_frame_batches
+from common.contract.frames import FrameBatchDecoder, stream_frame_batches
 
 pytestmark = pytest.mark.timeout(30)
 

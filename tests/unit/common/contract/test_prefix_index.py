@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.prefix_index_mirror import PrefixIndex
-from common.protocol import PrefixIndexEvent
+from common.contract.prefix_index_mirror import PrefixIndex
+from common.contract.protocol import PrefixIndexEvent
 
 
 def ev(worker: str, epoch: int, inserted=(), evicted=(), reset=False) -> PrefixIndexEvent:

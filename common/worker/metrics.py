@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from common.metrics import MetricsRegistry
+from common.contract.metrics import MetricsRegistry
 from engine.engine_thread import StepReport
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import msgspec
 
-from common.protocol import MAX_HASHES_PER_EVENT, PrefixIndexEvent, WorkerInfo, WorkerLoad
-from common.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError, raise_if_cancelling,
+from common.contract.protocol import MAX_HASHES_PER_EVENT, PrefixIndexEvent, WorkerInfo, WorkerLoad
+from common.contract.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError, raise_if_cancelling,
                                 stop_task)
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.metrics import MetricsRegistry, parse_samples
+from common.contract.metrics import MetricsRegistry, parse_samples
 
 
 def test_counter_gauge_histogram_render_in_exposition_format() -> None:

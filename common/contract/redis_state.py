@@ -40,7 +40,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from common.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixIndexEvent, WorkerInfo,
+from common.contract.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixIndexEvent, WorkerInfo,
                              WorkerLoad, encode)
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event

@@ -18,7 +18,7 @@ from typing import Any
 def run_worker(args: argparse.Namespace, kind: str,
                build_role: Callable[[Any, Any], Any]) -> int:
     """`build_role(options, runtime)` returns the RoleWorker; returns the exit code."""
-    from common.worker_options import options_from_args
+    from common.worker.options import options_from_args
 
     try:
         options = options_from_args(args, kind)
@@ -47,8 +47,8 @@ def run_worker(args: argparse.Namespace, kind: str,
 async def _serve(options: Any, build_role: Callable[[Any, Any], Any]) -> int:
     import torch
 
-    from common.protocol import Role
-    from common.worker_runtime import WorkerRuntime
+    from common.contract.protocol import Role
+    from common.worker.runtime import WorkerRuntime
     from engine.llm_engine import EngineConfig, build_engine
 
     role = Role.PREFILL if options.role == "prefill" else Role.DECODE

@@ -4,7 +4,7 @@ Wire format: one msgpack array `[PROTOCOL_VERSION, message]`, where `message` is
 Struct (the `type` field names it). The version sits outside the message so a peer on
 another version gets a clear `ProtocolVersionError`, not a confusing field error.
 
-Who sends what (one HTTP call per arrow; see common/control_http.py for the transport):
+Who sends what (one HTTP call per arrow; see common/contract/control_http.py for the transport):
 
     gateway ──ReserveRequest──────▶ decode    ◀── ReserveResponse | ErrorFrame
     gateway ──PrefillRequest──────▶ prefill   ◀── frames: PrefillResult, TransferResult
@@ -12,7 +12,7 @@ Who sends what (one HTTP call per arrow; see common/control_http.py for the tran
     prefill ══ KV blocks (kv_transfer/) ══▶ decode; prefill ──TransferResult──▶ decode
     gateway ──DecodeRequest───────▶ decode    ◀── frames: TokenFrame ... (last has finish_reason)
     gateway ──AbortRequest────────▶ prefill and decode (any time; idempotent)
-    workers ──WorkerInfo, WorkerLoad, PrefixIndexEvent──▶ Redis (common/redis_state.py)
+    workers ──WorkerInfo, WorkerLoad, PrefixIndexEvent──▶ Redis (common/contract/redis_state.py)
 
 Any response or stream may end with an `ErrorFrame` instead. Time budgets travel as
 `timeout_ms` (the time left when the message was sent); each receiver starts its own clock on
@@ -104,7 +104,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Wire mirror of engine.sampling_params.SamplingParams (same fields, same defaults).
+    """Wire mirror of common.contract.sampling_params.SamplingParams (same fields, same defaults).
 
     Range checks live in SamplingParams.__post_init__; `to_params()` runs them.
     """
@@ -127,7 +127,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_params(self) -> Any:
         """The engine's SamplingParams; raises ValueError when a field is out of range."""
-        from engine.sampling_params import SamplingParams  # engine is heavy for the gateway
+        from common.contract.sampling_params import SamplingParams  # engine is heavy for the gateway
 
         fields = msgspec.structs.asdict(self)
         fields["stop"] = tuple(self.stop)

@@ -1,0 +1,1 @@
+"""The `pdserve` command line and `pdserve up`: the top layer, which may import every other."""
