@@ -104,9 +104,9 @@ def main() -> int:
     log("loading the default model")
     loaded = load_model("default")
     tokenizer = load_tokenizer(loaded.tokenizer_source)
-    engine = LLMEngine(loaded.model, loaded.config, tokenizer,
-                       EngineConfig(num_kv_blocks=1024, max_num_seqs=32,
-                                    max_num_batched_tokens=512))
+    engine = LLMEngine.for_model(loaded.model, loaded.config, tokenizer,
+                                 EngineConfig(num_kv_blocks=1024, max_num_seqs=32,
+                                              max_num_batched_tokens=512))
     hf = transformers_twin(loaded)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     pad_id = tokenizer.eos_token_ids[0]

@@ -32,7 +32,8 @@ from pathlib import Path
 import aiohttp
 
 from common.contract.control_http import ControlClient
-from common.contract.protocol import DecodeRequest, DecodeResponseFrame, SamplingSpec, TokenFrame
+from common.contract.protocol import DecodeRequest, DecodeResponseFrame, TokenFrame
+from common.contract.sampling_params import SamplingParams
 from common.launcher.redis_server import RedisServer
 from gateway.sse import SseDecoder
 
@@ -70,7 +71,7 @@ async def direct_stream(client: ControlClient, num_tokens: int) -> float:
     started = time.perf_counter()
     ttft = None
     message = DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3],
-                            sampling=SamplingSpec(max_tokens=num_tokens), timeout_ms=60_000)
+                            sampling=SamplingParams(max_tokens=num_tokens), timeout_ms=60_000)
     count = 0
     async for frame in client.stream("/internal/decode", message, DecodeResponseFrame, 30, 30):
         assert isinstance(frame, TokenFrame)

@@ -207,11 +207,7 @@ class DecodeWorker:
         if rid in self._streams:
             yield _error(rid, ErrorCode.BAD_REQUEST, "request id already streaming")
             return
-        try:
-            params = request.sampling.to_params()
-        except ValueError as exc:
-            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
-            return
+        params = request.sampling  # validated while decoding
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         self._streams.add(rid)

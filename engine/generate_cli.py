@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.llm_engine import EngineConfig, build_engine
-    from engine.loader import ModelLoadError
+    from engine.errors import ModelLoadError
     from common.contract.sampling_params import SamplingParams
 
     if args.threads is not None:

@@ -1,14 +1,8 @@
 """Per-request block tables over the `BlockPool`, with prefix caching by chained block hashes.
 
-Prefix hashing. A *full* block (block_size tokens) is named by
-
-    hash_0 = block_hash(None,   tokens[0:B])
-    hash_i = block_hash(hash_{i-1}, tokens[i*B:(i+1)*B])
-
-so a hash identifies the whole prefix up to the end of its block, not just the block's own
-tokens. `block_hash` is blake2b-64 over the msgpack encoding of (parent, tokens): stable across
-processes and hosts (the gateway and other workers compute the same numbers), unlike the
-salted builtin `hash()`. Partial blocks are never cached.
+Prefix hashing: a *full* block is named by its chained hash (common/contract/block_hashes.py),
+which covers the whole prefix up to the end of the block; the gateway and other workers
+compute the same names. Partial blocks are never cached.
 
 Two ways to get blocks:
 
@@ -31,38 +25,15 @@ Invariants (`check_invariants`):
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
+from common.contract.block_hashes import block_hash, block_hashes
 from engine.block_pool import BlockPool, CacheEvent
 from engine.request import Request
-
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Stable unsigned 64-bit name of a full block given its parent's name."""
-    data = _ENCODER.encode((parent_hash, list(token_ids)))
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int,
-                 num_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the first `num_blocks` full blocks (all full blocks when None)."""
-    num_full = len(token_ids) // block_size
-    if num_blocks is not None:
-        num_full = min(num_full, num_blocks)
-    hashes: list[int] = []
-    parent: int | None = None
-    for i in range(num_full):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
-
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:

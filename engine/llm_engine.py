@@ -22,8 +22,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine.config import ModelConfig
@@ -31,17 +29,14 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.block_pool import BlockPool
 from engine.kv_storage import KVStorage
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepRunner
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
+from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.stop_checker import FinishReason, check_stop
+from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from engine.tensor_parallel import TensorParallelGroup
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -92,7 +87,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     logprobs: list[TokenLogprobs | None]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None: more to come
+    finish_reason: FinishReason | None  # None: more to come
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
@@ -122,45 +117,48 @@ class GenerationResult:
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason | None = None  # None until it finishes
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class LLMEngine:
     """One model, one KV pool, one scheduler; driven by `step()` from a single thread."""
 
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
-                 config: EngineConfig, sampler_seed: int | None = None,
-                 tp: "TensorParallelGroup | None" = None) -> None:
-        """With `tp` (rank 0 of a group), `model` is this rank's shard, `model_config` the
-        whole model's, and every step is sent to the followers before it runs here."""
+    def __init__(self, runner: StepRunner, kv_storage: KVStorage, model_config: ModelConfig,
+                 tokenizer: Tokenizer, config: EngineConfig,
+                 sampler_seed: int | None = None) -> None:
+        """`runner` executes each step's schedule and writes the KV into `kv_storage`;
+        `for_model` builds both for one process, engine/tensor_parallel.py for rank 0 of
+        a group (a shard's storage, a runner that drives the followers)."""
+        if kv_storage.layout.block_size != config.block_size:
+            raise ValueError(f"KV storage block size {kv_storage.layout.block_size} != "
+                             f"{config.block_size}")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
-        kv_config = model_config
-        if tp is not None:
-            from engine.tensor_parallel import shard_config
-
-            kv_config = shard_config(model_config, tp.tp_size)  # this rank's KV heads only
-        self.kv_storage = KVStorage.for_model(kv_config, config.num_kv_blocks,
-                                              config.block_size, config.dtype, config.device)
+        self.kv_storage = kv_storage
         self.kv_cache = KVCacheManager(BlockPool(config.num_kv_blocks, config.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             prefill_chunk_tokens=config.prefill_chunk_tokens),
             self.kv_cache)
-        self.runner = ModelRunner(model, self.kv_storage, config.block_size,
-                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
-        if tp is not None:
-            from engine.tensor_parallel import DrivingRunner
-
-            self.runner = DrivingRunner(self.runner, tp)
+        self.runner = runner
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0  # requests sent back to recompute, since start
         self.num_steps = 0
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+                  config: EngineConfig, sampler_seed: int | None = None) -> "LLMEngine":
+        """An engine running `model` in this process: its own KV pool and model runner."""
+        kv_storage = KVStorage.for_model(model_config, config.num_kv_blocks, config.block_size,
+                                         config.dtype, config.device)
+        runner = ModelRunner(model, kv_storage, config.block_size,
+                             cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
+        return cls(runner, kv_storage, model_config, tokenizer, config, sampler_seed)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -262,10 +260,10 @@ class LLMEngine:
         """Run prompts to completion together (continuous batching); results in input order."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        results = {rid: GenerationResult(rid, [], "", "") for rid in ids}
+        results = {rid: GenerationResult(rid, [], "") for rid in ids}
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
-        while any(not r.finish_reason for r in results.values()):
+        while any(r.finish_reason is None for r in results.values()):
             for out in self.step():
                 result = results.get(out.request_id)
                 if result is None:
@@ -273,7 +271,7 @@ class LLMEngine:
                 result.token_ids.extend(out.new_token_ids)
                 result.text += out.new_text
                 result.logprobs.extend(out.logprobs)
-                if out.finish_reason:
+                if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason
         return [results[rid] for rid in ids]
 
@@ -341,16 +339,14 @@ class LLMEngine:
             tracked.text += tracked.detokenizer.flush()
         self._tracked.pop(request.request_id, None)
         out = self._emit(tracked, token_ids, logprobs or [], len(tracked.text))
-        out.finish_reason = (tracked.stop.value if tracked.stop is not None
+        out.finish_reason = (tracked.stop if tracked.stop is not None
                              else request.status.finish_reason)
         out.prefilled = False  # finished: nothing left to transfer
         return out
 
     def close(self) -> None:
         """Release tensor-parallel followers (they exit); nothing to do at TP 1. Idempotent."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -394,4 +390,5 @@ def build_engine(model: str, config: EngineConfig, progress=None,
     elif kv_cache_bytes is not None:
         config = dataclasses.replace(config, num_kv_blocks=EngineConfig.blocks_for_bytes(
             loaded.config, kv_cache_bytes, config.block_size, config.dtype))
-    return LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.tokenizer_source), config)
+    return LLMEngine.for_model(loaded.model, loaded.config,
+                              load_tokenizer(loaded.tokenizer_source), config)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,19 @@ from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
 from engine.schedule_output import ScheduleOutput
+
+
+class StepRunner(Protocol):
+    """What the engine loop needs from whatever runs the model (this module's ModelRunner,
+    or tensor parallelism's DrivingRunner)."""
+
+    def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
+        """float32 logits [sampling chunks, vocab] for one step's schedule."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds beyond this process; idempotent."""
+        ...
 
 
 class ModelRunner:
@@ -99,3 +113,6 @@ class ModelRunner:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             # Only sampled rows pay for the vocabulary projection (the largest matmul).
             return self.model.compute_logits(hidden[rows])
+
+    def close(self) -> None:
+        return None  # nothing outside this process

@@ -29,6 +29,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 
 
@@ -53,16 +54,16 @@ class RequestStatus(enum.Enum):
         return self in _FINISH_REASONS
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI-style reason ("stop", "length", "abort", "error"), or None while live."""
+    def finish_reason(self) -> FinishReason | None:
+        """Why a finished request ended; None while it is live."""
         return _FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -22,21 +22,16 @@ truncates the request's output text to `emit_end`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token id, or a stop string
-    LENGTH = "length"  # max_tokens reached
 
 
 @dataclass(frozen=True, slots=True)
 class StopCheck:
-    finish_reason: FinishReason | None  # None: keep generating
+    finish_reason: FinishReason | None  # STOP or LENGTH; None: keep generating
     stop_reason: str | int | None  # the matched stop string, or the stop/EOS token id
     emit_end: int  # text[:emit_end] is final; with a stop string, the output is cut here
 

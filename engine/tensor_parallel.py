@@ -345,8 +345,16 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
                                                    config.dtype)
         engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
                                             device=str(device), cuda_graph_batch_sizes=())
-        engine = LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.tokenizer_source),
-                           engine_config, tp=group)
+        from engine.model_runner import ModelRunner
+
+        # This rank's KV heads only; the runner sends every step to the followers first.
+        storage = KVStorage.for_model(shard_config(loaded.config, tp_size), num_blocks,
+                                      engine_config.block_size, engine_config.dtype,
+                                      engine_config.device)
+        runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
+                                           cuda_graph_batch_sizes=()), group)
+        engine = LLMEngine(runner, storage, loaded.config,
+                           load_tokenizer(loaded.tokenizer_source), engine_config)
         report(f"tensor parallel: {tp_size} ranks ready")
         yield engine
     finally:

@@ -46,10 +46,10 @@ from aiohttp import ClientError, ClientSession
 from common.contract.control_http import ControlClient, ControlError, RemoteError
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
-                             PrefillResult, ReserveRequest, ReserveResponse, SamplingSpec,
+                             PrefillResult, ReserveRequest, ReserveResponse,
                              TokenFrame, TokenLogprob as WireLogprob, TransferResult,
                              TransferStatus)
-from engine.kv_cache import block_hashes
+from common.contract.block_hashes import block_hashes
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.cluster import ClusterView
 from common.contract.frames import FrameBatchDecoder, stream_frame_batches
@@ -161,7 +161,7 @@ class WorkerBackend:
                        handoff: Handoff) -> AsyncGenerator[list[TokenDelta], None]:
         message = DecodeRequest(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            sampling=SamplingSpec.from_params(request.sampling),
+            sampling=request.sampling,
             priority=self._priority(request), timeout_ms=self.timeouts.request_ms)
         # Returned, not wrapped: one generator level less per relayed batch.
         return self._relay(self._decode_stream(decode_id, handoff, message), handoff,
@@ -183,11 +183,11 @@ class WorkerBackend:
             reserved: ReserveResponse = await decoder.call(
                 "/internal/reserve", ReserveRequest(
                     request_id=request.request_id, prompt_token_ids=prompt,
-                    max_tokens=request.sampling.max_tokens, timeout_ms=t.reservation_ms),
+                    timeout_ms=t.reservation_ms),
                 ReserveResponse, t.reserve_s)
         except UPSTREAM_FAILURES as exc:
             raise _unavailable(f"decode worker {decode_id} could not reserve KV blocks", exc)
-        spec = SamplingSpec.from_params(request.sampling)
+        spec = request.sampling
         priority = self._priority(request)
         prefiller = self._client(prefill_id, handoff)
         prefill_frames = prefiller.stream(

@@ -39,10 +39,11 @@ from typing import Any
 
 from aiohttp import web
 
+from common.contract.finish_reason import FinishReason
 from common.contract.control_http import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
                              TransferStatus)
-from common.worker.output_frames import finish_reason, to_token_logprob
+from common.worker.output_frames import to_token_logprob
 from common.worker.metrics import WorkerMetrics
 from engine.engine_thread import EngineThread, StreamEnd
 from engine.request import RequestMode
@@ -117,11 +118,7 @@ class PrefillWorker:
         if rid in self._active:
             yield _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
             return
-        try:
-            params = request.sampling.to_params()
-        except ValueError as exc:
-            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
-            return
+        params = request.sampling  # validated while decoding
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         active = self._active[rid] = _Active(rid)
@@ -142,7 +139,7 @@ class PrefillWorker:
                 code = ErrorCode.ABORTED if item.error is None else ErrorCode.INTERNAL
                 yield _error(rid, code, f"request ended: {item.reason}")
                 return
-            if item.finish_reason == "error":
+            if item.finish_reason is FinishReason.ERROR:
                 yield _error(rid, ErrorCode.INTERNAL, "the engine could not prefill this "
                              "prompt (too long for the KV pool?)")
                 return
@@ -177,7 +174,7 @@ class PrefillWorker:
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             transfer_status=TransferStatus.PENDING if spec is not None else TransferStatus.SKIPPED,
-            finish_reason=finish_reason(out.finish_reason) if out.finished else None)
+            finish_reason=out.finish_reason)
         if destination is None:
             return
         if spec is None:

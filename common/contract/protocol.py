@@ -27,6 +27,9 @@ from typing import Annotated, Any, TypeVar, Union
 
 import msgspec
 
+from common.contract.finish_reason import FinishReason
+from common.contract.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
 
 # Upper bounds enforced while decoding, so a corrupt or hostile peer cannot make a worker
@@ -68,12 +71,6 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens reached
-    ABORT = "abort"  # the client or the gateway aborted
-
-
 class TransferStatus(str, enum.Enum):
     PENDING = "pending"  # first token sampled; KV still moving
     DONE = "done"  # every block landed on the destination
@@ -101,43 +98,6 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 # ---------------------------------------------------------------- request parameters
-
-
-class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Wire mirror of common.contract.sampling_params.SamplingParams (same fields, same defaults).
-
-    Range checks live in SamplingParams.__post_init__; `to_params()` runs them.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
-    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=1024)] = []
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-
-    def to_params(self) -> Any:
-        """The engine's SamplingParams; raises ValueError when a field is out of range."""
-        from common.contract.sampling_params import SamplingParams  # engine is heavy for the gateway
-
-        fields = msgspec.structs.asdict(self)
-        fields["stop"] = tuple(self.stop)
-        fields["stop_token_ids"] = tuple(self.stop_token_ids)
-        return SamplingParams(**fields)
-
-    @classmethod
-    def from_params(cls, params: Any) -> "SamplingSpec":
-        return cls(**{f: (list(v) if isinstance(v, tuple) else v)
-                      for f, v in ((f, getattr(params, f)) for f in cls.__struct_fields__)})
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -179,7 +139,6 @@ class ReserveRequest(Message, tag="reserve_request", kw_only=True):
 
     request_id: Id
     prompt_token_ids: TokenIds
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     timeout_ms: TimeoutMs  # the reservation is freed if no KV and DecodeRequest by then
 
 
@@ -194,7 +153,7 @@ class PrefillRequest(Message, tag="prefill_request", kw_only=True):
 
     request_id: Id
     prompt_token_ids: TokenIds
-    sampling: SamplingSpec = SamplingSpec()
+    sampling: SamplingParams = SamplingParams()
     priority: int = 0  # larger runs first
     timeout_ms: TimeoutMs
     destination: DecodeDestination | None = None  # None: prefill only (KV stays cached here)
@@ -233,7 +192,7 @@ class DecodeRequest(Message, tag="decode_request", kw_only=True):
 
     request_id: Id
     prompt_token_ids: TokenIds
-    sampling: SamplingSpec = SamplingSpec()
+    sampling: SamplingParams = SamplingParams()
     priority: int = 0
     timeout_ms: TimeoutMs
     first_token_id: int | None = None

@@ -1,12 +1,29 @@
-"""Per-request sampling parameters (validated once, at construction)."""
+"""Per-request sampling parameters: one type from the HTTP body to the engine's sampler.
+
+The gateway builds them from the OpenAI request (gateway/request_parsing.py), they travel
+as-is inside PrefillRequest and DecodeRequest (msgpack), and the engine samples with them.
+Validated once wherever they are made: at construction and, on a worker, while decoding
+(msgspec runs `__post_init__` then; a ValueError there makes the message invalid, which the
+worker answers with BAD_REQUEST). The size limits below are checked while decoding, so a
+hostile peer cannot make a worker allocate without bound.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1 << 20
+MAX_STOP_TOKEN_IDS = 1024
+
+StopStrings = Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)], ...],
+                        msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -16,8 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop: StopStrings = ()
+    stop_token_ids: StopTokenIds = ()
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and k alternatives

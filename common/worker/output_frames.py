@@ -7,23 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.contract.protocol import ErrorCode, ErrorFrame, FinishReason, TokenFrame, TokenLogprob, Usage
+from common.contract.finish_reason import FinishReason
+from common.contract.protocol import ErrorCode, ErrorFrame, TokenFrame, TokenLogprob, Usage
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
 
 def to_token_logprob(logprobs: TokenLogprobs | None) -> TokenLogprob | None:
     if logprobs is None:
         return None
     return TokenLogprob(logprobs.token_id, logprobs.logprob,
                         list(zip(logprobs.top_token_ids, logprobs.top_logprobs)))
-
-
-def finish_reason(reason: str | None) -> FinishReason | None:
-    """The protocol reason; "error" has none (it is reported as an ErrorFrame)."""
-    return None if reason is None else _FINISH.get(reason)
 
 
 def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
@@ -46,7 +39,7 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
                 wants_logprobs = True
                 logprobs.append(converted)
     last = outputs[-1]
-    if last.finish_reason == "error":
+    if last.finish_reason is FinishReason.ERROR:
         return ErrorFrame(request_id=request_id, code=ErrorCode.INTERNAL,
                           message="the engine could not run this request (prompt too long "
                                   "for the KV pool?)")
@@ -57,4 +50,4 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
                       num_cached_tokens=last.num_cached_tokens)
     return TokenFrame(request_id=request_id, token_ids=token_ids, text="".join(text),
                       logprobs=logprobs if wants_logprobs else None,
-                      finish_reason=finish_reason(last.finish_reason), usage=usage)
+                      finish_reason=last.finish_reason, usage=usage)

@@ -43,7 +43,7 @@ def loaded():
 def make_engine(loaded, **overrides) -> LLMEngine:
     model, tokenizer = loaded
     config = EngineConfig(**{"num_kv_blocks": 256, **overrides})
-    return LLMEngine(model.model, model.config, tokenizer, config)
+    return LLMEngine.for_model(model.model, model.config, tokenizer, config)
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,10 @@ import pytest
 
 from common.contract.control_http import ControlClient, ControlError, RemoteError
 from common.contract.metrics import parse_samples
+from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                              PrefillRequest, PrefillResponseFrame, PrefillResult,
-                             ReserveRequest, ReserveResponse, SamplingSpec, TokenFrame,
+                             ReserveRequest, ReserveResponse, TokenFrame,
                              TransferResult, TransferStatus)
 from common.launcher.redis_server import RedisServer
 from common.contract.redis_state import RedisState, connect
@@ -46,7 +47,7 @@ LONG = ("Here is a long story about a lighthouse keeper who lived alone on a sma
         "Ships passed in the distance, and sometimes a fishing boat came close enough that "
         "he could hear the crew singing. In winter the storms were fierce; waves crashed "
         "over the rocks and the whole tower trembled. ") * 2
-GREEDY = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LAYER_DELAY_MS = 300  # x 30 layers: a 9 s transfer for "fault-*" requests on the TCP pair
 
 
@@ -123,7 +124,7 @@ def reference_outputs(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     from engine.llm_engine import EngineConfig, build_engine
     torch.set_num_threads(1)
     engine = build_engine("default", EngineConfig(num_kv_blocks=64))
-    params = GREEDY.to_params()
+    params = GREEDY
     return {name: engine.generate([ids], params)[0].token_ids for name, ids in prompts.items()}
 
 
@@ -177,14 +178,14 @@ class Handoff:
 
 
 async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
-                      sampling: SamplingSpec = GREEDY, timeout_ms: int = 30_000) -> Handoff:
+                      sampling: SamplingParams = GREEDY, timeout_ms: int = 30_000) -> Handoff:
     """reserve on D -> prefill on P -> decode on D (sent right after the first token)."""
     result = Handoff()
     started = time.monotonic()
     pc, dc = ControlClient(p.control_url), ControlClient(d.control_url)
     try:
         result.reserve = await dc.call("/internal/reserve", ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, max_tokens=sampling.max_tokens,
+            request_id=rid, prompt_token_ids=prompt,
             timeout_ms=timeout_ms), ReserveResponse, 5.0)
         decode_task = None
         try:
@@ -213,7 +214,7 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
     return result
 
 
-async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: SamplingSpec,
+async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: SamplingParams,
                   first: PrefillResult, result: Handoff, timeout_ms: int) -> None:
     try:
         async for frame in dc.stream("/internal/decode", DecodeRequest(
@@ -314,7 +315,7 @@ def test_abort_reaches_the_decode_worker_within_100_ms(cluster: Cluster) -> None
             try:
                 async for frame in client.stream("/internal/decode", DecodeRequest(
                         request_id="abort-me", prompt_token_ids=cluster.prompts["short"],
-                        sampling=SamplingSpec(max_tokens=500, temperature=0.0,
+                        sampling=SamplingParams(max_tokens=500, temperature=0.0,
                                               ignore_eos=True),
                         timeout_ms=60_000), TokenFrame, 30.0, 30.0):
                     frames.append(frame)
@@ -377,7 +378,7 @@ def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster)
         rid, prompt = "fault-kill-decode", cluster.prompts["long"]
         dc, pc = ControlClient(d.control_url), ControlClient(p.control_url)
         reserve = await dc.call("/internal/reserve", ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, max_tokens=12, timeout_ms=20_000),
+            request_id=rid, prompt_token_ids=prompt, timeout_ms=20_000),
             ReserveResponse, 5.0)
         frames = []
         killed_at = None
@@ -405,7 +406,7 @@ def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster)
 def test_killing_the_prefill_worker_frees_the_reservation_and_restart_purges_index(
         cluster: Cluster) -> None:
     p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
-    from engine.kv_cache import block_hashes
+    from common.contract.block_hashes import block_hashes
 
     async def run() -> None:
         state = RedisState(connect(cluster.redis.url), NAMESPACE)
@@ -451,7 +452,7 @@ def test_redis_outage_does_not_stop_a_running_decode(cluster: Cluster) -> None:
         stopped_at = restarted_at = None
         frames = client.stream("/internal/decode", DecodeRequest(
             request_id="through-outage", prompt_token_ids=cluster.prompts["short"],
-            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             timeout_ms=120_000), TokenFrame, 30.0, 30.0)
         last = None
         async for frame in frames:

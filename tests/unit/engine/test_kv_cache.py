@@ -10,7 +10,8 @@ import pytest
 
 import engine.kv_cache
 from engine.block_pool import BlockPool, CacheEventKind
-from engine.kv_cache import KVCacheManager, Reservation, block_hash, block_hashes
+from common.contract.block_hashes import block_hash, block_hashes
+from engine.kv_cache import KVCacheManager, Reservation
 from engine.request import Request
 from common.contract.sampling_params import SamplingParams
 

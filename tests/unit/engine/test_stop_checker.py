@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.contract.sampling_params import SamplingParams
-from engine.stop_checker import FinishReason, StopCheck, check_stop, find_stop_string
+from common.contract.finish_reason import FinishReason
+from engine.stop_checker import StopCheck, check_stop, find_stop_string
 
 EOS = 2
 

@@ -15,6 +15,7 @@ from aiohttp import ClientSession, web
 from common.contract.control_http import (FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, ControlClient,
                                  ControlError, ControlServer, FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
                                  make_app, message_handler, stream_handler)
+from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
                              ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
                              ReserveResponse, TokenFrame, TokenLogprob, Usage)
@@ -32,7 +33,7 @@ class FakeWorker:
         self.stream_closed = asyncio.Event()
 
     async def reserve(self, request: ReserveRequest) -> ReserveResponse | ErrorFrame:
-        if request.max_tokens > 1000:
+        if len(request.prompt_token_ids) == 1:  # the test of an overloaded worker
             return ErrorFrame(request_id=request.request_id, code=ErrorCode.OVERLOADED,
                               message="no free blocks", retryable=True)
         num_blocks = -(-len(request.prompt_token_ids) // 4)
@@ -73,9 +74,7 @@ async def served() -> AsyncIterator[tuple[FakeWorker, str]]:
 
 def decode_request(max_tokens: int = 3) -> DecodeRequest:
     return DecodeRequest(request_id="r1", prompt_token_ids=[1, 2], timeout_ms=1000,
-                         first_token_id=7, sampling=msgspec.structs.replace(
-                             DecodeRequest(request_id="x", prompt_token_ids=[],
-                                           timeout_ms=1).sampling, max_tokens=max_tokens))
+                         first_token_id=7, sampling=SamplingParams(max_tokens=max_tokens))
 
 
 async def test_message_call_round_trip_and_error_frame(served: tuple[FakeWorker, str]) -> None:
@@ -83,12 +82,12 @@ async def test_message_call_round_trip_and_error_frame(served: tuple[FakeWorker,
     client = ControlClient(url, token=TOKEN)
     try:
         reply = await client.call("/v1/reserve", ReserveRequest(
-            request_id="r1", prompt_token_ids=list(range(10)), max_tokens=8, timeout_ms=500),
+            request_id="r1", prompt_token_ids=list(range(10)), timeout_ms=500),
             ReserveResponse, timeout_s=2.0)
         assert reply.destination.block_ids == [0, 1, 2] and reply.destination.epoch == 2
         with pytest.raises(RemoteError) as err:
             await client.call("/v1/reserve", ReserveRequest(
-                request_id="r2", prompt_token_ids=[1], max_tokens=5000, timeout_ms=500),
+                request_id="r2", prompt_token_ids=[1], timeout_ms=500),
                 ReserveResponse, timeout_s=2.0)
         assert err.value.status == 503 and err.value.frame.retryable
         assert err.value.frame.code is ErrorCode.OVERLOADED
@@ -125,7 +124,7 @@ async def test_missing_or_wrong_token_is_401(served: tuple[FakeWorker, str], tok
     try:
         with pytest.raises(RemoteError) as err:
             await client.call("/v1/reserve", ReserveRequest(
-                request_id="r1", prompt_token_ids=[1], max_tokens=1, timeout_ms=500),
+                request_id="r1", prompt_token_ids=[2, 3], timeout_ms=500),
                 ReserveResponse, timeout_s=2.0)
         assert err.value.status == 401 and err.value.frame.code is ErrorCode.UNAUTHORIZED
         with pytest.raises(RemoteError) as err:
@@ -188,7 +187,7 @@ async def test_oversize_body_is_413(served: tuple[FakeWorker, str]) -> None:
     try:
         with pytest.raises(RemoteError) as err:
             await client.call("/v1/reserve", ReserveRequest(
-                request_id="r1", prompt_token_ids=list(range(100_000)), max_tokens=1,
+                request_id="r1", prompt_token_ids=list(range(100_000)),
                 timeout_ms=500), ReserveResponse, timeout_s=2.0)
         assert err.value.status == 413 and err.value.frame.code is ErrorCode.TOO_LARGE
     finally:

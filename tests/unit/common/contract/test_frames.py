@@ -15,8 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 from common.contract.control_http import (FRAME_HEADER, ControlError, ControlServer, FrameDeadlineError,
                                  RemoteError, encode_frame, make_app)
+from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, ErrorCode, ErrorFrame,
-                             FinishReason, ProtocolVersionError, SamplingSpec, TokenFrame)
+                             FinishReason, ProtocolVersionError, TokenFrame)
 from common.contract.frames import FrameBatchDecoder, stream_frame_batches
 
 pytestmark = pytest.mark.timeout(30)
@@ -95,7 +96,7 @@ class ScriptedWorker:
 
 
 DECODE_FRAMES = FrameBatchDecoder(DecodeResponseFrame)
-REQUEST = DecodeRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingSpec(max_tokens=8),
+REQUEST = DecodeRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=8),
                         timeout_ms=10_000)
 
 

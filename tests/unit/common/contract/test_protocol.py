@@ -11,7 +11,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, D
                              DecodeRequest, ErrorCode, ErrorFrame, FinishReason, MessageDecoder,
                              MessageTooLargeError, PrefillRequest, PrefillResponseFrame,
                              PrefillResult, PrefixIndexEvent, ProtocolError, ProtocolVersionError,
-                             ReserveRequest, ReserveResponse, Role, SamplingSpec, TokenFrame,
+                             ReserveRequest, ReserveResponse, Role,  TokenFrame,
                              TokenLogprob, TransferResult, TransferStatus, Usage, WorkerInfo,
                              WorkerLoad, decode, encode)
 from common.contract.sampling_params import SamplingParams
@@ -20,10 +20,10 @@ DEST = DecodeDestination(worker_id="decode-0", epoch=4, kv_address="ucx://10.0.0
                          block_ids=[9, 3, 12], num_prefix_blocks_held=1)
 
 EXAMPLES = [
-    ReserveRequest(request_id="r", prompt_token_ids=[1, 2, 3], max_tokens=5, timeout_ms=200),
+    ReserveRequest(request_id="r", prompt_token_ids=[1, 2, 3], timeout_ms=200),
     ReserveResponse(request_id="r", destination=DEST, block_size=16),
     PrefillRequest(request_id="r", prompt_token_ids=[1, 2], timeout_ms=900, priority=2,
-                   sampling=SamplingSpec(temperature=0.0, stop=["\n"], logprobs=2),
+                   sampling=SamplingParams(temperature=0.0, stop=("\n",), logprobs=2),
                    destination=DEST),
     PrefillResult(request_id="r", first_token_id=42, first_logprob=TokenLogprob(42, -0.1, [(7, -2.5)]),
                   num_prompt_tokens=2, num_cached_tokens=0, transfer_status=TransferStatus.PENDING),
@@ -76,7 +76,7 @@ def test_other_protocol_version_is_named_in_the_error() -> None:
 
 
 def test_decode_limits() -> None:
-    big = encode(ReserveRequest(request_id="r", prompt_token_ids=list(range(5000)), max_tokens=1,
+    big = encode(ReserveRequest(request_id="r", prompt_token_ids=list(range(5000)),
                                 timeout_ms=1))
     with pytest.raises(MessageTooLargeError):
         MessageDecoder(ReserveRequest, max_bytes=1000).decode(big)
@@ -102,17 +102,17 @@ def test_decode_limits() -> None:
         decode(msgspec.msgpack.encode(raw), ReserveResponse)
 
 
-def test_sampling_spec_mirrors_sampling_params_exactly() -> None:
-    params_fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    spec = SamplingSpec()
-    spec_fields = {name: getattr(spec, name) for name in SamplingSpec.__struct_fields__}
-    # Same names and same defaults (tuples on one side are lists on the wire).
-    assert {k: list(v) if isinstance(v, tuple) else v for k, v in params_fields.items()} == spec_fields
+def test_sampling_params_cross_the_wire_unchanged_and_are_validated_on_decode() -> None:
     params = SamplingParams(max_tokens=9, temperature=0.0, top_k=5, seed=3, stop=("a", "b"),
                             stop_token_ids=(2,), logprobs=1, min_tokens=2)
-    assert SamplingSpec.from_params(params).to_params() == params
     wire = decode(encode(PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1,
-                                        sampling=SamplingSpec.from_params(params))), PrefillRequest)
-    assert wire.sampling.to_params() == params
+                                        sampling=params)), PrefillRequest)
+    assert wire.sampling == params and isinstance(wire.sampling.stop, tuple)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingSpec(top_p=0.0).to_params()
+        SamplingParams(top_p=0.0)
+    # A peer that skips the constructor's checks is caught while decoding.
+    raw = msgspec.msgpack.decode(encode(PrefillRequest(request_id="r", prompt_token_ids=[1],
+                                                       timeout_ms=1)))
+    raw[1]["sampling"]["top_p"] = 0.0
+    with pytest.raises(ProtocolError, match="top_p"):
+        decode(msgspec.msgpack.encode(raw), PrefillRequest)
