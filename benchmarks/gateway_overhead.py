@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common.contract.control_http import ControlClient
+from common.contract.control_client import ControlClient
 from common.contract.protocol import DecodeRequest, DecodeResponseFrame, TokenFrame
 from common.contract.sampling_params import SamplingParams
 from common.launcher.redis_server import RedisServer

@@ -30,8 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from common.contract.control_http import (ControlServer, RequestRejected, make_app, message_handler,
-                                 stream_handler)
+from common.contract.control_server import ControlServer, RequestRejected, make_app, message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResult,
                              ReserveRequest, ReserveResponse, Role, TokenFrame, TransferResult,
@@ -80,9 +79,7 @@ class StubWorker:
         self.server = ControlServer(app)
         url = await self.server.start()
         state = RedisState(connect(self.redis_url), namespace=self.namespace)
-        role = self.role
-        if self.colocated:
-            role = getattr(Role, "COLOCATED", Role.DECODE)
+        role = Role.COLOCATED if self.colocated else self.role
         info = WorkerInfo(worker_id=self.worker_id, role=role, model="stub", control_url=url,
                           kv_address="stub", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
         self.publisher = WorkerPublisher(state, info, self._load)
@@ -97,8 +94,8 @@ class StubWorker:
             await self.server.stop()
 
     def _load(self) -> WorkerLoad:
-        return WorkerLoad(worker_id=self.worker_id, epoch=0, num_running=len(self.held),
-                          num_kv_blocks_used=len(self.held), num_kv_blocks_total=NUM_KV_BLOCKS)
+        return WorkerLoad(num_running=len(self.held), num_kv_blocks_used=len(self.held),
+                          num_kv_blocks_total=NUM_KV_BLOCKS)
 
     def _release(self, request_id: str) -> None:
         if self.held.pop(request_id, None) is not None:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kv_transfer.interface import RecvHandle
+from kv_transfer.layout import handoff_blocks
 
 
 class ReservationState(enum.Enum):
@@ -69,14 +70,10 @@ class Reservation:
 
 def blocks_to_receive(num_prompt_tokens: int, block_size: int, num_cached_tokens: int
                       ) -> tuple[int, int]:
-    """(prefix blocks held here, blocks the prefill side must send) for one prompt.
-
-    Only the prompt's blocks travel (the last one possibly partial); the reservation's
-    extra position for the first sampled token is written by this side's first step.
-    """
-    num_prompt_blocks = -(-num_prompt_tokens // block_size)
-    held = min(num_cached_tokens // block_size, num_prompt_blocks)
-    return held, num_prompt_blocks - held
+    """(prefix blocks held here, blocks the prefill side must send) for one prompt
+    (kv_transfer/layout.py's `handoff_blocks`)."""
+    blocks = handoff_blocks(num_prompt_tokens, block_size, num_cached_tokens // block_size)
+    return blocks.start, len(blocks)
 
 
 class ReservationTable:

@@ -1,7 +1,7 @@
 """Decode worker: reserve -> receive KV -> join the decode batch -> stream tokens.
 
 Handles POST /internal/reserve, /internal/decode and /internal/abort (common/contract/protocol.py
-messages over common/contract/control_http.py). The engine runs in its own thread (EngineThread).
+messages over common/contract/control_server.py). The engine runs in its own thread (EngineThread).
 
 The handoff as this worker sees it (disaggregated request):
 
@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
 from aiohttp import web
 
-from common.contract.control_http import message_handler, stream_handler
+from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                              ErrorCode, ErrorFrame, Message, ReserveRequest, ReserveResponse,
                              TokenFrame)
@@ -48,10 +47,12 @@ from common.worker.output_frames import merge_outputs
 from common.worker.metrics import WorkerMetrics
 from decode_workers.reservations import (EndReason, Reservation, ReservationState,
                                          ReservationTable, blocks_to_receive)
-from engine.engine_thread import EngineThread, StreamEnd
+from engine.engine_thread import EngineThread, RequestStream, StreamEnd
+from engine.kv_storage import KVStorage
 from engine.request import RequestMode
 from kv_transfer.errors import KVTransferError
-from kv_transfer.interface import TransferState
+from kv_transfer.interface import KVReceiver, TransferState
+from kv_transfer.layout import transfer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,17 @@ _END_CODES = {EndReason.TRANSFER_FAILED: ErrorCode.TRANSFER_FAILED,
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, metrics: WorkerMetrics, make_receiver: Callable[..., Any],
+    def __init__(self, worker_id: str, metrics: WorkerMetrics,
+                 make_receiver: Callable[[KVStorage], Awaitable[KVReceiver]],
                  epoch: Callable[[], int], colocated: bool = False) -> None:
         self.worker_id = worker_id
         self.metrics = metrics
         self.colocated = colocated  # colocated: no reservations, every prompt prefilled here
-        self._make_receiver = make_receiver  # async (KVStorage) -> KVReceiver
+        self._make_receiver = make_receiver
         self._epoch = epoch
         self.table = ReservationTable()
         self.engine: EngineThread | None = None
-        self.receiver: Any = None
+        self.receiver: KVReceiver | None = None
         self.draining = False
         self._streams: set[str] = set()  # request ids with an open /internal/decode stream
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,16 +95,19 @@ class DecodeWorker:
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
         if not self.colocated:
-            self.receiver = await self._make_receiver(engine.engine.kv_storage)
+            self.receiver = await self._make_receiver(engine.kv_storage)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         return {"num_reservations": len(self.table), "num_streams": len(self._streams),
                 "reservations": [r.request_id for r in self.table.live()],
                 "streams": sorted(self._streams), "num_tasks": len(self._tasks)}
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
-        if self.receiver is not None and hasattr(self.receiver, "check_invariants"):
+        for reservation in self.table.live():
+            assert reservation.request_id not in self._streams or reservation.attached, \
+                f"{reservation.request_id} streams but its reservation is not attached"
+        if self.receiver is not None:
             self.receiver.check_invariants()
 
     async def close(self) -> None:
@@ -131,8 +136,8 @@ class DecodeWorker:
             return _error(rid, ErrorCode.BAD_REQUEST, str(exc))
         if held is None:
             return _error(rid, ErrorCode.OVERLOADED, "not enough free KV blocks", retryable=True)
-        engine = self.engine.engine
-        block_size = engine.config.block_size
+        engine, receiver = self.engine, self.receiver
+        block_size = engine.block_size
         num_held, num_receive = blocks_to_receive(len(request.prompt_token_ids), block_size,
                                                   held.num_cached_tokens)
         loop = asyncio.get_running_loop()
@@ -142,14 +147,14 @@ class DecodeWorker:
         self.table.add(reservation)
         if num_receive:
             # expect() must precede the sender's announcement: do it before answering.
-            reservation.handle = self.receiver.expect(
-                rid, reservation.receive_block_ids, range(engine.model_config.num_layers),
+            reservation.handle = receiver.expect(
+                rid, reservation.receive_block_ids, range(engine.num_layers),
                 lambda _ids, r=reservation: self._on_transfer_failed(r), timeout_s)
             self._spawn(self._watch_transfer(reservation))
         reservation.timer = loop.call_at(reservation.deadline, self._on_deadline, reservation)
         self.metrics.reservations.set(len(self.table))
         destination = DecodeDestination(worker_id=self.worker_id, epoch=self._epoch(),
-                                        kv_address=self.receiver.address,
+                                        kv_address=receiver.address,
                                         block_ids=list(held.block_ids),
                                         num_prefix_blocks_held=num_held)
         return ReserveResponse(request_id=rid, destination=destination, block_size=block_size)
@@ -157,14 +162,15 @@ class DecodeWorker:
     async def _watch_transfer(self, reservation: Reservation) -> None:
         """Mark LANDED as soon as the KV is in (and count its bytes); failures are
         reported through the receiver's release callback."""
+        assert reservation.handle is not None and self.engine is not None
         try:
             await reservation.handle.wait()
         except KVTransferError:
             return
         if reservation.state is ReservationState.RECEIVING:
             self.table.mark_landed(reservation.request_id)
-        layout = self.engine.engine.kv_storage.layout
-        num_bytes = reservation.num_receive_blocks * layout.num_layers * 2 * layout.block_bytes
+        layout = self.engine.kv_layout
+        num_bytes = transfer_bytes(layout, reservation.num_receive_blocks, layout.num_layers)
         self.metrics.kv_transfer_bytes.inc(num_bytes, direction="received")
         self.metrics.kv_transfer_blocks.inc(reservation.num_receive_blocks, direction="received")
 
@@ -192,9 +198,9 @@ class DecodeWorker:
         self._release(reservation, reason, detail)
 
     def _release(self, reservation: Reservation, reason: EndReason, detail: str) -> None:
-        if self.table.release(reservation.request_id, reason, detail):
+        if self.table.release(reservation.request_id, reason, detail) and self.engine is not None:
             rid = reservation.request_id
-            self.engine.submit(lambda e: e.release_reservation(rid))
+            self.engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
             self.metrics.reservations.set(len(self.table))
 
     # ---------------------------------------------------------------- decode
@@ -208,24 +214,26 @@ class DecodeWorker:
             yield _error(rid, ErrorCode.BAD_REQUEST, "request id already streaming")
             return
         params = request.sampling  # validated while decoding
+        engine = self.engine
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         self._streams.add(rid)
-        stream = self.engine.open_stream(rid)
+        stream = engine.open_stream(rid)
         in_engine = finished = False
         reservation: Reservation | None = None
         try:
             if request.is_local_prefill:
-                await self.engine.call(lambda e: e.add_request(
+                await engine.call(lambda e: e.add_request(
                     rid, request.prompt_token_ids, params, request.priority,
                     RequestMode.PREFILL_AND_DECODE))
                 in_engine = True
             else:
-                error = self._check_joinable(request, self.table.get(rid))
-                if error is not None:
-                    yield error
+                reservation = self.table.get(rid)
+                error = self._check_joinable(request, reservation)
+                if error is not None or reservation is None:
+                    yield error or _error(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation")
                     return
-                reservation = self.table.get(rid)  # from here this stream owns its fate
+                # From here this stream owns the reservation's fate.
                 reservation.attached = True
                 error = await self._wait_for_kv(reservation, deadline - loop.time())
                 if error is not None:
@@ -234,9 +242,10 @@ class DecodeWorker:
                 self.table.join(rid)
                 self.metrics.reservations.set(len(self.table))
                 in_engine = True  # from here the engine request owns the blocks
-                await self.engine.call(lambda e: e.add_decode_request(
-                    rid, request.prompt_token_ids, params, request.first_token_id,
-                    request.priority))
+                first_token_id = request.first_token_id
+                assert first_token_id is not None  # not a local prefill
+                await engine.call(lambda e: e.add_decode_request(
+                    rid, request.prompt_token_ids, params, first_token_id, request.priority))
             async for frame in self._frames(rid, stream, deadline):
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
@@ -246,9 +255,9 @@ class DecodeWorker:
             yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._streams.discard(rid)
-            self.engine.close_stream(rid)
+            engine.close_stream(rid)
             if in_engine and not finished:
-                self.engine.submit(lambda e: e.abort_request(rid))
+                engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
             elif reservation is not None and reservation.state in (
                     ReservationState.RECEIVING, ReservationState.LANDED):
                 self._spawn(self._drop(reservation, EndReason.ABORTED, "decode stream closed"))
@@ -287,7 +296,7 @@ class DecodeWorker:
         self.table.mark_landed(rid)
         return None
 
-    async def _frames(self, rid: str, stream: Any, deadline: float
+    async def _frames(self, rid: str, stream: RequestStream, deadline: float
                       ) -> AsyncIterator[TokenFrame | ErrorFrame]:
         loop = asyncio.get_running_loop()
         first = True
@@ -336,10 +345,10 @@ class DecodeWorker:
         if stream is not None:
             found = True
             stream.end(request.reason or "aborted by the gateway")
-            self.engine.submit(lambda e: e.abort_request(rid))
+            self.engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
         return AbortResponse(request_id=rid, found=found)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

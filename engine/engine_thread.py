@@ -15,9 +15,12 @@ EngineStopped, open streams end). A step that raises is fatal: every stream ends
 error and the thread stops (`failure` is set), because the scheduler state may be torn.
 
 Invariants:
-  * only the engine thread touches the engine; only the loop thread touches streams;
-  * every submitted command resolves its future exactly once (result, error, or stopped);
-  * `stats` is a snapshot taken on the engine thread after the latest step or command.
+  * only the engine thread touches the engine; only the loop thread touches streams; the
+    loop reads only what cannot change after construction (block size, KV layout and
+    storage) and the `load` snapshot, and asks for everything else with a command;
+  * every command resolves its future exactly once (result, error, or stopped); a failed
+    `submit` (nobody waits for it) is logged and counted, never dropped silently;
+  * `load` is a snapshot taken on the engine thread after the latest step or command.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from common.contract.protocol import WorkerLoad
 from engine.block_pool import CacheEvent
+from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -43,21 +48,11 @@ class EngineStopped(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_waiting: int = 0
-    num_running: int = 0
-    num_used_blocks: int = 0
-    num_blocks: int = 0
-    num_held_tables: int = 0  # requests, parked prefills and reservations holding blocks
-    num_steps: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class StepReport:
     outputs: list[RequestOutput]
     cache_events: list[CacheEvent]
     step_s: float  # 0.0 when the report follows a command rather than a step
-    stats: EngineStats
+    load: WorkerLoad  # the engine's counters after this step (no rates)
 
 
 @dataclass(slots=True)
@@ -90,31 +85,70 @@ class RequestStream:
         return items
 
 
-def engine_stats(engine: LLMEngine) -> EngineStats:
-    return EngineStats(num_waiting=engine.num_waiting, num_running=engine.num_running,
-                       num_used_blocks=engine.kv_cache.num_used_blocks,
-                       num_blocks=engine.kv_cache.num_blocks,
-                       num_held_tables=len(engine.kv_cache.request_ids()),
-                       num_steps=engine.num_steps)
+def _checked_load(engine: LLMEngine) -> WorkerLoad:
+    engine.check_invariants()
+    return engine_load(engine)
+
+
+def engine_load(engine: LLMEngine) -> WorkerLoad:
+    """The engine's counters as a WorkerLoad (rates left at zero); engine thread only."""
+    return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
+                      num_kv_blocks_used=engine.kv_cache.num_used_blocks,
+                      num_kv_blocks_total=engine.kv_cache.num_blocks,
+                      num_held_tables=len(engine.kv_cache.request_ids()),
+                      num_steps=engine.num_steps)
 
 
 class EngineThread:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5) -> None:
-        self.engine = engine
+        self._engine = engine
         self.loop = loop
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
-        self.stats = engine_stats(engine)
+        self.load = engine_load(engine)
         self.failure: BaseException | None = None
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = \
-            queue.SimpleQueue()
+        self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
+        # Fixed at construction, so the loop may read them without a command.
+        self._block_size = engine.config.block_size
+        self._max_num_batched_tokens = engine.config.max_num_batched_tokens
+        self._kv_storage = engine.kv_storage
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], object],
+                                                asyncio.Future[object]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    # ---------------------------------------------------------------- loop side
+    # ---------------------------------------------------------------- loop side: constants
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._kv_storage.layout.num_blocks
+
+    @property
+    def num_layers(self) -> int:
+        return self._kv_storage.layout.num_layers
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._max_num_batched_tokens
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._kv_storage.layout
+
+    @property
+    def kv_storage(self) -> KVStorage:
+        """The paged KV pool's memory, which KV transfers read and write directly. Which
+        blocks they may touch is the engine's to say: ask it with a command."""
+        return self._kv_storage
+
+    # ---------------------------------------------------------------- loop side: commands
 
     def start(self) -> None:
         self._thread.start()
@@ -123,9 +157,27 @@ class EngineThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
-    def submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
-        """Run fn(engine) on the engine thread before its next step; never blocks."""
-        future: asyncio.Future[T] = self.loop.create_future()
+    def submit(self, fn: Callable[[LLMEngine], object], what: str) -> None:
+        """Run fn(engine) on the engine thread before its next step; never blocks.
+
+        Nobody waits for the result: a failure is logged (naming `what`) and counted in
+        `num_failed_commands`. Use `call` to wait for a result or an error."""
+        future = self._enqueue(fn)
+        future.add_done_callback(lambda f: self._report_failure(f, what))
+
+    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+        """Run fn(engine) on the engine thread and return its result (bounded: a step of a
+        large batch may take a while). Raises what fn raised, EngineStopped or TimeoutError."""
+        future: asyncio.Future[T] = self._enqueue(fn)  # type: ignore[assignment]
+        return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+
+    async def check_invariants(self, timeout_s: float = 5.0) -> None:
+        """Check the engine's invariants on its thread and refresh `load`; raises
+        AssertionError naming the broken one."""
+        self.load = await self.call(_checked_load, timeout_s)
+
+    def _enqueue(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = self.loop.create_future()
         if self._stopping.is_set():
             future.set_exception(EngineStopped("the engine thread has stopped"))
             return future
@@ -133,9 +185,14 @@ class EngineThread:
         self._wake.set()
         return future
 
-    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
-        """submit() and wait (bounded: a step of a large batch may take a while)."""
-        return await asyncio.wait_for(asyncio.shield(self.submit(fn)), timeout_s)
+    def _report_failure(self, future: asyncio.Future[object], what: str) -> None:
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None or isinstance(error, EngineStopped):
+            return  # stopping: the command had nothing left to act on
+        self.num_failed_commands += 1
+        log.error("engine command %r failed", what, exc_info=error)
 
     def open_stream(self, request_id: str) -> RequestStream:
         """Subscribe before adding the request, so no output can be missed."""
@@ -163,7 +220,7 @@ class EngineThread:
             stream.end("engine stopped")
 
     def _deliver(self, report: StepReport) -> None:
-        self.stats = report.stats
+        self.load = report.load
         for out in report.outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -181,7 +238,7 @@ class EngineThread:
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while not self._stopping.is_set():
                 ran_commands = self._run_commands()
@@ -210,15 +267,15 @@ class EngineThread:
                 return ran
             ran = True
             try:
-                result = fn(self.engine)
+                result = fn(self._engine)
             except Exception as exc:  # returned to the caller, the engine stays usable
                 self.loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 self.loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _post(self, outputs: list[RequestOutput], step_s: float) -> None:
-        report = StepReport(outputs, self.engine.kv_cache.drain_events(), step_s,
-                            engine_stats(self.engine))
+        report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
+                            engine_load(self._engine))
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:
@@ -236,7 +293,7 @@ class EngineThread:
         self._drain_commands(error)
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
     if future.done():
         return  # the caller gave up (cancelled); the command still ran
     if error is not None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 
 from common.contract.option_env import env_default
-from common.contract.control_http import INTERNAL_TOKEN_ENV
+from common.contract.control_server import INTERNAL_TOKEN_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -28,11 +28,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.protocol import WorkerInfo, WorkerLoad
-from common.contract.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
-from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerLoad as
-                            RouteLoad, WorkerRole, WorkerView, plan_route, with_assignment)
+from common.contract.protocol import LoadReport, WorkerInfo, WorkerLoad
+from common.contract.redis_state import (REDIS_FAILURES, RedisState, raise_if_cancelling,
+                                         stop_task)
+from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
+                            plan_route, with_assignment)
 
 log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16  # only used while no worker has told its block size
@@ -44,7 +47,7 @@ class WorkerEntry:
 
     info: WorkerInfo | None  # None: registered, lease lapsed, not yet purged
     worker_id: str
-    load: WorkerLoad | None
+    load: LoadReport | None
 
 
 class ClusterView:
@@ -56,7 +59,7 @@ class ClusterView:
         self.poll_period_s = poll_period_s
         self.purge_period_s = purge_period_s
         self.workers: dict[str, WorkerInfo] = {}
-        self.loads: dict[str, WorkerLoad] = {}
+        self.loads: dict[str, LoadReport] = {}
         self.registered_ids: list[str] = []
         self.redis_connected = False
         self.num_poll_errors = 0
@@ -74,7 +77,7 @@ class ClusterView:
         return self._snapshot.block_size
 
     def num_decode_workers(self) -> int:
-        return sum(1 for w in self._snapshot.workers if w.role is not WorkerRole.PREFILL)
+        return sum(1 for w in self._snapshot.workers if w.role.decodes)
 
     def entries(self) -> list[WorkerEntry]:
         ids = sorted(set(self.registered_ids) | set(self.workers))
@@ -128,10 +131,9 @@ class ClusterView:
 
     async def poll(self) -> None:
         """Read the registry and loads once and rebuild the snapshot."""
-        workers = await self.state.list_workers()
-        loads = await self.state.list_loads()
-        registered = await self.state.list_worker_ids()
-        self.workers, self.loads, self.registered_ids = workers, loads, registered
+        registry = await self.state.read_registry()
+        workers, loads = registry.workers, registry.loads
+        self.workers, self.loads, self.registered_ids = workers, loads, registry.registered_ids
         self._live_epochs = {w.worker_id: w.epoch for w in workers.values()}
         self._snapshot = build_snapshot(workers, loads)
         self.redis_connected = True
@@ -173,7 +175,7 @@ class ClusterView:
 
 
 def build_snapshot(workers: dict[str, WorkerInfo],
-                   loads: dict[str, WorkerLoad]) -> ClusterSnapshot:
+                   loads: dict[str, LoadReport]) -> ClusterSnapshot:
     """The routable workers (live, not draining) with their last load; pure."""
     views = []
     block_sizes = set()
@@ -181,13 +183,11 @@ def build_snapshot(workers: dict[str, WorkerInfo],
         info = workers[worker_id]
         if info.draining:
             continue
-        load = loads.get(worker_id)
-        total = load.num_kv_blocks_total if load else info.num_kv_blocks
-        views.append(WorkerView(worker_id=worker_id, role=worker_role(info),
-                                load=RouteLoad(num_running=load.num_running if load else 0,
-                                               num_waiting=load.num_waiting if load else 0,
-                                               kv_blocks_used=load.num_kv_blocks_used if load else 0,
-                                               kv_blocks_total=total or info.num_kv_blocks)))
+        report = loads.get(worker_id)
+        load = report.load if report is not None else WorkerLoad()
+        if load.num_kv_blocks_total == 0:  # not reported yet: the pool it registered
+            load = msgspec.structs.replace(load, num_kv_blocks_total=info.num_kv_blocks)
+        views.append(WorkerView(worker_id=worker_id, role=info.role, load=load))
         block_sizes.add(info.block_size)
     if len(block_sizes) > 1:
         log.warning("workers disagree on block size %s: prefix routing uses the smallest",
@@ -195,10 +195,3 @@ def build_snapshot(workers: dict[str, WorkerInfo],
     return ClusterSnapshot(workers=tuple(views), prefix_index={},
                            block_size=min(block_sizes, default=DEFAULT_BLOCK_SIZE))
 
-
-def worker_role(info: WorkerInfo) -> WorkerRole:
-    # Role values are shared strings; a role this gateway does not know decodes.
-    try:
-        return WorkerRole(getattr(info.role, "value", info.role))
-    except ValueError:
-        return WorkerRole.DECODE

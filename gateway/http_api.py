@@ -41,7 +41,7 @@ from gateway.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponse
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
 from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
-from gateway.tiers import TIER_HEADER, TierConfig, TierError, resolve
+from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,10 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS]
-    resolved = resolve(_bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
-    if isinstance(resolved, TierError):
-        raise ApiError(resolved.kind.status, resolved.message, code=resolved.kind.value,
-                       param=TIER_HEADER if resolved.kind.status == 400 else None)
-    tier, grant = resolved
+    caller = resolve(_bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
+    if isinstance(caller, TierError):
+        raise ApiError(caller.kind.status, caller.message, code=caller.kind.value,
+                       param=TIER_HEADER if caller.kind.status == 400 else None)
     body = await read_body(request, settings.limits.max_body_bytes)
     parse = parse_chat if endpoint is Endpoint.CHAT else parse_completion
     validated = parse(body, settings.limits)
@@ -134,13 +133,14 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         raise model_not_found(validated.model)
     prompt_ids = _tokenize(app[TOKENIZER], validated)
     sampling = build_sampling_params(validated, len(prompt_ids), settings.limits)
+    decision = classify(caller, len(prompt_ids))
+    tier, key_id = decision.tier, decision.key_id
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
-    key_id = grant.key_id if grant else None
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
         sampling=sampling, tier=tier.name, key_id=key_id,
-        local_prefill=len(prompt_ids) < tier.local_prefill_max_tokens)
+        local_prefill=decision.local_prefill)
     gate = app[GATE]
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
     num_generated = 0

@@ -18,23 +18,17 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from gateway.cluster import ClusterView, WorkerEntry, worker_role
+from common.contract.protocol import Role, WorkerLoad
+from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
 from gateway.http_api import GATE, TIERS, _bearer_key
 from gateway.metrics import GatewayMetrics
-from gateway.tiers import TierConfig, hash_key
+from gateway.tiers import TierConfig, TierError, resolve
 
 CLUSTER = web.AppKey("cluster", ClusterView)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
-
-
-class WorkerLoadView(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
 
 
 class WorkerRow(msgspec.Struct):
@@ -44,7 +38,7 @@ class WorkerRow(msgspec.Struct):
     epoch: int | None
     control_url: str | None
     state: str
-    load: WorkerLoadView | None
+    load: dict[str, int] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total
 
 
 class WorkerList(msgspec.Struct):
@@ -95,13 +89,12 @@ def _gauges(app: web.Application):
         yield ("pdserve_gateway_running", "Requests admitted and not finished.",
                f'tier="{tier}"', controller.num_running_in(tier))
     cluster = app[CLUSTER]
-    counts: dict[str, int] = {}
+    counts: dict[Role, int] = {}
     for info in cluster.workers.values():
         if not info.draining:
-            role = worker_role(info).value
-            counts[role] = counts.get(role, 0) + 1
-    for role in ("prefill", "decode", "colocated"):
-        yield ("pdserve_gateway_workers", "Routable workers by role.", f'role="{role}"',
+            counts[info.role] = counts.get(info.role, 0) + 1
+    for role in Role:
+        yield ("pdserve_gateway_workers", "Routable workers by role.", f'role="{role.value}"',
                counts.get(role, 0))
     yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
            int(cluster.redis_connected))
@@ -115,16 +108,10 @@ async def handle_admin_workers(request: web.Request) -> web.Response:
 
 
 def _require_admin(request: web.Request, tiers: TierConfig) -> None:
-    if tiers.is_open:
-        return
-    key = _bearer_key(request)
-    if not key:
-        raise ApiError(401, "You didn't provide an API key (Authorization: Bearer <key>).",
-                       code="missing_api_key")
-    grant = tiers.keys.get(hash_key(key))
-    if grant is None:
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-    if not grant.is_admin:
+    caller = resolve(_bearer_key(request), None, tiers)
+    if isinstance(caller, TierError):
+        raise ApiError(caller.kind.status, caller.message, code=caller.kind.value)
+    if not caller.is_admin:
         raise ApiError(403, "This API key may not call /admin endpoints.", code="not_admin")
 
 
@@ -132,12 +119,16 @@ def _row(entry: WorkerEntry) -> WorkerRow:
     info, load = entry.info, entry.load
     state = "expired" if info is None else "draining" if info.draining else "ready"
     return WorkerRow(
-        id=entry.worker_id, role=worker_role(info).value if info else None,
+        id=entry.worker_id, role=info.role.value if info else None,
         pid=_pid_from_id(entry.worker_id), epoch=info.epoch if info else None,
         control_url=info.control_url if info else None, state=state,
-        load=WorkerLoadView(num_running=load.num_running, num_waiting=load.num_waiting,
-                            kv_blocks_used=load.num_kv_blocks_used,
-                            kv_blocks_total=load.num_kv_blocks_total) if load else None)
+        load=_load_fields(load.load) if load else None)
+
+
+def _load_fields(load: WorkerLoad) -> dict[str, int]:
+    return {"num_running": load.num_running, "num_waiting": load.num_waiting,
+            "kv_blocks_used": load.num_kv_blocks_used,
+            "kv_blocks_total": load.num_kv_blocks_total}
 
 
 def _pid_from_id(worker_id: str) -> int | None:

@@ -31,34 +31,19 @@ so a worker's usable prefix is the longest run of leading blocks it holds:
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import msgspec
 
-class WorkerRole(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"  # prefills and decodes
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total > 0 else 1.0
+from common.contract.protocol import Role, WorkerLoad
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     worker_id: str
-    role: WorkerRole
+    role: Role
     load: WorkerLoad
 
 
@@ -121,7 +106,7 @@ def prefix_overlap_blocks(block_hashes: Sequence[int],
 def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random,
                weights: RoutingWeights = RoutingWeights()) -> RoutePlan | NoWorkers:
     """Pick the workers for one request; side-effect free apart from drawing from `rng`."""
-    decoders = [w for w in snapshot.workers if w.role is not WorkerRole.PREFILL]
+    decoders = [w for w in snapshot.workers if w.role.decodes]
     if not decoders:
         return NoWorkers("no decode worker is available")
     overlap = prefix_overlap_blocks(request.block_hashes, snapshot.prefix_index)
@@ -132,18 +117,25 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     def prefill_cost(worker: WorkerView) -> float:
         return request.prompt_len - cached(worker) + _load_cost(worker.load, weights)
 
-    prefillers = [w for w in snapshot.workers if w.role is not WorkerRole.DECODE]
-    # Without a prefill worker a long prompt is still served: its decode worker prefills.
-    if request.local_prefill or not prefillers:
-        worker = _pick([(prefill_cost(w), w) for w in decoders], rng, weights.tie_margin_tokens)
+    prefillers = [w for w in snapshot.workers if w.role.prefills_for_others]
+    receivers = [w for w in decoders if w.role.takes_reservations]
+
+    def local(candidates: list[WorkerView]) -> RoutePlan:
+        worker = _pick([(prefill_cost(w), w) for w in candidates], rng, weights.tie_margin_tokens)
         return RoutePlan(decode_worker_id=worker.worker_id, prefill_worker_id=None,
                          cached_tokens=cached(worker))
+
+    # Without a prefill worker a long prompt is still served: its decode worker prefills.
+    if request.local_prefill or not prefillers:
+        return local(decoders)
     prefill = _pick([(prefill_cost(w), w) for w in prefillers], rng, weights.tie_margin_tokens)
-    if prefill.role is WorkerRole.COLOCATED:
+    if prefill.role is Role.COLOCATED:
         # A colocated worker that prefills may as well decode: no KV has to move.
         return RoutePlan(decode_worker_id=prefill.worker_id, prefill_worker_id=None,
                          cached_tokens=cached(prefill))
-    decode = _pick([(_load_cost(w.load, weights), w) for w in decoders], rng,
+    if not receivers:  # only colocated workers decode: one of them does it all
+        return local(decoders)
+    decode = _pick([(_load_cost(w.load, weights), w) for w in receivers], rng,
                    weights.tie_margin_tokens)
     return RoutePlan(decode_worker_id=decode.worker_id, prefill_worker_id=prefill.worker_id,
                      cached_tokens=cached(prefill))
@@ -153,7 +145,7 @@ def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan) -> ClusterSnapsh
     """The snapshot as it will look once the plan's workers have queued the request."""
     chosen = {plan.decode_worker_id, plan.prefill_worker_id} - {None}
     workers = tuple(
-        replace(w, load=replace(w.load, num_waiting=w.load.num_waiting + 1))
+        replace(w, load=msgspec.structs.replace(w.load, num_waiting=w.load.num_waiting + 1))
         if w.worker_id in chosen else w
         for w in snapshot.workers)
     return replace(snapshot, workers=workers)

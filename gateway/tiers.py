@@ -1,4 +1,5 @@
-"""SLO tiers and API keys: the tiers file, and `classify` (pure) from a request to its tier.
+"""SLO tiers and API keys: the tiers file, `resolve` (pure) from a key and tier header to
+the caller, and `classify` (pure) from the caller and the prompt to how it is served.
 
 Tiers file (TOML, `--tiers`); every table and field is optional:
 
@@ -129,10 +130,20 @@ class TierError:
 
 
 @dataclass(frozen=True, slots=True)
-class TierDecision:
+class Caller:
+    """Who sent a request, as its API key and tier header say."""
+
     tier: TierSpec
     key_id: str | None  # None: open API
     is_admin: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TierDecision:
+    """How one request is served."""
+
+    tier: TierSpec
+    key_id: str | None  # None: open API
     local_prefill: bool  # prompt shorter than the tier's local-prefill threshold
 
 
@@ -141,8 +152,9 @@ def hash_key(api_key: str) -> str:
 
 
 def resolve(api_key: str | None, tier_header: str | None,
-            config: TierConfig) -> tuple[TierSpec, KeyGrant | None] | TierError:
-    """The caller's tier and grant; side-effect free."""
+            config: TierConfig) -> Caller | TierError:
+    """The caller's tier, key id and rights; side-effect free. Runs before the body is read,
+    so a caller without a valid key learns it before sending a large body."""
     grant = None
     if not config.is_open:
         if not api_key:
@@ -161,20 +173,14 @@ def resolve(api_key: str | None, tier_header: str | None,
             return TierError(TierErrorKind.TIER_NOT_ALLOWED,
                              f"This API key may not choose its tier with {TIER_HEADER}.")
         tier_name = tier_header
-    return config.tiers[tier_name], grant
+    return Caller(tier=config.tiers[tier_name], key_id=grant.key_id if grant else None,
+                  is_admin=grant.is_admin if grant else config.is_open)
 
 
-def classify(api_key: str | None, tier_header: str | None, prompt_len: int,
-             config: TierConfig) -> TierDecision | TierError:
-    """Tier of a request from its key, its tier header and its prompt length."""
-    resolved = resolve(api_key, tier_header, config)
-    if isinstance(resolved, TierError):
-        return resolved
-    tier, grant = resolved
-    return TierDecision(
-        tier=tier, key_id=grant.key_id if grant else None,
-        is_admin=grant.is_admin if grant else config.is_open,
-        local_prefill=prompt_len < tier.local_prefill_max_tokens)
+def classify(caller: Caller, prompt_len: int) -> TierDecision:
+    """How a request of `prompt_len` tokens from `caller` is served; side-effect free."""
+    return TierDecision(tier=caller.tier, key_id=caller.key_id,
+                        local_prefill=prompt_len < caller.tier.local_prefill_max_tokens)
 
 
 # ---------------------------------------------------------------- loading

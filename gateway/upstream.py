@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession
 
-from common.contract.control_http import ControlClient, ControlError, RemoteError
+from common.contract.control_client import ControlClient
+from common.contract.control_errors import ControlError, RemoteError
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
                              PrefillResult, ReserveRequest, ReserveResponse,

@@ -14,6 +14,16 @@ Message index (the low bits of a UCX tag, the frame tag on TCP):
 
 so both sides derive the same numbering from the spec alone, and the messages of one
 layer are one contiguous index range (what `send_layer` sends).
+
+Which prompt blocks a handoff moves, computed here once for both sides:
+
+    prompt positions   [0 ........................................ P)
+    blocks (size B)    | 0 | 1 | ... | h-1 | h | ... | n-1 |          n = ceil(P / B)
+                        held by the decode side   sent: src[h:n] -> dst[h:n]
+
+The decode side's reservation has one more position (P) for the token sampled by the
+prefill side; its KV is computed by the decode side's first step, so it never travels.
+The last prompt block may be partial: it travels whole (the slots past P are never read).
 """
 
 from __future__ import annotations
@@ -47,6 +57,21 @@ class Message(msgspec.Struct, frozen=True):
     num_bytes: int
 
 
+def handoff_blocks(num_prompt_tokens: int, block_size: int, num_blocks_held: int) -> range:
+    """The indices [h, n) into a prompt's block table that the prefill side sends, when the
+    decode side already holds the first `num_blocks_held` blocks (capped at n)."""
+    if num_prompt_tokens < 1 or block_size < 1 or num_blocks_held < 0:
+        raise ValueError(f"bad handoff: {num_prompt_tokens} tokens, block size {block_size}, "
+                         f"{num_blocks_held} blocks held")
+    num_prompt_blocks = -(-num_prompt_tokens // block_size)
+    return range(min(num_blocks_held, num_prompt_blocks), num_prompt_blocks)
+
+
+def transfer_bytes(layout: KVLayout, num_blocks: int, num_layers: int) -> int:
+    """Bytes a transfer of `num_blocks` blocks moves over `num_layers` layers (K and V)."""
+    return num_layers * 2 * num_blocks * layout.block_bytes
+
+
 def plan_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[BlockRun]:
     """Coalesce (src, dst) pairs into runs consecutive on both sides, in spec order."""
     runs: list[BlockRun] = []
@@ -71,8 +96,8 @@ class TransferPlan:
         if self.num_messages > MAX_MESSAGES:
             raise ValueError(f"transfer {spec.request_id}: {self.num_messages} messages "
                              f"exceed {MAX_MESSAGES}; send fewer layers or blocks at once")
-        self.num_bytes = (spec.layer_end - spec.layer_begin) * 2 * len(spec.src_block_ids) \
-            * layout.block_bytes
+        self.num_bytes = transfer_bytes(layout, len(spec.src_block_ids),
+                                        spec.layer_end - spec.layer_begin)
 
     def layer_messages(self, layer: int) -> list[Message]:
         if layer not in self.spec.layers:

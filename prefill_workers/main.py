@@ -1,19 +1,21 @@
 """Wiring of one prefill worker process: options -> KV sender factory -> PrefillWorker.
 
-Runs (per process): a control HTTP server (common/contract/control_http.py), one engine thread, one
-KV sender (UCX or TCP links to decode workers, opened on first use), and the registry
-publisher. See prefill_workers/worker.py for the request lifecycle.
+Runs (per process): a control HTTP server (common/contract/control_server.py), one engine
+thread, one KV sender (UCX or TCP links to decode workers, opened on first use), and the
+registry publisher. See prefill_workers/worker.py for the request lifecycle.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from common.worker.options import WorkerOptions
+from common.worker.runtime import WorkerRuntime
+from engine.kv_storage import KVStorage
+from kv_transfer.interface import KVSender
 from prefill_workers.worker import PrefillWorker
 
 
-def build_role(options: Any, runtime: Any) -> PrefillWorker:
-    def make_sender(storage: Any) -> Any:
+def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> PrefillWorker:
+    def make_sender(storage: KVStorage) -> KVSender:
         from kv_transfer.backend import make_sender as make
         return make(storage, options.kv_transport, token=options.internal_token or "",
                     ucx_shared_memory=options.kv_shared_memory)

@@ -33,21 +33,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from common.contract.finish_reason import FinishReason
-from common.contract.control_http import message_handler, stream_handler
+from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
                              TransferStatus)
 from common.worker.output_frames import to_token_logprob
 from common.worker.metrics import WorkerMetrics
 from engine.engine_thread import EngineThread, StreamEnd
+from engine.kv_storage import KVStorage
+from engine.llm_engine import RequestOutput
 from engine.request import RequestMode
 from kv_transfer.errors import KVTransferError, TransferCancelled
+from kv_transfer.interface import KVSender, SendHandle, TransferSpec
+from kv_transfer.layout import transfer_bytes
 from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
@@ -62,16 +65,16 @@ class _Active:
 
 
 class PrefillWorker:
-    def __init__(self, metrics: WorkerMetrics, make_sender: Callable[[Any], Any],
+    def __init__(self, metrics: WorkerMetrics, make_sender: Callable[[KVStorage], KVSender],
                  transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "") -> None:
         self.metrics = metrics
-        self._make_sender = make_sender  # (KVStorage) -> KVSender
+        self._make_sender = make_sender
         # Fault injection for tests: pushes of requests whose id starts with the prefix
         # sleep before each layer, so a transfer can be stalled or cut mid-way.
         self.transfer_layer_delay_s = transfer_layer_delay_s
         self.fault_request_prefix = fault_request_prefix
         self.engine: EngineThread | None = None
-        self.sender: Any = None
+        self.sender: KVSender | None = None
         self.draining = False
         self._active: dict[str, _Active] = {}
 
@@ -91,13 +94,15 @@ class PrefillWorker:
 
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
-        self.sender = self._make_sender(engine.engine.kv_storage)
+        self.sender = self._make_sender(engine.kv_storage)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         return {"num_active": len(self._active), "active": sorted(self._active)}
 
     def check_invariants(self) -> None:
-        if self.sender is not None and hasattr(self.sender, "check_invariants"):
+        for rid, active in self._active.items():
+            assert active.request_id == rid, f"{rid} tracked under another id"
+        if self.sender is not None:
             self.sender.check_invariants()
 
     async def close(self) -> None:
@@ -119,13 +124,14 @@ class PrefillWorker:
             yield _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
             return
         params = request.sampling  # validated while decoding
+        engine = self.engine
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         active = self._active[rid] = _Active(rid)
-        stream = self.engine.open_stream(rid)
+        stream = engine.open_stream(rid)
         in_engine = False
         try:
-            await self.engine.call(lambda e: e.add_request(
+            await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
                 RequestMode.PREFILL_ONLY))
             in_engine = True
@@ -152,23 +158,23 @@ class PrefillWorker:
             yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._active.pop(rid, None)
-            self.engine.close_stream(rid)
+            engine.close_stream(rid)
             if in_engine:
                 # PREFILLED (KV sent or given up) or still queued: either way, free it now.
-                self.engine.submit(lambda e: e.abort_request(rid))
+                engine.submit(lambda e: e.abort_request(rid), f"free {rid}")
 
-    async def _after_first_token(self, request: PrefillRequest, out: Any, active: _Active,
-                                 deadline: float) -> AsyncIterator[Message]:
+    async def _after_first_token(self, request: PrefillRequest, out: RequestOutput,
+                                 active: _Active, deadline: float) -> AsyncIterator[Message]:
+        assert self.engine is not None
         rid = request.request_id
         destination = request.destination
         spec = None
         if destination is not None and not out.finished:
-            engine = self.engine.engine
             src = await self.engine.call(lambda e: e.kv_cache.block_table(rid))
             active.pushing = True  # from here only this stream may free the blocks
             spec = plan_push(rid, src, destination.block_ids,
                              destination.num_prefix_blocks_held, out.num_prompt_tokens,
-                             engine.config.block_size, engine.model_config.num_layers)
+                             self.engine.block_size, self.engine.num_layers)
         yield PrefillResult(
             request_id=rid, first_token_id=out.new_token_ids[0],
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
@@ -184,13 +190,12 @@ class PrefillWorker:
             return
         yield await self._push(spec, destination, active, deadline)
 
-    async def _push(self, spec: Any, destination: Any, active: _Active,
+    async def _push(self, spec: TransferSpec, destination: DecodeDestination, active: _Active,
                     deadline: float) -> TransferResult:
+        assert self.engine is not None and self.sender is not None
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        result = dict(request_id=spec.request_id, destination_worker_id=destination.worker_id,
-                      destination_epoch=destination.epoch)
-        handle = None
+        handle: SendHandle | None = None
         active.pushing = True
         try:
             handle = await self.sender.start(destination.kv_address, spec,
@@ -212,23 +217,22 @@ class PrefillWorker:
             reason = type(exc).__name__
             self.metrics.handoff_failures.inc(reason=f"transfer_{reason}")
             log.info("KV push of %s failed: %s", spec.request_id, exc)
-            return TransferResult(status=TransferStatus.FAILED, error=f"{reason}: {exc}",
-                                  **result)
-        layout = self.engine.engine.kv_storage.layout
+            return _transfer_result(spec, destination, TransferStatus.FAILED,
+                                    error=f"{reason}: {exc}")
         num_blocks = len(spec.src_block_ids)
-        num_bytes = num_blocks * len(spec.layers) * 2 * layout.block_bytes
+        num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
         self.metrics.kv_transfer_bytes.inc(num_bytes, direction="sent")
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started, direction="sent")
-        return TransferResult(status=TransferStatus.DONE, num_blocks_sent=num_blocks,
-                              num_bytes_sent=num_bytes, **result)
+        return _transfer_result(spec, destination, TransferStatus.DONE,
+                                num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 
     # ---------------------------------------------------------------- abort
 
     async def abort(self, request: AbortRequest) -> Message:
         rid = request.request_id
         active = self._active.get(rid)
-        if active is None:
+        if active is None or self.engine is None:
             return AbortResponse(request_id=rid, found=False)
         active.abort_reason = request.reason or "aborted by the gateway"
         active.aborted.set()
@@ -237,11 +241,11 @@ class PrefillWorker:
             stream.end(active.abort_reason)
         if not active.pushing:
             # While pushing, the stream frees the blocks once the send has drained.
-            self.engine.submit(lambda e: e.abort_request(rid))
+            self.engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
         return AbortResponse(request_id=rid, found=True)
 
 
-async def _unless(awaitable: Any, aborted: asyncio.Event, active: _Active) -> None:
+async def _unless(awaitable: Awaitable[None], aborted: asyncio.Event, active: _Active) -> None:
     """Await `awaitable` unless `aborted` is set first (then raise TransferCancelled)."""
     work = asyncio.ensure_future(awaitable)
     stop = asyncio.ensure_future(aborted.wait())
@@ -253,9 +257,19 @@ async def _unless(awaitable: Any, aborted: asyncio.Event, active: _Active) -> No
     finally:
         stop.cancel()
     if work.done():
-        return work.result()
+        work.result()
+        return
     work.cancel()
     raise TransferCancelled(active.abort_reason)
+
+
+def _transfer_result(spec: TransferSpec, destination: DecodeDestination, status: TransferStatus,
+                     num_blocks_sent: int = 0, num_bytes_sent: int = 0,
+                     error: str | None = None) -> TransferResult:
+    return TransferResult(request_id=spec.request_id, destination_worker_id=destination.worker_id,
+                          destination_epoch=destination.epoch, status=status,
+                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent,
+                          error=error)
 
 
 def _error(request_id: str, code: ErrorCode, message: str, retryable: bool = False) -> ErrorFrame:

@@ -1,10 +1,15 @@
-"""Reads a worker's frame stream in batches: every complete frame one socket read delivered.
+"""The frame stream of the control plane: its wire format, and its one reader.
 
-The wire format is `common/contract/control_http.py`'s (a 4-byte big-endian length, then a msgpack
-`[version, message]` envelope, repeated). `ControlClient.stream` reads it one frame at a
-time (two `readexactly`, two msgpack decodes and one `asyncio.timeout` per frame); on the
-gateway's relay path that is paid once per token, so this reader does the same job per
-*read* instead:
+A worker answers a stream request (common/contract/control_server.py's `stream_handler`)
+with a chunked body of length-prefixed frames:
+
+    ┌────────────── 4 bytes ─────────────┬──────── length bytes ─────────┐
+    │ length, unsigned big-endian        │ msgpack [version, message]    │  repeated
+    └────────────────────────────────────┴───────────────────────────────┘
+
+`stream_frame_batches` reads it for every client (the gateway's relay and
+`ControlClient.stream`) in batches, every complete frame one socket read delivered,
+because on the relay path the cost is paid once per token:
 
     readany() ─▶ b"[len|frame][len|frame][len|fr"   ─▶ yields [frame, frame]
                                           └ kept ─┘     (the tail waits for the next read)
@@ -32,19 +37,30 @@ read were yielded); the watchdog handle is cancelled when the stream ends, howev
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Generic, TypeVar
 
+import aiohttp
 import msgspec
 from aiohttp import ClientResponse, ClientSession, ClientTimeout
 
-from common.contract.control_http import (FRAME_HEADER, FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE,
-                                 ControlError, FrameDeadlineError, RemoteError)
+from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
 from common.contract.protocol import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorFrame, Message,
-                             MessageDecoder, ProtocolError, encode)
+                                      MessageDecoder, ProtocolError, encode)
 
+MSGPACK_CONTENT_TYPE = "application/x-msgpack"
+FRAMES_CONTENT_TYPE = "application/x-pdserve-frames"
+FRAME_HEADER = struct.Struct(">I")
 _HEADER_SIZE = FRAME_HEADER.size
 _unpack_length = FRAME_HEADER.unpack_from
+
+F = TypeVar("F", bound=Message)
+
+
+def encode_frame(message: Message) -> bytes:
+    body = encode(message)
+    return FRAME_HEADER.pack(len(body)) + body
 
 
 class FrameWatchdog:
@@ -95,23 +111,26 @@ class FrameWatchdog:
             f"{self._what}: no frame within {self._timeout_s} s (stream stalled)"))
 
 
-class FrameBatchDecoder:
+class FrameBatchDecoder(Generic[F]):
     """Splits bytes into frames and decodes them; keeps an incomplete tail for the next feed.
 
-    One per stream; `fresh()` makes the next one sharing the typed msgspec decoders, which
-    cost more to build than a whole short stream costs to decode.
+    `frame_type` is a message type or a union of them; the frames come out as F or
+    ErrorFrame. One per stream; `fresh()` makes the next one sharing the typed msgspec
+    decoders, which cost more to build than a whole short stream costs to decode.
     """
 
-    def __init__(self, frame_type: Any, max_frame_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, frame_type: object, max_frame_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.frame_type = frame_type
         self.max_frame_bytes = max_frame_bytes
-        self._fast = msgspec.msgpack.Decoder(tuple[int, ErrorFrame | frame_type])
-        self._precise = MessageDecoder(ErrorFrame | frame_type, max_frame_bytes)
+        self._fast: msgspec.msgpack.Decoder[tuple[int, F | ErrorFrame]] = \
+            msgspec.msgpack.Decoder(tuple[int, ErrorFrame | frame_type])  # type: ignore[valid-type]
+        self._precise: MessageDecoder[F | ErrorFrame] = MessageDecoder(ErrorFrame | frame_type,
+                                                                       max_frame_bytes)
         self._tail = b""
 
-    def fresh(self) -> FrameBatchDecoder:
+    def fresh(self) -> FrameBatchDecoder[F]:
         """A decoder for another stream: same types and limit, no buffered bytes."""
-        other = object.__new__(FrameBatchDecoder)
+        other: FrameBatchDecoder[F] = object.__new__(FrameBatchDecoder)
         other.frame_type, other.max_frame_bytes = self.frame_type, self.max_frame_bytes
         other._fast, other._precise, other._tail = self._fast, self._precise, b""
         return other
@@ -120,7 +139,7 @@ class FrameBatchDecoder:
     def has_partial_frame(self) -> bool:
         return bool(self._tail)
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes) -> list[F | ErrorFrame]:
         """Every frame completed by `data`, in order (ErrorFrames included)."""
         if self._tail:
             data = self._tail + data
@@ -130,7 +149,7 @@ class FrameBatchDecoder:
                 raise ControlError(f"frame of {len(data) - _HEADER_SIZE} bytes exceeds "
                                    f"{self.max_frame_bytes}")
             return [self._decode(data[_HEADER_SIZE:])]
-        frames: list[Any] = []
+        frames: list[F | ErrorFrame] = []
         view = memoryview(data)
         pos, size = 0, len(data)
         while pos + _HEADER_SIZE <= size:
@@ -145,11 +164,11 @@ class FrameBatchDecoder:
         self._tail = data[pos:] if pos < size else b""
         return frames
 
-    def decode_whole(self, body: bytes) -> Any:
+    def decode_whole(self, body: bytes) -> F | ErrorFrame:
         """A non-stream answer's body (one envelope, no length prefix)."""
         return self._precise.decode(body)
 
-    def _decode(self, body: bytes | memoryview) -> Any:
+    def _decode(self, body: bytes | memoryview) -> F | ErrorFrame:
         try:
             version, message = self._fast.decode(body)
         except (msgspec.DecodeError, ValueError):
@@ -161,14 +180,15 @@ class FrameBatchDecoder:
 
 
 async def stream_frame_batches(session: ClientSession, url: str, message: Message,
-                               frames: FrameBatchDecoder, first_frame_timeout_s: float,
+                               frames: FrameBatchDecoder[F], first_frame_timeout_s: float,
                                frame_timeout_s: float, token: str | None = None
-                               ) -> AsyncGenerator[list[Any], None]:
+                               ) -> AsyncGenerator[list[F], None]:
     """POST `message` to `url`; yield lists of the answer's frames until the worker ends it.
 
-    `frames` says what the frames are (its `fresh()` copy decodes this stream). The same
-    contract as `ControlClient.stream` (errors, deadlines, an early `aclose()` drops the
-    connection), but batched: see the module docstring.
+    `frames` says what the frames are (its `fresh()` copy decodes this stream). Errors: an
+    ErrorFrame raises RemoteError (after the frames before it in the same read were
+    yielded); a refused connection or a cut stream ControlError; a missed deadline
+    FrameDeadlineError. An early `aclose()` drops the connection (the worker's abort).
     """
     headers = {"Content-Type": MSGPACK_CONTENT_TYPE}
     if token:
@@ -181,6 +201,8 @@ async def stream_frame_batches(session: ClientSession, url: str, message: Messag
                                           timeout=ClientTimeout(total=None))
     except TimeoutError as exc:
         raise FrameDeadlineError(f"{url}: no response within {first_frame_timeout_s} s") from exc
+    except aiohttp.ClientError as exc:  # refused or reset: the worker is gone
+        raise ControlError(f"{url}: {type(exc).__name__}: {exc}") from exc
     watchdog = FrameWatchdog(response, url)
     try:
         if response.content_type != FRAMES_CONTENT_TYPE:
@@ -199,22 +221,28 @@ async def stream_frame_batches(session: ClientSession, url: str, message: Messag
         timeout_s = first_frame_timeout_s
         while True:
             watchdog.wait(timeout_s)
-            data = await content.readany()
-            watchdog.done()
+            try:
+                data = await content.readany()
+            except aiohttp.ClientError as exc:  # the worker died mid-stream
+                raise ControlError(f"{url}: stream broken: {type(exc).__name__}: {exc}") from exc
+            finally:
+                watchdog.done()
             if not data:
                 if decoder.has_partial_frame:
                     raise ControlError("frame stream cut inside a frame")
                 return
-            frames = decoder.feed(data)
-            if not frames:
+            batch = decoder.feed(data)
+            if not batch:
                 continue
             timeout_s = frame_timeout_s
-            for i, frame in enumerate(frames):
+            good: list[F] = []
+            for frame in batch:
                 if isinstance(frame, ErrorFrame):
-                    if i:
-                        yield frames[:i]
+                    if good:
+                        yield good
                     raise RemoteError(frame, response.status)
-            yield frames
+                good.append(frame)
+            yield good
     finally:
         watchdog.cancel()
         if response.content.is_eof() and not decoder.has_partial_frame:

@@ -4,15 +4,15 @@ Wire format: one msgpack array `[PROTOCOL_VERSION, message]`, where `message` is
 Struct (the `type` field names it). The version sits outside the message so a peer on
 another version gets a clear `ProtocolVersionError`, not a confusing field error.
 
-Who sends what (one HTTP call per arrow; see common/contract/control_http.py for the transport):
+Who sends what (one HTTP call per arrow; see common/contract/control_server.py for the transport):
 
     gateway ──ReserveRequest──────▶ decode    ◀── ReserveResponse | ErrorFrame
     gateway ──PrefillRequest──────▶ prefill   ◀── frames: PrefillResult, TransferResult
                                                   (the first token arrives before the KV lands)
-    prefill ══ KV blocks (kv_transfer/) ══▶ decode; prefill ──TransferResult──▶ decode
+    prefill ══ KV blocks (kv_transfer/) ══▶ decode   (its own control messages: kv_transfer/messages.py)
     gateway ──DecodeRequest───────▶ decode    ◀── frames: TokenFrame ... (last has finish_reason)
     gateway ──AbortRequest────────▶ prefill and decode (any time; idempotent)
-    workers ──WorkerInfo, WorkerLoad, PrefixIndexEvent──▶ Redis (common/contract/redis_state.py)
+    workers ──WorkerInfo, LoadReport, PrefixIndexEvent──▶ Redis (common/contract/redis_state.py)
 
 Any response or stream may end with an `ErrorFrame` instead. Time budgets travel as
 `timeout_ms` (the time left when the message was sent); each receiver starts its own clock on
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import typing
-from typing import Annotated, Any, TypeVar, Union
+from typing import Annotated, Generic, TypeVar, Union
 
 import msgspec
 
@@ -66,9 +66,31 @@ class MessageTooLargeError(ProtocolError):
     pass
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
+    """What a worker does; registered in its WorkerInfo, read by the gateway's router.
+
+    PREFILL   computes prompts' KV and pushes it to a decode worker's reservation
+    DECODE    receives KV into reservations and decodes; prefills short prompts itself
+    COLOCATED prefills and decodes every request itself; takes no reservations
+    """
+
     PREFILL = "prefill"
     DECODE = "decode"
+    COLOCATED = "colocated"
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+    @property
+    def prefills_for_others(self) -> bool:
+        """Can prefill a prompt whose decode runs elsewhere (or, colocated, here)."""
+        return self is not Role.DECODE
+
+    @property
+    def takes_reservations(self) -> bool:
+        """Receives KV pushed by a prefill worker."""
+        return self is Role.DECODE
 
 
 class TransferStatus(str, enum.Enum):
@@ -172,7 +194,8 @@ class PrefillResult(Message, tag="prefill_result", kw_only=True):
 
 
 class TransferResult(Message, tag="transfer_result", kw_only=True):
-    """Prefill → gateway (and → decode): the KV handoff of one request has ended."""
+    """Prefill → gateway: the KV handoff of one request has ended (the decode worker learns
+    it from its KV receiver, not from this message)."""
 
     request_id: Id
     destination_worker_id: WorkerId
@@ -254,15 +277,37 @@ class WorkerInfo(Message, tag="worker_info", kw_only=True):
     draining: bool = False  # still serving what it has; route nothing new here
 
 
-class WorkerLoad(Message, tag="worker_load", kw_only=True):
-    worker_id: WorkerId
-    epoch: NonNegInt
-    num_running: NonNegInt = 0
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """How busy one worker is: its engine's queues and KV pool, and its token rates.
+
+    The engine thread takes the engine's counters after every step or command
+    (engine/engine_thread.py); the worker runtime adds the rates and publishes it in a
+    LoadReport; the gateway routes on it (gateway/router.py) and shows it (/admin/workers).
+    """
+
     num_waiting: NonNegInt = 0
+    num_running: NonNegInt = 0
     num_kv_blocks_used: NonNegInt = 0
     num_kv_blocks_total: NonNegInt = 0
+    num_held_tables: NonNegInt = 0  # requests, parked prefills and reservations holding blocks
+    num_steps: NonNegInt = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool in use; 1.0 for an unknown (empty) pool."""
+        if self.num_kv_blocks_total <= 0:
+            return 1.0
+        return self.num_kv_blocks_used / self.num_kv_blocks_total
+
+
+class LoadReport(Message, tag="load_report", kw_only=True):
+    """A worker's load as it publishes it to Redis, stamped with its incarnation."""
+
+    worker_id: WorkerId
+    epoch: NonNegInt
+    load: WorkerLoad = WorkerLoad()
     updated_unix_ms: NonNegInt = 0
 
 
@@ -287,7 +332,7 @@ DecodeResponseFrame = Union[TokenFrame, ErrorFrame]
 AnyMessage = Union[
     ReserveRequest, ReserveResponse, PrefillRequest, PrefillResult, TransferResult,
     DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame,
-    WorkerInfo, WorkerLoad, PrefixIndexEvent,
+    WorkerInfo, LoadReport, PrefixIndexEvent,
 ]
 
 M = TypeVar("M")
@@ -297,16 +342,19 @@ def encode(message: Message) -> bytes:
     return msgspec.msgpack.encode((PROTOCOL_VERSION, message))
 
 
-class MessageDecoder:
-    """Decodes envelopes into one message type (or a union of them), checking the version."""
+class MessageDecoder(Generic[M]):
+    """Decodes envelopes into one message type (or a union of them), checking the version.
 
-    def __init__(self, message_type: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    `message_type` is a type or a union; annotate the decoder with what it yields
+    (`decoder: MessageDecoder[A | B] = MessageDecoder(A | B)`)."""
+
+    def __init__(self, message_type: object, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.message_type = message_type
         self.max_bytes = max_bytes
         self._envelope = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
-        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)  # type: ignore[arg-type]
 
-    def decode(self, data: bytes | memoryview) -> Any:
+    def decode(self, data: bytes | memoryview) -> M:
         if len(data) > self.max_bytes:
             raise MessageTooLargeError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
         try:
@@ -324,10 +372,11 @@ class MessageDecoder:
 
 def decode(data: bytes | memoryview, message_type: type[M], max_bytes: int = MAX_MESSAGE_BYTES) -> M:
     """One-off decode; hot paths keep a MessageDecoder."""
-    return MessageDecoder(message_type, max_bytes).decode(data)
+    decoder: MessageDecoder[M] = MessageDecoder(message_type, max_bytes)
+    return decoder.decode(data)
 
 
-def _type_name(message_type: Any) -> str:
+def _type_name(message_type: object) -> str:
     members = typing.get_args(message_type)
     if members:
         return " | ".join(_type_name(m) for m in members)

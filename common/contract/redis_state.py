@@ -6,7 +6,7 @@ module calls the methods below. `ns` is the namespace (default "pdserve"):
     {ns}:workers                      SET    worker ids registered and not yet purged
     {ns}:worker:{id}:epoch            STRING epoch counter, INCR at every worker start
     {ns}:worker:{id}:info             STRING WorkerInfo (msgpack), PX lease_ttl   (the lease)
-    {ns}:worker:{id}:load             STRING WorkerLoad (msgpack), PX lease_ttl
+    {ns}:worker:{id}:load             STRING LoadReport (msgpack), PX lease_ttl
     {ns}:worker:{id}:prefixes         SET    block hashes this worker has in the index
     {ns}:worker:{id}:prefix_epoch     STRING the epoch those hashes belong to
     {ns}:prefix:{hash}                HASH   worker id -> epoch, one field per holder
@@ -41,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from common.contract.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixIndexEvent, WorkerInfo,
-                             WorkerLoad, encode)
+                             LoadReport, encode)
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
 
@@ -53,6 +53,14 @@ REDIS_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutErro
 
 class StaleEpochError(RuntimeError):
     """A newer incarnation of this worker id has registered; this one must stop writing."""
+
+
+class Registry(msgspec.Struct, frozen=True, kw_only=True):
+    """The registry as one read saw it."""
+
+    registered_ids: list[str]  # registered and not yet purged, live or with a lapsed lease
+    workers: dict[str, WorkerInfo]  # holding a live lease, by id
+    loads: dict[str, LoadReport]  # of live workers, at their live epoch
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True):
@@ -191,7 +199,7 @@ class RedisState:
         self._purge = client.register_script(_PURGE)
         self._snapshot = client.register_script(_SNAPSHOT)
         self._info_decoder = MessageDecoder(WorkerInfo)
-        self._load_decoder = MessageDecoder(WorkerLoad)
+        self._load_decoder = MessageDecoder(LoadReport)
         self._event_decoder = MessageDecoder(PrefixIndexEvent)
         # A fresh token per process: whichever writer first touches an empty Redis sets it.
         self._generation_candidate = uuid.uuid4().hex
@@ -232,7 +240,7 @@ class RedisState:
         async with self._deadline(timeout_s):
             return int(await self.client.incr(self._worker_key(worker_id, "epoch")))
 
-    async def heartbeat(self, info: WorkerInfo, load: WorkerLoad | None, lease_ttl_ms: int,
+    async def heartbeat(self, info: WorkerInfo, load: LoadReport | None, lease_ttl_ms: int,
                         timeout_s: float | None = None) -> bool:
         """Renew the lease (and load); False when the lease had lapsed and was re-created."""
         wid = info.worker_id
@@ -273,23 +281,30 @@ class RedisState:
 
     async def list_workers(self, timeout_s: float | None = None) -> dict[str, WorkerInfo]:
         """Workers holding a live lease, by id."""
-        return {w.worker_id: w for w in await self._read_all("info", self._info_decoder, timeout_s)}
+        return (await self.read_registry(timeout_s)).workers
 
-    async def list_loads(self, timeout_s: float | None = None) -> dict[str, WorkerLoad]:
+    async def list_loads(self, timeout_s: float | None = None) -> dict[str, LoadReport]:
         """Latest load of each live worker; loads of an older epoch are left out."""
-        async with self._deadline(timeout_s):
-            workers = await self.list_workers(timeout_s)
-            loads = await self._read_all("load", self._load_decoder, timeout_s)
-        return {ld.worker_id: ld for ld in loads
-                if ld.worker_id in workers and workers[ld.worker_id].epoch == ld.epoch}
+        return (await self.read_registry(timeout_s)).loads
 
-    async def _read_all(self, field: str, decoder: MessageDecoder, timeout_s: float | None) -> list:
+    async def read_registry(self, timeout_s: float | None = None) -> Registry:
+        """The whole registry in two round trips: the id set, then every info and load."""
         async with self._deadline(timeout_s):
-            ids = await self.list_worker_ids(timeout_s)
+            ids = sorted(m.decode() for m in await self.client.smembers(self._workers_key))
             if not ids:
-                return []
-            blobs = await self.client.mget([self._worker_key(w, field) for w in ids])
-        return [decoder.decode(b) for b in blobs if b is not None]
+                return Registry(registered_ids=[], workers={}, loads={})
+            blobs = await self.client.mget([self._worker_key(w, f) for f in ("info", "load")
+                                            for w in ids])
+        infos = [self._info_decoder.decode(b) for b in blobs[:len(ids)] if b is not None]
+        workers = {w.worker_id: w for w in infos}
+        loads = {}
+        for blob in blobs[len(ids):]:
+            if blob is not None:
+                report = self._load_decoder.decode(blob)
+                live = workers.get(report.worker_id)
+                if live is not None and live.epoch == report.epoch:
+                    loads[report.worker_id] = report
+        return Registry(registered_ids=ids, workers=workers, loads=loads)
 
     # ---------------------------------------------------------------- prefix index
 

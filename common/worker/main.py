@@ -11,13 +11,18 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.worker.options import WorkerOptions
+    from common.worker.runtime import RoleWorker, WorkerRuntime
+
+BuildRole = Callable[["WorkerOptions", "WorkerRuntime"], "RoleWorker"]
 
 
-def run_worker(args: argparse.Namespace, kind: str,
-               build_role: Callable[[Any, Any], Any]) -> int:
-    """`build_role(options, runtime)` returns the RoleWorker; returns the exit code."""
+def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> int:
+    """`build_role(options, runtime)` returns the role's worker; returns the exit code."""
     from common.worker.options import options_from_args
 
     try:
@@ -31,9 +36,10 @@ def run_worker(args: argparse.Namespace, kind: str,
     import torch
 
     torch.set_num_threads(options.threads)
+    runner: Callable[[Coroutine[object, object, int]], int]
     try:
         import uvloop
-        runner: Callable[[Any], Any] = uvloop.run
+        runner = uvloop.run
     except ImportError:
         runner = asyncio.run
     try:
@@ -44,22 +50,20 @@ def run_worker(args: argparse.Namespace, kind: str,
         return 1
 
 
-async def _serve(options: Any, build_role: Callable[[Any, Any], Any]) -> int:
+async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     import torch
 
-    from common.contract.protocol import Role
     from common.worker.runtime import WorkerRuntime
-    from engine.llm_engine import EngineConfig, build_engine
+    from engine.llm_engine import EngineConfig, LLMEngine, build_engine
 
-    role = Role.PREFILL if options.role == "prefill" else Role.DECODE
-    runtime = WorkerRuntime(options.worker_id, role, options.model, options.device,
+    runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
                             options.host, options.port, options.internal_token,
                             options.redis_url, options.namespace, options.drain_timeout_s)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, options.dtype), device=options.device)
 
-    def load() -> Any:
+    def load() -> LLMEngine:
         return build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
 
     return await runtime.serve(build_role(options, runtime), load)

@@ -56,12 +56,12 @@ class WorkerMetrics:
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode tokens)
 
     def on_step(self, report: StepReport) -> None:
-        stats = report.stats
-        self.num_waiting.set(stats.num_waiting)
-        self.num_running.set(stats.num_running)
-        self.kv_blocks_used.set(stats.num_used_blocks)
-        self.kv_blocks_total.set(stats.num_blocks)
-        self.kv_usage.set(stats.num_used_blocks / max(1, stats.num_blocks))
+        load = report.load
+        self.num_waiting.set(load.num_waiting)
+        self.num_running.set(load.num_running)
+        self.kv_blocks_used.set(load.num_kv_blocks_used)
+        self.kv_blocks_total.set(load.num_kv_blocks_total)
+        self.kv_usage.set(load.num_kv_blocks_used / max(1, load.num_kv_blocks_total))
         if report.step_s <= 0.0:
             return  # a command, not a step
         self.step_seconds.observe(report.step_s)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.contract.option_env import env_flag, env_name
+from common.contract.protocol import Role
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")
@@ -22,7 +23,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     model: str
     redis_url: str
     host: str
@@ -110,8 +111,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
     if not args.redis_url:
         raise ValueError(f"--redis-url (or {env_name('--redis-url')}) is required: workers "
                          "find each other only through the Redis registry")
-    role = getattr(args, "role", kind)
-    worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    role = Role(getattr(args, "role", kind))
+    worker_id = args.worker_id or f"{role.value}-{socket.gethostname()}-{os.getpid()}"
     return WorkerOptions(
         role=role, model=args.model, redis_url=args.redis_url, host=args.host,
         port=int(args.port), worker_id=worker_id, device=args.device, dtype=args.dtype,

@@ -28,7 +28,8 @@ from typing import TypeVar
 
 import msgspec
 
-from common.contract.protocol import MAX_HASHES_PER_EVENT, PrefixIndexEvent, WorkerInfo, WorkerLoad
+from common.contract.protocol import (MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent, WorkerInfo,
+                                      WorkerLoad)
 from common.contract.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError, raise_if_cancelling,
                                 stop_task)
 
@@ -45,7 +46,7 @@ class WorkerPublisher:
             raise ValueError(f"lease_ttl_s ({lease_ttl_s}) must cover two periods ({period_s} s)")
         self.state = state
         self.info = info
-        self.load_fn = load_fn  # its worker_id, epoch and timestamp are overwritten here
+        self.load_fn = load_fn
         self.period_s = period_s
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.backoff_min_s = backoff_min_s
@@ -170,9 +171,8 @@ class WorkerPublisher:
 
     async def _tick(self, heartbeat: bool) -> None:
         if heartbeat:
-            load = msgspec.structs.replace(
-                self.load_fn(), worker_id=self.info.worker_id, epoch=self.epoch,
-                updated_unix_ms=int(time.time() * 1000))
+            load = LoadReport(worker_id=self.info.worker_id, epoch=self.epoch,
+                              load=self.load_fn(), updated_unix_ms=int(time.time() * 1000))
             lease_was_live = await self.state.heartbeat(self.info, load, self.lease_ttl_ms)
             self.num_heartbeats += 1
             self.connected = True

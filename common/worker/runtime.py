@@ -20,36 +20,60 @@ Invariants: every background task (publisher, role tasks) is stopped before the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
+
+import msgspec
 
 from aiohttp import web
 
-from common.contract.control_http import ControlServer, make_app
+from common.contract.control_server import ControlServer, make_app
 from common.contract.metrics import MetricsRegistry
 from common.contract.protocol import Role, WorkerInfo, WorkerLoad
 from common.contract.redis_state import RedisState, connect
 from common.worker.metrics import WorkerMetrics
 from common.worker.publisher import WorkerPublisher
 from engine.block_pool import CacheEventKind
-from engine.engine_thread import EngineStats, EngineThread, StepReport, engine_stats
+from engine.engine_thread import EngineThread, StepReport
+from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 
 class RoleWorker(Protocol):
+    """What a role (prefill, decode, colocated) plugs into the worker process."""
+
     @property
-    def num_in_flight(self) -> int: ...
+    def num_in_flight(self) -> int:
+        """Requests and reservations this role still serves (the drain waits for 0)."""
+        ...
+
     @property
-    def kv_address(self) -> str | None: ...
-    def add_routes(self, app: web.Application) -> None: ...
-    async def attach(self, engine_thread: EngineThread) -> None: ...
-    def state(self) -> dict[str, Any]: ...
-    def check_invariants(self) -> None: ...
-    async def close(self) -> None: ...
+    def kv_address(self) -> str | None:
+        """Where KV senders connect (a decode worker's receiver); None for senders."""
+        ...
+
+    def add_routes(self, app: web.Application) -> None:
+        """Register the role's /internal/* routes; called once, before the server starts."""
+        ...
+
+    async def attach(self, engine_thread: EngineThread) -> None:
+        """The engine is loaded and running: start serving (e.g. open the KV receiver)."""
+        ...
+
+    def state(self) -> dict[str, object]:
+        """JSON-ready counters and ids for /internal/state."""
+        ...
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming a broken invariant of the role."""
+        ...
+
+    async def close(self) -> None:
+        """Stop: end what is in flight and release every resource; called exactly once."""
+        ...
 
 
 class WorkerRuntime:
@@ -84,7 +108,7 @@ class WorkerRuntime:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def serve(self, worker: RoleWorker, load_engine: Callable[[], Any],
+    async def serve(self, worker: RoleWorker, load_engine: Callable[[], LLMEngine],
                     on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> int:
         """Run the whole process lifecycle; returns the exit code."""
         self._worker = worker
@@ -99,7 +123,7 @@ class WorkerRuntime:
             self.engine_thread = EngineThread(engine, loop, self._on_step)
             self.engine_thread.start()
             await worker.attach(self.engine_thread)
-            await self._register(engine, url, worker.kv_address)
+            await self._register(self.engine_thread, url, worker.kv_address)
             self.ready = True
             log.info("%s ready (epoch %d) on %s", self.worker_id, self.epoch, url)
             if on_ready is not None:
@@ -112,12 +136,11 @@ class WorkerRuntime:
         finally:
             await self._shutdown(worker)
 
-    async def _register(self, engine: Any, url: str, kv_address: str | None) -> None:
+    async def _register(self, engine: EngineThread, url: str, kv_address: str | None) -> None:
         info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
                           control_url=url, kv_address=kv_address, device=self.device,
-                          num_kv_blocks=engine.kv_cache.num_blocks,
-                          block_size=engine.config.block_size,
-                          max_num_batched_tokens=engine.config.max_num_batched_tokens)
+                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
+                          max_num_batched_tokens=engine.max_num_batched_tokens)
         state = RedisState(connect(self.redis_url), self.namespace)
         self.publisher = WorkerPublisher(state, info, self._load)
         # Redis may be starting too: registration retries until this deadline.
@@ -160,14 +183,10 @@ class WorkerRuntime:
                 self.publisher.record_evicted((event.block_hash,))
 
     def _load(self) -> WorkerLoad:
-        stats = self.engine_thread.stats if self.engine_thread is not None else None
+        load = self.engine_thread.load if self.engine_thread is not None else WorkerLoad()
         prefill_tps, decode_tps = self.metrics.tokens_per_s()
-        return WorkerLoad(worker_id=self.worker_id, epoch=self.epoch,
-                          num_running=stats.num_running if stats else 0,
-                          num_waiting=stats.num_waiting if stats else 0,
-                          num_kv_blocks_used=stats.num_used_blocks if stats else 0,
-                          num_kv_blocks_total=stats.num_blocks if stats else 0,
-                          prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps)
+        return msgspec.structs.replace(load, prefill_tokens_per_s=prefill_tps,
+                                       decode_tokens_per_s=decode_tps)
 
     # ---------------------------------------------------------------- HTTP
 
@@ -183,12 +202,12 @@ class WorkerRuntime:
                             headers={"Content-Type": self.registry.content_type})
 
     async def _state(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = {"worker_id": self.worker_id, "role": self.role.value,
+        body: dict[str, object] = {"worker_id": self.worker_id, "role": self.role.value,
                                 "epoch": self.epoch, "ready": self.ready,
                                 "draining": self.draining}
         if self.engine_thread is not None:
             body["invariant_error"] = await self._check_invariants()
-            body.update(dataclasses.asdict(self.engine_thread.stats))
+            body.update(msgspec.structs.asdict(self.engine_thread.load))
         if self._worker is not None:
             body.update(self._worker.state())
         if self.publisher is not None:
@@ -198,14 +217,9 @@ class WorkerRuntime:
     async def _check_invariants(self) -> str | None:
         assert self.engine_thread is not None and self._worker is not None
         try:
-            # Engine invariants on the engine thread; the fresh stats come back with them.
-            self.engine_thread.stats = await self.engine_thread.call(_checked_stats, 5.0)
+            await self.engine_thread.check_invariants()  # also refreshes its load snapshot
             self._worker.check_invariants()
         except AssertionError as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-
-def _checked_stats(engine: Any) -> EngineStats:
-    engine.check_invariants()
-    return engine_stats(engine)

@@ -24,7 +24,7 @@ def make_info(worker_id: str, role: Role = Role.DECODE) -> WorkerInfo:
 
 
 def make_load(running: int = 0) -> WorkerLoad:
-    return WorkerLoad(worker_id="x", epoch=0, num_running=running, num_kv_blocks_total=64)
+    return WorkerLoad(num_running=running, num_kv_blocks_total=64)
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ async def test_load_is_published_every_period(state: RedisState) -> None:
                                 period_s=0.1, lease_ttl_s=1.0)
     await publisher.start()
     loads = await state.list_loads()
-    assert loads["d2"].num_running == 1 and loads["d2"].epoch == publisher.epoch
+    assert loads["d2"].load.num_running == 1 and loads["d2"].epoch == publisher.epoch
     running["n"] = 7
     took_s = await wait_for(lambda: _running(state, "d2", 7), 1.0)
     assert took_s < 0.5
@@ -112,7 +112,7 @@ async def test_load_is_published_every_period(state: RedisState) -> None:
 
 async def _running(state: RedisState, worker_id: str, n: int) -> bool:
     load = (await state.list_loads()).get(worker_id)
-    return load is not None and load.num_running == n
+    return load is not None and load.load.num_running == n
 
 
 async def test_prefix_index_insert_evict_and_restart_purges_stale_epoch(state: RedisState) -> None:

@@ -25,7 +25,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from common.contract.control_http import ControlClient, ControlError, RemoteError
+from common.contract.control_client import ControlClient
+from common.contract.control_errors import ControlError, RemoteError
 from common.contract.metrics import parse_samples
 from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
@@ -247,7 +248,7 @@ async def wait_no_blocks_held(w: Worker, timeout_s: float) -> dict:
     while True:
         state = await worker_state(w)
         assert state["invariant_error"] is None, state
-        if state["num_used_blocks"] == 0 and state["num_held_tables"] == 0:
+        if state["num_kv_blocks_used"] == 0 and state["num_held_tables"] == 0:
             return state
         if time.monotonic() > deadline:
             raise AssertionError(f"{w.worker_id} still holds blocks: {state}")

@@ -19,7 +19,7 @@ import yaml
 
 from deploy_tools import (DEPLOY, METRIC_RE, REPO_ROOT, exported_metric_names, metric_base,
                           resolved_compose, run, subcommands)
-from gateway.tiers import TIER_HEADER, classify, load_tier_config
+from gateway.tiers import TIER_HEADER, Caller, classify, load_tier_config, resolve
 
 pytestmark = pytest.mark.timeout(120)
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
@@ -32,17 +32,19 @@ def test_tiers_file_loads_with_the_gateway_loader() -> None:
     config = load_tier_config((DEPLOY / "tiers.toml").read_text(), env={})
     assert set(config.tiers) == {"interactive", "standard", "batch"}
     assert config.default_tier == "standard" and config.is_open
-    decision = classify(None, "interactive", prompt_len=10, config=config)
+    interactive, batch = resolve(None, "interactive", config), resolve(None, "batch", config)
+    assert isinstance(interactive, Caller) and isinstance(batch, Caller)
+    decision = classify(interactive, 10)
     assert decision.tier.name == "interactive" and decision.local_prefill
-    assert not classify(None, "batch", prompt_len=100, config=config).local_prefill
+    assert not classify(batch, 100).local_prefill
 
 
 def test_tiers_file_takes_keys_from_the_environment() -> None:
     config = load_tier_config((DEPLOY / "tiers.toml").read_text(),
                               env={"PDSERVE_API_KEYS": "sk-a:batch,sk-b:interactive:header"})
-    assert classify("sk-a", None, 1, config).tier.name == "batch"
-    assert classify("sk-zz", None, 1, config).kind.value == "invalid_api_key"
-    assert classify("sk-b", "standard", 1, config).tier.name == "standard"
+    assert resolve("sk-a", None, config).tier.name == "batch"
+    assert resolve("sk-zz", None, config).kind.value == "invalid_api_key"
+    assert resolve("sk-b", "standard", config).tier.name == "standard"
     assert TIER_HEADER == "x-pdserve-tier"
 
 
@@ -180,7 +182,7 @@ def test_entrypoint_substitutes_the_container_ip(fake_pdserve: Path) -> None:
 
 @pytest.fixture
 def ready_server() -> Iterator[tuple[int, dict]]:
-    """A control server stand-in: the token on every path (as common/contract/control_http.py does)."""
+    """A control server stand-in: the token on every path (as common/contract/control_server.py does)."""
     state = {"ready": 503}
 
     class Handler(http.server.BaseHTTPRequestHandler):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.contract.finish_reason import FinishReason
 from engine.engine_thread import EngineStopped, EngineThread, StreamEnd
 from engine.llm_engine import RequestOutput
 
@@ -24,6 +25,12 @@ class ScriptedEngine:
         self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
                                         request_ids=lambda: frozenset(self.requests),
                                         drain_events=lambda: [])
+        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64)
+        self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
+        self.invariant_broken = False
+
+    def check_invariants(self) -> None:
+        assert not self.invariant_broken, "scripted engine: invariant broken"
 
     num_waiting = 0
 
@@ -47,7 +54,7 @@ class ScriptedEngine:
         for rid, state in list(self.requests.items()):
             state.append(len(state))
             done = len(state) > state[0]
-            outputs.append(RequestOutput(rid, [len(state)], "", [], "length" if done else None,
+            outputs.append(RequestOutput(rid, [len(state)], "", [], FinishReason.LENGTH if done else None,
                                          3, len(state) - 1, 0))
             if done:
                 del self.requests[rid]
@@ -77,7 +84,7 @@ def test_outputs_reach_their_own_stream_and_commands_return_results() -> None:
         got_a, got_b = await asyncio.gather(collect(a), collect(b))
         assert [o.request_id for o in got_a] == ["a"] * 3 and got_a[-1].finish_reason
         assert [o.request_id for o in got_b] == ["b"] * 5
-        assert reports and reports[-1].stats.num_steps >= 5
+        assert reports and reports[-1].load.num_steps >= 5
         await thread.stop()
         with pytest.raises(EngineStopped):
             await thread.call(lambda e: None)
@@ -96,5 +103,30 @@ def test_a_failing_step_ends_every_stream_with_the_error() -> None:
         assert isinstance(items[-1], StreamEnd) and "exploded" in str(items[-1].error)
         assert not thread.is_alive
         await thread.stop()
+
+    asyncio.run(run())
+
+
+def test_constants_are_read_without_a_command_and_failed_submits_are_counted(caplog) -> None:
+    async def run() -> None:
+        engine = ScriptedEngine()
+        thread = EngineThread(engine, asyncio.get_running_loop(), lambda r: None)
+        assert (thread.block_size, thread.num_layers, thread.num_kv_blocks,
+                thread.max_num_batched_tokens) == (16, 2, 8, 64)
+        thread.start()
+        thread.submit(lambda e: e.add("x", 1), "add x")
+        thread.submit(lambda e: e.add("x", 1), "add x again")  # raises on the engine thread
+        await thread.call(lambda e: None)  # both commands ran before this one
+        await asyncio.sleep(0)  # the failure callback runs on the loop
+        assert thread.num_failed_commands == 1
+        assert "add x again" in caplog.text and "in use" in caplog.text
+        await thread.check_invariants()
+        engine.invariant_broken = True
+        with pytest.raises(AssertionError, match="invariant broken"):
+            await thread.check_invariants()
+        await thread.stop()
+        thread.submit(lambda e: None, "after stop")  # refused quietly: nothing to act on
+        await asyncio.sleep(0)
+        assert thread.num_failed_commands == 1
 
     asyncio.run(run())

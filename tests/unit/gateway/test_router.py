@@ -3,15 +3,16 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerLoad,
-                            WorkerRole, WorkerView, plan_route, prefix_overlap_blocks,
+from common.contract.protocol import Role, WorkerLoad
+from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest,
+                            WorkerView, plan_route, prefix_overlap_blocks,
                             with_assignment)
 
 BLOCK = 16
-IDLE = WorkerLoad(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=1000)
+IDLE = WorkerLoad(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=1000)
 
 
-def worker(worker_id: str, role: WorkerRole, load: WorkerLoad = IDLE) -> WorkerView:
+def worker(worker_id: str, role: Role, load: WorkerLoad = IDLE) -> WorkerView:
     return WorkerView(worker_id, role, load)
 
 
@@ -33,41 +34,56 @@ def test_prefix_overlap_counts_only_leading_blocks():
 def test_empty_pool_and_no_decode_worker_give_no_workers():
     rng = random.Random(0)
     assert isinstance(plan_route(long_request(), snapshot([]), rng), NoWorkers)
-    only_prefill = snapshot([worker("p0", WorkerRole.PREFILL)])
+    only_prefill = snapshot([worker("p0", Role.PREFILL)])
     assert isinstance(plan_route(long_request(), only_prefill, rng), NoWorkers)
 
 
 def test_short_prompt_goes_to_a_decode_worker_only():
-    snap = snapshot([worker("p0", WorkerRole.PREFILL), worker("d0", WorkerRole.DECODE)])
+    snap = snapshot([worker("p0", Role.PREFILL), worker("d0", Role.DECODE)])
     plan = plan_route(RouteRequest(prompt_len=20, block_hashes=(), local_prefill=True), snap,
                       random.Random(0))
     assert plan == RoutePlan(decode_worker_id="d0", prefill_worker_id=None, cached_tokens=0)
 
 
 def test_long_prompt_gets_a_prefill_decode_pair():
-    snap = snapshot([worker("p0", WorkerRole.PREFILL), worker("d0", WorkerRole.DECODE)])
+    snap = snapshot([worker("p0", Role.PREFILL), worker("d0", Role.DECODE)])
     plan = plan_route(long_request(), snap, random.Random(0))
     assert (plan.prefill_worker_id, plan.decode_worker_id) == ("p0", "d0")
 
 
 def test_long_prompt_without_prefill_workers_is_prefilled_by_decode():
-    snap = snapshot([worker("d0", WorkerRole.DECODE)])
+    snap = snapshot([worker("d0", Role.DECODE)])
     plan = plan_route(long_request(), snap, random.Random(0))
     assert plan.prefill_worker_id is None and plan.decode_worker_id == "d0"
 
 
 def test_colocated_worker_serves_both_sides_alone():
-    snap = snapshot([worker("c0", WorkerRole.COLOCATED)])
+    snap = snapshot([worker("c0", Role.COLOCATED)])
     plan = plan_route(long_request(), snap, random.Random(0))
     assert plan == RoutePlan(decode_worker_id="c0", prefill_worker_id=None, cached_tokens=0)
+
+
+def test_handoff_never_targets_a_colocated_worker():
+    # A colocated worker takes no reservations: with no decode worker beside it, a prompt
+    # the prefill worker would take is prefilled where it is decoded instead.
+    snap = snapshot([worker("p0", Role.PREFILL), worker("c0", Role.COLOCATED)])
+    for seed in range(20):
+        plan = plan_route(long_request(), snap, random.Random(seed))
+        assert plan == RoutePlan(decode_worker_id="c0", prefill_worker_id=None,
+                                 cached_tokens=0)
+    both = snapshot([worker("p0", Role.PREFILL), worker("c0", Role.COLOCATED),
+                     worker("d0", Role.DECODE)])
+    plans = [plan_route(long_request(), both, random.Random(seed)) for seed in range(40)]
+    assert all(p.decode_worker_id == "d0" for p in plans if p.prefill_worker_id == "p0")
+    assert {p.prefill_worker_id for p in plans} == {"p0", None}
 
 
 def test_prefix_affinity_wins_over_a_small_load_difference():
     hashes = tuple(range(100, 164))  # 64 blocks = 1024 tokens cached on p1
     index = {h: frozenset({"p1"}) for h in hashes}
-    busier = WorkerLoad(num_running=2, num_waiting=1, kv_blocks_used=300, kv_blocks_total=1000)
-    snap = snapshot([worker("p0", WorkerRole.PREFILL), worker("p1", WorkerRole.PREFILL, busier),
-                     worker("d0", WorkerRole.DECODE)], index)
+    busier = WorkerLoad(num_running=2, num_waiting=1, num_kv_blocks_used=300, num_kv_blocks_total=1000)
+    snap = snapshot([worker("p0", Role.PREFILL), worker("p1", Role.PREFILL, busier),
+                     worker("d0", Role.DECODE)], index)
     for seed in range(20):
         plan = plan_route(long_request(hashes), snap, random.Random(seed))
         assert plan.prefill_worker_id == "p1" and plan.cached_tokens == 1024
@@ -76,15 +92,15 @@ def test_prefix_affinity_wins_over_a_small_load_difference():
 def test_load_wins_over_a_prefix_when_the_holder_is_swamped():
     hashes = tuple(range(100, 164))
     index = {h: frozenset({"p1"}) for h in hashes}
-    swamped = WorkerLoad(num_running=8, num_waiting=10, kv_blocks_used=900, kv_blocks_total=1000)
-    snap = snapshot([worker("p0", WorkerRole.PREFILL), worker("p1", WorkerRole.PREFILL, swamped),
-                     worker("d0", WorkerRole.DECODE)], index)
+    swamped = WorkerLoad(num_running=8, num_waiting=10, num_kv_blocks_used=900, num_kv_blocks_total=1000)
+    snap = snapshot([worker("p0", Role.PREFILL), worker("p1", Role.PREFILL, swamped),
+                     worker("d0", Role.DECODE)], index)
     plan = plan_route(long_request(hashes), snap, random.Random(0))
     assert plan.prefill_worker_id == "p0" and plan.cached_tokens == 0
 
 
 def test_idle_identical_workers_share_load_through_two_choices():
-    workers = [worker(f"d{i}", WorkerRole.DECODE) for i in range(4)]
+    workers = [worker(f"d{i}", Role.DECODE) for i in range(4)]
     snap = snapshot(workers)
     rng = random.Random(7)
     picks = Counter(plan_route(long_request(), snap, rng).decode_worker_id for _ in range(400))
@@ -97,8 +113,8 @@ def test_hot_prefix_over_many_requests_spreads_once_its_holder_queues_up():
     decisions, p0's queue grows until a cold worker is cheaper."""
     hashes = tuple(range(32))
     index = {h: frozenset({"p0"}) for h in hashes}
-    snap = snapshot([worker(f"p{i}", WorkerRole.PREFILL) for i in range(4)]
-                    + [worker(f"d{i}", WorkerRole.DECODE) for i in range(4)], index)
+    snap = snapshot([worker(f"p{i}", Role.PREFILL) for i in range(4)]
+                    + [worker(f"d{i}", Role.DECODE) for i in range(4)], index)
     rng = random.Random(3)
     prefill_picks, decode_picks = Counter(), Counter()
     for _ in range(200):
@@ -113,7 +129,7 @@ def test_hot_prefix_over_many_requests_spreads_once_its_holder_queues_up():
 
 
 def test_routing_is_deterministic_for_a_given_rng_seed():
-    snap = snapshot([worker(f"d{i}", WorkerRole.DECODE) for i in range(5)])
+    snap = snapshot([worker(f"d{i}", Role.DECODE) for i in range(5)])
     a = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(11)] * 30]
     b = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(11)] * 30]
     assert a == b

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tiers import (KEYS_ENV, TierConfigError, TierError, TierErrorKind, classify,
+from gateway.tiers import (KEYS_ENV, Caller, TierConfigError, TierError, TierErrorKind, classify, resolve,
                            load_tier_config)
 
 TIERS_TOML = """
@@ -39,13 +39,13 @@ def test_no_file_no_keys_is_open_with_builtin_tiers():
     config = load_tier_config(None, {})
     assert config.is_open
     assert set(config.tiers) == {"interactive", "standard", "batch"}
-    decision = classify(None, None, 10, config)
+    decision = resolve(None, None, config)
     assert decision.tier.name == "standard" and decision.key_id is None
     assert decision.is_admin  # an open API has no admin key to ask for
     # The open API honours the tier header ...
-    assert classify("anything", "interactive", 10, config).tier.name == "interactive"
+    assert resolve("anything", "interactive", config).tier.name == "interactive"
     # ... but not a tier that does not exist.
-    error = classify(None, "platinum", 10, config)
+    error = resolve(None, "platinum", config)
     assert isinstance(error, TierError) and error.kind is TierErrorKind.UNKNOWN_TIER
     assert error.kind.status == 400
 
@@ -60,37 +60,38 @@ def test_file_overrides_builtin_fields_and_adds_tiers():
 
 def test_key_maps_to_its_tier_and_header_needs_permission():
     config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
-    alice = classify("sk-alice", None, 10, config)
+    alice = resolve("sk-alice", None, config)
     assert alice.tier.name == "interactive" and alice.key_id == "alice" and not alice.is_admin
-    refused = classify("sk-alice", "batch", 10, config)
+    refused = resolve("sk-alice", "batch", config)
     assert isinstance(refused, TierError) and refused.kind is TierErrorKind.TIER_NOT_ALLOWED
-    bob = classify("sk-bob", None, 10, config)
+    bob = resolve("sk-bob", None, config)
     assert bob.tier.name == "batch" and bob.is_admin
-    assert classify("sk-bob", "gold", 10, config).tier.name == "gold"
+    assert resolve("sk-bob", "gold", config).tier.name == "gold"
 
 
 def test_missing_and_wrong_keys_are_401():
     config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
     for key, kind in ((None, TierErrorKind.MISSING_KEY), ("", TierErrorKind.MISSING_KEY),
                       ("sk-mallory", TierErrorKind.INVALID_KEY)):
-        error = classify(key, None, 10, config)
+        error = resolve(key, None, config)
         assert isinstance(error, TierError) and error.kind is kind and kind.status == 401
 
 
 def test_local_prefill_threshold_is_per_tier():
     config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
-    assert classify("sk-alice", None, 99, config).local_prefill
-    assert not classify("sk-alice", None, 100, config).local_prefill
-    assert classify("sk-bob", "gold", 49, config).local_prefill
-    assert not classify("sk-bob", "gold", 50, config).local_prefill
+    alice, bob = resolve("sk-alice", None, config), resolve("sk-bob", "gold", config)
+    assert isinstance(alice, Caller) and isinstance(bob, Caller)
+    assert classify(alice, 99).local_prefill and not classify(alice, 100).local_prefill
+    assert classify(bob, 49).local_prefill and not classify(bob, 50).local_prefill
+    assert classify(alice, 99).key_id == "alice" and classify(bob, 1).tier.name == "gold"
 
 
 def test_keys_from_env_with_flags():
     env = {KEYS_ENV: "sk-one, sk-two:batch, sk-three:interactive:header+admin"}
     config = load_tier_config(None, env)
-    assert classify("sk-one", None, 1, config).tier.name == "standard"
-    assert classify("sk-two", None, 1, config).tier.name == "batch"
-    three = classify("sk-three", "batch", 1, config)
+    assert resolve("sk-one", None, config).tier.name == "standard"
+    assert resolve("sk-two", None, config).tier.name == "batch"
+    three = resolve("sk-three", "batch", config)
     assert three.tier.name == "batch" and three.is_admin
     assert "sk-" not in three.key_id  # the key itself never shows in logs
 

@@ -13,8 +13,9 @@ import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from hypothesis import given, settings, strategies as st
 
-from common.contract.control_http import (FRAME_HEADER, ControlError, ControlServer, FrameDeadlineError,
-                                 RemoteError, encode_frame, make_app)
+from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
+from common.contract.control_server import ControlServer, make_app
+from common.contract.frames import FRAME_HEADER, encode_frame
 from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, ErrorCode, ErrorFrame,
                              FinishReason, ProtocolVersionError, TokenFrame)

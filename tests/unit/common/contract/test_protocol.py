@@ -13,7 +13,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, D
                              PrefillResult, PrefixIndexEvent, ProtocolError, ProtocolVersionError,
                              ReserveRequest, ReserveResponse, Role,  TokenFrame,
                              TokenLogprob, TransferResult, TransferStatus, Usage, WorkerInfo,
-                             WorkerLoad, decode, encode)
+                             WorkerLoad, LoadReport, decode, encode)
 from common.contract.sampling_params import SamplingParams
 
 DEST = DecodeDestination(worker_id="decode-0", epoch=4, kv_address="ucx://10.0.0.2:7000",
@@ -38,8 +38,9 @@ EXAMPLES = [
     ErrorFrame(request_id="r", code=ErrorCode.STALE_EPOCH, message="decode-0 restarted"),
     WorkerInfo(worker_id="prefill-1", role=Role.PREFILL, model="llama", control_url="http://h:1",
                kv_address="ucx://h:2", num_kv_blocks=1000, block_size=16, epoch=3),
-    WorkerLoad(worker_id="prefill-1", epoch=3, num_running=4, num_kv_blocks_used=10,
-               num_kv_blocks_total=1000, prefill_tokens_per_s=1.5e4),
+    LoadReport(worker_id="prefill-1", epoch=3, updated_unix_ms=17,
+               load=WorkerLoad(num_running=4, num_kv_blocks_used=10, num_kv_blocks_total=1000,
+                               prefill_tokens_per_s=1.5e4)),
     PrefixIndexEvent(worker_id="prefill-1", epoch=3, inserted=[2**63 + 1, -7], evicted=[5],
                      reset=True),
 ]
@@ -82,7 +83,7 @@ def test_decode_limits() -> None:
         MessageDecoder(ReserveRequest, max_bytes=1000).decode(big)
     assert MessageDecoder(ReserveRequest, max_bytes=len(big)).decode(big).prompt_token_ids[-1] == 4999
     with pytest.raises(ProtocolError, match="worker_id"):  # ids end up in Redis keys
-        decode(encode(WorkerLoad(worker_id="a:b c", epoch=1)), WorkerLoad)
+        decode(encode(LoadReport(worker_id="a:b c", epoch=1)), LoadReport)
     with pytest.raises(ProtocolError, match="xxxxx_request"):
         decode(encode(AbortRequest(request_id="r")).replace(b"abort_request", b"xxxxx_request"),
                AnyMessage)  # unknown tag

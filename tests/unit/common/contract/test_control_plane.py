@@ -12,9 +12,10 @@ import pytest
 import aiohttp
 from aiohttp import ClientSession, web
 
-from common.contract.control_http import (FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, ControlClient,
-                                 ControlError, ControlServer, FrameDeadlineError, InsecureBindError, RemoteError, is_loopback,
-                                 make_app, message_handler, stream_handler)
+from common.contract.control_client import ControlClient
+from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
+from common.contract.control_server import ControlServer, InsecureBindError, is_loopback, make_app, message_handler, stream_handler
+from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
                              ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
