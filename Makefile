@@ -12,12 +12,13 @@ WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test clean help
+.PHONY: setup run test typecheck clean help
 
 help:
 	@echo "make run    set up .venv and start the main job (local cluster on the default model)"
 	@echo "make test   set up .venv and run the whole test suite"
 	@echo "make setup  only create .venv and install pdserve, its test tools and the default model"
+	@echo "make typecheck  mypy over the typed packages (make test runs it first)"
 	@echo "make clean  remove .venv"
 
 setup: $(STAMP)
@@ -35,7 +36,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/pdserve up
 
-test: setup
+typecheck: setup
+	$(PY) -m mypy
+
+test: typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -18,12 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
-# Llama-family shapes (hidden, intermediate, layers, heads, kv heads, head dim, rope theta).
-SHAPES = {
-    "tiny": (256, 688, 4, 4, 2, 64, 10000.0),
-    "llama3-1b": (2048, 8192, 16, 32, 8, 64, 500000.0),
-    "llama3-8b": (4096, 14336, 32, 32, 8, 128, 500000.0),
-}
+from benchmarks.shapes import SHAPES
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -52,12 +48,16 @@ def write_weights(out: Path, shape: str, vocab_size: int, dtype_name: str, seed:
     import torch
     from safetensors.torch import save_file
 
-    hidden, inter, layers, heads, kv_heads, head_dim, theta = SHAPES[shape]
+    shape_config = SHAPES[shape]
+    hidden, inter = shape_config.hidden_size, shape_config.intermediate_size
+    layers, heads = shape_config.num_layers, shape_config.num_heads
+    kv_heads, head_dim = shape_config.num_kv_heads, shape_config.head_dim
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
         "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "rms_norm_eps": 1e-5, "rope_theta": theta, "max_position_embeddings": 8192,
+        "rms_norm_eps": shape_config.rms_norm_eps, "rope_theta": shape_config.rope_theta,
+        "max_position_embeddings": shape_config.max_position_embeddings,
         "tie_word_embeddings": False, "torch_dtype": dtype_name,
         "bos_token_id": 1, "eos_token_id": 2,
     }

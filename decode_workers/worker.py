@@ -34,8 +34,9 @@ Invariants: see reservations.py; every task this worker starts is in `_tasks`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 
 from aiohttp import web
 
@@ -149,7 +150,7 @@ class DecodeWorker:
             # expect() must precede the sender's announcement: do it before answering.
             reservation.handle = receiver.expect(
                 rid, reservation.receive_block_ids, range(engine.num_layers),
-                lambda _ids, r=reservation: self._on_transfer_failed(r), timeout_s)
+                functools.partial(self._on_transfer_failed, reservation), timeout_s)
             self._spawn(self._watch_transfer(reservation))
         reservation.timer = loop.call_at(reservation.deadline, self._on_deadline, reservation)
         self.metrics.reservations.set(len(self.table))
@@ -174,7 +175,7 @@ class DecodeWorker:
         self.metrics.kv_transfer_bytes.inc(num_bytes, direction="received")
         self.metrics.kv_transfer_blocks.inc(reservation.num_receive_blocks, direction="received")
 
-    def _on_transfer_failed(self, reservation: Reservation) -> None:
+    def _on_transfer_failed(self, reservation: Reservation, _block_ids: list[int]) -> None:
         # Called by the receiver exactly once, after no byte of the transfer can land.
         if reservation.state is not ReservationState.RELEASED:
             self.metrics.handoff_failures.inc(reason="transfer_failed")
@@ -205,7 +206,7 @@ class DecodeWorker:
 
     # ---------------------------------------------------------------- decode
 
-    async def decode(self, request: DecodeRequest) -> AsyncIterator[Message]:
+    async def decode(self, request: DecodeRequest) -> AsyncGenerator[Message, None]:
         rid = request.request_id
         if self.engine is None or (self.draining and request.is_local_prefill):
             yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
@@ -297,7 +298,7 @@ class DecodeWorker:
         return None
 
     async def _frames(self, rid: str, stream: RequestStream, deadline: float
-                      ) -> AsyncIterator[TokenFrame | ErrorFrame]:
+                      ) -> AsyncGenerator[TokenFrame | ErrorFrame, None]:
         loop = asyncio.get_running_loop()
         first = True
         while True:
@@ -316,13 +317,16 @@ class DecodeWorker:
                                                 outputs[0].num_cached_tokens)
                     first = False
                 frame = merge_outputs(rid, outputs)
-                if end is None or frame.finish_reason is not None or \
-                        isinstance(frame, ErrorFrame):
+                if isinstance(frame, ErrorFrame):
                     yield frame
-                    if isinstance(frame, ErrorFrame) or frame.finish_reason is not None:
-                        self.metrics.requests.inc(outcome=frame.finish_reason.value
-                                                  if isinstance(frame, TokenFrame) else "error")
-                        return
+                    self.metrics.requests.inc(outcome="error")
+                    return
+                if frame.finish_reason is not None:
+                    yield frame
+                    self.metrics.requests.inc(outcome=frame.finish_reason.value)
+                    return
+                if end is None:
+                    yield frame
             if end is not None:
                 self.metrics.requests.inc(outcome="aborted")
                 code = ErrorCode.ABORTED if end.error is None else ErrorCode.INTERNAL
@@ -341,11 +345,12 @@ class DecodeWorker:
             reservation.end_reason = EndReason.ABORTED
             self._spawn(self._drop(reservation, EndReason.ABORTED,
                                    request.reason or "aborted by the gateway"))
-        stream = self.engine.stream(rid) if self.engine is not None else None
-        if stream is not None:
+        engine = self.engine
+        stream = engine.stream(rid) if engine is not None else None
+        if stream is not None and engine is not None:
             found = True
             stream.end(request.reason or "aborted by the gateway")
-            self.engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
+            engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
         return AbortResponse(request_id=rid, found=found)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:

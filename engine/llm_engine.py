@@ -34,7 +34,8 @@ from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler
+from engine.scheduler_config import SchedulerConfig
 from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
 

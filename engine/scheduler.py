@@ -56,34 +56,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
+from engine.scheduler_config import SchedulerConfig
 from engine.request import Request, RequestMode, RequestStatus
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256  # chunks (requests) per step
-    max_num_batched_tokens: int = 2048  # tokens per step
-    prefill_chunk_tokens: int | None = None  # per-request prefill tokens per step; None: budget
-    aging_steps: int | None = 1000  # steps of age worth one priority level; None: no aging
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every seated "
-                             f"decode fits the budget, got {self.max_num_batched_tokens} < "
-                             f"{self.max_num_seqs}")
-        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be at least 1, got "
-                             f"{self.prefill_chunk_tokens}")
-        if self.aging_steps is not None and self.aging_steps < 1:
-            raise ValueError(f"aging_steps must be at least 1, got {self.aging_steps}")
 
 
 class _Step:

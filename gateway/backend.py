@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     num_tokens: int
-    finish_reason: str | None = None  # "stop" | "length" on the last delta
+    finish_reason: FinishReason | None = None  # STOP or LENGTH, on the last delta
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when requested
 
 

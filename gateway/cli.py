@@ -11,9 +11,10 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from common.contract.option_env import env_default
-from common.contract.control_server import INTERNAL_TOKEN_ENV
+from common.contract.option_env import INTERNAL_TOKEN_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions and /v1/chat/completions, routing each request "
                     "to prefill/decode workers found in the Redis registry.")
 
-    def opt(name: str, default: str | None = None, **kwargs) -> None:
+    def opt(name: str, default: str | None = None, **kwargs: Any) -> None:
         p.add_argument(name, default=env_default(env, name, default), **kwargs)
 
     opt("--host", "127.0.0.1", help="address to bind (default 127.0.0.1)")

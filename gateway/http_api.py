@@ -23,14 +23,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
 from gateway.admission_gate import AdmissionGate
-from gateway.backend import (BackendUnavailable, CompletionBackend, GenerationRequest,
+from common.contract.finish_reason import FinishReason
+from gateway.backend import (BackendUnavailable, CompletionBackend, GenerationRequest, TokenLogprob,
                              PromptTokenizer, TokenDelta, delta_batches)
 from gateway.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, chat_logprobs,
                                    completion_logprobs)
@@ -44,6 +45,7 @@ from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
 from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBack
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
@@ -120,7 +122,7 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS]
-    caller = resolve(_bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
+    caller = resolve(bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
     if isinstance(caller, TierError):
         raise ApiError(caller.kind.status, caller.message, code=caller.kind.value,
                        param=TIER_HEADER if caller.kind.status == 400 else None)
@@ -156,7 +158,8 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         gate.leave(request_id, tier, key_id, sampling.max_tokens - num_generated)
 
 
-def _bearer_key(request: web.Request) -> str | None:
+def bearer_key(request: web.Request) -> str | None:
+    """The API key of `Authorization: Bearer <key>`, if any."""
     header = request.headers.get("Authorization")
     if not header:
         return None
@@ -218,7 +221,7 @@ async def _stream(request: web.Request, validated: ValidatedRequest,
     try:
         batch = await _first_batch(batches)
         await response.prepare(request)
-        events = [encoder.role()] if chat else []
+        events = [encoder.role()] if isinstance(encoder, ChatChunkEncoder) else []
         while True:
             finished = False
             for delta in batch:
@@ -255,7 +258,10 @@ async def _stream(request: web.Request, validated: ValidatedRequest,
 
 async def _collect(validated: ValidatedRequest, generation: GenerationRequest,
                    batches: AsyncGenerator[list[TokenDelta], None]) -> tuple[web.Response, int]:
-    texts, logprobs, num_generated, finish_reason = [], [], 0, None
+    texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    num_generated = 0
+    finish_reason: FinishReason | None = None
     try:
         batch = await _first_batch(batches)
         while finish_reason is None:
@@ -278,6 +284,7 @@ async def _collect(validated: ValidatedRequest, generation: GenerationRequest,
     usage = _usage(generation, num_generated)
     created = int(time.time())
     want_logprobs = generation.sampling.logprobs is not None
+    body: ChatCompletionResponse | CompletionResponse
     if validated.endpoint is Endpoint.CHAT:
         body = ChatCompletionResponse(
             id=generation.request_id, created=created, model=validated.model, usage=usage,

@@ -50,8 +50,8 @@ class Histogram:
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.ttft = defaultdict(lambda: Histogram(TTFT_BUCKETS_S))
-        self.tpot = defaultdict(lambda: Histogram(TPOT_BUCKETS_S))
+        self.ttft: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(TTFT_BUCKETS_S))
+        self.tpot: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(TPOT_BUCKETS_S))
         self.requests: defaultdict[tuple[str, int], int] = defaultdict(int)
         self.completions: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.tokens: defaultdict[str, int] = defaultdict(int)

@@ -22,6 +22,7 @@ from typing import Any
 from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 from engine.errors import ModelLoadError
 from engine.gguf_metadata import read_gguf_metadata, tokenizer_data
+from engine.tokenizer import Tokenizer
 
 
 class ModelFileError(ValueError):
@@ -48,9 +49,8 @@ def resolve_model_path(model: str) -> Path:
         raise ModelFileError(str(exc)) from None
 
 
-def read_model_info(model: str) -> tuple[ModelInfo, Any]:
+def read_model_info(model: str) -> tuple[ModelInfo, Tokenizer]:
     """The model's facts and its engine `Tokenizer` (tokenizers + jinja2; no torch)."""
-    from engine.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
     if path.is_dir():

@@ -15,13 +15,15 @@ by endpoint and status (after error rendering, so 4xx/5xx are seen as the client
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import msgspec
 from aiohttp import web
 
 from common.contract.protocol import Role, WorkerLoad
 from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
-from gateway.http_api import GATE, TIERS, _bearer_key
+from gateway.http_api import GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.tiers import TierConfig, TierError, resolve
 
@@ -55,7 +57,7 @@ def install(app: web.Application, cluster: ClusterView, metrics: GatewayMetrics)
 
 
 @web.middleware
-async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     response = await handler(request)
     path = request.path if request.path in _COUNTED_PATHS else "other"
     request.app[METRICS].observe_request(path, response.status)
@@ -81,7 +83,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-def _gauges(app: web.Application):
+def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
     controller = app[GATE].controller
     for tier in sorted(app[TIERS].tiers):
         yield ("pdserve_gateway_queue_depth", "Requests waiting for admission.",
@@ -108,7 +110,7 @@ async def handle_admin_workers(request: web.Request) -> web.Response:
 
 
 def _require_admin(request: web.Request, tiers: TierConfig) -> None:
-    caller = resolve(_bearer_key(request), None, tiers)
+    caller = resolve(bearer_key(request), None, tiers)
     if isinstance(caller, TierError):
         raise ApiError(caller.kind.status, caller.message, code=caller.kind.value)
     if not caller.is_admin:

@@ -16,16 +16,15 @@ exactly where this text ends:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
 from engine.detokenizer import IncrementalDetokenizer
 from common.contract.sampling_params import SamplingParams
 from engine.stop_checker import check_stop
+from engine.tokenizer import Tokenizer
 
 
 class GatewayTokenizer:
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer  # engine.tokenizer.Tokenizer
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

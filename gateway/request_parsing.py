@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -29,6 +29,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
                               "assistant": "assistant"}
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class Endpoint(enum.Enum):
@@ -159,7 +160,7 @@ def build_sampling_params(request: ValidatedRequest, prompt_len: int,
 
 # ---------------------------------------------------------------- decoding
 
-def _decode(body: bytes, struct_type: type, limits: RequestLimits) -> tuple[Any, tuple[str, ...]]:
+def _decode(body: bytes, struct_type: type[S], limits: RequestLimits) -> tuple[S, tuple[str, ...]]:
     if not body.strip():
         raise invalid_request("The request body is empty; expected a JSON object.", code="invalid_json")
     try:

@@ -40,7 +40,9 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
+from typing import TypeVar
 
+T = TypeVar("T")
 TIER_HEADER = "x-pdserve-tier"
 KEYS_ENV = "PDSERVE_API_KEYS"
 
@@ -279,14 +281,14 @@ def _redact(text: str) -> str:
     return text[:3] + "…" if len(text) > 3 else "…"
 
 
-def _check_keys(table: dict, allowed: set[str], where: str) -> None:
+def _check_keys(table: dict[str, object], allowed: set[str], where: str) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise TierConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; "
                               f"allowed: {', '.join(sorted(allowed))}")
 
 
-def _typed(value, expected: type, where: str):
+def _typed(value: object, expected: type[T], where: str) -> T:
     if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
         raise TierConfigError(f"{where} must be {expected.__name__}, got {type(value).__name__}")
-    return value
+    return value  # isinstance checked above

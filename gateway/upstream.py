@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import Sequence, AsyncGenerator
 from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession
@@ -47,7 +47,7 @@ from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, RemoteError
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
                              ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
-                             PrefillResult, ReserveRequest, ReserveResponse,
+                             Message, PrefillResult, ReserveRequest, ReserveResponse,
                              TokenFrame, TokenLogprob as WireLogprob, TransferResult,
                              TransferStatus)
 from common.contract.block_hashes import block_hashes
@@ -97,7 +97,8 @@ class WorkerBackend:
         self.timeouts = timeouts
         self.num_aborts_sent = 0
         self._clients: dict[str, ControlClient] = {}
-        self._decode_frames = FrameBatchDecoder(DecodeResponseFrame)  # fresh() per stream
+        self._decode_frames: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(
+            DecodeResponseFrame)  # fresh() per stream
         self._background: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -169,7 +170,7 @@ class WorkerBackend:
                            num_tokens_before=0, worker_id=decode_id)
 
     def _decode_stream(self, decode_id: str, handoff: Handoff,
-                       message: DecodeRequest) -> AsyncGenerator[list[object], None]:
+                       message: DecodeRequest) -> AsyncGenerator[list[TokenFrame], None]:
         client = self._client(decode_id, handoff)
         return stream_frame_batches(self.session, client.base_url + "/internal/decode",
                                     message, self._decode_frames, self.timeouts.first_token_s,
@@ -197,8 +198,8 @@ class WorkerBackend:
                 priority=priority, timeout_ms=t.request_ms, destination=reserved.destination),
             PrefillResponseFrame, t.first_token_s, t.first_token_s)
         watcher: asyncio.Task[None] | None = None
-        next_frame: asyncio.Task[list[object]] | None = None
-        decode_frames: AsyncGenerator[list[object], None] | None = None
+        next_frame: asyncio.Task[list[TokenFrame]] | None = None
+        decode_frames: AsyncGenerator[list[TokenFrame], None] | None = None
         try:
             try:
                 first = await anext(prefill_frames)
@@ -245,7 +246,7 @@ class WorkerBackend:
             if watcher is None:  # else the watcher owned (and closed) the prefill stream
                 await prefill_frames.aclose()
 
-    async def _relay(self, batches: AsyncGenerator[list[object], None], handoff: Handoff,
+    async def _relay(self, batches: AsyncGenerator[list[TokenFrame], None], handoff: Handoff,
                      num_tokens_before: int, worker_id: str
                      ) -> AsyncGenerator[list[TokenDelta], None]:
         """D's frame batches as delta batches (never empty); closes `batches` when done.
@@ -295,7 +296,7 @@ class WorkerBackend:
             raise _unavailable(self._failure_text(handoff, f"decode worker {worker_id} failed"), exc)
         raise BackendUnavailable(f"decode worker {worker_id} ended the stream without finishing")
 
-    async def _watch_transfer(self, prefill_frames: AsyncGenerator[object, None],
+    async def _watch_transfer(self, prefill_frames: AsyncGenerator[Message, None],
                               handoff: Handoff, decode_id: str) -> None:
         """Reads P's TransferResult; a failed move aborts D so the client hears at once."""
         error: str | None = None
@@ -351,7 +352,7 @@ class WorkerBackend:
             # The worker's own deadlines free the request when it cannot hear us.
             log.warning("abort of %s on %s failed: %s", request_id, worker_id, exc)
 
-    def _logprobs(self, wire: list[WireLogprob | None]) -> tuple[TokenLogprob, ...]:
+    def _logprobs(self, wire: Sequence[WireLogprob | None]) -> tuple[TokenLogprob, ...]:
         text = self.tokenizer.token_text
         return tuple(TokenLogprob(token=text(lp.token_id), logprob=lp.logprob,
                                   top=tuple((text(t), v) for t, v in lp.top))
@@ -362,8 +363,8 @@ class WorkerBackend:
         return f"KV transfer failed: {handoff.transfer_error}" if handoff.transfer_error else fallback
 
 
-async def _prepend(first: asyncio.Task[list[object]],
-                   rest: AsyncGenerator[list[object], None]) -> AsyncGenerator[list[object], None]:
+async def _prepend(first: asyncio.Task[list[TokenFrame]],
+                   rest: AsyncGenerator[list[TokenFrame], None]) -> AsyncGenerator[list[TokenFrame], None]:
     try:
         yield await first
     except StopAsyncIteration:
@@ -372,10 +373,11 @@ async def _prepend(first: asyncio.Task[list[object]],
         yield item
 
 
-def _finish_reason(reason: FinishReason | None) -> str | None:
-    if reason is None or reason is FinishReason.ABORT:
+def _finish_reason(reason: FinishReason | None) -> FinishReason | None:
+    """The reason a client sees: STOP or LENGTH; ABORT is reported as an error instead."""
+    if reason is None or not reason.is_openai_reason:
         return None
-    return reason.value
+    return reason
 
 
 def _unavailable(what: str, exc: BaseException) -> BackendUnavailable:

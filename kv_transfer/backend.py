@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import TYPE_CHECKING
 
 from engine.kv_storage import KVStorage
 from kv_transfer.packing import PackingLimits
 from kv_transfer.staging import StagingPool
-from kv_transfer.receiver import TransferReceiver
-from kv_transfer.sender import TransferSender
+from kv_transfer.receiver import ReceivePlane, TransferReceiver
+from kv_transfer.sender import SendPlane, TransferSender
+
+if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
+    from kv_transfer.ucx import UcxWorker
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ def resolve_backend(name: str) -> str:
 
 
 async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
-                        port: int = 0, token: str = "", ucx_worker=None,
+                        port: int = 0, token: str = "", ucx_worker: UcxWorker | None = None,
                         abort_timeout_s: float = 1.0,
                         ucx_shared_memory: bool = False) -> TransferReceiver:
     """A started receiver; its `address` is what senders connect to.
@@ -51,6 +55,7 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     limits = PackingLimits.for_device(storage.kv.is_cuda)
     staging = StagingPool(storage.kv.device, slot_bytes=limits.slot_bytes,
                           num_slots=limits.num_slots)
+    plane: ReceivePlane
     if name == "ucx":
         from kv_transfer.ucx import UcxReceivePlane, UcxWorker
         worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory)
@@ -65,13 +70,14 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
 
 
 def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
-                ucx_worker=None, abort_timeout_s: float = 1.0,
+                ucx_worker: UcxWorker | None = None, abort_timeout_s: float = 1.0,
                 ucx_shared_memory: bool = False,
                 limits: PackingLimits | None = None) -> TransferSender:
     """A sender; `ucx_shared_memory` as for `make_receiver` (both peers must agree).
 
     `limits`: staging budget and when to pack (packing.py); default per device."""
     name = resolve_backend(backend)
+    plane: SendPlane
     if name == "ucx":
         from kv_transfer.ucx import UcxSendPlane, UcxWorker
         plane = UcxSendPlane(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -127,11 +126,11 @@ class FrameConnection(asyncio.BufferedProtocol):
         payload = ENCODER.encode(message)
         self.transport.write(HEADER.pack(KIND_CONTROL, len(payload), 0) + payload)
 
-    async def send_data(self, tag: int, data: Any) -> None:
+    async def send_data(self, tag: int, data: memoryview) -> None:
         """Write one data frame, waiting (flow control) while the socket buffer is full."""
         if self._lost or self.transport is None:
             raise ConnectionResetError("connection lost")
-        view = memoryview(data).cast("B")
+        view = data.cast("B")
         self.transport.write(HEADER.pack(KIND_DATA, len(view), tag))
         self.transport.write(view)
         if self._write_ready is not None:

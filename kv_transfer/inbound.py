@@ -45,6 +45,20 @@ class InboundTransfer:
         self._terminal = asyncio.Event()
 
     @property
+    def seq(self) -> int:
+        """The receiver-assigned sequence number; a data plane asks only once accepted."""
+        if self.transfer_seq is None:
+            raise RuntimeError(f"transfer {self.request_id} has not been accepted")
+        return self.transfer_seq
+
+    @property
+    def accepted_plan(self) -> TransferPlan | PackedPlan:
+        """The plan the announcement was accepted with; only once accepted."""
+        if self.plan is None:
+            raise RuntimeError(f"transfer {self.request_id} has not been accepted")
+        return self.plan
+
+    @property
     def num_messages(self) -> int:
         return self.plan.num_messages if self.plan is not None else 0
 
@@ -109,6 +123,11 @@ class InboundTransfer:
             assert self.num_releases == 1
         if not self.state.is_terminal:
             assert self.num_releases == 0
+
+
+# Called by a receive plane: one message of the transfer landed / its data plane failed.
+OnLanded = Callable[[InboundTransfer], None]
+OnFailed = Callable[[InboundTransfer, Exception], None]
 
 
 class InboundHandle:

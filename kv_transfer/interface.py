@@ -121,6 +121,9 @@ class KVSender(Protocol):
 
     async def close(self) -> None: ...
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming a broken invariant of the sender."""
+
 
 class KVReceiver(Protocol):
     @property
@@ -132,3 +135,6 @@ class KVReceiver(Protocol):
         """Register an expected transfer; must precede the sender's announcement."""
 
     async def close(self) -> None: ...
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming a broken invariant of the receiver."""

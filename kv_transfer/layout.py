@@ -28,9 +28,11 @@ The last prompt block may be partial: it travels whole (the slots past P are nev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from engine.kv_storage import KVLayout
@@ -129,7 +131,11 @@ def split_tag(tag: int) -> tuple[int, int]:
     return tag >> MESSAGE_INDEX_BITS, tag & (MAX_MESSAGES - 1)
 
 
-def pool_bytes(kv: torch.Tensor) -> Any:
+# The pool's bytes as the transports take them: numpy on the host, a uint8 tensor on CUDA.
+PoolBytes: TypeAlias = "npt.NDArray[np.uint8] | torch.Tensor"
+
+
+def pool_bytes(kv: torch.Tensor) -> PoolBytes:
     """The whole pool as a flat uint8 object the transports accept, without a copy.
 
     CPU: a numpy array (buffer protocol; torch tensors are not bytes-like). CUDA: a uint8

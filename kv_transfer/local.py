@@ -94,7 +94,9 @@ class LocalSendHandle:
     def send_layer(self, layer: int) -> None:
         if layer in self._sent_layers:
             raise ValueError(f"transfer {self._inbound.request_id}: layer {layer} sent twice")
-        plan = self._inbound.plan
+        plan = self._inbound.accepted_plan
+        if not isinstance(plan, TransferPlan):
+            raise TypeError("the in-process plane moves per-run plans only")
         messages = plan.layer_messages(layer)
         self._sent_layers.add(layer)
         if self._inbound.state is not TransferState.IN_FLIGHT or self._cancelled:
@@ -138,3 +140,8 @@ class LocalSender:
 
     async def close(self) -> None:
         return None
+
+    def check_invariants(self) -> None:
+        for address, receiver in self._receivers.items():
+            assert receiver.layout.compatible_with(self.layout) is None, \
+                f"local receiver {address} has a layout this sender cannot write"

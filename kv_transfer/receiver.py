@@ -32,7 +32,7 @@ from typing import Protocol
 from engine.kv_storage import KVStorage
 from kv_transfer.errors import KVTransferError, PeerLost, TransferCancelled, TransferTimeout
 from kv_transfer.framing import FrameConnection
-from kv_transfer.inbound import InboundHandle, InboundTransfer
+from kv_transfer.inbound import InboundHandle, InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
 from kv_transfer.packing import PackedPlan
@@ -46,7 +46,8 @@ class ReceivePlane(Protocol):
     """How bytes land in the pool; tcp.py and ucx.py implement it."""
 
     def ucx_address(self) -> bytes | None: ...
-    def post(self, transfer: InboundTransfer, on_landed, on_failed) -> None: ...
+    def post(self, transfer: InboundTransfer, on_landed: OnLanded,
+             on_failed: OnFailed) -> None: ...
     def dest_for(self, tag: int) -> memoryview | None: ...
     def data_landed(self, tag: int) -> None: ...
     async def flush(self, transfer: InboundTransfer) -> None: ...
@@ -221,8 +222,8 @@ class TransferReceiver:
                         else PackedPlan(self.layout, spec, message.packing))
             except ValueError as exc:
                 reason = str(exc)
-        if reason is not None:
-            conn.send_message(Rejected(request_id=spec.request_id, reason=reason))
+        if reason is not None or transfer is None:
+            conn.send_message(Rejected(request_id=spec.request_id, reason=reason or "unknown"))
             return
         seq = next(self._seq)
         transfer.accept(plan, seq, conn)
@@ -234,7 +235,7 @@ class TransferReceiver:
 
     def _on_landed(self, transfer: InboundTransfer) -> None:
         if transfer.message_landed():
-            self._by_seq.pop(transfer.transfer_seq, None)
+            self._by_seq.pop(transfer.seq, None)
             self._expected.pop(transfer.request_id, None)
             session = transfer.session
             if isinstance(session, FrameConnection):

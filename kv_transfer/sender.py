@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +40,8 @@ from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, Trans
                                 TransferRejected, TransferTimeout)
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferSpec, TransferState
-from kv_transfer.layout import Message, TransferPlan, check_layouts, pool_bytes, tag_for
+from kv_transfer.layout import (Message, PoolBytes, TransferPlan, check_layouts, pool_bytes,
+                                tag_for)
 from kv_transfer.packing import (PackedMessage, PackedPlan, PackingLimits, block_index,
                                  choose_packing, gather, wait_device)
 from kv_transfer.staging import StagingPool
@@ -66,8 +68,8 @@ class PeerLink:
 class SendPlane(Protocol):
     async def connect(self, link: PeerLink, welcome: Welcome) -> None: ...
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
-                   src: Any, stopped: "OutboundTransfer") -> None: ...
-    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
+                   src: PoolBytes, transfer: "OutboundTransfer") -> None: ...
+    async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:
         """Send one packed message; returns once `staged` may be reused."""
     reuses_staging: bool  # False: each packed message needs its own buffer (TCP)
     def disconnect(self, link: PeerLink) -> None: ...
@@ -119,14 +121,17 @@ class OutboundTransfer:
 
     def _group_ready(self, group: int) -> bool:
         plan = self.plan
-        return group < len(plan.groups) and all(  # type: ignore[union-attr]
+        assert isinstance(plan, PackedPlan)  # only packed transfers have groups
+        return group < len(plan.groups) and all(
             layer in self._sent_layers for layer in plan.group_layers(group))
 
     async def _run_pump(self) -> None:
         """Send ready layer groups in order; exits when the next group is not ready yet."""
         try:
+            plan = self.plan
+            assert isinstance(plan, PackedPlan)
             while not self.stopped and self._group_ready(self._next_group):
-                for m in self.plan.group_messages(self._next_group):
+                for m in plan.group_messages(self._next_group):
                     if self.stopped:
                         return
                     await self._sender.send_packed(self, m)
@@ -218,7 +223,7 @@ class TransferSender:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def own(self, coro: Any) -> None:
+    def own(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -249,8 +254,9 @@ class TransferSender:
         rid = spec.request_id
         if rid in link.transfers or rid in link.accepts:
             raise ValueError(f"transfer {rid} to {peer_address} already started")
-        reply_future = loop.create_future()
+        reply_future: asyncio.Future[Accepted | Rejected] = loop.create_future()
         link.accepts[rid] = reply_future
+        assert link.conn is not None  # a cached link is connected
         link.conn.send_message(Announce(spec=spec, packing=packing))
         try:
             reply = await asyncio.wait_for(reply_future, max(deadline - loop.time(), 0))
@@ -347,9 +353,9 @@ class TransferSender:
                 transfer.landed()
         elif isinstance(message, Abort):
             transfer = link.transfers.get(message.request_id)
-            if transfer is None:  # nothing in flight: answer at once so it can release
+            if transfer is None and link.conn is not None:  # answer at once: it can release
                 link.conn.send_message(Abort(request_id=message.request_id, reason="unknown"))
-            else:
+            elif transfer is not None:
                 transfer.fail(TransferCancelled(f"transfer {message.request_id} aborted by "
                                                 f"receiver: {message.reason}"))
 

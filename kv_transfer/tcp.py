@@ -20,13 +20,13 @@ yet landed; a staging slot is held only by a packed frame being read; after
 
 from __future__ import annotations
 
-from typing import Any
-
+import numpy as np
 import torch
 
-from kv_transfer.inbound import InboundTransfer
+from kv_transfer.inbound import InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import TransferState
-from kv_transfer.layout import Message, pool_bytes, split_tag, tag_for
+from kv_transfer.layout import Message, PoolBytes, pool_bytes, split_tag, tag_for
+from kv_transfer.messages import Welcome
 from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
 from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
@@ -35,10 +35,13 @@ from kv_transfer.sender import OutboundTransfer, PeerLink
 class TcpReceivePlane:
     def __init__(self, kv: torch.Tensor, staging: StagingPool) -> None:
         self._kv = kv
-        self._dst = memoryview(pool_bytes(kv)).cast("B")
+        host = pool_bytes(kv)
+        if not isinstance(host, np.ndarray):
+            raise ValueError("the TCP data plane moves host (CPU) pools only; use UCX for CUDA")
+        self._dst = host.data.cast("B")
         self._staging = staging
         self._dests: dict[int, memoryview] = {}
-        self._transfers: dict[int, tuple[InboundTransfer, Any]] = {}
+        self._transfers: dict[int, tuple[InboundTransfer, OnLanded]] = {}
         # packed: tag -> message; tag -> (staging tensor, slot id or None) while being read
         self._packed: dict[int, PackedMessage] = {}
         self._staged: dict[int, tuple[torch.Tensor, int | None]] = {}
@@ -47,15 +50,14 @@ class TcpReceivePlane:
     def ucx_address(self) -> bytes | None:
         return None
 
-    def post(self, transfer: InboundTransfer, on_landed, on_failed) -> None:
-        seq = transfer.transfer_seq
-        if isinstance(transfer.plan, PackedPlan):
-            for m in transfer.plan.all_messages():
-                self._packed[tag_for(seq, m.index)] = m
-            self._dst_index[seq] = block_index(transfer.plan.spec.dst_block_ids,
-                                               self._kv.device)
+    def post(self, transfer: InboundTransfer, on_landed: OnLanded, on_failed: OnFailed) -> None:
+        seq, plan = transfer.seq, transfer.accepted_plan
+        if isinstance(plan, PackedPlan):
+            for packed in plan.all_messages():
+                self._packed[tag_for(seq, packed.index)] = packed
+            self._dst_index[seq] = block_index(plan.spec.dst_block_ids, self._kv.device)
         else:
-            for m in transfer.plan.all_messages():
+            for m in plan.all_messages():
                 self._dests[tag_for(seq, m.index)] = \
                     self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
         self._transfers[seq] = (transfer, on_landed)
@@ -69,7 +71,7 @@ class TcpReceivePlane:
             staged = (self._staging.slot(slot_id)[:m.num_bytes] if slot_id is not None
                       else torch.empty(m.num_bytes, dtype=torch.uint8))
             self._staged[tag] = (staged, slot_id)
-            dest = self._dests[tag] = memoryview(staged.numpy())
+            dest = self._dests[tag] = staged.numpy().data
         return dest
 
     def data_landed(self, tag: int) -> None:
@@ -88,15 +90,15 @@ class TcpReceivePlane:
         if entry is not None:
             transfer, on_landed = entry
             if transfer.num_landed + 1 == transfer.num_messages:
-                del self._transfers[transfer.transfer_seq]
-                self._dst_index.pop(transfer.transfer_seq, None)
+                del self._transfers[transfer.seq]
+                self._dst_index.pop(transfer.seq, None)
             on_landed(transfer)
 
     async def flush(self, transfer: InboundTransfer) -> None:
-        seq = transfer.transfer_seq
+        seq = transfer.seq
         self._transfers.pop(seq, None)
         self._dst_index.pop(seq, None)
-        for m in transfer.plan.all_messages():
+        for m in transfer.accepted_plan.all_messages():
             tag = tag_for(seq, m.index)
             self._dests.pop(tag, None)
             self._packed.pop(tag, None)
@@ -119,15 +121,17 @@ class TcpReceivePlane:
 class TcpSendPlane:
     reuses_staging = False  # transport.write may keep a reference until the socket drains
 
-    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
-        await link.conn.send_data(tag, staged.numpy())
+    async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:
+        assert link.conn is not None
+        await link.conn.send_data(tag, staged.numpy().data)
 
-    async def connect(self, link: PeerLink, welcome: Any) -> None:
+    async def connect(self, link: PeerLink, welcome: Welcome) -> None:
         return None  # data frames share the control connection
 
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
-                   src: Any, transfer: OutboundTransfer) -> None:
-        view = memoryview(src).cast("B")
+                   src: PoolBytes, transfer: OutboundTransfer) -> None:
+        assert link.conn is not None and isinstance(src, np.ndarray)  # host pools only
+        view = src.data.cast("B")
         for m in messages:
             if transfer.stopped:
                 return

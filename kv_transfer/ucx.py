@@ -45,11 +45,13 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx._lib.libucxx import UCXAddress
 from ucxx._lib_async import application_context
+from ucxx._lib_async.endpoint import Endpoint
 from ucxx.types import Tag
 
-from kv_transfer.inbound import InboundTransfer
+from kv_transfer.inbound import InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import TransferState
-from kv_transfer.layout import Message, pool_bytes, tag_for
+from kv_transfer.layout import Message, PoolBytes, pool_bytes, tag_for
+from kv_transfer.messages import Welcome
 from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
 from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.uint8)
 # Receives a packed transfer keeps posted: one lands while the next is on the wire.
 PACKED_WINDOW = 2
+# A posted receive: (tag, the ucxx request, staging slot id or None). ucxx is untyped.
+PostedReceive = tuple[int, Any, int | None]
 
 
 class UcxWorker:
@@ -74,18 +78,18 @@ class UcxWorker:
         self.error_handling = error_handling
         self.flush_timeout_s = flush_timeout_s
         self.address_bytes: bytes = self.ctx.worker_address.tobytes()
-        self._loopback: Any = None
+        self._loopback: Endpoint | None = None
         log.info("UCX worker up (ucx %s, progress %s, transports %s)",
                  ucxx.__ucx_version__, progress_mode, transports or "UCX default")
 
-    async def loopback(self) -> Any:
+    async def loopback(self) -> Endpoint:
         """An endpoint to our own worker, for the zero-byte sends of flush()."""
         if self._loopback is None:
             self._loopback = await self.ctx.create_endpoint_from_worker_address(
                 self.ctx.worker_address, endpoint_error_handling=False)
         return self._loopback
 
-    async def endpoint_to(self, address: bytes) -> Any:
+    async def endpoint_to(self, address: bytes) -> Endpoint:
         return await self.ctx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(address),
             endpoint_error_handling=self.error_handling)
@@ -103,26 +107,27 @@ class UcxReceivePlane:
         self._dst = pool_bytes(kv)
         self._staging = staging
         # seq -> posted, unflushed receives: (tag, request, staging slot id or None)
-        self._requests: dict[int, list[tuple[int, Any, int | None]]] = {}
+        self._requests: dict[int, list[PostedReceive]] = {}
         self._watchers: dict[int, asyncio.Task[None]] = {}
 
     def ucx_address(self) -> bytes | None:
         return self._worker.address_bytes
 
-    def post(self, transfer: InboundTransfer, on_landed, on_failed) -> None:
-        seq, worker = transfer.transfer_seq, self._worker.ctx.worker
-        requests: list[tuple[int, Any, int | None]] = []
-        if not isinstance(transfer.plan, PackedPlan):
-            for m in transfer.plan.all_messages():
+    def post(self, transfer: InboundTransfer, on_landed: OnLanded, on_failed: OnFailed) -> None:
+        seq, worker = transfer.seq, self._worker.ctx.worker
+        requests: list[PostedReceive] = []
+        if not isinstance(transfer.accepted_plan, PackedPlan):
+            for m in transfer.accepted_plan.all_messages():
                 tag = tag_for(seq, m.index)
                 view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
                 requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
         self._requests[seq] = requests
-        watch = self._watch if not isinstance(transfer.plan, PackedPlan) else self._watch_packed
+        watch = self._watch_packed if isinstance(transfer.accepted_plan, PackedPlan) else self._watch
         self._watchers[seq] = asyncio.get_running_loop().create_task(
             watch(transfer, requests, on_landed, on_failed))
 
-    async def _watch(self, transfer: InboundTransfer, requests, on_landed, on_failed) -> None:
+    async def _watch(self, transfer: InboundTransfer, requests: list[PostedReceive],
+                     on_landed: OnLanded, on_failed: OnFailed) -> None:
         try:
             for _, request, _ in requests:
                 await request.wait()
@@ -132,20 +137,20 @@ class UcxReceivePlane:
         except Exception as exc:  # a UCX error on a receive (peer failure with EH)
             on_failed(transfer, exc)
         else:
-            self._requests.pop(transfer.transfer_seq, None)
+            self._requests.pop(transfer.seq, None)
         finally:
-            if self._watchers.get(transfer.transfer_seq) is asyncio.current_task():
-                del self._watchers[transfer.transfer_seq]
+            if self._watchers.get(transfer.seq) is asyncio.current_task():
+                del self._watchers[transfer.seq]
 
-    async def _watch_packed(self, transfer: InboundTransfer, posted, on_landed,
-                            on_failed) -> None:
+    async def _watch_packed(self, transfer: InboundTransfer, posted: list[PostedReceive],
+                            on_landed: OnLanded, on_failed: OnFailed) -> None:
         """Keep PACKED_WINDOW receives posted, in message order; scatter each as it lands.
 
         After a failure began it keeps receiving (and discards): the sender drains its
         in-flight sends before answering the Abort, and a rendezvous send completes only
         once we match it. flush() ends this task.
         """
-        plan, seq = transfer.plan, transfer.transfer_seq
+        plan, seq = transfer.accepted_plan, transfer.seq
         messages = plan.all_messages()
         dst_index = block_index(plan.spec.dst_block_ids, self._kv.device)
         buffers: dict[int, tuple[Any, Any]] = {}  # tag -> (staging tensor, message)
@@ -199,7 +204,7 @@ class UcxReceivePlane:
         return None
 
     async def flush(self, transfer: InboundTransfer) -> None:
-        seq = transfer.transfer_seq
+        seq = transfer.seq
         watcher = self._watchers.pop(seq, None)
         if watcher is not None:
             watcher.cancel()
@@ -248,7 +253,7 @@ class UcxSendPlane:
         self._worker = worker
         self.num_endpoints = 0
 
-    async def connect(self, link: PeerLink, welcome: Any) -> None:
+    async def connect(self, link: PeerLink, welcome: Welcome) -> None:
         if welcome.ucx_address is None:
             raise ValueError(f"KV receiver {link.address} has no UCX worker address "
                              "(it runs the TCP backend)")
@@ -260,7 +265,7 @@ class UcxSendPlane:
     reuses_staging = True  # send_staged returns only once UCX is done with the buffer
 
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
-                   src: Any, transfer: OutboundTransfer) -> None:
+                   src: PoolBytes, transfer: OutboundTransfer) -> None:
         # Post every send of the layer first (no coroutine per message: ~10 us each in
         # Python), then wait for them in order; UCX progresses them all meanwhile.
         endpoint = link.data._ep
@@ -275,7 +280,7 @@ class UcxSendPlane:
                 await request.wait()
             request.check_error()
 
-    async def send_staged(self, link: PeerLink, tag: int, staged: Any) -> None:
+    async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:
         buffer = staged if staged.is_cuda else staged.numpy()
         request = link.data._ep.tag_send(Array(buffer), Tag(tag))
         if not request.completed:

@@ -33,14 +33,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from common.contract.finish_reason import FinishReason
 from common.contract.control_server import message_handler, stream_handler
-from common.contract.protocol import (AbortRequest, AbortResponse, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
                              TransferStatus)
 from common.worker.output_frames import to_token_logprob
 from common.worker.metrics import WorkerMetrics
@@ -115,7 +115,7 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- prefill
 
-    async def prefill(self, request: PrefillRequest) -> AsyncIterator[Message]:
+    async def prefill(self, request: PrefillRequest) -> AsyncGenerator[Message, None]:
         rid = request.request_id
         if self.engine is None or self.draining:
             yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
@@ -164,7 +164,7 @@ class PrefillWorker:
                 engine.submit(lambda e: e.abort_request(rid), f"free {rid}")
 
     async def _after_first_token(self, request: PrefillRequest, out: RequestOutput,
-                                 active: _Active, deadline: float) -> AsyncIterator[Message]:
+                                 active: _Active, deadline: float) -> AsyncGenerator[Message, None]:
         assert self.engine is not None
         rid = request.request_id
         destination = request.destination

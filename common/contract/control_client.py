@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 import aiohttp
@@ -93,7 +93,7 @@ class ControlClient:
 
     async def stream(self, path: str, message: Message, frame_type: object,
                      first_frame_timeout_s: float, frame_timeout_s: float
-                     ) -> AsyncIterator[Message]:
+                     ) -> AsyncGenerator[Message, None]:
         """POST one message and yield the frames of the answer until the worker ends it.
 
         `frame_type` is a message type or a union of them (ErrorFrames always raise

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
+from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
 from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder,
                                       ProtocolError, ProtocolVersionError, encode)
 
-INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 M = TypeVar("M", bound=Message)
@@ -119,7 +120,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
-def token_middleware(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def token_middleware(token: str) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -136,7 +137,7 @@ def token_middleware(token: str) -> Callable[[web.Request, Handler], Awaitable[w
 
 def make_app(token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              body_timeout_s: float = 10.0, write_timeout_s: float = 30.0) -> web.Application:
-    middlewares = [token_middleware(token)] if token else []
+    middlewares: list[Middleware] = [token_middleware(token)] if token else []
     middlewares.append(error_middleware)
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[LIMITS] = ControlLimits(max_body_bytes, body_timeout_s, write_timeout_s)
@@ -166,7 +167,7 @@ def message_response(message: Message, status: int = 200) -> web.Response:
 
 def message_handler(request_type: type[M], handle: Callable[[M], Awaitable[Message]]) -> Handler:
     """An aiohttp handler: decode one message, answer with the message `handle` returns."""
-    decoder = MessageDecoder(request_type)
+    decoder: MessageDecoder[M] = MessageDecoder(request_type)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         reply = await handle(await read_message(request, decoder))
@@ -184,7 +185,7 @@ def stream_handler(request_type: type[M],
     the generator is closed (aclose), so the producer's `finally` is where a worker aborts
     the request and frees its blocks.
     """
-    decoder = MessageDecoder(request_type)
+    decoder: MessageDecoder[M] = MessageDecoder(request_type)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         message = await read_message(request, decoder)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# The shared secret of the internal control API and the KV transfer handshake.
+INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 

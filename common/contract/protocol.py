@@ -156,7 +156,7 @@ class DecodeDestination(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- gateway <-> workers
 
 
-class ReserveRequest(Message, tag="reserve_request", kw_only=True):
+class ReserveRequest(Message, tag="reserve_request", frozen=True, kw_only=True):
     """Gateway → decode: hold blocks for a prompt's KV until it lands (or timeout_ms)."""
 
     request_id: Id
@@ -164,13 +164,13 @@ class ReserveRequest(Message, tag="reserve_request", kw_only=True):
     timeout_ms: TimeoutMs  # the reservation is freed if no KV and DecodeRequest by then
 
 
-class ReserveResponse(Message, tag="reserve_response", kw_only=True):
+class ReserveResponse(Message, tag="reserve_response", frozen=True, kw_only=True):
     request_id: Id
     destination: DecodeDestination
     block_size: Annotated[int, msgspec.Meta(ge=1)]
 
 
-class PrefillRequest(Message, tag="prefill_request", kw_only=True):
+class PrefillRequest(Message, tag="prefill_request", frozen=True, kw_only=True):
     """Gateway → prefill: compute the prompt's KV, sample the first token, ship the KV."""
 
     request_id: Id
@@ -181,7 +181,7 @@ class PrefillRequest(Message, tag="prefill_request", kw_only=True):
     destination: DecodeDestination | None = None  # None: prefill only (KV stays cached here)
 
 
-class PrefillResult(Message, tag="prefill_result", kw_only=True):
+class PrefillResult(Message, tag="prefill_result", frozen=True, kw_only=True):
     """Prefill → gateway, sent as soon as the first token is sampled."""
 
     request_id: Id
@@ -193,7 +193,7 @@ class PrefillResult(Message, tag="prefill_result", kw_only=True):
     finish_reason: FinishReason | None = None  # set when the first token already ends it
 
 
-class TransferResult(Message, tag="transfer_result", kw_only=True):
+class TransferResult(Message, tag="transfer_result", frozen=True, kw_only=True):
     """Prefill → gateway: the KV handoff of one request has ended (the decode worker learns
     it from its KV receiver, not from this message)."""
 
@@ -206,7 +206,7 @@ class TransferResult(Message, tag="transfer_result", kw_only=True):
     error: Text | None = None
 
 
-class DecodeRequest(Message, tag="decode_request", kw_only=True):
+class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
     """Gateway → decode: join the decode batch and stream tokens.
 
     With `first_token_id` set, the prompt's KV was pushed into the reservation made for
@@ -227,7 +227,7 @@ class DecodeRequest(Message, tag="decode_request", kw_only=True):
         return self.first_token_id is None
 
 
-class TokenFrame(Message, tag="token_frame", kw_only=True):
+class TokenFrame(Message, tag="token_frame", frozen=True, kw_only=True):
     """Decode → gateway: the tokens produced since the previous frame."""
 
     request_id: Id
@@ -238,19 +238,19 @@ class TokenFrame(Message, tag="token_frame", kw_only=True):
     usage: Usage | None = None  # on the last frame
 
 
-class AbortRequest(Message, tag="abort_request", kw_only=True):
+class AbortRequest(Message, tag="abort_request", frozen=True, kw_only=True):
     """Gateway → worker: stop the request and free its blocks; unknown ids are not an error."""
 
     request_id: Id
     reason: Text = ""
 
 
-class AbortResponse(Message, tag="abort_response", kw_only=True):
+class AbortResponse(Message, tag="abort_response", frozen=True, kw_only=True):
     request_id: Id
     found: bool
 
 
-class ErrorFrame(Message, tag="error_frame", kw_only=True):
+class ErrorFrame(Message, tag="error_frame", frozen=True, kw_only=True):
     request_id: Id | None = None
     code: ErrorCode
     message: Text
@@ -260,7 +260,7 @@ class ErrorFrame(Message, tag="error_frame", kw_only=True):
 # ---------------------------------------------------------------- workers -> Redis
 
 
-class WorkerInfo(Message, tag="worker_info", kw_only=True):
+class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
     """A worker's registry entry; `epoch` is assigned by Redis at every start."""
 
     worker_id: WorkerId
@@ -302,7 +302,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_kv_blocks_used / self.num_kv_blocks_total
 
 
-class LoadReport(Message, tag="load_report", kw_only=True):
+class LoadReport(Message, tag="load_report", frozen=True, kw_only=True):
     """A worker's load as it publishes it to Redis, stamped with its incarnation."""
 
     worker_id: WorkerId
@@ -311,7 +311,7 @@ class LoadReport(Message, tag="load_report", kw_only=True):
     updated_unix_ms: NonNegInt = 0
 
 
-class PrefixIndexEvent(Message, tag="prefix_index_event", kw_only=True):
+class PrefixIndexEvent(Message, tag="prefix_index_event", frozen=True, kw_only=True):
     """Changes to one worker's prefix cache, as chained block hashes.
 
     `reset`: drop every entry of this worker before applying `inserted` (a new epoch, or a
@@ -352,7 +352,7 @@ class MessageDecoder(Generic[M]):
         self.message_type = message_type
         self.max_bytes = max_bytes
         self._envelope = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
-        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
 
     def decode(self, data: bytes | memoryview) -> M:
         if len(data) > self.max_bytes:

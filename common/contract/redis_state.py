@@ -34,6 +34,8 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
+from typing import Any, cast
+
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -44,6 +46,7 @@ from common.contract.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixI
                              LoadReport, encode)
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
+ScriptArg = bytes | str | int | float  # what a Lua script's ARGV takes
 
 # What a lost, restarted, loading or hung Redis looks like from redis-py and asyncio. Other
 # RedisErrors (a bad script, a wrong type) are bugs and propagate instead of being retried.
@@ -198,9 +201,9 @@ class RedisState:
         self._apply_index = client.register_script(_APPLY_INDEX)
         self._purge = client.register_script(_PURGE)
         self._snapshot = client.register_script(_SNAPSHOT)
-        self._info_decoder = MessageDecoder(WorkerInfo)
-        self._load_decoder = MessageDecoder(LoadReport)
-        self._event_decoder = MessageDecoder(PrefixIndexEvent)
+        self._info_decoder: MessageDecoder[WorkerInfo] = MessageDecoder(WorkerInfo)
+        self._load_decoder: MessageDecoder[LoadReport] = MessageDecoder(LoadReport)
+        self._event_decoder: MessageDecoder[PrefixIndexEvent] = MessageDecoder(PrefixIndexEvent)
         # A fresh token per process: whichever writer first touches an empty Redis sets it.
         self._generation_candidate = uuid.uuid4().hex
 
@@ -246,7 +249,7 @@ class RedisState:
         wid = info.worker_id
         keys = [self._worker_key(wid, "epoch"), self._worker_key(wid, "info"),
                 self._worker_key(wid, "load"), self._workers_key]
-        args = [wid, info.epoch, encode(info), encode(load) if load is not None else b"",
+        args: list[ScriptArg] = [wid, info.epoch, encode(info), encode(load) if load is not None else b"",
                 lease_ttl_ms]
         async with self._deadline(timeout_s):
             result = int(await self._heartbeat(keys=keys, args=args))
@@ -270,14 +273,14 @@ class RedisState:
                                                            "prefix_epoch")]
         keys += [self._workers_key, self.events_key]
         event = PrefixIndexEvent(worker_id=worker_id, epoch=epoch, reset=True)
-        args = [worker_id, epoch, mode, encode(event), self.stream_maxlen, self._prefix_key_prefix]
+        args: list[ScriptArg] = [worker_id, epoch, mode, encode(event), self.stream_maxlen, self._prefix_key_prefix]
         async with self._deadline(timeout_s):
             return int(await self._purge(keys=keys, args=args))
 
     async def list_worker_ids(self, timeout_s: float | None = None) -> list[str]:
         """Every registered id, live or with a lapsed lease not yet purged."""
         async with self._deadline(timeout_s):
-            return sorted(m.decode() for m in await self.client.smembers(self._workers_key))
+            return sorted(_text(m) for m in await self.client.smembers(self._workers_key))
 
     async def list_workers(self, timeout_s: float | None = None) -> dict[str, WorkerInfo]:
         """Workers holding a live lease, by id."""
@@ -290,17 +293,17 @@ class RedisState:
     async def read_registry(self, timeout_s: float | None = None) -> Registry:
         """The whole registry in two round trips: the id set, then every info and load."""
         async with self._deadline(timeout_s):
-            ids = sorted(m.decode() for m in await self.client.smembers(self._workers_key))
+            ids = sorted(_text(m) for m in await self.client.smembers(self._workers_key))
             if not ids:
                 return Registry(registered_ids=[], workers={}, loads={})
             blobs = await self.client.mget([self._worker_key(w, f) for f in ("info", "load")
                                             for w in ids])
-        infos = [self._info_decoder.decode(b) for b in blobs[:len(ids)] if b is not None]
+        infos = [self._info_decoder.decode(_blob(b)) for b in blobs[:len(ids)] if b is not None]
         workers = {w.worker_id: w for w in infos}
         loads = {}
         for blob in blobs[len(ids):]:
             if blob is not None:
-                report = self._load_decoder.decode(blob)
+                report = self._load_decoder.decode(_blob(blob))
                 live = workers.get(report.worker_id)
                 if live is not None and live.epoch == report.epoch:
                     loads[report.worker_id] = report
@@ -315,7 +318,7 @@ class RedisState:
         keys = [self._worker_key(wid, "epoch"), self._worker_key(wid, "prefixes"),
                 self._worker_key(wid, "prefix_epoch"), self.events_key, self._generation_key,
                 self._workers_key]
-        args: list[object] = [wid, event.epoch, "1" if event.reset else "0", len(event.inserted),
+        args: list[ScriptArg] = [wid, event.epoch, "1" if event.reset else "0", len(event.inserted),
                               len(event.evicted), encode(event), self.stream_maxlen,
                               self._prefix_key_prefix, self._generation_candidate]
         args += event.inserted
@@ -341,19 +344,19 @@ class RedisState:
             out = await self._snapshot(keys=[self._workers_key, self.events_key,
                                              self._generation_key],
                                        args=[f"{self.ns}:worker:"])
-        holdings = {out[i].decode(): (int(out[i + 1]), [int(h) for h in out[i + 2]])
+        holdings = {_text(out[i]): (int(out[i + 1]), [int(h) for h in out[i + 2]])
                     for i in range(2, len(out), 3)}
-        return IndexSnapshot(out[0].decode(), out[1].decode(), holdings)
+        return IndexSnapshot(_text(out[0]), _text(out[1]), holdings)
 
     async def index_generation(self, timeout_s: float | None = None) -> str:
         async with self._deadline(timeout_s):
-            return (await self.client.get(self._generation_key) or b"").decode()
+            return _text(await self.client.get(self._generation_key) or b"")
 
     async def first_event_id(self, timeout_s: float | None = None) -> StreamId | None:
         """Oldest event still in the stream (older ones were trimmed), None when empty."""
         async with self._deadline(timeout_s):
             rows = await self.client.xrange(self.events_key, "-", "+", count=1)
-        return rows[0][0].decode() if rows else None
+        return _text(rows[0][0] or b"") if rows else None
 
     async def read_index_events(self, after_id: StreamId, count: int = 1000, block_ms: int | None = None,
                                 timeout_s: float | None = None
@@ -364,8 +367,11 @@ class RedisState:
             reply = await self.client.xread({self.events_key: after_id}, count=count, block=block_ms)
         if not reply:
             return []
-        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        return [(eid.decode(), self._event_decoder.decode(fields[b"e"])) for eid, fields in entries]
+        # RESP2 answers a list of [stream, entries], RESP3 a map stream -> [entries].
+        streams = cast("list[list[Any]] | dict[Any, list[Any]]", reply)
+        entries = streams[0][1] if isinstance(streams, list) else next(iter(streams.values()))[0]
+        return [(_text(eid), self._event_decoder.decode(_blob(fields[b"e"])))
+                for eid, fields in entries]
 
     async def trim_events(self, max_len: int, timeout_s: float | None = None) -> None:
         """Exact trim; for tests and operators (writers trim approximately on their own)."""
@@ -377,3 +383,12 @@ def live_epochs(workers: Mapping[str, WorkerInfo] | Iterable[WorkerInfo]) -> dic
     """worker id -> epoch for the workers holding a lease (what index readers trust)."""
     values = workers.values() if isinstance(workers, Mapping) else workers
     return {w.worker_id: w.epoch for w in values}
+
+
+def _text(value: bytes | str) -> str:
+    """A reply field as text (the client returns bytes; redis-py's types allow str too)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _blob(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

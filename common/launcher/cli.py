@@ -2,23 +2,31 @@
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`, which registers
 its options with argparse and sets `func` (called with the parsed namespace, returning an
-exit code). Modules keep heavy imports (torch, the engine) inside `func`, so `--help` is fast.
+exit code). Those modules keep heavy imports (torch, the engine) inside `func`, so
+`--help` is fast; this module imports them all, so the import graph shows every command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
 
-# (module path) for every subcommand, in the order `--help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "engine.generate_cli",
-    "benchmarks.bench_cli",
-    "prefill_workers.cli",
-    "decode_workers.cli",
-    "gateway.cli",
-    "common.launcher.up_cli",
+from benchmarks.bench import cli as bench_cli
+from common.launcher import up_cli
+from decode_workers import cli as decode_cli
+from engine import generate_cli
+from gateway import cli as gateway_cli
+from prefill_workers import cli as prefill_cli
+
+# Every subcommand's `add_parser`, in the order `--help` lists them.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    generate_cli.add_parser,
+    bench_cli.add_parser,
+    prefill_cli.add_parser,
+    decode_cli.add_parser,
+    gateway_cli.add_parser,
+    up_cli.add_parser,
 )
 
 
@@ -28,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Disaggregated LLM serving: prefill and decode worker pools behind an "
                     "SLO-aware OpenAI-compatible gateway.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMAND_MODULES:
-        importlib.import_module(module_name).add_parser(subparsers)
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
     return parser
 
 

@@ -12,6 +12,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from common.contract.option_env import env_flag, env_name
 from common.contract.protocol import Role
@@ -61,7 +62,8 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
     """Register the options of a worker of `kind` ("prefill" or "decode")."""
     env = os.environ if env is None else env
 
-    def add(option: str, default, help_text: str, secret: bool = False, **kwargs) -> None:
+    def add(option: str, default: object, help_text: str, secret: bool = False,
+            **kwargs: Any) -> None:
         default = env.get(env_name(option), default)
         shown = "" if secret else "; default: %(default)s"  # never print a secret in --help
         parser.add_argument(option, default=default,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.engine_gpu import Tolerance
+from benchmarks.engine_gpu_kernels import Tolerance
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ("rms_norm", "add_rms_norm_", "silu_mul", "apply_rope_", "rope_write_kv_",

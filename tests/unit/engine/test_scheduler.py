@@ -14,7 +14,8 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
 from common.contract.sampling_params import SamplingParams
 from engine.schedule_output import ScheduleOutput
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler
+from engine.scheduler_config import SchedulerConfig
 
 BS = 4
 
