@@ -98,7 +98,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from engine.llm_engine import EngineConfig, LLMEngine, load_tokenizer
+    from engine.engine_builder import load_tokenizer
+    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.loader import load_model
 
     log("loading the default model")

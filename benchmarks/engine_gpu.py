@@ -51,7 +51,8 @@ def run_model_section(shape: str, seed: int, copy_rate: float, matmul_rate: floa
     raises."""
     import torch
 
-    from benchmarks.engine_gpu_baseline import run_transformers_compiled, run_transformers_eager, to_transformers
+    from benchmarks.engine_gpu_baseline import (run_transformers_compiled, run_transformers_eager,
+                                                to_transformers)
     from benchmarks.engine_gpu_model import (ModelResults, build_random_model, guarded, log, render,
                                              run_ours, weight_bytes_per_step)
     from benchmarks.shapes import SHAPES

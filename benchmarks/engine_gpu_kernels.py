@@ -98,8 +98,8 @@ class KernelCases:
 
 def check_kernels(cases: KernelCases, tol: Tolerance, small: bool) -> list[CheckResult]:
     """Section 1: each Triton op against its reference, outputs poisoned first."""
-    from engine.kernels import (kv_cache_write, paged_decode_attention, prefill_attention,
-                                rmsnorm, rope, silu_mul)
+    from engine.kernels import (kv_cache_write, paged_decode_attention, prefill_attention, rmsnorm,
+                                rope, silu_mul)
 
     c, torch = cases, cases.torch
     results: list[CheckResult] = []
@@ -221,8 +221,8 @@ def measure_floors() -> Floors:
 
 def time_kernels(cases: KernelCases, floors: Floors) -> list[TimingResult]:
     """Section 3: bf16 kernels at the model's shape; floors from the bytes/FLOPs they need."""
-    from engine.kernels import (kv_cache_write, paged_decode_attention, prefill_attention,
-                                rmsnorm, rope, rope_kv_write, silu_mul)
+    from engine.kernels import (kv_cache_write, paged_decode_attention, prefill_attention, rmsnorm,
+                                rope, rope_kv_write, silu_mul)
 
     c, torch = cases, cases.torch
     elt = torch.tensor([], dtype=c.dtype).element_size()

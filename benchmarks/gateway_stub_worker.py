@@ -30,11 +30,12 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from common.contract.control_server import ControlServer, RequestRejected, make_app, message_handler, stream_handler
+from common.contract.control_server import (ControlServer, RequestRejected, make_app,
+                                            message_handler, stream_handler)
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
-                             ErrorCode, FinishReason, PrefillRequest, PrefillResult,
-                             ReserveRequest, ReserveResponse, Role, TokenFrame, TransferResult,
-                             TransferStatus, Usage, WorkerInfo, WorkerLoad)
+                                      ErrorCode, FinishReason, PrefillRequest, PrefillResult,
+                                      ReserveRequest, ReserveResponse, Role, TokenFrame,
+                                      TransferResult, TransferStatus, Usage, WorkerInfo, WorkerLoad)
 from common.contract.redis_state import RedisState, connect
 from common.worker.publisher import WorkerPublisher
 

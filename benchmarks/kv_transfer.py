@@ -46,6 +46,7 @@ def _sizes(max_mib: int) -> list[tuple[int, int]]:
 
 def _storage(num_blocks: int, device: str, seed: int | None):
     import torch
+
     from engine.kv_storage import KVLayout, KVStorage
     storage = KVStorage(KVLayout(num_blocks=num_blocks, **LAYOUT), device)
     if seed is not None:  # the receiver's pool is touched by KVStorage's zeros()
@@ -77,6 +78,7 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
     if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check"):
         import torch
+
         from kv_transfer.backend import make_receiver
         worker, backend = None, mode.split("_")[0] if mode != "check" else "ucx"
         if backend == "ucx":
@@ -98,6 +100,7 @@ async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
     elif mode == "raw_ucx":
         from ucxx._lib.arr import Array
         from ucxx.types import Tag
+
         from kv_transfer.ucx import UcxWorker
         worker = UcxWorker(transports=transports)
         conn.send(worker.address_bytes)
@@ -149,6 +152,7 @@ def _pattern(num_elements: int):
 async def _check(args) -> dict:
     """One transfer of fragmented, non-contiguous blocks between two processes (UCX)."""
     import torch
+
     from kv_transfer.backend import make_sender
     from kv_transfer.interface import TransferSpec
     from kv_transfer.ucx import UcxWorker

@@ -42,12 +42,12 @@ from aiohttp import web
 
 from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
-                             ErrorCode, ErrorFrame, Message, ReserveRequest, ReserveResponse,
-                             TokenFrame)
-from common.worker.output_frames import merge_outputs
+                                      ErrorCode, ErrorFrame, Message, ReserveRequest,
+                                      ReserveResponse, TokenFrame)
 from common.worker.metrics import WorkerMetrics
-from decode_workers.reservations import (EndReason, Reservation, ReservationState,
-                                         ReservationTable, blocks_to_receive)
+from common.worker.output_frames import merge_outputs
+from decode_workers.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
+                                         blocks_to_receive)
 from engine.engine_thread import EngineThread, RequestStream, StreamEnd
 from engine.kv_storage import KVStorage
 from engine.request import RequestMode

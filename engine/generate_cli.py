@@ -60,9 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.llm_engine import EngineConfig, build_engine
-    from engine.errors import ModelLoadError
     from common.contract.sampling_params import SamplingParams
+    from engine.errors import ModelLoadError
+    from engine.engine_builder import build_engine
+    from engine.llm_engine import EngineConfig
 
     if args.threads is not None:
         if args.threads < 1:

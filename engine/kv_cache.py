@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from common.contract.block_hashes import block_hash, block_hashes
+from common.contract.block_hashes import block_hash
 from engine.block_pool import BlockPool, CacheEvent
 from engine.request import Request
+
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:

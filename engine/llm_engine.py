@@ -22,22 +22,24 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
 import torch
 
+from common.contract.finish_reason import FinishReason
+from common.contract.sampling_params import SamplingParams
+from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, Reservation
-from engine.block_pool import BlockPool
 from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner, StepRunner
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
-from common.contract.finish_reason import FinishReason
-from common.contract.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -242,8 +244,10 @@ class LLMEngine:
             rows = [c.request_id for c in schedule.chunks if c.sample]
             if rows:
                 tracked = [self._tracked[rid] for rid in rows]
-                result = self.sampler.sample(logits, [t.request.sampling_params for t in tracked],
-                                             [t.sampling for t in tracked])
+                params = [t.request.sampling_params for t in tracked]
+                result = self.sampler.sample(logits, params, [t.sampling for t in tracked])
+                if __debug__:
+                    result.check_invariants(params, logits.shape[-1])
                 sampled = dict(zip(rows, result.token_ids))
                 logprobs = dict(zip(rows, result.logprobs))
             self.scheduler.update_from_output(schedule, sampled)
@@ -351,45 +355,9 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        for tracked in self._tracked.values():
+            tracked.sampling.check_invariants(tracked.request.sampling_params)
         for rid in self._tracked:
             if self.scheduler.get_request(rid) is None and \
                     self._tracked[rid].request.status is not RequestStatus.PREFILLED:
                 raise AssertionError(f"{rid} tracked by the engine but unknown to the scheduler")
-
-
-def load_tokenizer(tokenizer_source: object) -> Tokenizer:
-    """The tokenizer for a `LoadedModel.tokenizer_source` (HF directory or GGUF metadata)."""
-    from pathlib import Path
-
-    if isinstance(tokenizer_source, Path):
-        return Tokenizer.from_hf_dir(tokenizer_source)
-    return Tokenizer.from_gguf_fields(tokenizer_source)
-
-
-def build_engine(model: str, config: EngineConfig, progress=None,
-                 kv_cache_bytes: int | None = None) -> LLMEngine:
-    """Load `model` ("default", a directory or a .gguf file) and build an engine around it.
-    With `kv_cache_bytes`, the KV pool is sized from it instead of `config.num_kv_blocks`."""
-    import dataclasses
-
-    from engine.loader import load_model
-
-    loaded = load_model(model, dtype=config.dtype, device=config.device, progress=progress)
-    if config.gpu_memory_fraction is not None and str(config.device).startswith("cuda"):
-        from engine.cuda_graphs import DEFAULT_BATCH_SIZES
-        from engine.memory_plan import plan_for_model
-
-        graph_sizes = config.cuda_graph_batch_sizes
-        if graph_sizes is None:
-            graph_sizes = DEFAULT_BATCH_SIZES
-        plan = plan_for_model(loaded.model, config.block_size, config.dtype,
-                              config.gpu_memory_fraction, config.max_num_batched_tokens,
-                              max(graph_sizes, default=0))
-        if progress is not None:
-            progress(plan.report())
-        config = dataclasses.replace(config, num_kv_blocks=plan.num_kv_blocks)
-    elif kv_cache_bytes is not None:
-        config = dataclasses.replace(config, num_kv_blocks=EngineConfig.blocks_for_bytes(
-            loaded.config, kv_cache_bytes, config.block_size, config.dtype))
-    return LLMEngine.for_model(loaded.model, loaded.config,
-                              load_tokenizer(loaded.tokenizer_source), config)

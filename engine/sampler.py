@@ -24,6 +24,14 @@ sampler's generator.
 
 `ignore_eos` does not touch the logits (vLLM semantics): the model may sample EOS and the
 stop checker simply does not stop there.
+
+Invariants:
+  * `SamplingState`: a generator exists iff the request has a seed
+    (`SamplingState.check_invariants`);
+  * every step's `SamplerOutput` has one token per row, each inside the vocabulary, and a
+    row that asked for logprobs reports the token it got, with at most `logprobs`
+    alternatives, most likely first (`SamplerOutput.check_invariants`; the engine runs it
+    on every step's output).
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ class SamplingState:
             generator.manual_seed(params.seed)
         return cls(prompt_token_ids=prompt_token_ids, generator=generator)
 
+    def check_invariants(self, params: SamplingParams) -> None:
+        assert (self.generator is not None) == (params.seed is not None), \
+            "a seeded request must draw from its own generator, and only then"
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
@@ -66,6 +78,16 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask (logprobs is None)
+
+    def check_invariants(self, params: Sequence[SamplingParams], vocab_size: int) -> None:
+        assert len(self.token_ids) == len(self.logprobs) == len(params), "one row per request"
+        for token_id, logprobs, p in zip(self.token_ids, self.logprobs, params):
+            assert 0 <= token_id < vocab_size, f"token {token_id} outside [0, {vocab_size})"
+            assert (logprobs is None) == (p.logprobs is None), "logprobs where none asked"
+            if logprobs is not None and p.logprobs is not None:
+                assert logprobs.token_id == token_id, "logprobs of another token"
+                assert len(logprobs.top_token_ids) <= p.logprobs
+                assert list(logprobs.top_logprobs) == sorted(logprobs.top_logprobs, reverse=True)
 
 
 class Sampler:

@@ -58,9 +58,9 @@ import heapq
 from collections.abc import Mapping
 
 from engine.kv_cache import KVCacheManager
-from engine.scheduler_config import SchedulerConfig
 from engine.request import Request, RequestMode, RequestStatus
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
+from engine.scheduler_config import SchedulerConfig
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 

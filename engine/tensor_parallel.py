@@ -326,7 +326,8 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
     gone when the block exits. `kv_cache_bytes` is per rank. Raises ValueError (TP size
     does not fit the model) or ModelLoadError before any process is spawned."""
-    from engine.llm_engine import EngineConfig, LLMEngine, load_tokenizer
+    from engine.engine_builder import load_tokenizer
+    from engine.llm_engine import EngineConfig, LLMEngine
 
     report = progress or (lambda message: None)
     full_config = read_model_config(model)

@@ -30,7 +30,6 @@ A tokenizer is immutable after construction and safe to share between requests.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any

@@ -113,6 +113,9 @@ class AdmissionController:
     def is_running(self, request_id: str) -> bool:
         return request_id in self._running
 
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
     @property
     def mean_service_s(self) -> float:
         return self._mean_service_s

@@ -12,7 +12,12 @@ into awaits and HTTP errors:
 A waiter's wait ends at its TTFT deadline (no background expiry task needed); a waiter
 cancelled while queued (client gone) is removed from the queue in `finally`.
 
-Invariant: a request id is in `_waiters` only while it is queued in the controller.
+Lifecycle of one request here: enter() → (rate limited: 429) → admitted at once, or
+waiting on its future → admitted (woken by a leave) | refused (deadline, shed: 429) |
+cancelled (client gone) → ... → leave(), exactly once per successful enter().
+
+Invariants (`check_invariants`, plus the controller's): a request id is in `_waiters` only
+while it is queued in the controller and its future is still pending.
 """
 
 from __future__ import annotations
@@ -101,6 +106,13 @@ class AdmissionGate:
             elif waiter is None or waiter.done():
                 # Its handler is gone; hand the slot on.
                 self._wake(self._controller.cancel(rid))
+
+
+    def check_invariants(self) -> None:
+        self._controller.check_invariants()
+        for rid, waiter in self._waiters.items():
+            assert self._controller.is_queued(rid), f"{rid} waits but is not queued"
+            assert not waiter.done(), f"{rid}'s wait ended but it is still listed"
 
 
 def _rejection(rejected: Rejected, tier: str) -> ApiError:

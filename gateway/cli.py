@@ -10,11 +10,9 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
-from common.contract.option_env import env_default
-from common.contract.option_env import INTERNAL_TOKEN_ENV
+from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"pdserve gateway: cannot read --tiers file: {exc}", file=sys.stderr)
             return 2
-    from gateway.main import GatewayConfig, run as run_gateway
+    from gateway.main import GatewayConfig
+    from gateway.main import run as run_gateway
     from gateway.model_files import ModelFileError
     from gateway.tiers import TierConfigError
 

@@ -32,8 +32,7 @@ import msgspec
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.protocol import LoadReport, WorkerInfo, WorkerLoad
-from common.contract.redis_state import (REDIS_FAILURES, RedisState, raise_if_cancelling,
-                                         stop_task)
+from common.contract.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
 from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
                             plan_route, with_assignment)
 

@@ -20,6 +20,7 @@ away mid-stream ends the iteration, which closes the backend's generator (`aclos
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from gateway.admission_gate import AdmissionGate
 from common.contract.finish_reason import FinishReason
-from gateway.backend import (BackendUnavailable, CompletionBackend, GenerationRequest, TokenLogprob,
-                             PromptTokenizer, TokenDelta, delta_batches)
+from gateway.admission_gate import AdmissionGate
+from gateway.backend import (BackendUnavailable, CompletionBackend, GenerationRequest,
+                             PromptTokenizer, TokenDelta, TokenLogprob, delta_batches)
 from gateway.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, chat_logprobs,
                                    completion_logprobs)
 from gateway.errors import (ApiError, body_too_large, internal_error, method_not_allowed,
@@ -53,6 +54,8 @@ class ApiSettings:
     served_models: tuple[str, ...]  # the first is the canonical name
     limits: RequestLimits
     created_at: int  # unix seconds, shown by /v1/models
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this (else 408)
+    write_timeout_s: float = 30.0  # a client that takes no bytes this long is treated as gone
 
 
 SETTINGS = web.AppKey("settings", ApiSettings)
@@ -126,7 +129,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     if isinstance(caller, TierError):
         raise ApiError(caller.kind.status, caller.message, code=caller.kind.value,
                        param=TIER_HEADER if caller.kind.status == 400 else None)
-    body = await read_body(request, settings.limits.max_body_bytes)
+    body = await read_body(request, settings.limits.max_body_bytes, settings.body_timeout_s)
     parse = parse_chat if endpoint is Endpoint.CHAT else parse_completion
     validated = parse(body, settings.limits)
     if validated.unknown_fields:
@@ -169,18 +172,40 @@ def bearer_key(request: web.Request) -> str | None:
     return token.strip() or None
 
 
-async def read_body(request: web.Request, limit_bytes: int) -> bytes:
-    """The whole body, refusing (413) as soon as it is known to exceed `limit_bytes`."""
+async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed `limit_bytes`, and
+    (408) when it has not all arrived within `timeout_s`."""
     length = request.content_length
     if length is not None and length > limit_bytes:
         raise body_too_large(limit_bytes)
     chunks, size = [], 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise body_too_large(limit_bytes)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit_bytes:
+                    raise body_too_large(limit_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"The request body was not received within {timeout_s:g} s.",
+                       code="request_timeout") from None
     return b"".join(chunks)
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
+                 timeout_s: float, eof: bool = False) -> None:
+    """One write to the client, bounded: a client that stops reading counts as gone (its
+    connection is dropped, so nothing else waits on it either)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            if eof:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client took no data for {timeout_s:g} s") from None
 
 
 def _tokenize(tokenizer: PromptTokenizer, validated: ValidatedRequest) -> tuple[int, ...]:
@@ -217,6 +242,7 @@ async def _stream(request: web.Request, validated: ValidatedRequest,
         generation.request_id, created, validated.model)
     encode = encoder.text
     num_generated = 0
+    write_timeout_s = request.app[SETTINGS].write_timeout_s
     response = web.StreamResponse(headers=SSE_HEADERS)
     try:
         batch = await _first_batch(batches)
@@ -232,7 +258,8 @@ async def _stream(request: web.Request, validated: ValidatedRequest,
                     break
             if finished:
                 break
-            await response.write(events[0] if len(events) == 1 else b"".join(events))
+            await _write(request, response,
+                         events[0] if len(events) == 1 else b"".join(events), write_timeout_s)
             events.clear()
             try:
                 batch = await anext(batches)
@@ -246,11 +273,11 @@ async def _stream(request: web.Request, validated: ValidatedRequest,
             events.append(encoder.usage(_usage(generation, num_generated)))
         events.append(DONE_EVENT)
         # With the end-of-body chunk: the last events, [DONE] and the end in one write.
-        await response.write_eof(b"".join(events))
-    except ConnectionResetError:
-        # The client is gone; nothing more can be sent. Closing the generator (below)
-        # is what stops the work upstream.
-        log.info("client went away during %s", generation.request_id)
+        await _write(request, response, b"".join(events), write_timeout_s, eof=True)
+    except ConnectionResetError as exc:
+        # The client is gone (or stopped reading); nothing more can be sent. Closing the
+        # generator (below) is what stops the work upstream.
+        log.info("client went away during %s: %s", generation.request_id, exc)
     finally:
         await batches.aclose()
     return response, num_generated

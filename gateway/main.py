@@ -29,6 +29,7 @@ from common.contract.redis_state import RedisState, connect
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.cluster import ClusterView
+from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import ApiSettings, create_app
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import read_model_info
@@ -37,7 +38,7 @@ from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.rate_limit import TokenRateLimiter
 from gateway.request_parsing import RequestLimits
 from gateway.tiers import load_tier_config
-from gateway.upstream import UpstreamTimeouts, WorkerBackend
+from gateway.upstream import WorkerBackend
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,6 @@ class GatewayConfig:
     max_queued: int = 4096
     internal_token: str | None = None
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
-
-
-BACKEND_KEY = web.AppKey("worker_backend", WorkerBackend)
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -90,8 +88,7 @@ async def make_app(config: GatewayConfig) -> web.Application:
     backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
                             internal_token=config.internal_token, timeouts=config.timeouts)
     app = create_app(settings, tiers, backend, tokenizer, gate)
-    app[BACKEND_KEY] = backend
-    install(app, cluster, metrics)
+    install(app, cluster, backend, metrics)
     app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state))
     return app
 

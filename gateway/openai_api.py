@@ -21,7 +21,6 @@ from typing import Any
 
 import msgspec
 
-
 # ---------------------------------------------------------------- requests
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -8,6 +8,9 @@
                                             "kv_blocks_total"}}]}
                      state: "ready" | "draining" | "expired" (lease lapsed, not yet purged);
                      needs an admin key when keys are configured (401/403 otherwise).
+    /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
+                      "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
+                     its invariants checked on the spot (null: all hold); admin key as above.
 
 `install(app, ...)` adds the routes and the outermost middleware that counts every answer
 by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them).
@@ -26,8 +29,10 @@ from gateway.errors import ApiError
 from gateway.http_api import GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.tiers import TierConfig, TierError, resolve
+from gateway.upstream import WorkerBackend
 
 CLUSTER = web.AppKey("cluster", ClusterView)
+UPSTREAM = web.AppKey("upstream", WorkerBackend)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -47,13 +52,15 @@ class WorkerList(msgspec.Struct):
     workers: list[WorkerRow]
 
 
-def install(app: web.Application, cluster: ClusterView, metrics: GatewayMetrics) -> None:
-    app[CLUSTER], app[METRICS] = cluster, metrics
+def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
+            metrics: GatewayMetrics) -> None:
+    app[CLUSTER], app[UPSTREAM], app[METRICS] = cluster, backend, metrics
     app.middlewares.insert(0, count_middleware)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/admin/workers", handle_admin_workers)
+    app.router.add_get("/admin/state", handle_admin_state)
 
 
 @web.middleware
@@ -107,6 +114,34 @@ async def handle_admin_workers(request: web.Request) -> web.Response:
     rows = [_row(entry) for entry in request.app[CLUSTER].entries()]
     return web.Response(body=msgspec.json.encode(WorkerList(workers=rows)),
                         content_type="application/json")
+
+
+class GatewayState(msgspec.Struct):
+    num_active: int  # generations in progress upstream
+    num_background_tasks: int  # aborts still being sent
+    num_queued: int  # waiting for admission, all tiers
+    num_running: int  # admitted, all tiers
+    redis_connected: bool
+    invariant_error: str | None
+
+
+async def handle_admin_state(request: web.Request) -> web.Response:
+    app = request.app
+    _require_admin(request, app[TIERS])
+    backend, gate, cluster = app[UPSTREAM], app[GATE], app[CLUSTER]
+    error = None
+    try:
+        backend.check_invariants()
+        gate.check_invariants()
+        cluster.check_invariants()
+    except AssertionError as exc:
+        error = f"AssertionError: {exc}"
+    state = GatewayState(num_active=backend.num_active,
+                         num_background_tasks=backend.num_background_tasks,
+                         num_queued=gate.controller.num_queued,
+                         num_running=gate.controller.num_running,
+                         redis_connected=cluster.redis_connected, invariant_error=error)
+    return web.Response(body=msgspec.json.encode(state), content_type="application/json")
 
 
 def _require_admin(request: web.Request, tiers: TierConfig) -> None:

@@ -16,8 +16,9 @@ exactly where this text ends:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from engine.detokenizer import IncrementalDetokenizer
+
 from common.contract.sampling_params import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
 from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
 

@@ -21,8 +21,7 @@ import msgspec
 
 from common.contract.sampling_params import SamplingParams
 from gateway.errors import ApiError, invalid_request, unsupported
-from gateway.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                SamplingFields)
+from gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 # OpenAI's completions endpoint defaults to 16 tokens; chat fills the remaining context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -28,8 +28,14 @@ handler cannot stop them half-way; `aclose()` cancels what is left at shutdown. 
 the first token a failure is `BackendUnavailable` (HTTP 503); after it the same exception
 becomes an in-band SSE error event (gateway/http_api.py).
 
-Invariant: a generation that did not end with a finish_reason from its decode worker
-has sent an abort to every worker in its `legs`.
+Lifecycle of one generation: planned (route) → legs opened (each worker it calls is added
+to its Handoff's `legs`) → streaming → finished (D's finish_reason), or failed / closed
+early → every leg aborted (from an owned background task) → gone from `_active`.
+
+Invariants (`check_invariants`): a generation that did not end with a finish_reason from
+its decode worker has sent an abort to every worker in its `legs` (the legs are emptied
+when the aborts are sent); every generation in progress is in `_active` under its id, and
+its legs use this backend's clients; every abort task is in `_background` until it ends.
 """
 
 from __future__ import annotations
@@ -38,51 +44,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence, AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
 
-from aiohttp import ClientError, ClientSession
+from aiohttp import ClientSession
 
-from common.contract.control_client import ControlClient
-from common.contract.control_errors import ControlError, RemoteError
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
-                             ErrorCode, FinishReason, PrefillRequest, PrefillResponseFrame,
-                             Message, PrefillResult, ReserveRequest, ReserveResponse,
-                             TokenFrame, TokenLogprob as WireLogprob, TransferResult,
-                             TransferStatus)
 from common.contract.block_hashes import block_hashes
+from common.contract.control_client import ControlClient
+from common.contract.frames import FrameBatchDecoder, stream_frame_batches
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
+                                      DecodeResponseFrame, FinishReason, Message, PrefillRequest,
+                                      PrefillResponseFrame, PrefillResult, ReserveRequest,
+                                      ReserveResponse, TokenFrame)
+from common.contract.protocol import TokenLogprob as WireLogprob
+from common.contract.protocol import TransferResult, TransferStatus
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.cluster import ClusterView
-from common.contract.frames import FrameBatchDecoder, stream_frame_batches
+from gateway.handoff import (UPSTREAM_FAILURES, Handoff, UpstreamTimeouts, client_finish_reason,
+                             prepend, unavailable)
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.router import NoWorkers
 from gateway.tiers import TierConfig
 
 log = logging.getLogger(__name__)
-
-# What a failing worker call looks like from here; anything else is a bug and propagates.
-UPSTREAM_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamTimeouts:
-    reserve_s: float = 5.0  # answer to /internal/reserve
-    first_token_s: float = 120.0  # PrefillResult, or D's first frame (a long CPU prefill)
-    frame_s: float = 60.0  # between two frames of a running stream
-    reservation_ms: int = 120_000  # D holds the blocks this long for the KV + DecodeRequest
-    request_ms: int = 600_000  # the budget sent to workers with each request
-    abort_s: float = 2.0
-
-
-class Handoff:
-    """One generation's upstream state: which workers it touched, how the KV move went."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.legs: dict[str, ControlClient] = {}  # worker id -> client: abort these on failure
-        self.transfer_error: str | None = None
-
 
 class WorkerBackend:
     def __init__(self, cluster: ClusterView, tokenizer: GatewayTokenizer, session: ClientSession,
@@ -100,6 +84,7 @@ class WorkerBackend:
         self._decode_frames: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(
             DecodeResponseFrame)  # fresh() per stream
         self._background: set[asyncio.Task[None]] = set()
+        self._active: dict[str, Handoff] = {}  # generations in progress, by request id
 
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded), then cancel what is left."""
@@ -128,6 +113,7 @@ class WorkerBackend:
         first_at: float | None = None
         num_tokens, outcome = 0, "aborted"
         handoff = Handoff(request.request_id)
+        self._active[request.request_id] = handoff
         try:
             plan = self.cluster.plan(len(request.prompt_token_ids),
                                      block_hashes(request.prompt_token_ids, self.cluster.block_size),
@@ -153,6 +139,7 @@ class WorkerBackend:
             outcome = "failed" if outcome != "unavailable" else outcome
             raise
         finally:
+            self._active.pop(request.request_id, None)
             if outcome != "finished":
                 self._abort_legs(handoff)
             self.metrics.observe_completion(
@@ -188,7 +175,7 @@ class WorkerBackend:
                     timeout_ms=t.reservation_ms),
                 ReserveResponse, t.reserve_s)
         except UPSTREAM_FAILURES as exc:
-            raise _unavailable(f"decode worker {decode_id} could not reserve KV blocks", exc)
+            raise unavailable(f"decode worker {decode_id} could not reserve KV blocks", exc)
         spec = request.sampling
         priority = self._priority(request)
         prefiller = self._client(prefill_id, handoff)
@@ -204,7 +191,7 @@ class WorkerBackend:
             try:
                 first = await anext(prefill_frames)
             except (StopAsyncIteration, *UPSTREAM_FAILURES) as exc:
-                raise _unavailable(f"prefill worker {prefill_id} failed", exc)
+                raise unavailable(f"prefill worker {prefill_id} failed", exc)
             if not isinstance(first, PrefillResult):
                 raise BackendUnavailable(f"prefill worker {prefill_id} sent {type(first).__name__} "
                                          "before the first token")
@@ -213,7 +200,7 @@ class WorkerBackend:
                                                    request.sampling, finished)
             first_delta = TokenDelta(
                 text=text, num_tokens=1,
-                finish_reason=_finish_reason(first.finish_reason) if finished else None,
+                finish_reason=client_finish_reason(first.finish_reason) if finished else None,
                 logprobs=self._logprobs([first.first_logprob]) if first.first_logprob else None)
             if finished:
                 # Nothing to decode: free the reservation on D now rather than at its timeout.
@@ -231,7 +218,7 @@ class WorkerBackend:
             watcher = asyncio.create_task(self._watch_transfer(prefill_frames, handoff, decode_id))
             yield [first_delta]
             frame_task, next_frame = next_frame, None
-            relay = self._relay(_prepend(frame_task, decode_frames), handoff,
+            relay = self._relay(prepend(frame_task, decode_frames), handoff,
                                 num_tokens_before=1, worker_id=decode_id)
             async with contextlib.aclosing(relay):
                 async for batch in relay:
@@ -271,9 +258,9 @@ class WorkerBackend:
                             if deltas:  # what came before the abort is still the client's
                                 yield deltas
                             raise BackendUnavailable(
-                                self._failure_text(handoff, "the request was aborted"))
+                                handoff.failure_text("the request was aborted"))
                         num_tokens += len(frame.token_ids)
-                        finish = _finish_reason(reason)
+                        finish = client_finish_reason(reason)
                         if finish is not None and frame.usage is not None \
                                 and frame.usage.num_completion_tokens != num_tokens:
                             self.metrics.num_splice_mismatches += 1
@@ -293,7 +280,7 @@ class WorkerBackend:
                     if deltas:
                         yield deltas
         except UPSTREAM_FAILURES as exc:
-            raise _unavailable(self._failure_text(handoff, f"decode worker {worker_id} failed"), exc)
+            raise unavailable(handoff.failure_text(f"decode worker {worker_id} failed"), exc)
         raise BackendUnavailable(f"decode worker {worker_id} ended the stream without finishing")
 
     async def _watch_transfer(self, prefill_frames: AsyncGenerator[Message, None],
@@ -315,6 +302,23 @@ class WorkerBackend:
                 handoff.transfer_error = error
                 log.warning("%s: %s; aborting on %s", handoff.request_id, error, decode_id)
                 self._abort_legs(handoff)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_background_tasks(self) -> int:
+        return len(self._background)
+
+    def check_invariants(self) -> None:
+        clients = set(map(id, self._clients.values()))
+        for rid, handoff in self._active.items():
+            assert handoff.request_id == rid, f"{rid} tracked under another id"
+            for worker_id, client in handoff.legs.items():
+                assert id(client) in clients, f"{rid}: leg {worker_id} has a foreign client"
+        for task in self._background:
+            assert not task.done(), "a finished abort task is still listed"
 
     # ---------------------------------------------------------------- helpers
 
@@ -358,33 +362,3 @@ class WorkerBackend:
                                   top=tuple((text(t), v) for t, v in lp.top))
                      for lp in wire if lp is not None)
 
-    @staticmethod
-    def _failure_text(handoff: Handoff, fallback: str) -> str:
-        return f"KV transfer failed: {handoff.transfer_error}" if handoff.transfer_error else fallback
-
-
-async def _prepend(first: asyncio.Task[list[TokenFrame]],
-                   rest: AsyncGenerator[list[TokenFrame], None]) -> AsyncGenerator[list[TokenFrame], None]:
-    try:
-        yield await first
-    except StopAsyncIteration:
-        return
-    async for item in rest:
-        yield item
-
-
-def _finish_reason(reason: FinishReason | None) -> FinishReason | None:
-    """The reason a client sees: STOP or LENGTH; ABORT is reported as an error instead."""
-    if reason is None or not reason.is_openai_reason:
-        return None
-    return reason
-
-
-def _unavailable(what: str, exc: BaseException) -> BackendUnavailable:
-    retry = None
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, RemoteError):
-        detail = exc.frame.message
-        if exc.frame.code is ErrorCode.OVERLOADED or exc.frame.retryable:
-            retry = 1.0
-    return BackendUnavailable(f"{what}: {detail}", retry_after_s=retry)

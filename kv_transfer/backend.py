@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from engine.kv_storage import KVStorage
 from kv_transfer.packing import PackingLimits
-from kv_transfer.staging import StagingPool
 from kv_transfer.receiver import ReceivePlane, TransferReceiver
 from kv_transfer.sender import SendPlane, TransferSender
+from kv_transfer.staging import StagingPool
 
 if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
     from kv_transfer.ucx import UcxWorker

@@ -35,9 +35,9 @@ from kv_transfer.framing import FrameConnection
 from kv_transfer.inbound import InboundHandle, InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
-from kv_transfer.packing import PackedPlan
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
-                                  Hello, Refused, Rejected, Landed, Welcome)
+                                  Hello, Landed, Refused, Rejected, Welcome)
+from kv_transfer.packing import PackedPlan
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class ReceivePlane(Protocol):
     def data_landed(self, tag: int) -> None: ...
     async def flush(self, transfer: InboundTransfer) -> None: ...
     async def close(self) -> None: ...
+    def check_invariants(self) -> None: ...
 
 
 class TransferReceiver:
@@ -128,8 +129,12 @@ class TransferReceiver:
         for transfer in list(self._expected.values()):
             self.fail(transfer, TransferCancelled(
                 f"transfer {transfer.request_id}: receiver closing"), False)
-        for task in list(self._tasks):
-            await asyncio.wait({task}, timeout=self._abort_timeout_s + 1.0)
+        if self._tasks:  # clean-ups: each bounded by the abort handshake and the flush
+            _, late = await asyncio.wait(set(self._tasks), timeout=self._abort_timeout_s + 3.0)
+            for task in late:
+                log.error("KV receiver closing: a transfer clean-up outlived its deadline")
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self._server is not None:
             self._server.close()
         for session in list(self._sessions):
@@ -259,3 +264,4 @@ class TransferReceiver:
         for seq, transfer in self._by_seq.items():
             assert transfer.transfer_seq == seq and transfer.request_id in self._expected
         assert set(self._session_transfers) <= self._welcomed
+        self.plane.check_invariants()

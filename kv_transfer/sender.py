@@ -40,13 +40,12 @@ from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, Trans
                                 TransferRejected, TransferTimeout)
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferSpec, TransferState
-from kv_transfer.layout import (Message, PoolBytes, TransferPlan, check_layouts, pool_bytes,
-                                tag_for)
+from kv_transfer.layout import Message, PoolBytes, TransferPlan, check_layouts, pool_bytes, tag_for
+from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
+                                  Hello, Landed, Refused, Rejected, Welcome)
 from kv_transfer.packing import (PackedMessage, PackedPlan, PackingLimits, block_index,
                                  choose_packing, gather, wait_device)
 from kv_transfer.staging import StagingPool
-from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
-                                  Hello, Landed, Refused, Rejected, Welcome)
 
 log = logging.getLogger(__name__)
 

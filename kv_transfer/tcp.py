@@ -12,8 +12,13 @@ the reader never waits), scattered into the blocks when its last byte arrived, a
 slot released at once. The sender gathers each packed message into a buffer of its own,
 since the transport may hold it until the socket takes it.
 
-Invariants: `_dests` and `_packed` hold exactly the messages of IN_FLIGHT transfers not
-yet landed; a staging slot is held only by a packed frame being read; after
+Lifecycle of a transfer here: post() (every message's destination registered) → each
+frame read into its destination (packed: staged, then scattered) → the last one landed:
+forgotten; or flush() (a failure): every destination of it dropped at once.
+
+Invariants (`check_invariants`): `_dests` and `_packed` hold only messages of posted
+transfers not yet landed or flushed; a frame being staged has both a destination and its
+packed message, and the staging slots held are exactly those of frames being staged; after
 `flush(transfer)` none of its tags has a destination, so no byte can land in its blocks
 (frames still in the socket are read into scratch and dropped).
 """
@@ -28,8 +33,8 @@ from kv_transfer.interface import TransferState
 from kv_transfer.layout import Message, PoolBytes, pool_bytes, split_tag, tag_for
 from kv_transfer.messages import Welcome
 from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
-from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
+from kv_transfer.staging import StagingPool
 
 
 class TcpReceivePlane:
@@ -109,6 +114,15 @@ class TcpReceivePlane:
     @property
     def num_registered(self) -> int:
         return len(self._dests) + len(self._packed) + self._staging.num_acquired
+
+    def check_invariants(self) -> None:
+        for tag in (*self._dests, *self._packed):
+            assert split_tag(tag)[0] in self._transfers, f"tag {tag} of no posted transfer"
+        assert set(self._staged) <= set(self._packed) & set(self._dests), \
+            "a staged frame lost its destination or its packed message"
+        held = sum(1 for _, slot_id in self._staged.values() if slot_id is not None)
+        assert held == self._staging.num_acquired, \
+            f"{self._staging.num_acquired} staging slots held, {held} by frames being read"
 
     async def close(self) -> None:
         self._dests.clear()

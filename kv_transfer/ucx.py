@@ -27,10 +27,18 @@ unmatched; after flush no receive of the transfer is posted, so no byte can land
 Peer death: without endpoint error handling UCX does not report a dead peer, and a peer
 killed *during* a cma copy makes UCX abort the copying process (the receiver with the
 default get-based rendezvous). The control connection (framing.py) reports a dead peer
-at once; deadlines cover the rest. Invariants: `_requests` holds exactly the posted,
+at once; deadlines cover the rest.
+
+Lifecycle of a transfer on the receive plane: post() (receives posted, a watcher task
+started) → each receive completes (packed: scattered, its slot released) → the last one:
+forgotten; or flush() (a failure): the watcher cancelled, unmatched receives completed
+with zero-byte self-sends within `flush_timeout_s`, slots released.
+
+Invariants (`UcxReceivePlane.check_invariants`): `_requests` holds exactly the posted,
 unflushed receives (and, packed, their staging slots, released exactly once: by the
-watcher after a scatter or by flush); every watcher task is in `_watchers` and cancelled
-by flush/close.
+watcher after a scatter or by flush, so the slots held are exactly those of posted
+receives); every watcher task is in `_watchers` until it ends, and belongs to a transfer
+with posted receives. Send plane: one endpoint per connected link (`num_endpoints`).
 """
 
 from __future__ import annotations
@@ -53,8 +61,8 @@ from kv_transfer.interface import TransferState
 from kv_transfer.layout import Message, PoolBytes, pool_bytes, tag_for
 from kv_transfer.messages import Welcome
 from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
-from kv_transfer.staging import StagingPool
 from kv_transfer.sender import OutboundTransfer, PeerLink
+from kv_transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +130,8 @@ class UcxReceivePlane:
                 view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
                 requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
         self._requests[seq] = requests
-        watch = self._watch_packed if isinstance(transfer.accepted_plan, PackedPlan) else self._watch
+        packed = isinstance(transfer.accepted_plan, PackedPlan)
+        watch = self._watch_packed if packed else self._watch
         self._watchers[seq] = asyncio.get_running_loop().create_task(
             watch(transfer, requests, on_landed, on_failed))
 
@@ -218,27 +227,47 @@ class UcxReceivePlane:
                 self._staging.release(slot_id)
 
     async def _complete(self, transfer: InboundTransfer, pending: list[tuple[int, Any]]) -> None:
-        """Complete unmatched receives with zero-byte messages from ourselves."""
-        loopback = await self._worker.loopback()
-        for tag, _ in pending:
-            await loopback.send(_EMPTY, tag=tag, force_tag=True)
-        done, _ = await asyncio.wait([asyncio.ensure_future(r.wait()) for _, r in pending],
-                                     timeout=self._worker.flush_timeout_s)
-        for future in done:
-            future.exception()  # a receive that failed is just as finished
-        if len(done) != len(pending):
-            log.error("transfer %s: %d receives did not complete after flush",
-                      transfer.request_id, len(pending) - len(done))
-        # A zero-byte message whose receive was matched by the real one stays unexpected.
-        worker = self._worker.ctx.worker
-        for tag, _ in pending:
-            probe = worker.tag_probe(Tag(tag), remove=True)
-            if probe.matched:
-                await worker.tag_recv_with_handle(Array(_EMPTY), probe).wait()
+        """Complete unmatched receives with zero-byte messages from ourselves, all within
+        `flush_timeout_s` (a wait that outlives it is cancelled and logged)."""
+        timeout_s = self._worker.flush_timeout_s
+        waits = [asyncio.ensure_future(r.wait()) for _, r in pending]
+        try:
+            async with asyncio.timeout(timeout_s):
+                loopback = await self._worker.loopback()
+                for tag, _ in pending:
+                    await loopback.send(_EMPTY, tag=tag, force_tag=True)
+                for wait in waits:
+                    try:
+                        await wait
+                    except Exception:  # noqa: BLE001 - a failed receive is just as finished
+                        pass
+                # A zero-byte message whose receive was matched by the real one stays
+                # unexpected: take it out of the worker's queue.
+                worker = self._worker.ctx.worker
+                for tag, _ in pending:
+                    probe = worker.tag_probe(Tag(tag), remove=True)
+                    if probe.matched:
+                        await worker.tag_recv_with_handle(Array(_EMPTY), probe).wait()
+        except TimeoutError:
+            log.error("transfer %s: %d receives still posted %.1f s into the flush",
+                      transfer.request_id, sum(not w.done() for w in waits), timeout_s)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     @property
     def num_posted(self) -> int:
         return sum(len(r) for r in self._requests.values())
+
+    def check_invariants(self) -> None:
+        for seq, watcher in self._watchers.items():
+            assert seq in self._requests, f"watcher of transfer {seq} without receives"
+            assert not watcher.done(), f"watcher of transfer {seq} ended but is listed"
+        held = sum(1 for posted in self._requests.values() for _, _, slot_id in posted
+                   if slot_id is not None)
+        assert held == self._staging.num_acquired, \
+            f"{self._staging.num_acquired} staging slots held, {held} by posted receives"
 
     async def close(self) -> None:
         for watcher in self._watchers.values():

@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from common.contract.finish_reason import FinishReason
 from common.contract.control_server import message_handler, stream_handler
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode, ErrorFrame, Message, PrefillRequest, PrefillResult, TransferResult,
-                             TransferStatus)
-from common.worker.output_frames import to_token_logprob
+from common.contract.finish_reason import FinishReason
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode,
+                                      ErrorFrame, Message, PrefillRequest, PrefillResult,
+                                      TransferResult, TransferStatus)
 from common.worker.metrics import WorkerMetrics
+from common.worker.output_frames import to_token_logprob
 from engine.engine_thread import EngineThread, StreamEnd
 from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput

@@ -31,7 +31,7 @@ from benchmarks.bench.arrivals import ArrivalKind, arrival_gaps_s
 from benchmarks.bench.planner import PlannedRequest, RequestPlanner
 from benchmarks.bench.progress import ProgressBar
 from benchmarks.bench.sse_client import (Api, RequestRecord, build_headers, build_payload,
-                                          send_request)
+                                         send_request)
 
 CONNECT_TIMEOUT_S = 10.0
 

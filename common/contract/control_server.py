@@ -35,10 +35,10 @@ from typing import TypeVar
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
-from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder,
-                                      ProtocolError, ProtocolVersionError, encode)
+from common.contract.option_env import INTERNAL_TOKEN_ENV
+from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
+                                      ProtocolVersionError, encode)
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 

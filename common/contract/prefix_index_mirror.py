@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from common.contract.protocol import PrefixIndexEvent
 from common.contract.redis_state import (REDIS_FAILURES, RedisState, StreamId, raise_if_cancelling,
-                                stop_task, stream_id_key)
+                                         stop_task, stream_id_key)
 
 logger = logging.getLogger(__name__)
 

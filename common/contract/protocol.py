@@ -9,7 +9,7 @@ Who sends what (one HTTP call per arrow; see common/contract/control_server.py f
     gateway ──ReserveRequest──────▶ decode    ◀── ReserveResponse | ErrorFrame
     gateway ──PrefillRequest──────▶ prefill   ◀── frames: PrefillResult, TransferResult
                                                   (the first token arrives before the KV lands)
-    prefill ══ KV blocks (kv_transfer/) ══▶ decode   (its own control messages: kv_transfer/messages.py)
+    prefill ══ KV blocks (kv_transfer/; its own control messages) ══▶ decode
     gateway ──DecodeRequest───────▶ decode    ◀── frames: TokenFrame ... (last has finish_reason)
     gateway ──AbortRequest────────▶ prefill and decode (any time; idempotent)
     workers ──WorkerInfo, LoadReport, PrefixIndexEvent──▶ Redis (common/contract/redis_state.py)

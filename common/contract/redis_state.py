@@ -33,7 +33,6 @@ import asyncio
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-
 from typing import Any, cast
 
 import msgspec
@@ -42,8 +41,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from common.contract.protocol import (WORKER_ID_PATTERN, MessageDecoder, PrefixIndexEvent, WorkerInfo,
-                             LoadReport, encode)
+from common.contract.protocol import (WORKER_ID_PATTERN, LoadReport, MessageDecoder,
+                                      PrefixIndexEvent, WorkerInfo, encode)
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
 ScriptArg = bytes | str | int | float  # what a Lua script's ARGV takes

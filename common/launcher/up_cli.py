@@ -64,8 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.launcher.supervisor import Supervisor
     from common.launcher.redis_server import RedisServer, RedisServerError, free_port
+    from common.launcher.supervisor import Supervisor
 
     roles = ([("decode", "colocated")] * args.workers if args.colocated else
              [("prefill", None)] * args.prefill + [("decode", "decode")] * args.decode)

@@ -54,7 +54,8 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     import torch
 
     from common.worker.runtime import WorkerRuntime
-    from engine.llm_engine import EngineConfig, LLMEngine, build_engine
+    from engine.engine_builder import build_engine
+    from engine.llm_engine import EngineConfig, LLMEngine
 
     runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
                             options.host, options.port, options.internal_token,

@@ -12,6 +12,7 @@ from common.contract.protocol import ErrorCode, ErrorFrame, TokenFrame, TokenLog
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
 
+
 def to_token_logprob(logprobs: TokenLogprobs | None) -> TokenLogprob | None:
     if logprobs is None:
         return None

@@ -28,10 +28,10 @@ from typing import TypeVar
 
 import msgspec
 
-from common.contract.protocol import (MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent, WorkerInfo,
-                                      WorkerLoad)
-from common.contract.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError, raise_if_cancelling,
-                                stop_task)
+from common.contract.protocol import (MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent,
+                                      WorkerInfo, WorkerLoad)
+from common.contract.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError,
+                                         raise_if_cancelling, stop_task)
 
 logger = logging.getLogger(__name__)
 

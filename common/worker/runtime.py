@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import msgspec
-
 from aiohttp import web
 
 from common.contract.control_server import ControlServer, make_app

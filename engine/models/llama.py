@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (AttentionMetadata, KernelAttentionMetadata,
-                              attend_cached_kernels, paged_attention)
+from engine.attention import (AttentionMetadata, KernelAttentionMetadata, attend_cached_kernels,
+                              paged_attention)
 from engine.config import Llama3RopeScaling, ModelConfig
 from engine.kv_storage import KVStorage
 

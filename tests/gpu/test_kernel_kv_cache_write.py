@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.kv_cache_write import (
-    write_kv_cache_, write_kv_cache_reference_, write_kv_cache_triton_,
-)
+from engine.kernels.kv_cache_write import (write_kv_cache_, write_kv_cache_reference_,
+                                           write_kv_cache_triton_)
 from engine.kv_storage import DTYPE_NAMES, KVLayout, KVStorage
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,10 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_decode_attention import (
-    num_decode_splits, paged_decode_attention, paged_decode_attention_reference,
-    paged_decode_attention_triton,
-)
+from engine.kernels.paged_decode_attention import (num_decode_splits, paged_decode_attention,
+                                                   paged_decode_attention_reference,
+                                                   paged_decode_attention_triton)
 
 pytestmark = pytest.mark.timeout(120)
 BLOCK_SIZE = 16

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 from engine.kernels.kv_cache_write import write_kv_cache_
 from engine.kernels.paged_decode_attention import paged_decode_attention_reference
-from engine.kernels.prefill_attention import (
-    prefill_attention, prefill_attention_reference, prefill_attention_triton,
-)
+from engine.kernels.prefill_attention import (prefill_attention, prefill_attention_reference,
+                                              prefill_attention_triton)
 
 pytestmark = pytest.mark.timeout(120)
 BLOCK_SIZE = 16

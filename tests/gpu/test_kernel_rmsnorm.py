@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.rmsnorm import (
-    add_rms_norm_, add_rms_norm_reference_, add_rms_norm_triton_, rms_norm_reference,
-    rms_norm_triton,
-)
+from engine.kernels.rmsnorm import (add_rms_norm_, add_rms_norm_reference_, add_rms_norm_triton_,
+                                    rms_norm_reference, rms_norm_triton)
 
 pytestmark = pytest.mark.timeout(60)
 EPS = 1e-5

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from engine.config import Llama3RopeScaling
-from engine.kernels.rope import (
-    apply_rope_, apply_rope_reference_, apply_rope_triton_, rope_cos_sin, rope_inv_freq,
-)
+from engine.kernels.rope import (apply_rope_, apply_rope_reference_, apply_rope_triton_,
+                                 rope_cos_sin, rope_inv_freq)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,9 +8,8 @@ import torch
 
 from engine.config import Llama3RopeScaling
 from engine.kernels.rope import rope_cos_sin
-from engine.kernels.rope_kv_write import (
-    rope_write_kv_, rope_write_kv_reference_, rope_write_kv_triton_,
-)
+from engine.kernels.rope_kv_write import (rope_write_kv_, rope_write_kv_reference_,
+                                          rope_write_kv_triton_)
 
 pytestmark = pytest.mark.timeout(120)
 

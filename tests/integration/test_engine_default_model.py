@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine, build_engine
 from common.contract.sampling_params import SamplingParams
+from engine.engine_builder import build_engine
+from engine.llm_engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded():
-    from engine.llm_engine import load_tokenizer
+    from engine.engine_builder import load_tokenizer
     from engine.loader import load_model
 
     threads = torch.get_num_threads()

@@ -7,7 +7,6 @@ import json
 
 import httpx2 as httpx
 import pytest
-
 from gateway_cluster import GatewayCluster, launch, shutdown
 
 pytestmark = pytest.mark.timeout(60)

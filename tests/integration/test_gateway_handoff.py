@@ -7,7 +7,6 @@ import time
 
 import httpx2 as httpx
 import pytest
-
 from gateway_cluster import GatewayCluster, launch, shutdown, sse_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,6 +29,9 @@ def reset_stubs(cluster: GatewayCluster):
         stub.aborts.clear()
     yield
     cluster.wait_released()
+    state = httpx.get(cluster.url + "/admin/state", timeout=5).json()
+    assert state["invariant_error"] is None, state
+    assert state["num_active"] == 0 and state["num_running"] == 0, state
 
 
 def stream(cluster: GatewayCluster, body: dict, tier: str = "standard") -> list:

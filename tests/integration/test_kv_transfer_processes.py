@@ -32,6 +32,7 @@ def _emit(**event) -> None:
 
 def _pool(layout_fields: dict, seed: int | None):
     import torch
+
     from engine.kv_storage import KVLayout, KVStorage
     storage = KVStorage(KVLayout(**layout_fields))
     if seed is not None:
@@ -59,6 +60,7 @@ def _resources() -> dict:
 
 async def _run_receiver(cfg: dict) -> None:
     import torch
+
     from kv_transfer.backend import make_receiver
     storage = _pool(cfg.get("layout", LAYOUT), None)
     receiver = await make_receiver(storage, cfg["backend"], token=cfg.get("token", ""),
@@ -131,6 +133,7 @@ async def _run_sender(cfg: dict) -> None:
     from kv_transfer.interface import TransferSpec
     storage = _pool(cfg.get("layout", LAYOUT), cfg["seed"])
     from kv_transfer.packing import PackingLimits
+
     # Packed unless asked otherwise: the path CUDA pools always take, so the failure tests
     # (kills, deadlines, 1,000 transfers) exercise staging slots on the CPU too.
     host = PackingLimits.for_device(False)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from up_process import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,13 +4,12 @@ be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behi
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
-import json
 
 import openai
 import pytest
-
 from up_process import UpProcess, child_pids, wait_gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

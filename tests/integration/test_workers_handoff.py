@@ -28,13 +28,13 @@ import pytest
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, RemoteError
 from common.contract.metrics import parse_samples
-from common.contract.sampling_params import SamplingParams
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
-                             PrefillRequest, PrefillResponseFrame, PrefillResult,
-                             ReserveRequest, ReserveResponse, TokenFrame,
-                             TransferResult, TransferStatus)
-from common.launcher.redis_server import RedisServer
+                                      PrefillRequest, PrefillResponseFrame, PrefillResult,
+                                      ReserveRequest, ReserveResponse, TokenFrame, TransferResult,
+                                      TransferStatus)
 from common.contract.redis_state import RedisState, connect
+from common.contract.sampling_params import SamplingParams
+from common.launcher.redis_server import RedisServer
 
 # Generous: the module fixture starts four model-loading processes on a shared host.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -122,7 +122,8 @@ async def wait_registered(redis_url: str, workers: list[Worker], timeout_s: floa
 def reference_outputs(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     import torch
 
-    from engine.llm_engine import EngineConfig, build_engine
+    from engine.engine_builder import build_engine
+    from engine.llm_engine import EngineConfig
     torch.set_num_threads(1)
     engine = build_engine("default", EngineConfig(num_kv_blocks=64))
     params = GREEDY
@@ -148,8 +149,8 @@ def cluster(tmp_path_factory) -> Cluster:
     for w in workers.values():
         w.start(redis.url)
     try:
+        from engine.engine_builder import load_tokenizer
         from engine.loader import load_model
-        from engine.llm_engine import load_tokenizer
         tokenizer = load_tokenizer(load_model("default").tokenizer_source)
         prompts = {"short": tokenizer.encode(SHORT), "long": tokenizer.encode(LONG)}
         assert 100 <= len(prompts["long"]) <= 300, len(prompts["long"])

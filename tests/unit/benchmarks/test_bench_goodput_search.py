@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.bench.goodput import (SearchParams, format_curve, goodput_of, next_rate,
-                                       search_goodput)
+                                      search_goodput)
 
 
 def _search(threshold_rps: float, params: SearchParams) -> list[tuple[float, bool]]:

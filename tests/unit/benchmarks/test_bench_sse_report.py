@@ -7,7 +7,7 @@ from benchmarks.bench.planner import PlannedRequest
 from benchmarks.bench.report import build_report, encode_json, format_table, percentile
 from benchmarks.bench.slo import SLOTarget, meets_slo, parse_slo_arg
 from benchmarks.bench.sse_client import (ErrorKind, RequestRecord, StreamFault, StreamState,
-                                          build_headers)
+                                         build_headers)
 
 
 def _chat(text):

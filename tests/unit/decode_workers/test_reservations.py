@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode_workers.reservations import (EndReason, Reservation, ReservationState,
-                                         ReservationTable, blocks_to_receive)
+from decode_workers.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
+                                         blocks_to_receive)
 
 
 def make(rid: str = "r", num_receive: int = 2) -> Reservation:

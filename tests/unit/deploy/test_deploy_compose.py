@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
                           resolved_compose)
 

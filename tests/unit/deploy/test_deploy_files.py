@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_tools import (DEPLOY, METRIC_RE, REPO_ROOT, exported_metric_names, metric_base,
                           resolved_compose, run, subcommands)
+
 from gateway.tiers import TIER_HEADER, Caller, classify, load_tier_config, resolve
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from deploy_tools import (DEPLOY, invocation_errors, kubectl, kubernetes_validate,
-                          exported_metric_names, run)
+from deploy_tools import (DEPLOY, exported_metric_names, invocation_errors, kubectl,
+                          kubernetes_validate, run)
 
 pytestmark = pytest.mark.timeout(180)
 KUSTOMIZE = DEPLOY / "kubernetes"

@@ -38,8 +38,7 @@ class TinyModel:
 
 
 def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = dict(VARIANTS[variant])
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

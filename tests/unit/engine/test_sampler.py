@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingState
 from common.contract.sampling_params import SamplingParams
+from engine.sampler import Sampler, SamplingState
 
 EOS = 3
 VOCAB = 16

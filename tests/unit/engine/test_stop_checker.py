@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.contract.sampling_params import SamplingParams
 from common.contract.finish_reason import FinishReason
+from common.contract.sampling_params import SamplingParams
 from engine.stop_checker import StopCheck, check_stop, find_stop_string
 
 EOS = 2

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp.test_utils import TestServer
 
+from common.contract.finish_reason import FinishReason
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
@@ -58,7 +59,8 @@ class ScriptedBackend:
                 last = i == len(words) - 1
                 finish = None
                 if last:
-                    finish = "length" if len(words) == request.sampling.max_tokens else "stop"
+                    finish = (FinishReason.LENGTH if len(words) == request.sampling.max_tokens
+                              else FinishReason.STOP)
                 logprobs = None
                 if request.sampling.logprobs is not None:
                     top = tuple((f"alt{k}", -1.0 - k) for k in range(request.sampling.logprobs))
@@ -80,16 +82,16 @@ class Harness:
 
     def __init__(self, backend: ScriptedBackend, tiers: TierConfig | None = None,
                  limits: RequestLimits | None = None, max_running_total: int = 64,
-                 max_queued_total: int = 64) -> None:
+                 max_queued_total: int = 64, body_timeout_s: float = 30.0) -> None:
         self.loop = asyncio.new_event_loop()
         self.backend = backend
         self.tiers = tiers or load_tier_config(None, {})
         clock = self.loop.time
         self.controller = AdmissionController(list(self.tiers.tiers.values()), max_running_total,
                                               max_queued_total, clock)
-        gate = AdmissionGate(self.controller, TokenRateLimiter(clock))
+        self.gate = gate = AdmissionGate(self.controller, TokenRateLimiter(clock))
         settings = ApiSettings(served_models=(MODEL,), limits=limits or default_limits(),
-                               created_at=1_700_000_000)
+                               created_at=1_700_000_000, body_timeout_s=body_timeout_s)
         self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate)
         self.server = TestServer(self.app, host="127.0.0.1", port=0)
         self.loop.run_until_complete(self.server.start_server())

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
-
 from gateway_harness import MODEL, Harness, ScriptedBackend, default_limits
+
 from gateway.sse import SseDecoder
 from gateway.tiers import load_tier_config
 
@@ -92,6 +93,24 @@ def test_oversize_chunked_body_is_413_without_reading_it_all(harness_factory):
 
     status, _, raw = h.call("POST", "/v1/completions", data=chunks())
     assert_openai_error(status, raw, 413)
+    assert_still_serving(h)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_changes_nothing(harness_factory):
+    h = harness_factory(body_timeout_s=0.3)
+
+    async def trickle():
+        yield b'{"model": "'
+        await asyncio.sleep(2.0)  # the rest never comes in time
+        yield b'x"}'
+
+    started = time.monotonic()
+    status, _, raw = h.call("POST", "/v1/completions", data=trickle())
+    assert time.monotonic() - started < 1.5, "the slow body was waited for"
+    assert_openai_error(status, raw, 408, code="request_timeout")
+    assert h.backend.requests == []
+    h.gate.check_invariants()
+    assert h.controller.num_running == h.controller.num_queued == 0
     assert_still_serving(h)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from gateway_harness import MODEL, Harness, ScriptedBackend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,9 +4,8 @@ import random
 from collections import Counter
 
 from common.contract.protocol import Role, WorkerLoad
-from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest,
-                            WorkerView, plan_route, prefix_overlap_blocks,
-                            with_assignment)
+from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
+                            plan_route, prefix_overlap_blocks, with_assignment)
 
 BLOCK = 16
 IDLE = WorkerLoad(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=1000)

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.backend import TokenLogprob
 from gateway.chunk_encoder import ChatChunkEncoder, CompletionChunkEncoder

@@ -5,8 +5,8 @@ import torch
 
 from engine.kv_storage import KVLayout, KVStorage
 from kv_transfer.interface import TransferSpec
-from kv_transfer.packing import (PackedPlan, Packing, PackingLimits, block_index, choose_packing, gather,
-                                 scatter)
+from kv_transfer.packing import (PackedPlan, Packing, PackingLimits, block_index, choose_packing,
+                                 gather, scatter)
 from kv_transfer.staging import StagingPool
 
 LAYOUT = KVLayout(dtype="bfloat16", num_layers=6, num_blocks=32, block_size=4,

@@ -7,19 +7,21 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import msgspec
 import pytest
-import aiohttp
 from aiohttp import ClientSession, web
 
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
-from common.contract.control_server import ControlServer, InsecureBindError, is_loopback, make_app, message_handler, stream_handler
+from common.contract.control_server import (ControlServer, InsecureBindError, is_loopback, make_app,
+                                            message_handler, stream_handler)
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
+from common.contract.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame,
+                                      ErrorCode, ErrorFrame, FinishReason, MessageDecoder,
+                                      ReserveRequest, ReserveResponse, TokenFrame, TokenLogprob,
+                                      Usage)
 from common.contract.sampling_params import SamplingParams
-from common.contract.protocol import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
-                             ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
-                             ReserveResponse, TokenFrame, TokenLogprob, Usage)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -237,3 +239,38 @@ def test_non_loopback_bind_requires_a_token() -> None:
     ControlServer(make_app(token=TOKEN), host="0.0.0.0", token=TOKEN)  # allowed, not started
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.5")
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_the_handler_never_runs() -> None:
+    worker = FakeWorker()
+    called = []
+
+    async def reserve(request: ReserveRequest) -> ReserveResponse | ErrorFrame:
+        called.append(request)
+        return await worker.reserve(request)
+
+    app = make_app(token=None, body_timeout_s=0.3)
+    app.router.add_post("/v1/reserve", message_handler(ReserveRequest, reserve))
+    server = ControlServer(app)
+    url = await server.start()
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b"\x92\x01"
+        await asyncio.sleep(2.0)
+        yield b"\x80"
+
+    try:
+        async with ClientSession() as session:
+            started = time.monotonic()
+            async with session.post(url + "/v1/reserve", data=trickle(),
+                                    headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as response:
+                body = await response.read()
+            assert time.monotonic() - started < 1.5
+        assert response.status == 408
+        frame = MessageDecoder(ErrorFrame).decode(body)
+        assert frame.code is ErrorCode.BAD_REQUEST and "not received" in frame.message
+        assert called == []
+        server.check_invariants()
+    finally:
+        await server.stop()
+    server.check_invariants()

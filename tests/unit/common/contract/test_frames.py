@@ -11,15 +11,16 @@ import time
 import msgspec
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
 from common.contract.control_server import ControlServer, make_app
-from common.contract.frames import FRAME_HEADER, encode_frame
-from common.contract.sampling_params import SamplingParams
+from common.contract.frames import (FRAME_HEADER, FrameBatchDecoder, encode_frame,
+                                    stream_frame_batches)
 from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, ErrorCode, ErrorFrame,
-                             FinishReason, ProtocolVersionError, TokenFrame)
-from common.contract.frames import FrameBatchDecoder, stream_frame_batches
+                                      FinishReason, ProtocolVersionError, TokenFrame)
+from common.contract.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,12 +8,13 @@ import msgspec
 import pytest
 
 from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, DecodeDestination,
-                             DecodeRequest, ErrorCode, ErrorFrame, FinishReason, MessageDecoder,
-                             MessageTooLargeError, PrefillRequest, PrefillResponseFrame,
-                             PrefillResult, PrefixIndexEvent, ProtocolError, ProtocolVersionError,
-                             ReserveRequest, ReserveResponse, Role,  TokenFrame,
-                             TokenLogprob, TransferResult, TransferStatus, Usage, WorkerInfo,
-                             WorkerLoad, LoadReport, decode, encode)
+                                      DecodeRequest, ErrorCode, ErrorFrame, FinishReason,
+                                      LoadReport, MessageDecoder, MessageTooLargeError,
+                                      PrefillRequest, PrefillResponseFrame, PrefillResult,
+                                      PrefixIndexEvent, ProtocolError, ProtocolVersionError,
+                                      ReserveRequest, ReserveResponse, Role, TokenFrame,
+                                      TokenLogprob, TransferResult, TransferStatus, Usage,
+                                      WorkerInfo, WorkerLoad, decode, encode)
 from common.contract.sampling_params import SamplingParams
 
 DEST = DecodeDestination(worker_id="decode-0", epoch=4, kv_address="ucx://10.0.0.2:7000",
