@@ -71,18 +71,18 @@ run_mode() {  # $1: mode name, $2: extra `pdserve up` options
     url="http://127.0.0.1:$port"
     echo ">> $mode: pdserve up --port $port $up_args" >&2
     # shellcheck disable=SC2086  # word splitting of the option strings is intended
-    "$PY" -m common.launcher.cli up --port "$port" $up_args >"$dir/up.log" 2>&1 &
+    "$PY" -m launcher.cli up --port "$port" $up_args >"$dir/up.log" 2>&1 &
     UP_PID=$!
     wait_ready "$url"
     # Warm-up, discarded: the first requests compile kernels and fill caches; a search
     # whose first point pays for that would bracket the wrong rate.
     echo ">> $mode: warm-up" >&2
-    "$PY" -m common.launcher.cli bench run --url "$url" --api "$API" --workload "$WORKLOAD" \
+    "$PY" -m launcher.cli bench run --url "$url" --api "$API" --workload "$WORKLOAD" \
         --seed "$((SEED + 1))" --rate "$START_RATE" --duration "$WARMUP" --ignore-eos \
         --no-progress --output "$dir/warmup.json" >/dev/null
     echo ">> $mode: pdserve bench goodput ($WORKLOAD)" >&2
     # shellcheck disable=SC2086
-    "$PY" -m common.launcher.cli bench goodput --url "$url" --api "$API" --workload "$WORKLOAD" \
+    "$PY" -m launcher.cli bench goodput --url "$url" --api "$API" --workload "$WORKLOAD" \
         --seed "$SEED" --duration "$DURATION" --start-rate "$START_RATE" \
         --max-runs "$MAX_RUNS" --ignore-eos --output "$dir/goodput.json" \
         --plot "$dir/plots" $BENCH_ARGS | tee "$dir/curve.txt"

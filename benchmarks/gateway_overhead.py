@@ -34,8 +34,8 @@ import aiohttp
 from common.contract.control_client import ControlClient
 from common.contract.protocol import DecodeRequest, DecodeResponseFrame, TokenFrame
 from common.contract.sampling_params import SamplingParams
-from common.launcher.redis_server import RedisServer
 from gateway.sse import SseDecoder
+from launcher.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = "[tiers.standard]\nlocal_prefill_max_tokens = 1000000\n"
@@ -134,7 +134,7 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace) -
                             "--token-interval-ms", str(interval_ms)], "listening on")
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as tiers:
         tiers.write(TIERS)
-    gateway, url = spawn(["common.launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+    gateway, url = spawn(["launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
                           "--log-level", "warning"], "listening on")
     try:

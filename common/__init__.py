@@ -3,7 +3,7 @@
     contract/   what two processes must agree on: messages, the Redis key schema, the
                 control-plane transport, sampling parameters, block hashes, metrics text
     worker/     the worker process around a role: options, lifecycle, registry publisher
-    launcher/   the `pdserve` command line and `pdserve up`'s supervision of a local cluster
 
-docs/architecture.md maps every folder and which folders it may import.
+The command line and `pdserve up` are the top layer, in launcher/. docs/architecture.md maps
+every folder and which folders it may import.
 """

@@ -57,7 +57,7 @@ def subcommand_parsers(cpu_count: int | None = None) -> dict[str, argparse.Argum
     """
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from common.launcher.cli import build_parser
+    from launcher.cli import build_parser
 
     real_cpu_count = os.cpu_count
     if cpu_count is not None:

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from common.contract.sampling_params import SamplingParams
-    from engine.errors import ModelLoadError
     from engine.engine_builder import build_engine
+    from engine.errors import ModelLoadError
     from engine.llm_engine import EngineConfig
 
     if args.threads is not None:

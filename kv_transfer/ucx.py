@@ -8,8 +8,9 @@ Choices (measured on a 2-core host; see docs/kv_transfer.md):
     failures (UCX over TCP).
   * Transports come from `transports` (UCX_TLS syntax, e.g. "cma,posix,sysv,self,tcp" or
     "cuda_ipc,cuda_copy,cma,posix,sysv,self,tcp"), default: UCX's own choice.
-  * Progress mode "blocking" (epoll fd on the event loop): about twice the throughput of
-    ucxx's default progress thread on 2 cores.
+  * Progress on the event loop, asleep on the worker's epoll fd when idle
+    (ucx_progress.py, which also says why not ucxx's own "blocking" mode): about twice the
+    throughput of ucxx's default progress thread on 2 cores, and no CPU while idle.
   * Packed transfers (packing.py) go through staging slots: the receiver keeps
     PACKED_WINDOW receives posted in message order and scatters each one as it lands.
   * Per-run transfers never copy the pool: every message is a view of the flat pool (numpy on CPU, a
@@ -63,6 +64,7 @@ from kv_transfer.messages import Welcome
 from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
 from kv_transfer.sender import OutboundTransfer, PeerLink
 from kv_transfer.staging import StagingPool
+from kv_transfer.ucx_progress import BlockingProgress
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +78,28 @@ PostedReceive = tuple[int, Any, int | None]
 class UcxWorker:
     """This process's UCX context and worker (one per event loop; ucxx allows no more)."""
 
-    def __init__(self, *, transports: str | None = None, progress_mode: str = "blocking",
-                 error_handling: bool = False, flush_timeout_s: float = 2.0) -> None:
+    def __init__(self, *, transports: str | None = None, error_handling: bool = False,
+                 flush_timeout_s: float = 2.0) -> None:
         loop = asyncio.get_running_loop()
         if loop in application_context.ProgressTasks:
             raise RuntimeError("a UCX worker already runs on this event loop; share it")
         options = {"TLS": transports} if transports else {}
-        self.ctx = application_context.ApplicationContext(options, progress_mode=progress_mode)
+        # Claim the loop first, so the context starts no progress of its own; ours follows.
+        application_context.ProgressTasks[loop] = None
+        try:
+            # "blocking": the context itself progresses after creating an endpoint.
+            self.ctx = application_context.ApplicationContext(options, progress_mode="blocking")
+        except BaseException:
+            application_context.ProgressTasks.pop(loop, None)
+            raise
+        self.progress = BlockingProgress(self.ctx.worker, loop)
+        application_context.ProgressTasks[loop] = self.progress
         self.error_handling = error_handling
         self.flush_timeout_s = flush_timeout_s
         self.address_bytes: bytes = self.ctx.worker_address.tobytes()
         self._loopback: Endpoint | None = None
-        log.info("UCX worker up (ucx %s, progress %s, transports %s)",
-                 ucxx.__ucx_version__, progress_mode, transports or "UCX default")
+        log.info("UCX worker up (ucx %s, transports %s)", ucxx.__ucx_version__,
+                 transports or "UCX default")
 
     async def loopback(self) -> Endpoint:
         """An endpoint to our own worker, for the zero-byte sends of flush()."""
@@ -106,6 +117,7 @@ class UcxWorker:
         if self._loopback is not None:
             self._loopback.abort(period=10**8)
             self._loopback = None
+        self.progress.stop()
 
 
 class UcxReceivePlane:
@@ -130,6 +142,7 @@ class UcxReceivePlane:
                 view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
                 requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
         self._requests[seq] = requests
+        self._worker.progress.kick()
         packed = isinstance(transfer.accepted_plan, PackedPlan)
         watch = self._watch_packed if packed else self._watch
         self._watchers[seq] = asyncio.get_running_loop().create_task(
@@ -175,6 +188,7 @@ class UcxReceivePlane:
                         Array(buffer), Tag(tag)), slot_id))
                     buffers[tag] = (staged, m)
                     next_post += 1
+                self._worker.progress.kick()
                 tag, request, slot_id = posted[0]
                 await request.wait()
                 posted.pop(0)
@@ -304,6 +318,7 @@ class UcxSendPlane:
                 break
             view = src[m.src_offset_bytes:m.src_offset_bytes + m.num_bytes]
             requests.append(endpoint.tag_send(Array(view), Tag(tag_for(transfer_seq, m.index))))
+        self._worker.progress.kick()
         for request in requests:
             if not request.completed:
                 await request.wait()
@@ -312,6 +327,7 @@ class UcxSendPlane:
     async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:
         buffer = staged if staged.is_cuda else staged.numpy()
         request = link.data._ep.tag_send(Array(buffer), Tag(tag))
+        self._worker.progress.kick()
         if not request.completed:
             await request.wait()
         request.check_error()

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.launcher.redis_server import RedisServer
+from launcher.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

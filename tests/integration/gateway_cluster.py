@@ -82,7 +82,7 @@ class GatewayCluster:
 def start_gateway(redis_url: str, namespace: str, tiers_file: Path,
                   extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "common.launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+        [sys.executable, "-m", "launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
          "--namespace", namespace, "--tiers", str(tiers_file), "--log-level", "warning", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.bench.goodput import SearchParams, search_goodput
 from benchmarks.bench.runner import BenchRunner
-from common.launcher.cli import build_parser
+from launcher.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 20.0
@@ -173,7 +173,7 @@ def test_cli_end_to_end_writes_json_and_plots(stub, tmp_path):
     server = stub("--ttft-ms", "30", "--tpot-ms", "5")
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "common.launcher.cli", "bench", "run", "--url", server.url,
+        [sys.executable, "-m", "launcher.cli", "bench", "run", "--url", server.url,
          "--workload", "mixed", "--rate", "10", "--duration", "1.5", "--seed", "3",
          "--output", str(out), "--plot", str(tmp_path / "plots"), "--no-progress"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)

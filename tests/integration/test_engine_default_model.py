@@ -161,7 +161,7 @@ def test_abort_frees_blocks(loaded):
 
 def test_generate_cli_streams_only_the_text(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "common.launcher.cli", "generate", "The capital of France is",
+        [sys.executable, "-m", "launcher.cli", "generate", "The capital of France is",
          "--max-tokens", "12", "--threads", "1"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -171,7 +171,7 @@ def test_generate_cli_streams_only_the_text(tmp_path):
 
 def test_generate_cli_bad_model_is_a_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "common.launcher.cli", "generate", "hi", "--model",
+        [sys.executable, "-m", "launcher.cli", "generate", "hi", "--model",
          str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "missing.gguf" in proc.stderr and proc.stdout == ""

@@ -12,8 +12,8 @@ import pytest
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.protocol import PrefixIndexEvent, Role, WorkerInfo, WorkerLoad
 from common.contract.redis_state import RedisState, StaleEpochError, connect, live_epochs
-from common.launcher.redis_server import RedisServer
 from common.worker.publisher import WorkerPublisher
+from launcher.redis_server import RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_child_dying_at_start_fails_with_its_log(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "common.launcher.cli", "up", "--port", "0", "--model",
+        [sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--model",
          str(tmp_path / "missing.gguf"), "--log-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=100)
     assert result.returncode == 1

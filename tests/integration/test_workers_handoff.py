@@ -1,6 +1,6 @@
 """Prefill and decode worker processes on the default model, driven the way the gateway does.
 
-Real processes (`python -m common.launcher.cli prefill-worker|decode-worker`, port 0, found through
+Real processes (`python -m launcher.cli prefill-worker|decode-worker`, port 0, found through
 the Redis registry), a real Redis-protocol server, real KV transfer on loopback (UCX for
 one prefill/decode pair, TCP for the other). The TCP pair's prefill worker sleeps before
 each layer of requests named "fault-*" (--fault-transfer-delay-ms, --fault-request-prefix),
@@ -34,7 +34,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest
                                       TransferStatus)
 from common.contract.redis_state import RedisState, connect
 from common.contract.sampling_params import SamplingParams
-from common.launcher.redis_server import RedisServer
+from launcher.redis_server import RedisServer
 
 # Generous: the module fixture starts four model-loading processes on a shared host.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -64,7 +64,7 @@ class Worker:
     def start(self, redis_url: str) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "common.launcher.cli", *self.args, "--redis-url", redis_url,
+            [sys.executable, "-m", "launcher.cli", *self.args, "--redis-url", redis_url,
              "--worker-id", self.worker_id, "--namespace", NAMESPACE, "--threads", "1",
              "--kv-cache-mb", "48", "--log-level", "warning"],
             cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})

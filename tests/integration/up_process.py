@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 class UpProcess:
     def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "common.launcher.cli", "up", "--port", "0", "--threads-per-worker", "1",
+            [sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--threads-per-worker", "1",
              "--log-dir", str(log_dir), "--log-level", "warning", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -93,9 +93,9 @@ def resolved_compose(files: tuple[str, ...] = ("docker-compose.yml",),
 
 @functools.lru_cache(maxsize=None)
 def pdserve_help(subcommand: str | None = None) -> str:
-    """`python -m common.launcher.cli [SUBCOMMAND] --help`, run as a user would (a fresh process)."""
+    """`python -m launcher.cli [SUBCOMMAND] --help`, run as a user would (a fresh process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    args = [sys.executable, "-m", "common.launcher.cli"] + ([subcommand] if subcommand else []) + ["--help"]
+    args = [sys.executable, "-m", "launcher.cli"] + ([subcommand] if subcommand else []) + ["--help"]
     result = run(args, env=env)
     assert result.returncode == 0, f"{' '.join(args[2:])}: {result.stderr}"
     return result.stdout
@@ -112,7 +112,7 @@ def subcommands() -> set[str]:
 
 def require_subcommand(name: str) -> None:
     if name not in subcommands():
-        pytest.skip(f"`pdserve {name}` does not exist yet in this build (common/launcher/cli.py "
+        pytest.skip(f"`pdserve {name}` does not exist yet in this build (launcher/cli.py "
                     f"SUBCOMMAND_MODULES lists no module for it)")
 
 
@@ -138,7 +138,7 @@ def invocation_errors(where: str, args: list[str], env: dict[str, str]) -> list[
 def parsed_namespace(args: list[str], env: dict[str, str]) -> dict:
     """The namespace the real parser builds for `pdserve ARGS` under `env` (no run)."""
     code = ("import json, sys\n"
-            "from common.launcher.cli import build_parser\n"
+            "from launcher.cli import build_parser\n"
             "ns = vars(build_parser().parse_args(sys.argv[1:]))\n"
             "ns.pop('func', None)\n"
             "print(json.dumps(ns, default=str))\n")

@@ -147,6 +147,17 @@ def test_image_copies_files_that_exist_and_extras_that_exist(name: str) -> None:
                 assert set(group.split(",")) <= extras, f"{name}: unknown extra in {group}"
 
 
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_image_copies_every_package_the_project_installs(name: str) -> None:
+    includes = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"] \
+        ["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in includes}
+    copied = {source.rstrip("/") for command in parsed_dockerfile(name)
+              if command.cmd == "COPY" and not any(f.startswith("--from") for f in command.flags)
+              for source in command.value[:-1]}
+    assert packages <= copied, f"{name} does not copy {sorted(packages - copied)}"
+
+
 def test_cpu_image_bakes_in_the_default_model_the_engine_looks_for() -> None:
     from engine.default_model import INSTALL_COMMAND
 

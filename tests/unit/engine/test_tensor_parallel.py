@@ -127,7 +127,7 @@ def test_default_model_refuses_tp2_and_accepts_tp3():
 @pytest.mark.timeout(60)
 def test_generate_cli_refuses_tp2_on_the_default_model_before_spawning():
     result = subprocess.run(
-        [sys.executable, "-m", "common.launcher.cli", "generate", "hello", "--tp", "2"],
+        [sys.executable, "-m", "launcher.cli", "generate", "hello", "--tp", "2"],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "3 KV heads (9 attention heads)" in result.stderr
@@ -142,7 +142,7 @@ def test_generate_cli_refuses_tp2_on_the_default_model_before_spawning():
 def test_generate_cli_tp3_matches_tp1_on_the_default_model():
     def generate(tp: int) -> str:
         result = subprocess.run(
-            [sys.executable, "-m", "common.launcher.cli", "generate", "The capital of France is",
+            [sys.executable, "-m", "launcher.cli", "generate", "The capital of France is",
              "--max-tokens", "12", "--threads", "1", "--tp", str(tp)],
             capture_output=True, text=True, timeout=280)
         assert result.returncode == 0, result.stderr

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher.redis_server import (RedisBinary, RedisServer, RedisServerError,
-                                          find_redis_binary, ping)
+from launcher.redis_server import (RedisBinary, RedisServer, RedisServerError, find_redis_binary,
+                                   ping)
 
 pytestmark = pytest.mark.timeout(30)
 

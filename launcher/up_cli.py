@@ -6,7 +6,7 @@
     registered  →  the URL and a curl example  →  wait for Ctrl-C / SIGTERM / a child dying
     →  stop: gateway, then workers (they drain), then Redis.
 
-Children run in their own process groups with a parent-death signal (common/launcher/supervisor.py),
+Children run in their own process groups with a parent-death signal (launcher/supervisor.py),
 so neither Ctrl-C nor a killed `pdserve up` leaves orphans. A child that exits before the
 cluster is ready fails the command with its log's last lines.
 """
@@ -64,8 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.launcher.redis_server import RedisServer, RedisServerError, free_port
-    from common.launcher.supervisor import Supervisor
+    from launcher.redis_server import RedisServer, RedisServerError, free_port
+    from launcher.supervisor import Supervisor
 
     roles = ([("decode", "colocated")] * args.workers if args.colocated else
              [("prefill", None)] * args.prefill + [("decode", "decode")] * args.decode)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(str(exc))
             redis_url = redis.url
             _say(f"redis: {redis_url} ({Path(redis.binary.path).name})")
-        base = [sys.executable, "-m", "common.launcher.cli"]
+        base = [sys.executable, "-m", "launcher.cli"]
         common = ["--model", args.model, "--redis-url", redis_url, "--namespace", args.namespace,
                   "--log-level", args.log_level]
         if args.kv_cache_mb:

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable
 
 from benchmarks.bench import cli as bench_cli
-from common.launcher import up_cli
 from decode_workers import cli as decode_cli
 from engine import generate_cli
 from gateway import cli as gateway_cli
+from launcher import up_cli
 from prefill_workers import cli as prefill_cli
 
 # Every subcommand's `add_parser`, in the order `--help` lists them.
