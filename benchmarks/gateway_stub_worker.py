@@ -27,6 +27,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -41,6 +42,11 @@ from common.worker.publisher import WorkerPublisher
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 4096
+
+
+@dataclass
+class DecodeCut:
+    after: int | None = None  # tokens into the next decode stream; None: no cut
 
 
 class StubWorker:
@@ -59,6 +65,9 @@ class StubWorker:
         self.transfer_delay_s = transfer_delay_s
         self.fail_transfer = fail_transfer
         self.colocated = colocated
+        # Fault injection: cut the next decode stream after this many tokens (as a worker
+        # that dies mid-stream does), once; stubs may share one DecodeCut.
+        self.decode_cut = DecodeCut()
         self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
         self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
         self.aborts: list[str] = []
@@ -156,11 +165,18 @@ class StubWorker:
                 raise RequestRejected(ErrorCode.UNKNOWN_REQUEST, f"no reservation for {rid}", rid)
             if message.first_token_id != self.reply[0][0]:
                 raise RequestRejected(ErrorCode.BAD_REQUEST, "unexpected first token", rid)
+        resumed = list(message.resume_token_ids)
+        if resumed != [token_id for token_id, _ in self.reply[:len(resumed)]]:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, "resumed tokens are not the reply's",
+                                  rid)
         self.held[rid] = "decoding"
         num_total = min(len(self.reply), message.sampling.max_tokens)
-        start = 1 if message.first_token_id is not None else 0
+        start = 1 if message.first_token_id is not None else len(resumed)
+        cut_after, self.decode_cut.after = self.decode_cut.after, None
         try:
             for i in range(start, num_total):
+                if cut_after is not None and i - start >= cut_after:
+                    raise ConnectionResetError("stub: decode stream cut (fault injection)")
                 if self.token_interval_s:
                     await asyncio.sleep(self.token_interval_s)
                 if rid not in self.held:  # aborted meanwhile

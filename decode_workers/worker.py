@@ -15,7 +15,9 @@ The handoff as this worker sees it (disaggregated request):
                    ◀─────────────── TokenFrame(tokens 2..n) ... finish + usage
 
 Short prompts (DecodeRequest without first_token_id) skip the reservation: the request is
-prefilled here and its first frame carries the first token.
+prefilled here and its first frame carries the first token. A migrated stream arrives the
+same way with `resume_token_ids` (what the client already has): prompt and those tokens are
+recomputed here and the first frame carries the token after them.
 
 Failure paths (each frees every block it holds, exactly once; see reservations.py):
   * transfer fails or stalls -> the receiver aborts it by its deadline, waits until no
@@ -226,8 +228,12 @@ class DecodeWorker:
             if request.is_local_prefill:
                 await engine.call(lambda e: e.add_request(
                     rid, request.prompt_token_ids, params, request.priority,
-                    RequestMode.PREFILL_AND_DECODE))
+                    RequestMode.PREFILL_AND_DECODE, request.resume_token_ids))
                 in_engine = True
+            elif request.resume_token_ids:
+                yield _error(rid, ErrorCode.BAD_REQUEST, "resume_token_ids needs a local "
+                             "prefill (no first_token_id)")
+                return
             else:
                 reservation = self.table.get(rid)
                 error = self._check_joinable(request, reservation)
@@ -351,6 +357,7 @@ class DecodeWorker:
             found = True
             stream.end(request.reason or "aborted by the gateway")
             engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
+        self.metrics.aborts.inc(found="yes" if found else "no")
         return AbortResponse(request_id=rid, found=found)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:

@@ -169,7 +169,13 @@ class EngineThread:
         """Run fn(engine) on the engine thread and return its result (bounded: a step of a
         large batch may take a while). Raises what fn raised, EngineStopped or TimeoutError."""
         future: asyncio.Future[T] = self._enqueue(fn)  # type: ignore[assignment]
-        return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except BaseException:
+            # Nobody will read it now (timed out, cancelled): a late error must not be
+            # reported as "Future exception was never retrieved".
+            future.add_done_callback(_retrieve)
+            raise
 
     async def check_invariants(self, timeout_s: float = 5.0) -> None:
         """Check the engine's invariants on its thread and refresh `load`; raises
@@ -291,6 +297,11 @@ class EngineThread:
 
     def _fail_pending(self, error: BaseException) -> None:
         self._drain_commands(error)
+
+
+def _retrieve(future: asyncio.Future[object]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:

@@ -167,18 +167,37 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, priority: int = 0,
-                    mode: RequestMode = RequestMode.PREFILL_AND_DECODE) -> None:
-        """Queue a request; its outputs come from later `step()` calls."""
+                    mode: RequestMode = RequestMode.PREFILL_AND_DECODE,
+                    resumed_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request; its outputs come from later `step()` calls.
+
+        With `resumed_token_ids` it continues after that output, produced elsewhere (a
+        worker that died mid-stream): the tokens are replayed through the detokenizer and
+        the stop rules, so the text continues exactly where theirs ended and they are never
+        emitted again; seeded sampling draws the next token as the first worker would have
+        (engine/sampler.py). Raises ValueError when that output already ends the request."""
         self._check_prompt(request_id, prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
-        self._track(request)
-        self.scheduler.add_request(request)
+        tracked = self._track(request)
+        if not resumed_token_ids:
+            self.scheduler.add_request(request)
+            return
+        try:
+            self._replay(tracked, resumed_token_ids)
+            self.scheduler.add_resumed_request(request, resumed_token_ids)
+        except ValueError:
+            self._tracked.pop(request_id, None)
+            raise
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> Reservation | None:
-        """Decode side: hold blocks for a prompt whose KV a peer will write. None when the
-        pool cannot hold it now. Prefix blocks already cached here are reported in
+        """Decode side: hold blocks for a prompt whose KV a peer will write (None: not now;
+        ValueError: never, it exceeds the pool). Prefix blocks cached here are reported in
         `num_cached_tokens` and need not be sent."""
         self._check_prompt(request_id, prompt_token_ids)
+        needed = self.kv_cache.blocks_needed(len(prompt_token_ids) + 1)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(f"the prompt needs {needed} KV blocks; this worker's pool has "
+                             f"{self.kv_cache.num_blocks}")
         if not self.kv_cache.can_reserve(list(prompt_token_ids)):
             return None
         return self.kv_cache.reserve(request_id, list(prompt_token_ids))
@@ -301,6 +320,24 @@ class LLMEngine:
                            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
         self._tracked[request.request_id] = tracked
         return tracked
+
+    def _replay(self, tracked: _Tracked, token_ids: Sequence[int]) -> None:
+        params = tracked.request.sampling_params
+        seen: list[int] = []
+        check = None
+        for token_id in token_ids:
+            if not 0 <= token_id < self.model_config.vocab_size:
+                raise ValueError(f"resumed token id {token_id} is outside the vocabulary")
+            seen.append(token_id)
+            delta = tracked.detokenizer.add(token_id)
+            tracked.text += delta
+            check = check_stop(params, self.tokenizer.eos_token_ids, seen, tracked.text,
+                               len(delta))
+            if check.finished:
+                raise ValueError(f"request {tracked.request.request_id} already ended at "
+                                 f"resumed token {len(seen)} ({check.finish_reason})")
+        if check is not None:
+            tracked.num_emitted_chars = check.emit_end
 
     def _postprocess(self, request_id: str, token_id: int,
                      logprobs: TokenLogprobs | None) -> RequestOutput:

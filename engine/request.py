@@ -8,6 +8,7 @@ Lifecycle (the scheduler moves a request; nothing else writes `status`):
                                         |  v preempt                 release_prefilled: gone
                                        PREEMPTED
     add_decode_request --> RUNNING              (DECODE_ONLY: the prompt KV arrived by transfer)
+    add_resumed_request --> PREEMPTED           (output so far produced elsewhere: recomputed)
     any live state --abort_request--> FINISHED_ABORTED
     too big for the whole KV pool --> FINISHED_ERROR (prompt) or FINISHED_LENGTH (grew past it)
 

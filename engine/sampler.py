@@ -18,9 +18,11 @@ truncation, i.e. the model's own distribution (vLLM's default "raw_logprobs"). T
 change with sampling settings, and a token excluded by top_k still has a finite logprob.
 
 Determinism: a row with `seed` draws only from its own `torch.Generator` (held in
-`SamplingState`), and its draw has the same shape whatever the batch; so a seeded request
-yields the same tokens alone or batched with others. Rows without a seed share the
-sampler's generator.
+`SamplingState`), re-seeded for every output position from (seed, position), and its draw
+has the same shape whatever the batch; so a seeded request yields the same tokens alone or
+batched with others, and on any worker: a request resumed elsewhere after n tokens (its
+n tokens replayed) draws token n+1 exactly as the first worker would have. Rows without a
+seed share the sampler's generator.
 
 `ignore_eos` does not touch the logits (vLLM semantics): the model may sample EOS and the
 stop checker simply does not stop there.
@@ -57,8 +59,7 @@ class SamplingState:
                device: torch.device | str = "cpu") -> SamplingState:
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
+            generator = torch.Generator(device=device)  # re-seeded at every position
         return cls(prompt_token_ids=prompt_token_ids, generator=generator)
 
     def check_invariants(self, params: SamplingParams) -> None:
@@ -130,7 +131,9 @@ class Sampler:
             rows = _apply_top_k(rows, [params[i].top_k for i in random])
             rows = _apply_top_p(rows, [params[i].top_p for i in random])
             probs = torch.softmax(rows, dim=-1)
-            noise = self._exponential_noise(probs, [states[i].generator for i in random])
+            noise = self._exponential_noise(probs, [states[i].generator for i in random],
+                                            [params[i].seed for i in random],
+                                            [len(states[i].output_token_ids) for i in random])
             # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
             token_ids[random] = (probs / noise).argmax(dim=-1)
 
@@ -151,18 +154,34 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
     def _exponential_noise(self, probs: torch.Tensor,
-                           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                           generators: Sequence[torch.Generator | None],
+                           seeds: Sequence[int | None], positions: Sequence[int]
+                           ) -> torch.Tensor:
         noise = torch.empty_like(probs)
         shared = [j for j, g in enumerate(generators) if g is None]
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
                                         device=probs.device).exponential_(generator=self._generator)
-        for j, g in enumerate(generators):
-            if g is not None:
-                # One full row per seeded request, whatever the batch: batch-invariant draws.
+        for j, (g, position) in enumerate(zip(generators, positions)):
+            if g is not None and seeds[j] is not None:
+                # One full row per seeded request, whatever the batch or the worker: the
+                # draw depends on the seed and the output position only.
+                g.manual_seed(position_seed(seeds[j], position))
                 noise[j].exponential_(generator=g)
         # A zero draw would turn an excluded token's 0/0 into NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for one output position of a seeded request (splitmix64 of
+    the pair): the same on every process, unrelated between neighbouring positions."""
+    z = ((seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -55,7 +55,7 @@ Invariants (`check_invariants`, plus the KV cache manager's):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
@@ -92,8 +92,6 @@ class Scheduler:
         self._num_steps = 0
         self._num_added = 0
 
-    # ---- queries -------------------------------------------------------------------------
-
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
@@ -128,6 +126,23 @@ class Scheduler:
         self._check_fresh(request)
         if self.kv_cache.blocks_needed(request.num_prompt_tokens) > self.kv_cache.num_blocks:
             request.status = RequestStatus.FINISHED_ERROR
+            self._finished.append(request)
+            return
+        self._register(request)
+        self._push_waiting(request)
+
+    def add_resumed_request(self, request: Request, output_token_ids: Sequence[int]) -> None:
+        """Queue a PREFILL_AND_DECODE request continuing after `output_token_ids` (produced
+        elsewhere): like a preempted one, prompt + output are recomputed, then it samples."""
+        self._check_fresh(request)
+        if request.mode is not RequestMode.PREFILL_AND_DECODE or not 0 < len(
+                output_token_ids) < request.sampling_params.max_tokens:
+            raise ValueError(f"{request.request_id}: cannot resume a {request.mode.value} "
+                             f"request after {len(output_token_ids)} output tokens")
+        request.output_token_ids.extend(output_token_ids)
+        request.status = RequestStatus.PREEMPTED
+        if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
+            request.status = RequestStatus.FINISHED_LENGTH  # as at a context limit
             self._finished.append(request)
             return
         self._register(request)

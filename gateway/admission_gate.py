@@ -108,6 +108,10 @@ class AdmissionGate:
                 self._wake(self._controller.cancel(rid))
 
 
+    def set_capacity(self, max_running_total: int) -> None:
+        """A new concurrency limit (gateway/capacity.py); a larger one admits at once."""
+        self._wake(self._controller.set_capacity(max_running_total))
+
     def check_invariants(self) -> None:
         self._controller.check_invariants()
         for rid, waiter in self._waiters.items():

@@ -90,8 +90,22 @@ async def _one_per_batch(deltas: AsyncGenerator[TokenDelta, None]
         await deltas.aclose()  # the backend's cleanup runs when the client goes away
 
 
+@runtime_checkable
+class ContextLimited(Protocol):
+    def context_limit(self) -> int | None:
+        """The most tokens (prompt + completion) one request can hold now, e.g. the largest
+        KV cache among the workers that can take it; None: unknown (no limit beyond the
+        model's)."""
+        ...
+
+
 class PromptTokenizer(Protocol):
     """The workers' tokenizer, used once at the gateway for length limits and routing."""
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can have (bounds tokens from below)."""
+        ...
 
     def encode(self, text: str) -> list[int]:
         ...

@@ -34,9 +34,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--tokenizer-model", "default",
         help='model path or "default" whose tokenizer and context length the gateway uses')
     opt("--max-body-bytes", str(4 * 1024 * 1024), type=int, help="request body limit")
+    opt("--body-timeout-s", "30", type=float,
+        help="a request body must arrive within this, else 408 (default 30)")
     opt("--max-prompt-tokens", type=int, help="prompt length limit (default: context - 1)")
     opt("--max-running", "1024", type=int, help="requests admitted at once, all tiers")
     opt("--max-queued", "4096", type=int, help="requests queued for admission, all tiers")
+    opt("--drain-timeout-s", "30", type=float,
+        help="on SIGTERM/SIGINT: stop accepting, let running requests finish for this long, "
+             "then end each remaining stream with an error event and [DONE] (default 30)")
+    opt("--max-attempts", "4", type=int,
+        help="attempts per request when workers fail: retries before the first token, "
+             "migrations of a running stream to another decode worker after it; 1 turns "
+             "both off (default 4)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
     p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
@@ -62,14 +71,22 @@ def run(args: argparse.Namespace) -> int:
     from gateway.main import GatewayConfig
     from gateway.main import run as run_gateway
     from gateway.model_files import ModelFileError
+    from gateway.retry_policy import RetryLimits
     from gateway.tiers import TierConfigError
 
+    try:
+        retry_limits = RetryLimits(max_attempts=args.max_attempts)
+    except ValueError as exc:
+        print(f"pdserve gateway: --max-attempts: {exc}", file=sys.stderr)
+        return 2
     config = GatewayConfig(
         redis_url=args.redis_url, host=args.host, port=args.port,
         tokenizer_model=args.tokenizer_model, model_name=args.model_name,
         tiers_toml=tiers_toml, env=dict(os.environ), namespace=args.namespace,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_running=args.max_running, max_queued=args.max_queued,
+        retry_limits=retry_limits, drain_timeout_s=args.drain_timeout_s,
+        body_timeout_s=args.body_timeout_s,
         internal_token=args.internal_token or None)
     try:
         run_gateway(config)

@@ -12,7 +12,14 @@ stop() cancels and awaits both tasks, each within a deadline.
 
 When Redis is unreachable the last snapshot stays in use; routing decisions made since the
 last poll are applied to it (`router.with_assignment`) so a burst between two polls does
-not all land on one worker.
+not all land on one worker. When Redis comes back empty (restarted without its data) every
+worker vanishes from one poll to the next: the last snapshot stays in use for up to
+`vanish_grace_s`, while the workers re-register (they republish in full on reconnect).
+
+A worker a request could not reach is marked unreachable (`mark_unreachable`): routed
+nothing until it registers with a new epoch or the mark lapses, without waiting for its
+lease to expire; a worker that failed one request is excluded from that request's later
+plans (`plan(..., exclude=...)`).
 
 Invariants: every worker in `snapshot()` is live (lease held at the last poll), not
 draining, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
@@ -51,12 +58,14 @@ class WorkerEntry:
 
 class ClusterView:
     def __init__(self, state: RedisState, mirror: PrefixIndexMirror, rng: random.Random,
-                 poll_period_s: float = 0.25, purge_period_s: float = 5.0) -> None:
+                 poll_period_s: float = 0.25, purge_period_s: float = 5.0,
+                 vanish_grace_s: float = 8.0) -> None:
         self.state = state
         self.mirror = mirror
         self.rng = rng
         self.poll_period_s = poll_period_s
         self.purge_period_s = purge_period_s
+        self.vanish_grace_s = vanish_grace_s
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.registered_ids: list[str] = []
@@ -65,6 +74,10 @@ class ClusterView:
         self.last_poll_monotonic: float | None = None
         self._snapshot = ClusterSnapshot(workers=(), prefix_index={}, block_size=DEFAULT_BLOCK_SIZE)
         self._live_epochs: dict[str, int] = {}
+        # Workers a request could not reach: (epoch, until monotonic); out of routing until
+        # they register with another epoch or the mark lapses (a worker that was only cut off).
+        self._unreachable: dict[str, tuple[int, float]] = {}
+        self._last_seen_workers_at = 0.0  # monotonic time of the last poll that found workers
         self._last_purge = 0.0
         self._task: asyncio.Task[None] | None = None
         self._mirror_started = False
@@ -76,15 +89,54 @@ class ClusterView:
         return self._snapshot.block_size
 
     def num_decode_workers(self) -> int:
-        return sum(1 for w in self._snapshot.workers if w.role.decodes)
+        return sum(1 for w in self._routable(frozenset()) if w.role.decodes)
+
+    def max_kv_tokens(self) -> int | None:
+        """Tokens the largest KV pool among the routable decoding workers holds (what one
+        request can grow to there); None while no such worker is known."""
+        sizes = [self.workers[w.worker_id].num_kv_blocks * self.workers[w.worker_id].block_size
+                 for w in self._routable(frozenset())
+                 if w.role.decodes and w.worker_id in self.workers]
+        return max(sizes, default=None)
+
+    def mark_unreachable(self, worker_id: str, for_s: float = 5.0) -> bool:
+        """A request could not reach `worker_id`: route nothing there for `for_s` seconds or
+        until it registers again with a new epoch. True when it was not marked already."""
+        info = self.workers.get(worker_id)
+        if info is None:
+            return False
+        fresh = worker_id not in self._unreachable
+        self._unreachable[worker_id] = (info.epoch, time.monotonic() + for_s)
+        return fresh
+
+    def _routable(self, exclude: frozenset[str]) -> tuple[WorkerView, ...]:
+        workers = self._snapshot.workers
+        if not exclude and not self._unreachable:
+            return workers
+        now = time.monotonic()
+        return tuple(w for w in workers
+                     if w.worker_id not in exclude and not self._is_unreachable(w.worker_id, now))
+
+    def _is_unreachable(self, worker_id: str, now: float) -> bool:
+        mark = self._unreachable.get(worker_id)
+        if mark is None:
+            return False
+        epoch, until = mark
+        if now >= until or self._live_epochs.get(worker_id) != epoch:
+            del self._unreachable[worker_id]  # lapsed, or restarted with a new epoch
+            return False
+        return True
 
     def entries(self) -> list[WorkerEntry]:
         ids = sorted(set(self.registered_ids) | set(self.workers))
         return [WorkerEntry(self.workers.get(w), w, self.loads.get(w)) for w in ids]
 
-    def plan(self, prompt_len: int, block_hashes: Sequence[int],
-             local_prefill: bool) -> RoutePlan | NoWorkers:
-        """Plan one request on the current snapshot and count it there until the next poll."""
+    def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool,
+             exclude: frozenset[str] = frozenset()) -> RoutePlan | NoWorkers:
+        """Plan one request on the current snapshot and count it there until the next poll.
+
+        Workers in `exclude` (they failed this request) and workers marked unreachable are
+        left out."""
         holders = self.mirror.index.holders
         live = self._live_epochs
         # Only the request's own hashes are looked up: a snapshot of the whole index per
@@ -98,7 +150,7 @@ class ClusterView:
         snapshot = self._snapshot
         request = RouteRequest(prompt_len=prompt_len, block_hashes=block_hashes,
                                local_prefill=local_prefill)
-        plan = plan_route(request, ClusterSnapshot(snapshot.workers, prefix_index,
+        plan = plan_route(request, ClusterSnapshot(self._routable(exclude), prefix_index,
                                                    snapshot.block_size), self.rng)
         if isinstance(plan, RoutePlan):
             self._snapshot = with_assignment(snapshot, plan)
@@ -132,6 +184,19 @@ class ClusterView:
         """Read the registry and loads once and rebuild the snapshot."""
         registry = await self.state.read_registry()
         workers, loads = registry.workers, registry.loads
+        now = time.monotonic()
+        if workers:
+            self._last_seen_workers_at = now
+        elif self.workers and now - self._last_seen_workers_at < self.vanish_grace_s:
+            # Every worker vanished at once: Redis restarted empty. Keep routing on what was
+            # known until they re-register (within a lease or two), rather than answer 503.
+            if self.redis_connected:
+                log.warning("the registry is empty (Redis restarted?): keeping the last "
+                            "%d worker(s) for up to %.0f s", len(self.workers),
+                            self.vanish_grace_s)
+            self.redis_connected = True
+            self.last_poll_monotonic = now
+            return
         self.workers, self.loads, self.registered_ids = workers, loads, registry.registered_ids
         self._live_epochs = {w.worker_id: w.epoch for w in workers.values()}
         self._snapshot = build_snapshot(workers, loads)

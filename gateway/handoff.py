@@ -1,26 +1,34 @@
-"""One generation's upstream state, and the small rules its legs share.
+"""One generation's upstream state: its attempts, the workers each touched, its bounds.
 
-`Handoff` records which workers a generation touched (each one is aborted if it does not
-finish) and how its KV move went; `UpstreamTimeouts` bounds every wait of a leg. See
-gateway/upstream.py for the legs themselves.
+    Generation  one client request: its token relay (what the client has), its attempts,
+                the workers it must not use again
+    Attempt     one plan tried: worker-facing request id, the workers called (each is
+                aborted unless the attempt finishes), a failure the transfer watcher saw
+    UpstreamTimeouts  every wait of a leg
+
+Attempt n > 0 of request R reaches the workers as "R-n": a worker still freeing attempt
+n-1's reservation or stream never sees the id reused.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from aiohttp import ClientError
 
 from common.contract.control_client import ControlClient
-from common.contract.control_errors import ControlError, RemoteError
-from common.contract.finish_reason import FinishReason
-from common.contract.protocol import ErrorCode, TokenFrame
-from gateway.backend import BackendUnavailable
+from common.contract.control_errors import ControlError
+from common.contract.protocol import Message, TokenFrame, TransferResult, TransferStatus
+from gateway.backend import GenerationRequest
+from gateway.relay import TokenRelay
+from gateway.retry_policy import FailureKind, LegFailed, Phase, leg_failed
+from gateway.router import RoutePlan
 
-# What a failing worker call looks like from here; anything else is a bug and propagates.
-UPSTREAM_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,17 +41,39 @@ class UpstreamTimeouts:
     abort_s: float = 2.0
 
 
-class Handoff:
-    """One generation's upstream state: which workers it touched, how the KV move went."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+class Attempt:
+    def __init__(self, request_id: str, number: int, plan: RoutePlan) -> None:
+        self.request_id = request_id  # as the workers see it
+        self.number = number
+        self.plan = plan
         self.legs: dict[str, ControlClient] = {}  # worker id -> client: abort these on failure
-        self.transfer_error: str | None = None
+        self.transfer_failure: LegFailed | None = None  # set by the KV transfer watcher
 
-    def failure_text(self, fallback: str) -> str:
-        """Why the generation failed, as the client should hear it."""
-        return f"KV transfer failed: {self.transfer_error}" if self.transfer_error else fallback
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        plan = self.plan
+        if plan.prefill_worker_id is None:
+            return (plan.decode_worker_id,)
+        return plan.prefill_worker_id, plan.decode_worker_id
+
+
+class Generation:
+    def __init__(self, request: GenerationRequest, relay: TokenRelay) -> None:
+        self.request = request
+        self.relay = relay
+        self.attempts: list[Attempt] = []
+        self.excluded: set[str] = set()  # workers that failed this generation
+
+    @property
+    def current(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+    def new_attempt(self, plan: RoutePlan) -> Attempt:
+        number = len(self.attempts)
+        rid = self.request.request_id if number == 0 else f"{self.request.request_id}-{number}"
+        attempt = Attempt(rid, number, plan)
+        self.attempts.append(attempt)
+        return attempt
 
 
 async def prepend(first: asyncio.Task[list[TokenFrame]],
@@ -58,19 +88,25 @@ async def prepend(first: asyncio.Task[list[TokenFrame]],
         yield item
 
 
-def client_finish_reason(reason: FinishReason | None) -> FinishReason | None:
-    """The reason a client sees: STOP or LENGTH; ABORT is reported as an error instead."""
-    if reason is None or not reason.is_openai_reason:
-        return None
-    return reason
-
-
-def unavailable(what: str, exc: BaseException) -> BackendUnavailable:
-    """A failed worker call as the 503 the client sees (Retry-After when it may pass)."""
-    retry = None
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, RemoteError):
-        detail = exc.frame.message
-        if exc.frame.code is ErrorCode.OVERLOADED or exc.frame.retryable:
-            retry = 1.0
-    return BackendUnavailable(f"{what}: {detail}", retry_after_s=retry)
+async def watch_transfer(prefill_frames: AsyncGenerator[Message, None], attempt: Attempt,
+                         prefill_id: str, abort: Callable[[Attempt], None]) -> None:
+    """Reads P's TransferResult; a failed move is recorded on the attempt and aborts it
+    (`abort`), so the decode leg fails at once instead of waiting for the KV."""
+    failure: LegFailed | None = None
+    try:
+        async with contextlib.aclosing(prefill_frames):
+            async for frame in prefill_frames:
+                if isinstance(frame, TransferResult):
+                    if frame.status is TransferStatus.FAILED:
+                        failure = LegFailed(prefill_id, Phase.TRANSFER, FailureKind.WORKER_ERROR,
+                                            frame.error or "KV transfer failed")
+                    return
+            failure = LegFailed(prefill_id, Phase.TRANSFER, FailureKind.WORKER_ERROR,
+                                "stream ended before the KV transfer finished")
+    except (ControlError, ClientError, OSError, TimeoutError) as exc:
+        failure = leg_failed(prefill_id, Phase.TRANSFER, exc)
+    finally:
+        if failure is not None:
+            attempt.transfer_failure = failure
+            log.warning("%s: %s; aborting the attempt", attempt.request_id, failure)
+            abort(attempt)

@@ -4,10 +4,13 @@
                      WorkerBackend ─▶ ClusterView (Redis registry/load polling, prefix-index
                      mirror, purges) ─▶ the aiohttp app (gateway/http_api.py + ops_api.py)
     serve(): AppRunner (client hang-up cancels its handler) → print the URL → wait for
-             SIGINT/SIGTERM → runner.cleanup() runs the cleanup_ctx below.
+             SIGINT/SIGTERM → stop listening → drain (gateway/drain.py: running requests
+             finish within --drain-timeout-s, the rest end with an error and [DONE])
+             → runner.cleanup() runs the cleanup_ctx below.
 
 Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
-session, the Redis client, the cluster view (its poll task and the mirror's task) start;
+session, the Redis client, the cluster view (its poll task and the mirror's task) and the
+concurrency governor (gateway/capacity.py) start;
 on shutdown they stop in reverse order and every pending abort is awaited or cancelled,
 so no task outlives the app.
 """
@@ -28,15 +31,17 @@ from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
+from gateway.capacity import CapacityBounds, CapacityGovernor, TtftWindow
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
-from gateway.http_api import ApiSettings, create_app
+from gateway.http_api import DRAIN, ApiSettings, create_app
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import read_model_info
 from gateway.ops_api import install
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.rate_limit import TokenRateLimiter
 from gateway.request_parsing import RequestLimits
+from gateway.retry_policy import RetryLimits
 from gateway.tiers import load_tier_config
 from gateway.upstream import WorkerBackend
 
@@ -58,7 +63,10 @@ class GatewayConfig:
     max_running: int = 1024
     max_queued: int = 4096
     internal_token: str | None = None
+    drain_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    retry_limits: RetryLimits = RetryLimits()
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -74,7 +82,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
         served_models=tuple(names), created_at=int(time.time()),
         limits=RequestLimits(max_model_len=info.max_model_len,
                              max_prompt_tokens=config.max_prompt_tokens,
-                             vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes))
+                             vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes),
+        body_timeout_s=config.body_timeout_s)
     gate = AdmissionGate(
         AdmissionController(tuple(tiers.tiers.values()), max_running_total=config.max_running,
                             max_queued_total=config.max_queued, clock=time.monotonic),
@@ -85,21 +94,31 @@ async def make_app(config: GatewayConfig) -> web.Application:
     cluster = ClusterView(state, PrefixIndexMirror(state), random.Random())
     # No connection cap: every stream holds one upstream connection for its whole life.
     session = ClientSession(connector=TCPConnector(limit=0))
+    window = TtftWindow()
     backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
-                            internal_token=config.internal_token, timeouts=config.timeouts)
+                            internal_token=config.internal_token, timeouts=config.timeouts,
+                            limits=config.retry_limits, ttft_window=window)
+    controller = gate.controller
+    governor = CapacityGovernor(
+        window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},
+        lambda: (controller.max_running_total, controller.num_running, controller.num_queued),
+        gate.set_capacity, CapacityBounds(max_limit=config.max_running))
     app = create_app(settings, tiers, backend, tokenizer, gate)
     install(app, cluster, backend, metrics)
-    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state))
+    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
-                     state: RedisState) -> Callable[[web.Application], AsyncIterator[None]]:
+                     state: RedisState, governor: CapacityGovernor
+                     ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
+        governor.start()
         try:
             yield
         finally:
+            await governor.stop()
             await cluster.stop()
             await backend.aclose()
             await session.close()
@@ -126,7 +145,10 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
         shown = f"[{host}]" if ":" in host else host
         on_listening(f"http://{shown}:{port}")
         await stop.wait()
-        log.info("shutting down")
+        log.info("shutting down: draining up to %.0f s", config.drain_timeout_s)
+        await site.stop()  # no new connections; kept-alive ones get 503 for new requests
+        num_cut = await app[DRAIN].drain(config.drain_timeout_s)
+        log.info("drained (%d stream(s) ended early)", num_cut)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -56,6 +56,9 @@ class GatewayMetrics:
         self.completions: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.tokens: defaultdict[str, int] = defaultdict(int)
         self.num_splice_mismatches = 0
+        # Attempts after a worker failed: (phase, kind, "retry" before token 1 | "migration").
+        self.retries: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.num_workers_marked_dead = 0
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -68,6 +71,9 @@ class GatewayMetrics:
             self.ttft[tier].observe(ttft_s)
         if num_tokens > 1:
             self.tpot[tier].observe(decode_s / (num_tokens - 1))
+
+    def observe_retry(self, phase: str, kind: str, migration: bool) -> None:
+        self.retries[(phase, kind, "migration" if migration else "retry")] += 1
 
     def render(self, gauges: Callable[[], Iterable[tuple[str, str, str, float]]]) -> str:
         """Prometheus text; `gauges` yields (name, help, labels, value) read at scrape time."""
@@ -85,6 +91,14 @@ class GatewayMetrics:
                         ((f'tier="{t}",outcome="{o}"', n) for (t, o), n in sorted(self.completions.items())))
         out += _counter("pdserve_gateway_tokens_total", "Tokens streamed to clients.",
                         ((f'tier="{t}"', n) for t, n in sorted(self.tokens.items())))
+        out += _counter("pdserve_gateway_retries_total",
+                        "Attempts started after a worker failed a request: a retry before "
+                        "token 1, a migration after it.",
+                        ((f'phase="{p}",kind="{k}",type="{t}"', n)
+                         for (p, k, t), n in sorted(self.retries.items())))
+        out += _counter("pdserve_gateway_workers_marked_dead_total",
+                        "Workers taken out of routing at once because they could not be "
+                        "reached.", (("", self.num_workers_marked_dead),))
         out += _counter("pdserve_gateway_splice_mismatch_total",
                         "Generations whose worker usage disagreed with the tokens relayed.",
                         (("", self.num_splice_mismatches),))

@@ -1,13 +1,15 @@
 """Operator endpoints of the gateway: /health, /ready, /metrics, GET /admin/workers.
 
     /health          200 while the process serves HTTP
-    /ready           200 once at least one decode (or colocated) worker is routable, else 503
+    /ready           200 once at least one decode (or colocated) worker is routable and the
+                     gateway is not draining, else 503
     /metrics         Prometheus text (gateway/metrics.py)
     /admin/workers   {"workers": [{"id", "role", "pid", "epoch", "control_url", "state",
                                    "load": {"num_running", "num_waiting", "kv_blocks_used",
                                             "kv_blocks_total"}}]}
                      state: "ready" | "draining" | "expired" (lease lapsed, not yet purged);
-                     needs an admin key when keys are configured (401/403 otherwise).
+                     needs an admin key when keys are configured (401/403 otherwise), or
+                     the cluster's internal token.
     /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
                       "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
                      its invariants checked on the spot (null: all hold); admin key as above.
@@ -18,6 +20,7 @@ by endpoint and status (after error rendering, so 4xx/5xx are seen as the client
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
 
 import msgspec
@@ -26,7 +29,7 @@ from aiohttp import web
 from common.contract.protocol import Role, WorkerLoad
 from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
-from gateway.http_api import GATE, TIERS, Handler, bearer_key
+from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.tiers import TierConfig, TierError, resolve
 from gateway.upstream import WorkerBackend
@@ -76,11 +79,12 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_ready(request: web.Request) -> web.Response:
-    cluster = request.app[CLUSTER]
+    cluster, draining = request.app[CLUSTER], request.app[DRAIN].draining
     num_decode = cluster.num_decode_workers()
-    body = {"ready": num_decode > 0, "decode_workers": num_decode,
+    ready = num_decode > 0 and not draining
+    body = {"ready": ready, "decode_workers": num_decode, "draining": draining,
             "redis_connected": cluster.redis_connected}
-    return web.json_response(body, status=200 if num_decode > 0 else 503)
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
@@ -134,6 +138,7 @@ async def handle_admin_state(request: web.Request) -> web.Response:
         backend.check_invariants()
         gate.check_invariants()
         cluster.check_invariants()
+        app[DRAIN].check_invariants()
     except AssertionError as exc:
         error = f"AssertionError: {exc}"
     state = GatewayState(num_active=backend.num_active,
@@ -145,7 +150,11 @@ async def handle_admin_state(request: web.Request) -> web.Response:
 
 
 def _require_admin(request: web.Request, tiers: TierConfig) -> None:
-    caller = resolve(bearer_key(request), None, tiers)
+    key = bearer_key(request)
+    token = request.app[UPSTREAM].internal_token
+    if token and key and hmac.compare_digest(key.encode(), token.encode()):
+        return  # the cluster's own internal token (`pdserve up` watches readiness with it)
+    caller = resolve(key, None, tiers)
     if isinstance(caller, TierError):
         raise ApiError(caller.kind.status, caller.message, code=caller.kind.value)
     if not caller.is_admin:
@@ -157,7 +166,7 @@ def _row(entry: WorkerEntry) -> WorkerRow:
     state = "expired" if info is None else "draining" if info.draining else "ready"
     return WorkerRow(
         id=entry.worker_id, role=info.role.value if info else None,
-        pid=_pid_from_id(entry.worker_id), epoch=info.epoch if info else None,
+        pid=(info.pid or None) if info else None, epoch=info.epoch if info else None,
         control_url=info.control_url if info else None, state=state,
         load=_load_fields(load.load) if load else None)
 
@@ -167,9 +176,4 @@ def _load_fields(load: WorkerLoad) -> dict[str, int]:
             "kv_blocks_used": load.num_kv_blocks_used,
             "kv_blocks_total": load.num_kv_blocks_total}
 
-
-def _pid_from_id(worker_id: str) -> int | None:
-    # Default worker ids end in the process id (role-hostname-pid); custom ids may not.
-    tail = worker_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 

@@ -26,6 +26,10 @@ from engine.tokenizer import Tokenizer
 class GatewayTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        # No token's text is longer than its vocabulary entry (byte-level entries spell one
+        # byte per character), so a text of n characters has at least n / this many tokens.
+        self.max_token_chars = max(map(len, vocab), default=1)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionReq
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
                               "assistant": "assistant"}
-INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -45,12 +45,21 @@ class RequestLimits:
     max_stop_chars: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     reject_unknown_fields: bool = False
+    # The context is capped by the workers' KV cache (smaller than the model's), not the model.
+    limited_by_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+    @property
+    def context_description(self) -> str:
+        """What bounds the context, for error messages."""
+        if self.limited_by_kv_cache:
+            return f"the workers' KV cache holds {self.max_model_len} tokens"
+        return f"this model's maximum context length is {self.max_model_len} tokens"
 
     @property
     def prompt_token_limit(self) -> int:
@@ -122,15 +131,17 @@ def build_sampling_params(request: ValidatedRequest, prompt_len: int,
     """The engine's parameters once the prompt is tokenized; raises ApiError(400)."""
     if prompt_len < 1:
         raise invalid_request("The prompt is empty after tokenization.", _prompt_param(request))
+    what = limits.context_description
     if prompt_len > limits.prompt_token_limit:
         raise invalid_request(
             f"The prompt has {prompt_len} tokens; this model accepts at most "
-            f"{limits.prompt_token_limit}.", _prompt_param(request), code="context_length_exceeded")
+            f"{limits.prompt_token_limit} ({what}).",
+            _prompt_param(request), code="context_length_exceeded")
     remaining = limits.max_model_len - prompt_len
     max_tokens = remaining if request.max_tokens is None else request.max_tokens
     if max_tokens > remaining:
         raise invalid_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+            f"{what[0].upper()}{what[1:]}. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} for the completion).", "max_tokens", code="context_length_exceeded")
     f = request.sampling_fields
@@ -275,6 +286,7 @@ def _validate_common(req: SamplingFields, limits: RequestLimits) -> None:
     _check_int_range(req.max_tokens, "max_tokens", 1, None)
     _check_int_range(req.min_tokens, "min_tokens", 0, None)
     _check_int_range(req.seed, "seed", INT64_MIN, UINT64_MAX)
+    _check_int_range(req.top_k, "top_k", -1, INT32_MAX)
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)

@@ -8,7 +8,10 @@ receives); ucxx progresses one worker per event loop.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
+import socket
+import struct
 from typing import TYPE_CHECKING
 
 from engine.kv_storage import KVStorage
@@ -21,6 +24,36 @@ if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
     from kv_transfer.ucx import UcxWorker
 
 log = logging.getLogger(__name__)
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface a worker bound to `host` may let UCX use: "lo" for loopback,
+    the interface holding `host`'s address otherwise; None (every one) for a wildcard or
+    an address no local interface holds."""
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return None
+    if all(ipaddress.ip_address(a).is_loopback for a in addresses):
+        return "lo"
+    for _, name in socket.if_nameindex():
+        if addresses & _interface_addresses(name):
+            return name
+    return None
+
+
+def _interface_addresses(name: str) -> set[str]:
+    """IPv4 address of one interface (Linux ioctl; empty elsewhere or without one)."""
+    try:
+        import fcntl
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            packed = fcntl.ioctl(probe.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", name.encode()[:15]))
+        return {socket.inet_ntoa(packed[20:24])}
+    except (OSError, ImportError):
+        return set()
 
 
 def ucx_available() -> bool:
@@ -58,7 +91,8 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     plane: ReceivePlane
     if name == "ucx":
         from kv_transfer.ucx import UcxReceivePlane, UcxWorker
-        worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory)
+        worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory,
+                                         net_devices=interface_of(host))
         plane = UcxReceivePlane(worker, storage.kv, staging)
     else:
         from kv_transfer.tcp import TcpReceivePlane
@@ -69,7 +103,8 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     return receiver
 
 
-def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
+def make_sender(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
+                token: str = "",
                 ucx_worker: UcxWorker | None = None, abort_timeout_s: float = 1.0,
                 ucx_shared_memory: bool = False,
                 limits: PackingLimits | None = None) -> TransferSender:
@@ -80,7 +115,8 @@ def make_sender(storage: KVStorage, backend: str = "auto", *, token: str = "",
     plane: SendPlane
     if name == "ucx":
         from kv_transfer.ucx import UcxSendPlane, UcxWorker
-        plane = UcxSendPlane(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory))
+        plane = UcxSendPlane(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory,
+                                                     net_devices=interface_of(host)))
     else:
         from kv_transfer.tcp import TcpSendPlane
         plane = TcpSendPlane()

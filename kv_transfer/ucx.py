@@ -79,11 +79,15 @@ class UcxWorker:
     """This process's UCX context and worker (one per event loop; ucxx allows no more)."""
 
     def __init__(self, *, transports: str | None = None, error_handling: bool = False,
-                 flush_timeout_s: float = 2.0) -> None:
+                 flush_timeout_s: float = 2.0, net_devices: str | None = None) -> None:
+        """`net_devices` (UCX_NET_DEVICES syntax, e.g. "lo" or "eth0"): the only network
+        interfaces UCX may open sockets on; default: UCX's choice (every interface)."""
         loop = asyncio.get_running_loop()
         if loop in application_context.ProgressTasks:
             raise RuntimeError("a UCX worker already runs on this event loop; share it")
         options = {"TLS": transports} if transports else {}
+        if net_devices:
+            options["NET_DEVICES"] = net_devices
         # Claim the loop first, so the context starts no progress of its own; ours follows.
         application_context.ProgressTasks[loop] = None
         try:

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.supervisor import die_with_parent
+
 
 class RedisServerError(RuntimeError):
     pass
@@ -86,12 +88,13 @@ class RedisServer:
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  binary: RedisBinary | None = None, start_timeout_s: float = 10.0,
-                 stop_timeout_s: float = 5.0) -> None:
+                 stop_timeout_s: float = 5.0, die_with_parent: bool = False) -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.binary = binary or find_redis_binary()
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.die_with_parent = die_with_parent  # Linux: SIGTERM when the parent dies
         self._process: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -119,9 +122,13 @@ class RedisServer:
         try:
             # Own session: a Ctrl+C aimed at the parent must not kill the server before
             # stop() has run, and stop() must reach the wrapper's children too.
+            parent_pid = os.getpid()
+            guard = (lambda: die_with_parent(parent_pid)) \
+                if self.die_with_parent and sys.platform == "linux" else None
             self._process = subprocess.Popen(
                 self.command(), cwd=self._workdir.name, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                preexec_fn=guard)
         except OSError as exc:
             self._cleanup()
             raise RedisServerError(f"cannot run {self.binary.path}: {exc}") from exc

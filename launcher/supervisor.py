@@ -5,11 +5,12 @@ only the supervisor, which then stops the children in order; its output goes to 
 whose tail is shown when it dies. On Linux each child also gets PR_SET_PDEATHSIG(SIGTERM):
 if the supervisor itself is killed (SIGKILL, OOM), the kernel stops the children too.
 
-Lifecycle of a child: start() → running → (exited on its own: `poll_exited`) or
-stop_all(): SIGTERM to its process group → wait up to the deadline → SIGKILL the group.
+Lifecycle of a child: start() → running → exited on its own (`poll_exited`) →
+restart() (same argv, env and log, a new process) → running ...; or stop()/stop_all():
+SIGTERM to its process group → wait up to the deadline → SIGKILL the group.
 
 Invariant: after stop_all() returns, no child process group started here has a live
-member (SIGKILL is the last resort, waited for).
+member (SIGKILL is the last resort, waited for); a child is restarted only after it exited.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ class Child:
     name: str  # e.g. "decode worker 0", shown in messages
     argv: list[str]
     log_path: Path
-    process: subprocess.Popen | None = None
+    env: dict[str, str] | None = None
+    essential: bool = False  # the cluster cannot run without it (see restart_policy.py)
+    process: subprocess.Popen[bytes] | None = None
     started_at: float = field(default_factory=time.monotonic)
+    num_failures: int = 0  # consecutive exits without a stable run
+    num_restarts: int = 0
+    restart_at: float | None = None  # monotonic time a restart is due
 
     @property
     def pid(self) -> int:
@@ -51,7 +57,7 @@ class Child:
         return "\n".join(lines[-num_lines:])
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec: SIGTERM when the parent dies."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -67,22 +73,39 @@ class Supervisor:
         self.log_dir = log_dir
         self.children: list[Child] = []
 
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+              essential: bool = False) -> Child:
         slug = name.replace(" ", "-")
-        child = Child(name=name, argv=list(argv), log_path=self.log_dir / f"{slug}.log")
+        child = Child(name=name, argv=list(argv), log_path=self.log_dir / f"{slug}.log",
+                      env=env, essential=essential)
+        self._spawn(child)
+        self.children.append(child)
+        return child
+
+    def restart(self, child: Child) -> None:
+        """Start an exited child again (same argv, env and log)."""
+        if child.returncode() is None:
+            raise RuntimeError(f"{child.name} is still running")
+        _signal_group(child.pid, signal.SIGKILL)  # anything it left behind in its group
+        child.num_restarts += 1
+        child.restart_at = None
+        self._spawn(child)
+
+    @staticmethod
+    def _spawn(child: Child) -> None:
         parent_pid = os.getpid()
         with open(child.log_path, "ab") as log:
             child.process = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
-                preexec_fn=(lambda: _die_with_parent(parent_pid))
+                env=child.env, start_new_session=True,
+                preexec_fn=(lambda: die_with_parent(parent_pid))
                 if sys.platform == "linux" else None)
-        self.children.append(child)
-        return child
+        child.started_at = time.monotonic()
 
     def poll_exited(self) -> Child | None:
-        """The first child that has exited, if any."""
-        return next((c for c in self.children if c.returncode() is not None), None)
+        """The first child that has exited and has no restart scheduled, if any."""
+        return next((c for c in self.children
+                     if c.returncode() is not None and c.restart_at is None), None)
 
     def stop(self, children: Sequence[Child], timeout_s: float) -> None:
         """SIGTERM each child's group, wait up to timeout_s for all, then SIGKILL the rest."""

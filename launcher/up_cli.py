@@ -3,12 +3,14 @@
     Redis-protocol server (unless --redis-url)  →  --prefill N prefill workers and
     --decode M decode workers (or --colocated --workers K colocated decode workers)
     →  the gateway on --port  →  progress until /ready answers 200 and every worker has
-    registered  →  the URL and a curl example  →  wait for Ctrl-C / SIGTERM / a child dying
-    →  stop: gateway, then workers (they drain), then Redis.
+    registered  →  the URL and a curl example  →  supervise (restart what exits) until
+    Ctrl-C / SIGTERM  →  stop: the gateway (it drains its streams), the workers, Redis.
 
 Children run in their own process groups with a parent-death signal (launcher/supervisor.py),
 so neither Ctrl-C nor a killed `pdserve up` leaves orphans. A child that exits before the
-cluster is ready fails the command with its log's last lines.
+cluster is ready fails the command with its log's last lines; once it is up, a child that
+exits is restarted (launcher/local_cluster.py, launcher/restart_policy.py), and the cluster
+stops only on Ctrl-C / SIGTERM or when the gateway or Redis cannot be kept up.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from launcher.local_cluster import LocalCluster
 
 from common.contract.option_env import env_default, env_flag
 
@@ -60,149 +66,110 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
     opt("--ready-timeout-s", "600", type=float, help="give up if not ready by then")
+    opt("--drain-timeout-s", "30", type=float,
+        help="on Ctrl-C / SIGTERM, how long running streams may finish before they end "
+             "with an error event (default 30)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher.redis_server import RedisServer, RedisServerError, free_port
-    from launcher.supervisor import Supervisor
+    from launcher.local_cluster import LocalCluster, WorkerSpec
+    from launcher.redis_server import RedisServerError, free_port
 
     roles = ([("decode", "colocated")] * args.workers if args.colocated else
              [("prefill", None)] * args.prefill + [("decode", "decode")] * args.decode)
     if not any(kind == "decode" for kind, _ in roles):
         return _fail("at least one decode worker is needed (--decode or --workers)")
+    if args.drain_timeout_s < 0:
+        return _fail("--drain-timeout-s must be >= 0")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     devices = _devices(args.device, len(roles))
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
+    tag = secrets.token_hex(3)
+    specs, counts = [], {}
+    for (kind, role), device in zip(roles, devices):
+        label = role or kind
+        index = counts.get(label, 0)
+        counts[label] = index + 1
+        specs.append(WorkerSpec(kind, role, device, f"{label}-{index}-{tag}"))
+    common = ["--model", args.model, "--namespace", args.namespace, "--log-level",
+              args.log_level, "--threads", str(threads)]
+    if args.kv_cache_mb:
+        common += ["--kv-cache-mb", str(args.kv_cache_mb)]
+    gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
+                    "--tokenizer-model", args.model, "--log-level", args.log_level]
+    if args.tiers:
+        gateway_args += ["--tiers", args.tiers]
+    cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
+                           drain_timeout_s=args.drain_timeout_s)
 
     stopping = False
 
-    def request_stop(signum, frame) -> None:
+    def request_stop(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    redis = None
-    supervisor = Supervisor(log_dir)
-    workers, gateway = [], None
-    code = 0
     try:
-        redis_url = args.redis_url
-        if redis_url is None:
-            try:
-                redis = RedisServer()
-                redis.start()
-            except RedisServerError as exc:
-                return _fail(str(exc))
-            redis_url = redis.url
-            _say(f"redis: {redis_url} ({Path(redis.binary.path).name})")
-        base = [sys.executable, "-m", "launcher.cli"]
-        common = ["--model", args.model, "--redis-url", redis_url, "--namespace", args.namespace,
-                  "--log-level", args.log_level]
-        if args.kv_cache_mb:
-            common += ["--kv-cache-mb", str(args.kv_cache_mb)]
-        counts: dict[str, int] = {}
-        for (kind, role), device in zip(roles, devices):
-            index = counts.get(role or kind, 0)
-            counts[role or kind] = index + 1
-            argv = base + [f"{kind}-worker", *common, "--device", device, "--threads", str(threads)]
-            if role is not None:
-                argv += ["--role", role]
-            workers.append(supervisor.start(f"{role or kind} worker {index}", argv))
-        gateway_argv = base + ["gateway", "--redis-url", redis_url, "--host", args.host,
-                               "--port", str(port), "--namespace", args.namespace,
-                               "--tokenizer-model", args.model, "--log-level", args.log_level]
-        if args.tiers:
-            gateway_argv += ["--tiers", args.tiers]
-        gateway = supervisor.start("gateway", gateway_argv)
+        try:
+            cluster.start()
+        except RedisServerError as exc:
+            return _fail(str(exc))
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
              f"({threads} thread(s) each) and the gateway; logs in {log_dir}")
-        failure = _wait_ready(url, supervisor, len(workers), args.ready_timeout_s,
-                              lambda: stopping)
+        failure = _wait_ready(cluster, args.ready_timeout_s, lambda: stopping)
         if failure is not None:
-            code = 0 if stopping else 1
             if not stopping:
                 _fail(failure)
-            return code
-        model = _served_model(url)
+            return 0 if stopping else 1
+        model = cluster.served_model()
+        example = json.dumps({"model": model, "stream": True, "max_tokens": 64,
+                              "messages": [{"role": "user", "content": "Tell me a joke."}]})
         _say(f"\npdserve is up: {url}   (model {model})\n\n"
              f"Try it:\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
-             f"-d '{json.dumps({'model': model, 'stream': True, 'max_tokens': 64, 'messages': [{'role': 'user', 'content': 'Tell me a joke.'}]})}'\n\n"
+             f"-d '{example}'\n\n"
              f"Workers: {url}/admin/workers   Metrics: {url}/metrics   Logs: {log_dir}\n"
-             f"Ctrl-C stops everything.")
+             f"A worker that exits is restarted; Ctrl-C stops everything.")
         while not stopping:
-            dead = supervisor.poll_exited()
-            if dead is not None:
-                code = 1
-                _fail(f"{dead.name} exited with code {dead.returncode()}; stopping the cluster. "
-                      f"Last lines of {dead.log_path}:\n{dead.log_tail()}")
-                break
+            cluster.supervise()
+            if cluster.failure is not None:
+                return _fail(cluster.failure)
             time.sleep(0.2)
-        return code
+        return 0
     finally:
-        _say("stopping...")
-        if gateway is not None:
-            supervisor.stop([gateway], timeout_s=10.0)
-        supervisor.stop(workers, timeout_s=40.0)  # workers drain in-flight requests first
-        if redis is not None:
-            redis.stop()
+        _say("stopping (the gateway finishes its streams first)...")
+        cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _say("stopped.")
 
 
-def _wait_ready(url: str, supervisor, num_workers: int, timeout_s: float,
-                stopping) -> str | None:
-    """None once /ready is 200 and every worker registered; else why not."""
+def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], bool]
+                ) -> str | None:
+    """None once the gateway and every worker started are ready; else why not."""
     started = time.monotonic()
     last_line, last_print = "", 0.0
     while not stopping():
-        dead = supervisor.poll_exited()
+        dead = cluster.first_exit()
         if dead is not None:
             return (f"{dead.name} exited with code {dead.returncode()} during start-up. "
                     f"Last lines of {dead.log_path}:\n{dead.log_tail()}")
         elapsed = time.monotonic() - started
         if elapsed > timeout_s:
-            return f"the cluster was not ready after {timeout_s:.0f} s; see the logs in {supervisor.log_dir}"
-        ready = _get_json(url + "/ready")
-        workers = _get_json(url + "/admin/workers")
-        num_registered = len(workers["workers"]) if workers and "workers" in workers else None
-        if ready is not None and ready.get("ready") and num_registered in (None, num_workers):
+            return (f"the cluster was not ready after {timeout_s:.0f} s; see the logs in "
+                    f"{cluster.supervisor.log_dir}")
+        line = cluster.ready_line()
+        if line is None:
             return None
-        if ready is None:
-            line = "waiting for the gateway"
-        elif num_registered is None:
-            line = f"decode workers ready: {ready.get('decode_workers', 0)}"
-        else:
-            line = f"workers ready: {num_registered}/{num_workers} (loading the model)"
         if line != last_line or time.monotonic() - last_print > 5:
             _say(f"[{elapsed:5.1f} s] {line}")
             last_line, last_print = line, time.monotonic()
         time.sleep(0.25)
     return "interrupted"
-
-
-def _get_json(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return json.loads(exc.read()) if exc.code == 503 else None
-        except ValueError:
-            return None
-    except (OSError, ValueError):
-        return None
-
-
-def _served_model(url: str) -> str:
-    models = _get_json(url + "/v1/models") or {}
-    data = models.get("data") or [{"id": "default"}]
-    return data[0]["id"]
 
 
 def _devices(choice: str, num_workers: int) -> list[str]:

@@ -17,7 +17,8 @@ from prefill_workers.worker import PrefillWorker
 def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> PrefillWorker:
     def make_sender(storage: KVStorage) -> KVSender:
         from kv_transfer.backend import make_sender as make
-        return make(storage, options.kv_transport, token=options.internal_token or "",
+        return make(storage, options.kv_transport, host=options.host,
+                    token=options.internal_token or "",
                     ucx_shared_memory=options.kv_shared_memory)
 
     return PrefillWorker(runtime.metrics, make_sender,

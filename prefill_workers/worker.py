@@ -234,6 +234,7 @@ class PrefillWorker:
         rid = request.request_id
         active = self._active.get(rid)
         if active is None or self.engine is None:
+            self.metrics.aborts.inc(found="no")
             return AbortResponse(request_id=rid, found=False)
         active.abort_reason = request.reason or "aborted by the gateway"
         active.aborted.set()
@@ -243,6 +244,7 @@ class PrefillWorker:
         if not active.pushing:
             # While pushing, the stream frees the blocks once the send has drained.
             self.engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
+        self.metrics.aborts.inc(found="yes")
         return AbortResponse(request_id=rid, found=True)
 
 

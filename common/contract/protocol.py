@@ -41,6 +41,10 @@ MAX_HASHES_PER_EVENT = 1 << 16
 MAX_TEXT_CHARS = 1 << 20
 MAX_ID_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+# Time budgets a peer may ask for: one hour for a request, ten minutes for a reservation
+# (blocks held for KV that has not arrived), so nobody can pin a worker's memory for long.
+MAX_TIMEOUT_MS = 3_600_000
+MAX_RESERVATION_MS = 600_000
 
 TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)]
 BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE)]
@@ -51,7 +55,8 @@ WORKER_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-TimeoutMs = Annotated[int, msgspec.Meta(gt=0)]
+TimeoutMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_TIMEOUT_MS)]
+ReservationMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_RESERVATION_MS)]
 
 
 class ProtocolError(ValueError):
@@ -161,7 +166,7 @@ class ReserveRequest(Message, tag="reserve_request", frozen=True, kw_only=True):
 
     request_id: Id
     prompt_token_ids: TokenIds
-    timeout_ms: TimeoutMs  # the reservation is freed if no KV and DecodeRequest by then
+    timeout_ms: ReservationMs  # the reservation is freed if no KV and DecodeRequest by then
 
 
 class ReserveResponse(Message, tag="reserve_response", frozen=True, kw_only=True):
@@ -211,6 +216,9 @@ class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
 
     With `first_token_id` set, the prompt's KV was pushed into the reservation made for
     `request_id`; without it, the decode worker prefills the prompt itself (short prompts).
+    `resume_token_ids` (local prefill only): the request continues after this output,
+    already delivered to the client by another worker (a migrated stream); the worker
+    recomputes prompt + output and streams only what follows.
     """
 
     request_id: Id
@@ -221,6 +229,7 @@ class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
     first_token_id: int | None = None
     first_logprob: TokenLogprob | None = None
     epoch: NonNegInt | None = None  # the reservation's epoch; a mismatch is STALE_EPOCH
+    resume_token_ids: TokenIds = []
 
     @property
     def is_local_prefill(self) -> bool:
@@ -274,6 +283,7 @@ class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
     max_num_batched_tokens: NonNegInt = 0
     epoch: NonNegInt = 0
     started_unix_ms: NonNegInt = 0
+    pid: NonNegInt = 0  # the worker's process id on its host (0: not told)
     draining: bool = False  # still serving what it has; route nothing new here
 
 

@@ -17,6 +17,7 @@ import msgspec
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1 << 20
 MAX_STOP_TOKEN_IDS = 1024
+_INT32_MAX = 2**31 - 1
 
 StopStrings = Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)], ...],
                         msgspec.Meta(max_length=MAX_STOP_STRINGS)]
@@ -41,8 +42,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        # Integers stay inside what every peer's wire and tensors take (int32 counts and
+        # ids, a 64-bit seed), so no value can fail later than here.
+        if not 1 <= self.max_tokens <= _INT32_MAX:
+            raise ValueError(f"max_tokens must be in [1, {_INT32_MAX}], got {self.max_tokens}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.top_k is not None and self.top_k > _INT32_MAX:
+            raise ValueError(f"top_k must be at most {_INT32_MAX}, got {self.top_k}")
+        if any(not 0 <= t <= _INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {_INT32_MAX}]")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

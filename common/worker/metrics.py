@@ -51,6 +51,9 @@ class WorkerMetrics:
             "pdserve_handoff_failures_total", "handoffs that ended in an error", ("reason",))
         self.requests = registry.counter("pdserve_requests_total", "requests ended, by outcome",
                                          ("outcome",))
+        self.aborts = registry.counter("pdserve_aborts_total",
+                                       "abort requests received, by whether the request was "
+                                       "still known here", ("found",))
         self.reservations = registry.gauge("pdserve_reservations_held",
                                            "reservations waiting for KV or their decode request")
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode tokens)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -139,7 +140,8 @@ class WorkerRuntime:
         info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
                           control_url=url, kv_address=kv_address, device=self.device,
                           num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
-                          max_num_batched_tokens=engine.max_num_batched_tokens)
+                          max_num_batched_tokens=engine.max_num_batched_tokens,
+                          pid=os.getpid())
         state = RedisState(connect(self.redis_url), self.namespace)
         self.publisher = WorkerPublisher(state, info, self._load)
         # Redis may be starting too: registration retries until this deadline.

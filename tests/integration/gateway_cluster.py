@@ -65,6 +65,7 @@ class GatewayCluster:
     reply: list[tuple[int, str]]
     process: subprocess.Popen
     loop: LoopThread
+    namespace: str
 
     @property
     def reply_text(self) -> str:
@@ -105,7 +106,7 @@ def wait_ready(url: str, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"{url}/ready did not answer 200 within {timeout_s} s")
 
 
-def launch(redis_url: str, tmp_dir: Path) -> GatewayCluster:
+def launch(redis_url: str, tmp_dir: Path, extra: tuple[str, ...] = ()) -> GatewayCluster:
     namespace = f"gwtest-{uuid.uuid4().hex[:8]}"
     _, tokenizer = read_model_info("default")
     reply = word_reply(tokenizer, REPLY_TEXT)
@@ -116,14 +117,22 @@ def launch(redis_url: str, tmp_dir: Path) -> GatewayCluster:
     loop.run(decode.start())
     tiers_file = tmp_dir / "tiers.toml"
     tiers_file.write_text(TIERS_TOML)
-    process, url = start_gateway(redis_url, namespace, tiers_file)
+    process, url = start_gateway(redis_url, namespace, tiers_file, extra)
     wait_ready(url)
-    # /ready needs one decode worker; wait for the prefill worker too.
-    deadline = time.monotonic() + 10
-    while len(httpx.get(url + "/admin/workers").json()["workers"]) < 2:
-        assert time.monotonic() < deadline, "the gateway did not see both stub workers"
+    cluster = GatewayCluster(url, prefill, decode, reply, process, loop, namespace)
+    wait_workers(cluster, 2)  # /ready needs one decode worker; wait for the prefill worker too
+    return cluster
+
+
+def wait_workers(cluster: GatewayCluster, num_workers: int, timeout_s: float = 10.0) -> None:
+    """Until the gateway lists `num_workers` ready workers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = httpx.get(cluster.url + "/admin/workers").json()["workers"]
+        if sum(w["state"] == "ready" for w in workers) >= num_workers:
+            return
+        assert time.monotonic() < deadline, f"the gateway lists {workers}"
         time.sleep(0.05)
-    return GatewayCluster(url, prefill, decode, reply, process, loop)
 
 
 def shutdown(cluster: GatewayCluster) -> int:

@@ -175,3 +175,43 @@ def test_generate_cli_bad_model_is_a_clear_error(tmp_path):
          str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "missing.gguf" in proc.stderr and proc.stdout == ""
+
+
+def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+         resumed: list[int] = ()) -> tuple[list[int], list[str]]:
+    """Every output token and each step's text for one request, run to its finish."""
+    engine.add_request(rid, prompt, params, resumed_token_ids=resumed)
+    tokens, texts = [], []
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                texts.append(out.new_text)
+                if out.finished:
+                    engine.check_invariants()
+                    return tokens, texts
+        engine.check_invariants()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True,
+                   presence_penalty=0.5),
+], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_exactly_as_the_undisturbed_run(loaded, params):
+    engine = make_engine(loaded)
+    prompt = engine.tokenizer.encode("Write a haiku about the sea.")
+    whole, whole_texts = _run(engine, "whole", prompt, params)
+    for cut in (1, 9, 23):
+        # Another engine (another worker) picks the request up after `cut` tokens.
+        other = make_engine(loaded)
+        rest, rest_texts = _run(other, f"resumed-{cut}", prompt, params, resumed=whole[:cut])
+        assert whole[:cut] + rest == whole, f"cut after {cut}"
+        # The text continues where the first run's text for those tokens ended.
+        assert "".join(whole_texts[:cut]) + "".join(rest_texts) == "".join(whole_texts)
+        assert other.kv_cache.num_used_blocks == 0
+    finished = make_engine(loaded)
+    with pytest.raises(ValueError, match="already"):
+        finished.add_request("done", prompt, params, resumed_token_ids=whole)
+    finished.check_invariants()
+    assert not finished.has_unfinished()

@@ -4,7 +4,6 @@ be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behi
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 
@@ -84,12 +83,11 @@ def test_completions_streaming_short_prompt(client: openai.OpenAI, model: str) -
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def _held(state_urls: dict[str, str]) -> dict[str, int]:
+def _held(up: UpProcess, state_urls: dict[str, str]) -> dict[str, int]:
     """Blocks-holding requests per worker role, from the workers' own /internal/state."""
     held = {}
     for role, url in state_urls.items():
-        with urllib.request.urlopen(url, timeout=5) as r:
-            state = json.loads(r.read())
+        state = up.internal_get(url)
         held[role] = state["num_held_tables"] + state["num_running"] + state["num_waiting"]
     return held
 
@@ -102,7 +100,7 @@ def test_client_disconnect_frees_kv_on_both_workers(client: openai.OpenAI, model
     for i, _ in enumerate(stream):
         if i == 3:
             break
-    assert sum(_held(state_urls).values()) > 0
+    assert sum(_held(up, state_urls).values()) > 0
     stream.close()
     gone_at = time.monotonic()
     # Each /internal/state answer waits for the worker's engine thread (it checks the
@@ -110,7 +108,7 @@ def test_client_disconnect_frees_kv_on_both_workers(client: openai.OpenAI, model
     # bound below is "freed promptly". The strict 100 ms check, with abort arrival times
     # observable, is test_gateway_handoff.py's disconnect test.
     while True:
-        held = _held(state_urls)
+        held = _held(up, state_urls)
         freed_s = time.monotonic() - gone_at
         if sum(held.values()) == 0:
             break

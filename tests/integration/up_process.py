@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,11 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 class UpProcess:
     def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0) -> None:
+        self.token = secrets.token_hex(8)  # the cluster's internal token (workers need it)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--threads-per-worker", "1",
              "--log-dir", str(log_dir), "--log-level", "warning", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": self.token})
         self.lines: list[str] = []
         self.url: str | None = None
         self._found = threading.Event()
@@ -46,6 +48,12 @@ class UpProcess:
 
     def get_json(self, url: str) -> dict:
         with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())
+
+    def internal_get(self, url: str) -> dict:
+        """GET a worker's control API with the cluster's token."""
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
 
     def workers(self) -> list[dict]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.contract.sampling_params import SamplingParams
-from engine.sampler import Sampler, SamplingState
+from engine.sampler import Sampler, SamplingState, position_seed
 
 EOS = 3
 VOCAB = 16
@@ -162,9 +162,13 @@ def test_top_p_always_keeps_the_top_token() -> None:
 
 
 # ---- seeds ------------------------------------------------------------------------------
-def generate(sampler: Sampler, batch: list[SamplingParams], steps: int, seed_logits: int) -> list[list[int]]:
+def generate(sampler: Sampler, batch: list[SamplingParams], steps: int, seed_logits: int,
+             resumed: list[int] | None = None) -> list[list[int]]:
+    """`resumed`: row 0 continues after these output tokens (as a migrated request does)."""
     states = [SamplingState.create(p, [1, 2]) for p in batch]
-    for step in range(steps):
+    if resumed:
+        states[0].output_token_ids.extend(resumed)
+    for step in range(len(resumed or ()), steps):
         # Row r's logits depend only on (step, r), so row 0 sees the same logits in any batch.
         logits = torch.cat([logits_rows(1, (seed_logits + step) * 100 + r, vocab=50)
                             for r in range(len(batch))]) * 0.3  # high entropy
@@ -185,6 +189,21 @@ def test_seed_gives_same_tokens_alone_or_batched() -> None:
     other_seed = generate(Sampler((EOS,), seed=1), [SamplingParams(temperature=1.0, top_p=0.9, seed=43)],
                           30, 100)[0]
     assert other_seed != alone
+
+
+def test_a_seeded_request_resumed_elsewhere_continues_with_the_same_draws() -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=-3, max_tokens=40)
+    whole = generate(Sampler((EOS,), seed=1), [seeded], 40, 200)[0]
+    # Another worker (another sampler, other rows) picks it up after 17 tokens.
+    resumed = generate(Sampler((EOS,), seed=99), [seeded, SamplingParams(temperature=1.0)],
+                       40, 200, resumed=whole[:17])[0]
+    assert resumed == whole
+    assert len(set(whole)) > 5  # high entropy: a wrong draw would show
+
+
+def test_position_seeds_differ_between_positions_and_seeds() -> None:
+    seeds = {position_seed(seed, position) for seed in (0, 1, -1, 2**63) for position in range(50)}
+    assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
 
 
 def test_unseeded_rows_differ_between_sampler_seeds() -> None:

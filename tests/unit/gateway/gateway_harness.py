@@ -25,6 +25,8 @@ MODEL = "test-model"
 class ByteTokenizer:
     """One token per UTF-8 byte: lengths are predictable in tests."""
 
+    max_token_chars = 1
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -44,6 +46,10 @@ class ScriptedBackend:
     requests: list[GenerationRequest] = field(default_factory=list)
     num_closed: int = 0
     num_finished: int = 0
+    kv_cache_tokens: int | None = None  # what context_limit() reports
+
+    def context_limit(self) -> int | None:
+        return self.kv_cache_tokens
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         self.requests.append(request)
@@ -105,6 +111,8 @@ class Harness:
         return str(self.server.make_url(""))
 
     async def acall(self, method: str, path: str, **kwargs) -> tuple[int, dict, bytes]:
+        if method == "POST":  # what OpenAI clients send, unless a test says otherwise
+            kwargs["headers"] = {"Content-Type": "application/json", **kwargs.get("headers", {})}
         async with self.session.request(method, self.server.make_url(path), **kwargs) as resp:
             return resp.status, dict(resp.headers), await resp.read()
 

@@ -72,6 +72,18 @@ BATTERY = [
      "temperature", None),
     ("/v1/completions", b"x" * (70 * 1024), {}, 413, None, "request_too_large"),
     ("/v1/embeddings", body(), {}, 404, None, "unknown_url"),
+    # A browser's cross-site form post, and plain text: refused before the body is read.
+    ("/v1/chat/completions", body(), {"Content-Type": "application/x-www-form-urlencoded"},
+     415, None, "unsupported_media_type"),
+    ("/v1/completions", json.dumps(GOOD_COMPLETION).encode(), {"Content-Type": "text/plain"},
+     415, None, "unsupported_media_type"),
+    # Integers past what the wire carries are 400s, not 500s.
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "top_k": 10**20}).encode(), {}, 400,
+     "top_k", None),
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "seed": 2**64}).encode(), {}, 400,
+     "seed", None),
+    ("/v1/completions", json.dumps({**GOOD_COMPLETION, "stop_token_ids": [2**40]}).encode(), {},
+     400, "stop_token_ids", None),
 ]
 
 
@@ -234,7 +246,8 @@ def test_client_disconnect_mid_stream_closes_the_backend_generator(harness_facto
 
     async def scenario():
         async with h.session.post(h.server.make_url("/v1/chat/completions"),
-                                  data=body(stream=True, max_tokens=1000)) as resp:
+                                  data=body(stream=True, max_tokens=1000),
+                                  headers={"Content-Type": "application/json"}) as resp:
             await resp.content.readany()
         # The connection is closed; the handler notices at its next write.
         for _ in range(200):
@@ -271,3 +284,28 @@ def test_official_openai_client_streaming_and_not(harness_factory):
     assert chat.usage.completion_tokens == 3
     assert "".join(pieces) == "Hello world!"
     assert not_found.code == "model_not_found"
+
+
+def test_a_prompt_that_fits_the_model_but_not_the_kv_cache_is_a_clear_400(harness_factory):
+    backend = ScriptedBackend(kv_cache_tokens=100)
+    h = harness_factory(backend=backend)  # the model takes 512
+    status, _, raw = h.call("POST", "/v1/completions", data=json.dumps(
+        {**GOOD_COMPLETION, "prompt": "x" * 150, "max_tokens": 4}))
+    assert_openai_error(status, raw, 400, "prompt", "context_length_exceeded")
+    assert "KV cache holds 100 tokens" in json.loads(raw)["error"]["message"]
+    # The default max_tokens of a chat fills what the KV cache leaves, not the model.
+    status, _, raw = h.call("POST", "/v1/chat/completions", data=body(stream=False))
+    assert status == 200, raw
+    assert backend.requests[-1].sampling.max_tokens < 100
+    assert_still_serving(h)
+
+
+def test_a_prompt_too_long_in_any_tokenization_is_refused_by_its_length(harness_factory):
+    h = harness_factory()
+    started = time.monotonic()
+    status, _, raw = h.call("POST", "/v1/completions", data=json.dumps(
+        {**GOOD_COMPLETION, "prompt": "y" * 60_000}))
+    assert time.monotonic() - started < 2.0
+    assert_openai_error(status, raw, 400, "prompt", "context_length_exceeded")
+    assert "characters" in json.loads(raw)["error"]["message"]
+    assert_still_serving(h)

@@ -1,0 +1,230 @@
+"""A generation as an HTTP answer: an SSE stream (`stream_answer`) or one JSON body
+(`json_answer`), both from the backend's batches of `TokenDelta`s.
+
+Stream: headers go out with the first token (a request that fails at once still gets a
+proper 503), or after `first_byte_s` without it, then an SSE comment every `keepalive_s`;
+one SSE event per token, all the events of one batch in one write; a failure after the
+headers is an in-band error event; the end is the usage chunk (when asked) and [DONE]; a
+stream the gateway's shutdown cuts (gateway/drain.py) ends the same way, with an error.
+Every write to the client is bounded (`write_timeout_s`): a client that stops reading
+counts as gone, its connection dropped. A client that goes away closes the batches'
+generator, which is what stops the work upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from common.contract.finish_reason import FinishReason
+from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
+from gateway.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, chat_logprobs,
+                                   completion_logprobs)
+from gateway.drain import Drain
+from gateway.errors import ApiError, overloaded
+from gateway.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
+                                CompletionChoice, CompletionResponse, Usage)
+from gateway.request_parsing import Endpoint, ValidatedRequest
+from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
+
+log = logging.getLogger(__name__)
+KEEPALIVE_COMMENT = b": waiting for the first token\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTiming:
+    write_timeout_s: float = 30.0  # a client that takes no bytes this long is treated as gone
+    first_byte_s: float = 2.0  # headers wait this long for the first token at most
+    keepalive_s: float = 10.0  # then an SSE comment this often until it comes
+
+
+def shutting_down() -> ApiError:
+    return overloaded("The server is shutting down; retry in a moment.", retry_after_s=1)
+
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
+                 timeout_s: float, eof: bool = False) -> None:
+    """One write to the client, bounded: a client that stops reading counts as gone (its
+    connection is dropped, so nothing else waits on it either)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            if eof:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client took no data for {timeout_s:g} s") from None
+
+
+async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[TokenDelta]:
+    try:
+        return await anext(batches)
+    except BackendUnavailable as exc:
+        raise overloaded(str(exc), exc.retry_after_s) from exc
+    except StopAsyncIteration:
+        raise overloaded("The backend ended the request without an answer.") from None
+
+
+async def stream_answer(request: web.Request, validated: ValidatedRequest,
+                        generation: GenerationRequest,
+                        batches: AsyncGenerator[list[TokenDelta], None], timing: StreamTiming,
+                        drain: Drain) -> tuple[web.StreamResponse, int]:
+    """One SSE event per token; all the events of one batch leave in one write.
+
+    aiohttp's `write` awaits the transport only past 64 KiB buffered, so a client that
+    keeps up costs no suspension per batch; one that lags makes us wait here, and the
+    tokens that arrive meanwhile come as a bigger next batch.
+
+    Headers go out with the first token, so a request that fails at once still gets a
+    proper 503; when the first token takes longer than `first_byte_s` (a long prefill, a
+    queue) they go out without it, followed by an SSE comment every `keepalive_s`, and a
+    failure is then reported in-band. A stream the gateway's shutdown cuts ends with an
+    error event and [DONE] (gateway/drain.py).
+    """
+    created = int(time.time())
+    chat = validated.endpoint is Endpoint.CHAT
+    encoder = (ChatChunkEncoder if chat else CompletionChunkEncoder)(
+        generation.request_id, created, validated.model)
+    encode = encoder.text
+    num_generated = 0
+    write_timeout_s = timing.write_timeout_s
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    events: list[bytes] = []
+    try:
+        try:
+            batch = await _first_batch_or_keepalive(request, response, batches, timing)
+        except ApiError as exc:
+            if not response.prepared:
+                raise
+            batch = []  # headers are out: the error goes in-band, below
+            events.append(encode_event(exc.body_bytes()))
+        if not response.prepared:
+            await response.prepare(request)
+        if batch and isinstance(encoder, ChatChunkEncoder):
+            events.append(encoder.role())
+        while batch:
+            finished = False
+            for delta in batch:
+                num_generated += delta.num_tokens
+                events.append(encode(delta.text, delta.logprobs, delta.finish_reason))
+                if delta.finish_reason is not None:
+                    finished = True
+                    break
+            if finished:
+                break
+            await _write(request, response,
+                         events[0] if len(events) == 1 else b"".join(events), write_timeout_s)
+            events.clear()
+            try:
+                batch = await anext(batches)
+            except StopAsyncIteration:
+                break
+            except BackendUnavailable as exc:
+                # Headers are out: report in-band, as OpenAI-compatible servers do.
+                events.append(encode_event(overloaded(str(exc)).body_bytes()))
+                break
+        if validated.include_usage:
+            events.append(encoder.usage(_usage(generation, num_generated)))
+        events.append(DONE_EVENT)
+        # With the end-of-body chunk: the last events, [DONE] and the end in one write.
+        await _write(request, response, b"".join(events), write_timeout_s, eof=True)
+    except ConnectionResetError as exc:
+        # The client is gone (or stopped reading); nothing more can be sent. Closing the
+        # generator (below) is what stops the work upstream.
+        log.info("client went away during %s: %s", generation.request_id, exc)
+    except asyncio.CancelledError:
+        if not (response.prepared and drain.was_cut()):
+            raise
+        # The gateway is stopping: end the stream properly, never silently.
+        events.append(encode_event(shutting_down().body_bytes()))
+        if validated.include_usage:
+            events.append(encoder.usage(_usage(generation, num_generated)))
+        events.append(DONE_EVENT)
+        with contextlib.suppress(ConnectionResetError):
+            await _write(request, response, b"".join(events), write_timeout_s, eof=True)
+    finally:
+        await batches.aclose()
+    return response, num_generated
+
+
+async def _first_batch_or_keepalive(request: web.Request, response: web.StreamResponse,
+                                    batches: AsyncGenerator[list[TokenDelta], None],
+                                    timing: StreamTiming) -> list[TokenDelta]:
+    """The first batch; past `first_byte_s` without it, the headers and SSE comments go
+    out while it is awaited (raises ApiError for a backend that fails or gives nothing)."""
+    first = asyncio.ensure_future(_first_batch(batches))
+    try:
+        timeout_s = timing.first_byte_s
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=timeout_s)
+            if done:
+                return first.result()
+            if not response.prepared:
+                await response.prepare(request)
+            await _write(request, response, KEEPALIVE_COMMENT, timing.write_timeout_s)
+            timeout_s = timing.keepalive_s
+    finally:
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await first
+
+
+async def json_answer(validated: ValidatedRequest, generation: GenerationRequest,
+                      batches: AsyncGenerator[list[TokenDelta], None]) -> tuple[web.Response, int]:
+    texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    num_generated = 0
+    finish_reason: FinishReason | None = None
+    try:
+        batch = await _first_batch(batches)
+        while finish_reason is None:
+            for delta in batch:
+                texts.append(delta.text)
+                logprobs.extend(delta.logprobs or ())
+                num_generated += delta.num_tokens
+                finish_reason = delta.finish_reason
+                if finish_reason is not None:
+                    break
+            else:
+                batch = await anext(batches)
+    except StopAsyncIteration:
+        pass
+    except BackendUnavailable as exc:
+        raise overloaded(str(exc), exc.retry_after_s) from exc
+    finally:
+        await batches.aclose()
+    text = "".join(texts)
+    usage = _usage(generation, num_generated)
+    created = int(time.time())
+    want_logprobs = generation.sampling.logprobs is not None
+    body: ChatCompletionResponse | CompletionResponse
+    if validated.endpoint is Endpoint.CHAT:
+        body = ChatCompletionResponse(
+            id=generation.request_id, created=created, model=validated.model, usage=usage,
+            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=text),
+                                logprobs=chat_logprobs(tuple(logprobs)) if want_logprobs else None,
+                                finish_reason=finish_reason)])
+    else:
+        body = CompletionResponse(
+            id=generation.request_id, created=created, model=validated.model, usage=usage,
+            choices=[CompletionChoice(
+                index=0, text=text, finish_reason=finish_reason,
+                logprobs=completion_logprobs(tuple(logprobs), 0) if want_logprobs else None)])
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json"), num_generated
+
+
+def _usage(generation: GenerationRequest, num_generated: int) -> Usage:
+    num_prompt = len(generation.prompt_token_ids)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                 total_tokens=num_prompt + num_generated)

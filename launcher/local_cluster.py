@@ -1,0 +1,206 @@
+"""A whole cluster on this machine, kept up: Redis, workers and the gateway as children.
+
+    start():  Redis (unless a URL is given) → the workers → the gateway (its port fixed)
+    wait_ready(): until /ready answers and every worker started here is listed ready
+    supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
+              a worker with a new process (new epoch), the gateway and Redis on their ports
+    stop():   the gateway first (SIGTERM: it stops accepting, lets streams finish within its
+              drain timeout, ends the rest with an error event and [DONE]), then the
+              workers (they drain and deregister), then Redis
+
+Every child gets the cluster's internal token in its environment (PDSERVE_INTERNAL_TOKEN,
+never on a command line), so the workers' control APIs answer only this cluster: the one
+in `pdserve up`'s own environment if set, else a new random one. Worker
+ids are fixed per cluster (`ROLE-INDEX-TAG`), so a restarted worker replaces its own
+registry entry (a higher epoch) instead of leaving a stale one beside it.
+
+Lifecycle: created → started → (supervise)* → stopped; `failure` is set when something
+essential cannot be kept up, and the caller then stops. Invariant: after stop() no child
+started here is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.contract.option_env import INTERNAL_TOKEN_ENV
+from launcher.redis_server import RedisServer, RedisServerError
+from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
+from launcher.supervisor import Child, Supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    kind: str  # "prefill" | "decode" (the subcommand)
+    role: str | None  # --role for decode workers: "decode" | "colocated"
+    device: str
+    worker_id: str
+
+    @property
+    def label(self) -> str:
+        return self.role or self.kind
+
+
+class LocalCluster:
+    def __init__(self, workers: list[WorkerSpec], common_args: list[str], gateway_args: list[str],
+                 gateway_url: str, log_dir: Path, redis_url: str | None,
+                 say: Callable[[str], None], policy: RestartPolicy = RestartPolicy(),
+                 drain_timeout_s: float = 30.0) -> None:
+        self.worker_specs = workers
+        self.common_args = common_args
+        self.gateway_args = gateway_args
+        self.gateway_url = gateway_url
+        self.supervisor = Supervisor(log_dir)
+        self.redis_url = redis_url
+        self.redis: RedisServer | None = None
+        self.say = say
+        self.policy = policy
+        self.drain_timeout_s = drain_timeout_s
+        # The operator's token when the environment has one, else a fresh one per cluster.
+        self.token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(16)
+        self.failure: str | None = None
+        self.workers: list[Child] = []
+        self.gateway: Child | None = None
+        self._redis_failures = 0
+        self._redis_started_at = 0.0
+        self._redis_restart_at: float | None = None
+        self._env = {**os.environ, INTERNAL_TOKEN_ENV: self.token}
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Start everything; raises RedisServerError when no Redis can run."""
+        if self.redis_url is None:
+            self.redis = RedisServer(die_with_parent=True)
+            self.redis.start()
+            self._redis_started_at = time.monotonic()
+            self.redis_url = self.redis.url
+            self.say(f"redis: {self.redis_url} ({Path(self.redis.binary.path).name})")
+        base = [sys.executable, "-m", "launcher.cli"]
+        common = [*self.common_args, "--redis-url", self.redis_url]
+        counts: dict[str, int] = {}
+        for spec in self.worker_specs:
+            index = counts.get(spec.label, 0)
+            counts[spec.label] = index + 1
+            argv = [*base, f"{spec.kind}-worker", *common, "--device", spec.device,
+                    "--worker-id", spec.worker_id]
+            if spec.role is not None:
+                argv += ["--role", spec.role]
+            self.workers.append(self.supervisor.start(f"{spec.label} worker {index}", argv,
+                                                      env=self._env))
+        self.gateway = self.supervisor.start(
+            "gateway", [*base, "gateway", "--redis-url", self.redis_url, *self.gateway_args,
+                        "--drain-timeout-s", str(self.drain_timeout_s)],
+            env=self._env, essential=True)
+
+    # ---------------------------------------------------------------- readiness
+
+    def ready_line(self) -> str | None:
+        """None once /ready answers 200 and every worker started here is ready; else what
+        is missing, for the progress line."""
+        ready = self._get_json("/ready")
+        if ready is None:
+            return "waiting for the gateway"
+        listing = self._get_json("/admin/workers")
+        listed = {w.get("id"): w.get("state") for w in (listing or {}).get("workers", [])}
+        num_ready = sum(listed.get(s.worker_id) == "ready" for s in self.worker_specs)
+        if ready.get("ready") and num_ready == len(self.worker_specs):
+            return None
+        return f"workers ready: {num_ready}/{len(self.worker_specs)} (loading the model)"
+
+    def served_model(self) -> str:
+        models = self._get_json("/v1/models") or {}
+        data = models.get("data") or [{"id": "default"}]
+        return str(data[0]["id"])
+
+    def _get_json(self, path: str) -> dict | None:
+        request = urllib.request.Request(self.gateway_url + path,
+                                         headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=1.0) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                return json.loads(exc.read()) if exc.code == 503 else None
+            except ValueError:
+                return None
+        except (OSError, ValueError):
+            return None
+
+    # ---------------------------------------------------------------- supervision
+
+    def first_exit(self) -> Child | None:
+        """A child that exited (used during start-up, when any exit is fatal)."""
+        return self.supervisor.poll_exited()
+
+    def supervise(self) -> None:
+        """Restart what exited, when its backoff is due; sets `failure` when an essential
+        child (the gateway, Redis) cannot be kept up."""
+        now = time.monotonic()
+        for child in self.supervisor.children:
+            code = child.returncode()
+            if code is None:
+                continue
+            if child.restart_at is None:
+                child.num_failures = consecutive_failures(child.num_failures,
+                                                          now - child.started_at, self.policy)
+                delay = restart_delay_s(child.num_failures, child.essential, self.policy)
+                if delay is None:
+                    self.failure = (f"{child.name} exited with code {code} "
+                                    f"{child.num_failures} times in a row; stopping the "
+                                    f"cluster. Last lines of {child.log_path}:\n"
+                                    f"{child.log_tail()}")
+                    return
+                child.restart_at = now + delay
+                self.say(f"{child.name} exited with code {code}; restarting in {delay:.1f} s "
+                         f"(restart {child.num_restarts + 1}; log {child.log_path})")
+            elif now >= child.restart_at:
+                self.supervisor.restart(child)
+                self.say(f"{child.name} restarted (pid {child.pid})")
+        self._supervise_redis(now)
+
+    def _supervise_redis(self, now: float) -> None:
+        redis = self.redis
+        if redis is None or redis.is_running:
+            return
+        if self._redis_restart_at is None:
+            self._redis_failures = consecutive_failures(
+                self._redis_failures, now - self._redis_started_at, self.policy)
+            delay = restart_delay_s(self._redis_failures, True, self.policy)
+            if delay is None:
+                self.failure = f"redis exited {self._redis_failures} times in a row"
+                return
+            self._redis_restart_at = now + delay
+            self.say(f"redis exited; restarting it on port {redis.port} in {delay:.1f} s")
+            return
+        if now < self._redis_restart_at:
+            return
+        self._redis_restart_at = None
+        redis.stop()  # reaps the dead process
+        try:
+            redis.start()
+        except RedisServerError as exc:
+            self.say(f"redis did not restart: {exc}")
+            self._redis_started_at = time.monotonic()  # counts as a failed run
+            return
+        self._redis_started_at = time.monotonic()
+        self.say("redis restarted (the workers republish their state)")
+
+    # ---------------------------------------------------------------- stop
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            # Streams get the drain timeout, the rest of the gateway's shutdown a few seconds.
+            self.supervisor.stop([self.gateway], timeout_s=self.drain_timeout_s + 10.0)
+        self.supervisor.stop(self.workers, timeout_s=40.0)  # workers drain what is left
+        if self.redis is not None:
+            self.redis.stop()

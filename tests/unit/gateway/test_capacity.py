@@ -1,0 +1,64 @@
+"""The concurrency limit follows the workers' latency: down fast when the most urgent tier's
+backend TTFT nears its target, up slowly while requests wait and latency is low."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.capacity import CapacityBounds, CapacityGovernor, TtftWindow, next_limit, pressure
+
+BOUNDS = CapacityBounds(min_limit=2, max_limit=64, high=0.6, low=0.3)
+
+
+def test_the_limit_drops_below_what_runs_when_latency_is_high() -> None:
+    assert next_limit(1024, num_running=40, num_queued=0, pressure=0.9, bounds=BOUNDS) == 30
+    assert next_limit(30, num_running=40, num_queued=5, pressure=0.9, bounds=BOUNDS) == 22
+    assert next_limit(2, num_running=2, num_queued=5, pressure=5.0, bounds=BOUNDS) == 2
+
+
+def test_the_limit_grows_only_while_requests_wait_and_latency_is_low() -> None:
+    assert next_limit(16, num_running=16, num_queued=3, pressure=0.1, bounds=BOUNDS) == 18
+    assert next_limit(16, num_running=16, num_queued=0, pressure=0.1, bounds=BOUNDS) == 16
+    assert next_limit(64, num_running=64, num_queued=3, pressure=0.1, bounds=BOUNDS) == 64
+    assert next_limit(16, num_running=16, num_queued=3, pressure=0.45, bounds=BOUNDS) == 16
+    assert next_limit(16, num_running=16, num_queued=3, pressure=None, bounds=BOUNDS) == 16
+
+
+def test_pressure_is_the_worst_tier_against_its_own_target() -> None:
+    assert pressure({"interactive": 0.3, "batch": 10.0}, {"interactive": 0.5, "batch": 60.0}) \
+        == pytest.approx(0.6)
+    assert pressure({}, {"interactive": 0.5}) is None
+
+
+def test_the_window_forgets_old_samples() -> None:
+    now = [0.0]
+    window = TtftWindow(window_s=10.0, clock=lambda: now[0])
+    for i in range(10):
+        window.observe("interactive", 0.1 * (i + 1))
+    assert window.p90() == {"interactive": pytest.approx(1.0)}
+    now[0] = 20.0
+    assert window.p90() == {}
+
+
+def test_a_governor_converges_on_what_a_simulated_cluster_sustains() -> None:
+    """A cluster whose TTFT grows with concurrency past 8 requests: the limit settles
+    where the most urgent tier keeps its target, with requests waiting at the gateway."""
+    now = [0.0]
+    window = TtftWindow(window_s=2.0, clock=lambda: now[0])
+    state = {"limit": 64}
+
+    def cluster_ttft_s(running: int) -> float:
+        return 0.05 * max(1, running - 7)  # fine up to 8 at once, then worse per request
+
+    def get_state() -> tuple[int, int, int]:
+        limit = state["limit"]
+        return limit, limit, 100  # always saturated: 100 requests wait
+
+    governor = CapacityGovernor(window, {"interactive": 0.5}, get_state,
+                                lambda n: state.__setitem__("limit", n), BOUNDS)
+    for _ in range(200):
+        now[0] += 0.5
+        window.observe("interactive", cluster_ttft_s(state["limit"]))
+        governor.tick()
+    assert 8 <= state["limit"] <= 13, state  # p90 0.05..0.3 s: under 0.6 x 0.5 s
+    assert governor.num_changes > 0

@@ -1,0 +1,109 @@
+"""The gateway's cluster view without Redis: a scripted registry behind RedisState's reads.
+
+What is checked: a worker marked unreachable leaves routing at once and comes back when it
+registers with a new epoch (or the mark lapses); excluded workers are skipped for one
+request only; an empty registry right after a full one (Redis restarted) keeps the last
+snapshot for the grace period; the largest decoding KV pool bounds the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from common.contract.protocol import Role, WorkerInfo
+from common.contract.redis_state import Registry
+from gateway.cluster import ClusterView
+from gateway.router import NoWorkers, RoutePlan
+
+
+class Index:
+    holders: dict = {}
+
+
+class Mirror:
+    index = Index()
+
+
+class ScriptedState:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerInfo] = {}
+
+    async def read_registry(self, timeout_s: float | None = None) -> Registry:
+        return Registry(registered_ids=sorted(self.workers), workers=dict(self.workers),
+                        loads={})
+
+
+def info(worker_id: str, role: Role, epoch: int = 1, blocks: int = 100) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, model="m", control_url="http://x",
+                      num_kv_blocks=blocks, block_size=16, epoch=epoch)
+
+
+@pytest.fixture
+def view() -> tuple[ClusterView, ScriptedState]:
+    state = ScriptedState()
+    return ClusterView(state, Mirror(), random.Random(0), vanish_grace_s=0.5), state  # type: ignore[arg-type]
+
+
+def plan(view: ClusterView, exclude: frozenset[str] = frozenset()) -> RoutePlan | NoWorkers:
+    return view.plan(100, [], local_prefill=True, exclude=exclude)
+
+
+def test_unreachable_workers_leave_routing_until_they_register_again(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    assert cluster.mark_unreachable("d0") and not cluster.mark_unreachable("d0")
+    assert {plan(cluster).decode_worker_id for _ in range(20)} == {"d1"}
+    assert cluster.num_decode_workers() == 1
+    asyncio.run(cluster.poll())  # same epoch: still out
+    assert {plan(cluster).decode_worker_id for _ in range(20)} == {"d1"}
+    state.workers["d0"] = info("d0", Role.DECODE, epoch=2)  # restarted
+    asyncio.run(cluster.poll())
+    assert {plan(cluster).decode_worker_id for _ in range(40)} == {"d0", "d1"}
+    assert not cluster.mark_unreachable("nobody")
+
+
+def test_an_unreachable_mark_lapses(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    cluster.mark_unreachable("d0", for_s=0.05)
+    assert isinstance(plan(cluster), NoWorkers)
+    asyncio.run(asyncio.sleep(0.06))
+    assert plan(cluster).decode_worker_id == "d0"
+
+
+def test_exclusion_is_per_request(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    assert {plan(cluster, frozenset({"d0"})).decode_worker_id for _ in range(20)} == {"d1"}
+    assert isinstance(plan(cluster, frozenset({"d0", "d1"})), NoWorkers)
+    assert {plan(cluster).decode_worker_id for _ in range(40)} == {"d0", "d1"}
+
+
+def test_a_registry_emptied_by_a_redis_restart_keeps_the_last_snapshot_for_a_while(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    state.workers = {}  # Redis restarted empty; the worker has not republished yet
+    asyncio.run(cluster.poll())
+    assert plan(cluster).decode_worker_id == "d0" and cluster.num_decode_workers() == 1
+    asyncio.run(asyncio.sleep(0.6))  # past the grace: the workers are really gone
+    asyncio.run(cluster.poll())
+    assert isinstance(plan(cluster), NoWorkers)
+
+
+def test_the_largest_decoding_pool_bounds_the_context(view) -> None:
+    cluster, state = view
+    assert cluster.max_kv_tokens() is None
+    state.workers = {"p0": info("p0", Role.PREFILL, blocks=1000),
+                     "d0": info("d0", Role.DECODE, blocks=10),
+                     "c0": info("c0", Role.COLOCATED, blocks=30)}
+    asyncio.run(cluster.poll())
+    assert cluster.max_kv_tokens() == 30 * 16  # prefill pools do not count
+    cluster.mark_unreachable("c0")
+    assert cluster.max_kv_tokens() == 10 * 16

@@ -1,0 +1,68 @@
+"""Which worker failures are retried (or migrated), and what the client is told."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import ClientConnectionError
+
+from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
+from common.contract.protocol import ErrorCode, ErrorFrame
+from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_message,
+                                  failure_kind, leg_failed, marks_worker_dead, retry_after_s,
+                                  should_retry)
+
+
+def remote(code: ErrorCode) -> RemoteError:
+    return RemoteError(ErrorFrame(request_id="r", code=code, message="worker says no"), 500)
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (ControlError("/internal/decode: stream broken"), FailureKind.UNREACHABLE),
+    (ClientConnectionError("refused"), FailureKind.UNREACHABLE),
+    (ConnectionRefusedError(), FailureKind.UNREACHABLE),
+    (FrameDeadlineError("no frame within 60 s"), FailureKind.STALLED),
+    (TimeoutError(), FailureKind.STALLED),
+    (remote(ErrorCode.OVERLOADED), FailureKind.BUSY),
+    (remote(ErrorCode.INTERNAL), FailureKind.WORKER_ERROR),
+    (remote(ErrorCode.TRANSFER_FAILED), FailureKind.WORKER_ERROR),
+    (remote(ErrorCode.ABORTED), FailureKind.WORKER_ERROR),
+    (remote(ErrorCode.STALE_EPOCH), FailureKind.WORKER_ERROR),
+    (remote(ErrorCode.BAD_REQUEST), FailureKind.REFUSED),
+    (remote(ErrorCode.UNAUTHORIZED), FailureKind.REFUSED),
+])
+def test_each_failure_has_its_kind(exc: BaseException, kind: FailureKind) -> None:
+    assert failure_kind(exc) is kind
+    assert leg_failed("d0", Phase.DECODE, exc).kind is kind
+
+
+def test_a_bug_is_not_a_failed_call() -> None:
+    with pytest.raises(TypeError):
+        failure_kind(KeyError("oops"))
+
+
+def test_retries_stop_at_the_limit_and_never_follow_a_refusal() -> None:
+    limits = RetryLimits(max_attempts=3)
+    for kind in FailureKind:
+        expected = kind is not FailureKind.REFUSED
+        assert should_retry(kind, 1, limits) is expected
+        assert should_retry(kind, 2, limits) is expected
+        assert not should_retry(kind, 3, limits)
+    assert not should_retry(FailureKind.UNREACHABLE, 1, RetryLimits(max_attempts=1))
+    with pytest.raises(ValueError):
+        RetryLimits(max_attempts=0)
+
+
+def test_only_an_unreachable_worker_is_marked_dead_for_everyone() -> None:
+    assert [k for k in FailureKind if marks_worker_dead(k)] == [FailureKind.UNREACHABLE]
+
+
+def test_client_messages_name_no_internals() -> None:
+    failure = LegFailed("decode-0-abc123", Phase.TRANSFER, FailureKind.UNREACHABLE,
+                        "http://10.1.2.3:40123/internal/decode: ClientOSError")
+    message = client_message(4, failure)
+    assert "transfer" in message.lower() and "4 attempts" in message
+    for internal in ("decode-0", "10.1.2.3", "40123", "internal", "ClientOSError"):
+        assert internal not in message
+    assert retry_after_s(FailureKind.UNREACHABLE) == 1.0
+    refused = LegFailed("d0", Phase.DECODE, FailureKind.REFUSED, "bad resume")
+    assert "refused" in client_message(1, refused) and retry_after_s(FailureKind.REFUSED) is None
