@@ -26,10 +26,17 @@ learned from releases). If `now + wait` is past its TTFT deadline it is rejected
 requests ahead, so under overload they are rejected first; when the shared queue is
 full, an arrival sheds the least urgent queued request of a strictly lower tier.
 
+Protection (`set_protection`, driven by gateway/capacity.py while the most urgent tier is
+near its target or has to queue): lower tiers may hold at most `protected_share` of the
+slots, and a lower-tier arrival that cannot start at once is rejected (429, reason
+"overload") instead of queueing behind the urgent tier. Batch is shed early, by design,
+so that the urgent tier keeps its TTFT.
+
 Invariants (`check_invariants`):
   * queued and running ids are disjoint; per-tier counts match the entries;
   * per tier, num_running <= max_running and num_queued <= max_queued;
-  * work-conserving: while a slot is free, no tier with room has a queued request.
+  * work-conserving: while a slot is free, no tier with room has a queued request (room
+    includes, under protection, the lower tiers' share).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class Admitted:
 class Rejected:
     request_id: str
     retry_after_s: float
-    reason: str  # "tier_queue_full" | "queue_full" | "deadline" | "shed"
+    reason: str  # "tier_queue_full" | "queue_full" | "deadline" | "shed" | "overload"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +86,11 @@ class _Waiting:
 class AdmissionController:
     def __init__(self, tiers: Sequence[TierSpec], max_running_total: int, max_queued_total: int,
                  clock: Callable[[], float], initial_service_s: float = 2.0,
-                 service_ewma_alpha: float = 0.1) -> None:
+                 service_ewma_alpha: float = 0.1, protected_share: float = 0.5) -> None:
         if max_running_total < 1 or max_queued_total < 0:
             raise ValueError("max_running_total must be >= 1 and max_queued_total >= 0")
+        if not 0 <= protected_share <= 1:
+            raise ValueError("protected_share must be in [0, 1]")
         self._tiers = {t.name: _TierState(t) for t in tiers}
         # Most urgent first; the stable sort keeps the given order among equal priorities.
         self._by_priority = sorted(self._tiers.values(), key=lambda s: s.spec.priority)
@@ -93,6 +102,9 @@ class AdmissionController:
         self._seq = itertools.count()
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, tuple[str, float]] = {}  # id -> (tier, admitted at)
+        self._top_priority = self._by_priority[0].spec.priority if self._by_priority else 0
+        self.protected_share = protected_share
+        self.protecting = False
 
     # ------------------------------------------------------------ queries
 
@@ -120,6 +132,15 @@ class AdmissionController:
     def mean_service_s(self) -> float:
         return self._mean_service_s
 
+    @property
+    def urgent_tiers(self) -> tuple[str, ...]:
+        """The tiers of the most urgent priority: the ones protection serves."""
+        return tuple(s.spec.name for s in self._by_priority
+                     if s.spec.priority == self._top_priority)
+
+    def num_queued_urgent(self) -> int:
+        return sum(self._tiers[name].num_queued for name in self.urgent_tiers)
+
     # ------------------------------------------------------------ commands
 
     def submit(self, request_id: str, tier: str) -> Admitted | Queued | Rejected:
@@ -134,6 +155,8 @@ class AdmissionController:
             self._start(request_id, tier, now)
             return Admitted(request_id)
         wait_s = self._expected_wait_s(state)
+        if self.protecting and state.spec.priority != self._top_priority:
+            return Rejected(request_id, max(1.0, wait_s), "overload")
         if state.num_queued >= state.spec.max_queued:
             return Rejected(request_id, wait_s, "tier_queue_full")
         if now + wait_s > deadline:
@@ -177,6 +200,12 @@ class AdmissionController:
         return tuple(Rejected(rid, self._mean_service_s / self.max_running_total, "deadline")
                      for rid in late)
 
+    def set_protection(self, on: bool) -> tuple[str, ...]:
+        """Protect the most urgent tier (see the module docstring); never preempts.
+        Returns the ids admitted when protection ends."""
+        self.protecting = on
+        return self._drain()
+
     def set_capacity(self, max_running_total: int) -> tuple[str, ...]:
         """The cluster grew or shrank. Never preempts; returns ids admitted by a larger one."""
         if max_running_total < 1:
@@ -188,7 +217,16 @@ class AdmissionController:
 
     def _has_free_slot(self, state: _TierState) -> bool:
         return (self.num_running < self.max_running_total
-                and state.num_running < state.spec.max_running)
+                and state.num_running < state.spec.max_running
+                and self._within_share(state))
+
+    def _within_share(self, state: _TierState) -> bool:
+        """Under protection, lower tiers together stay within their share of the slots."""
+        if not self.protecting or state.spec.priority == self._top_priority:
+            return True
+        lower = sum(s.num_running for s in self._by_priority
+                    if s.spec.priority != self._top_priority)
+        return lower < int(self.protected_share * self.max_running_total)
 
     def _queued_ahead(self, priority: int) -> int:
         return sum(s.num_queued for s in self._by_priority if s.spec.priority <= priority)
@@ -232,7 +270,8 @@ class AdmissionController:
         now = self._clock()
         while self.num_running < self.max_running_total:
             candidates = [s for s in self._by_priority
-                          if s.num_queued > 0 and s.num_running < s.spec.max_running]
+                          if s.num_queued > 0 and s.num_running < s.spec.max_running
+                          and self._within_share(s)]
             if not candidates:
                 break
             top = candidates[0].spec.priority
@@ -276,5 +315,6 @@ class AdmissionController:
         assert self.num_queued <= self.max_queued_total, "over max_queued_total"
         if self.num_running < self.max_running_total:
             for state in self._tiers.values():
-                assert not (state.num_queued and state.num_running < state.spec.max_running), \
+                assert not (state.num_queued and state.num_running < state.spec.max_running
+                            and self._within_share(state)), \
                     f"{state.spec.name}: queued while a slot is free"

@@ -35,6 +35,8 @@ _REJECT_MESSAGES = {
     "deadline": "The server cannot start this request within the {tier} tier's "
                 "time-to-first-token target; retry later.",
     "shed": "This request was shed to serve more urgent ones; retry later.",
+    "overload": "The server is overloaded and serves more urgent tiers first; this {tier} "
+                "request was not queued; retry later.",
 }
 
 
@@ -107,10 +109,14 @@ class AdmissionGate:
                 # Its handler is gone; hand the slot on.
                 self._wake(self._controller.cancel(rid))
 
-
     def set_capacity(self, max_running_total: int) -> None:
         """A new concurrency limit (gateway/capacity.py); a larger one admits at once."""
         self._wake(self._controller.set_capacity(max_running_total))
+
+    def set_protection(self, on: bool) -> None:
+        """Shed lower tiers early while the most urgent one is at risk (gateway/capacity.py)."""
+        if on != self._controller.protecting:
+            self._wake(self._controller.set_protection(on))
 
     def check_invariants(self) -> None:
         self._controller.check_invariants()

@@ -7,18 +7,29 @@ it admits everything, the queues form inside the workers instead, in arrival ord
 every tier misses together. So the limit follows the workers' latency:
 
     every period: r = max over tiers of (recent backend TTFT p90 / the tier's TTFT target)
-      r > high (0.8)                  → limit = max(min, 0.75 · min(limit, running))
+      r > high (0.8), and no cut in the last cooldown_s
+                                      → limit = max(min, 0.75 · min(limit, running))
       r < low (0.4) and requests wait → limit = min(max, limit + max(1, limit / 8))
       otherwise, or no recent samples → unchanged
+
+The cooldown lets the window fill with samples taken under the new limit before the next
+cut; without it a slow window keeps cutting down to the minimum.
 
 The backend TTFT is measured from admission to the first token, so it is the workers'
 share; keeping it under 80% of the most urgent tier's target leaves the rest for the
 queue, where that tier goes first. Lower tiers then wait longer and are shed early when
 their wait cannot fit (429 with Retry-After), instead of everyone missing.
 
-`next_limit` is the policy (pure); `TtftWindow` the recent samples; `CapacityGovernor` the
-owned task that applies it. Lifecycle of the governor: start() → a tick every `period_s`
-→ stop() (cancelled and awaited). Invariant: min_limit <= limit <= max_limit.
+Protection: while the most urgent tier is at risk, admission sheds lower tiers at once
+rather than queueing them (gateway/admission.py, `set_protection`):
+
+    at risk = that tier's TTFT p90 / its target > high, or requests of it wait in the queue
+    protected until = now + hold_s after the last tick at risk (hysteresis: no flapping)
+
+`next_limit` and `protected_until` are the policies (pure); `TtftWindow` the recent
+samples; `CapacityGovernor` the owned task that applies them. Lifecycle of the governor:
+start() → a tick every `period_s` → stop() (cancelled and awaited). Invariant:
+min_limit <= limit <= max_limit.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ class CapacityBounds:
     max_limit: int = 1024
     high: float = 0.8  # TTFT p90 / target above this: too much runs at once
     low: float = 0.4  # below this (and requests waiting): room for more
+    hold_s: float = 5.0  # protection lasts this long after the urgent tier was last at risk
+    cooldown_s: float = 2.0  # at least this long between two cuts of the limit
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.max_limit:
@@ -62,7 +75,7 @@ def next_limit(limit: int, num_running: int, num_queued: int, pressure: float | 
 class TtftWindow:
     """Backend TTFTs of the last `window_s` seconds, by tier."""
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, window_s: float = 4.0, clock: Callable[[], float] = time.monotonic,
                  max_samples: int = 4096) -> None:
         self.window_s = window_s
         self._clock = clock
@@ -86,6 +99,22 @@ class TtftWindow:
         return out
 
 
+def protected_until(now: float, until: float, urgent_pressure: float | None,
+                    num_urgent_queued: int, bounds: CapacityBounds) -> float:
+    """When protection of the most urgent tier ends (see the module docstring); pure."""
+    at_risk = num_urgent_queued > 0 or (urgent_pressure is not None
+                                        and urgent_pressure > bounds.high)
+    return max(until, now + bounds.hold_s) if at_risk else until
+
+
+@dataclass(frozen=True, slots=True)
+class GateState:
+    limit: int
+    num_running: int
+    num_queued: int
+    num_urgent_queued: int  # queued requests of the most urgent tier(s)
+
+
 def pressure(p90_s: Mapping[str, float], targets_s: Mapping[str, float]) -> float | None:
     """max over tiers of p90 / target; None without samples."""
     ratios = [p90 / targets_s[tier] for tier, p90 in p90_s.items() if tier in targets_s]
@@ -94,28 +123,50 @@ def pressure(p90_s: Mapping[str, float], targets_s: Mapping[str, float]) -> floa
 
 class CapacityGovernor:
     def __init__(self, window: TtftWindow, targets_s: Mapping[str, float],
-                 get_state: Callable[[], tuple[int, int, int]],
-                 set_limit: Callable[[int], None], bounds: CapacityBounds = CapacityBounds(),
-                 period_s: float = 0.5) -> None:
-        """`get_state()` -> (limit, num_running, num_queued); `set_limit(n)` applies one."""
+                 urgent_tiers: tuple[str, ...], get_state: Callable[[], GateState],
+                 set_limit: Callable[[int], None], set_protection: Callable[[bool], None],
+                 bounds: CapacityBounds = CapacityBounds(), period_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`set_limit(n)` applies a limit, `set_protection(on)` protection."""
         self.window = window
         self.targets_s = dict(targets_s)
+        self.urgent_targets_s = {t: self.targets_s[t] for t in urgent_tiers}
         self.bounds = bounds
         self.period_s = period_s
         self._get_state = get_state
         self._set_limit = set_limit
+        self._set_protection = set_protection
+        self._clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._protected_until = float("-inf")
+        self._last_cut = float("-inf")
         self.num_changes = 0
+        self.protecting = False
 
     def tick(self) -> int:
-        limit, num_running, num_queued = self._get_state()
-        new = next_limit(limit, num_running, num_queued,
-                         pressure(self.window.p90(), self.targets_s), self.bounds)
-        if new != limit:
+        state = self._get_state()
+        now = self._clock()
+        p90 = self.window.p90()
+        new = next_limit(state.limit, state.num_running, state.num_queued,
+                         pressure(p90, self.targets_s), self.bounds)
+        if new < state.limit:
+            if now - self._last_cut < self.bounds.cooldown_s:
+                new = state.limit
+            else:
+                self._last_cut = now
+        if new != state.limit:
             self.num_changes += 1
-            log.info("concurrency limit %d -> %d (running %d, queued %d)", limit, new,
-                     num_running, num_queued)
+            log.info("concurrency limit %d -> %d (running %d, queued %d)", state.limit, new,
+                     state.num_running, state.num_queued)
             self._set_limit(new)
+        self._protected_until = protected_until(
+            now, self._protected_until, pressure(p90, self.urgent_targets_s),
+            state.num_urgent_queued, self.bounds)
+        protecting = now < self._protected_until
+        if protecting != self.protecting:
+            log.info("%s shedding lower tiers early", "start" if protecting else "stop")
+            self.protecting = protecting
+        self._set_protection(protecting)
         return new
 
     def start(self) -> None:
@@ -138,5 +189,5 @@ class CapacityGovernor:
                 log.exception("capacity governor tick failed")
 
     def check_invariants(self) -> None:
-        limit, _, _ = self._get_state()
+        limit = self._get_state().limit
         assert self.bounds.min_limit <= limit <= max(self.bounds.max_limit, limit)

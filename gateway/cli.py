@@ -46,6 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="attempts per request when workers fail: retries before the first token, "
              "migrations of a running stream to another decode worker after it; 1 turns "
              "both off (default 4)")
+    opt("--admission", "adaptive", choices=("adaptive", "static"),
+        help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
+             "shed early while the most urgent tier is at risk; static: --max-running "
+             "fixed, tiers shed only when their own deadline cannot be met (default adaptive)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
     p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_running=args.max_running, max_queued=args.max_queued,
         retry_limits=retry_limits, drain_timeout_s=args.drain_timeout_s,
-        body_timeout_s=args.body_timeout_s,
+        body_timeout_s=args.body_timeout_s, adaptive_admission=args.admission == "adaptive",
         internal_token=args.internal_token or None)
     try:
         run_gateway(config)

@@ -31,7 +31,7 @@ from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
-from gateway.capacity import CapacityBounds, CapacityGovernor, TtftWindow
+from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import DRAIN, ApiSettings, create_app
@@ -67,6 +67,7 @@ class GatewayConfig:
     body_timeout_s: float = 30.0
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
     retry_limits: RetryLimits = RetryLimits()
+    adaptive_admission: bool = True  # False: a fixed limit (max_running), no early shedding
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -101,20 +102,25 @@ async def make_app(config: GatewayConfig) -> web.Application:
     controller = gate.controller
     governor = CapacityGovernor(
         window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},
-        lambda: (controller.max_running_total, controller.num_running, controller.num_queued),
-        gate.set_capacity, CapacityBounds(max_limit=config.max_running))
+        controller.urgent_tiers,
+        lambda: GateState(controller.max_running_total, controller.num_running,
+                          controller.num_queued, controller.num_queued_urgent()),
+        gate.set_capacity, gate.set_protection,
+        CapacityBounds(max_limit=config.max_running))
     app = create_app(settings, tiers, backend, tokenizer, gate)
     install(app, cluster, backend, metrics)
-    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor))
+    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
+                                            config.adaptive_admission))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
-                     state: RedisState, governor: CapacityGovernor
+                     state: RedisState, governor: CapacityGovernor, adaptive: bool
                      ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
-        governor.start()
+        if adaptive:
+            governor.start()
         try:
             yield
         finally:

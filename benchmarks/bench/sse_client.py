@@ -64,6 +64,7 @@ class RequestRecord(msgspec.Struct):
     prompt_tokens: int | None = None
     error: str | None = None
     error_detail: str | None = None
+    retry_after_s: float | None = None  # a refusal's Retry-After header, when it had one
 
     @property
     def tpot_ms(self) -> float | None:
@@ -181,6 +182,14 @@ async def _read_stream(response: aiohttp.ClientResponse, state: StreamState) -> 
     raise StreamFault(ErrorKind.MISSING_DONE, "stream ended without data: [DONE]")
 
 
+def _retry_after_s(value: str | None) -> float | None:
+    """Retry-After in seconds (the delay form; an HTTP date counts as absent)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, api: Api, payload: dict,
                        headers: dict[str, str], request: PlannedRequest, timeout_s: float,
                        run_start_t: float, scheduled_s: float | None) -> RequestRecord:
@@ -194,6 +203,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, api: Api, paylo
         async with asyncio.timeout(timeout_s):
             async with session.post(url, json=payload, headers=headers) as response:
                 if response.status != 200:
+                    record.retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
                     body = await response.text(errors="replace")
                     raise StreamFault(f"http_{response.status}", body[:200])
                 await _read_stream(response, state)

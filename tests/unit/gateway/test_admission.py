@@ -131,6 +131,34 @@ def test_full_shared_queue_sheds_least_urgent_lower_tier_first():
     assert c.release("run") == ("i0",)
 
 
+def test_protection_sheds_lower_tiers_at_once_and_caps_their_share():
+    c, _ = controller(capacity=4)
+    c.set_protection(True)
+    assert c.submit("b1", "batch") == Admitted("b1")
+    assert c.submit("b2", "batch") == Admitted("b2")  # half of 4 slots
+    rejected = c.submit("b3", "batch")  # a slot is free, but not within batch's share
+    assert isinstance(rejected, Rejected) and rejected.reason == "overload"
+    assert rejected.retry_after_s >= 1.0
+    assert c.submit("i1", "interactive") == Admitted("i1")
+    assert c.submit("i2", "interactive") == Admitted("i2")
+    assert isinstance(c.submit("i3", "interactive"), Queued)  # urgent tiers still queue
+    c.check_invariants()
+    assert c.release("b1") == ("i3",)
+    c.check_invariants()
+
+
+def test_queued_lower_tiers_start_when_protection_ends():
+    c, _ = controller(capacity=2)
+    assert c.submit("b1", "batch") == Admitted("b1")
+    assert c.submit("b2", "batch") == Admitted("b2")
+    assert isinstance(c.submit("b3", "batch"), Queued)
+    c.set_protection(True)
+    assert c.release("b1") == ()  # a free slot, but batch is at its share (1 of 2)
+    c.check_invariants()
+    assert c.set_protection(False) == ("b3",)
+    c.check_invariants()
+
+
 def test_tier_queue_limit():
     small = tier("standard", 1, ttft_ms=60_000, max_queued=1)
     c, _ = controller(capacity=1, tiers=(INTERACTIVE, small, BATCH))

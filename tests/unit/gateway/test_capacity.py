@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.capacity import CapacityBounds, CapacityGovernor, TtftWindow, next_limit, pressure
+from gateway.capacity import (
+    CapacityBounds,
+    CapacityGovernor,
+    GateState,
+    TtftWindow,
+    next_limit,
+    pressure,
+    protected_until,
+)
 
 BOUNDS = CapacityBounds(min_limit=2, max_limit=64, high=0.6, low=0.3)
 
@@ -50,15 +58,46 @@ def test_a_governor_converges_on_what_a_simulated_cluster_sustains() -> None:
     def cluster_ttft_s(running: int) -> float:
         return 0.05 * max(1, running - 7)  # fine up to 8 at once, then worse per request
 
-    def get_state() -> tuple[int, int, int]:
+    def get_state() -> GateState:
         limit = state["limit"]
-        return limit, limit, 100  # always saturated: 100 requests wait
+        return GateState(limit, limit, 100, 0)  # always saturated: 100 requests wait
 
-    governor = CapacityGovernor(window, {"interactive": 0.5}, get_state,
-                                lambda n: state.__setitem__("limit", n), BOUNDS)
+    governor = CapacityGovernor(window, {"interactive": 0.5}, ("interactive",), get_state,
+                                lambda n: state.__setitem__("limit", n), lambda on: None,
+                                BOUNDS, clock=lambda: now[0])
     for _ in range(200):
         now[0] += 0.5
         window.observe("interactive", cluster_ttft_s(state["limit"]))
         governor.tick()
     assert 8 <= state["limit"] <= 13, state  # p90 0.05..0.3 s: under 0.6 x 0.5 s
     assert governor.num_changes > 0
+
+
+def test_protection_starts_when_the_urgent_tier_is_at_risk_and_holds_for_a_while() -> None:
+    bounds = CapacityBounds(high=0.8, low=0.4, hold_s=5.0)
+    assert protected_until(10.0, float("-inf"), 0.5, 0, bounds) == float("-inf")
+    assert protected_until(10.0, float("-inf"), 0.9, 0, bounds) == 15.0
+    assert protected_until(10.0, float("-inf"), None, 3, bounds) == 15.0  # it queues
+    assert protected_until(12.0, 15.0, 0.1, 0, bounds) == 15.0  # calm: the hold runs out
+    assert protected_until(14.0, 15.0, 0.9, 0, bounds) == 19.0  # at risk again: extended
+
+
+def test_the_governor_protects_on_the_urgent_tier_alone() -> None:
+    """Batch far past its own target does not trigger protection; interactive near it does."""
+    now = [0.0]
+    window = TtftWindow(window_s=10.0, clock=lambda: now[0])
+    calls: list[bool] = []
+    governor = CapacityGovernor(window, {"interactive": 0.5, "batch": 60.0}, ("interactive",),
+                                lambda: GateState(16, 16, 0, 0), lambda n: None, calls.append,
+                                CapacityBounds(hold_s=5.0), clock=lambda: now[0])
+    window.observe("interactive", 0.1)
+    window.observe("batch", 100.0)
+    governor.tick()
+    assert calls[-1] is False
+    window.observe("interactive", 0.45)
+    window.observe("interactive", 0.45)
+    governor.tick()
+    assert calls[-1] is True and governor.protecting
+    now[0] = 30.0  # samples aged out, hold over
+    governor.tick()
+    assert calls[-1] is False
