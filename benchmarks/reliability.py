@@ -16,8 +16,10 @@ Retry-After) and the attainment of the requests that were admitted.
 
 soak: one cluster under steady open-loop load while a worker (decode and prefill in turn)
 is killed with SIGKILL every --kill-every seconds; `pdserve up` restarts it and the gateway
-retries or migrates the requests it held. Reports requests sent, failed (by kind), kills,
-and whether the cluster was whole again afterwards.
+retries or migrates the requests it held. Reports requests sent, refused by admission
+(429: the load was more than the cluster could serve in its tiers' targets, not a fault),
+failed (by kind), kills, and whether the cluster was whole again afterwards; exits 1 when
+a request failed or a worker did not come back.
 
 Both write a JSON report (--output) and print a markdown table (also --markdown FILE).
 """
@@ -222,7 +224,8 @@ class SoakReport(msgspec.Struct):
     rate_rps: float
     sent: int
     completed: int
-    failed_by_kind: dict[str, int]
+    refused_429: int  # admission's answers to overload, not faults
+    failed_by_kind: dict[str, int]  # everything else that did not complete
     kills: list[str]
     workers_before: int
     workers_after: int
@@ -237,10 +240,12 @@ async def _kill_loop(cluster: UpCluster, every_s: float, kills: list[str]) -> No
         ready = [w for w in workers if w["state"] == "ready" and w.get("pid")]
         role = roles[turn % len(roles)]
         turn += 1
-        victims = [w for w in ready if w["role"] == role] or ready
+        victims = sorted((w for w in ready if w["role"] == role), key=lambda w: w["id"]) \
+            or ready
         if victims:
-            cluster.kill_worker(victims[0])
-            kills.append(f"{victims[0]['id']} (pid {victims[0]['pid']})")
+            victim = victims[(turn // len(roles)) % len(victims)]
+            cluster.kill_worker(victim)
+            kills.append(f"{victim['id']} (pid {victim['pid']})")
             print(f"killed {kills[-1]}", file=sys.stderr)
 
 
@@ -271,16 +276,18 @@ def run_soak(bench: Bench) -> int:
             time.sleep(1.0)
     failed: dict[str, int] = {}
     for r in result.records:
-        if r.error is not None:
+        if r.error is not None and r.error != "http_429":
             failed[r.error] = failed.get(r.error, 0) + 1
+    refused = sum(r.error == "http_429" for r in result.records)
     report = SoakReport(a.duration, a.rate, len(result.records),
-                        sum(r.error is None for r in result.records), failed, kills,
+                        sum(r.error is None for r in result.records), refused, failed, kills,
                         before, after)
-    markdown = ("| duration s | rate req/s | sent | completed | failed | workers killed "
-                "| workers ready before / after |\n|---:|---:|---:|---:|---|---:|---|\n"
+    markdown = ("| duration s | rate req/s | sent | completed | refused (429) | failed "
+                "| workers killed | workers ready before / after |\n"
+                "|---:|---:|---:|---:|---:|---|---:|---|\n"
                 f"| {a.duration:g} | {a.rate:g} | {report.sent} | {report.completed} | "
-                f"{', '.join(f'{k} {v}' for k, v in failed.items()) or '0'} | {len(kills)} | "
-                f"{before} / {after} |")
+                f"{refused} | {', '.join(f'{k} {v}' for k, v in failed.items()) or '0'} | "
+                f"{len(kills)} | {before} / {after} |")
     bench.write(report, markdown)
     return 0 if not failed and after >= before else 1
 

@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="attempts per request when workers fail: retries before the first token, "
              "migrations of a running stream to another decode worker after it; 1 turns "
              "both off (default 4)")
+    opt("--worker-wait-s", "15", type=float,
+        help="with no worker to route a request to (one restarting, say), wait this long "
+             "for one before answering 503 (default 15)")
     opt("--admission", "adaptive", choices=("adaptive", "static"),
         help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
              "shed early while the most urgent tier is at risk; static: --max-running "
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.main import GatewayConfig
     from gateway.main import run as run_gateway
     from gateway.model_files import ModelFileError
+    from gateway.handoff import UpstreamTimeouts
     from gateway.retry_policy import RetryLimits
     from gateway.tiers import TierConfigError
 
@@ -83,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve gateway: --max-attempts: {exc}", file=sys.stderr)
         return 2
+    if args.worker_wait_s < 0:
+        print("pdserve gateway: --worker-wait-s must be >= 0", file=sys.stderr)
+        return 2
     config = GatewayConfig(
         redis_url=args.redis_url, host=args.host, port=args.port,
         tokenizer_model=args.tokenizer_model, model_name=args.model_name,
@@ -90,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_running=args.max_running, max_queued=args.max_queued,
         retry_limits=retry_limits, drain_timeout_s=args.drain_timeout_s,
-        body_timeout_s=args.body_timeout_s, adaptive_admission=args.admission == "adaptive",
+        body_timeout_s=args.body_timeout_s,
+        timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s),
+        adaptive_admission=args.admission == "adaptive",
         internal_token=args.internal_token or None)
     try:
         run_gateway(config)

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -89,13 +89,13 @@ class ClusterView:
         return self._snapshot.block_size
 
     def num_decode_workers(self) -> int:
-        return sum(1 for w in self._routable(frozenset()) if w.role.decodes)
+        return sum(1 for w in self._routable({}) if w.role.decodes)
 
     def max_kv_tokens(self) -> int | None:
         """Tokens the largest KV pool among the routable decoding workers holds (what one
         request can grow to there); None while no such worker is known."""
         sizes = [self.workers[w.worker_id].num_kv_blocks * self.workers[w.worker_id].block_size
-                 for w in self._routable(frozenset())
+                 for w in self._routable({})
                  if w.role.decodes and w.worker_id in self.workers]
         return max(sizes, default=None)
 
@@ -109,13 +109,21 @@ class ClusterView:
         self._unreachable[worker_id] = (info.epoch, time.monotonic() + for_s)
         return fresh
 
-    def _routable(self, exclude: frozenset[str]) -> tuple[WorkerView, ...]:
+    def _routable(self, exclude: Mapping[str, int]) -> tuple[WorkerView, ...]:
         workers = self._snapshot.workers
         if not exclude and not self._unreachable:
             return workers
         now = time.monotonic()
         return tuple(w for w in workers
-                     if w.worker_id not in exclude and not self._is_unreachable(w.worker_id, now))
+                     if not self._excluded(w.worker_id, exclude)
+                     and not self._is_unreachable(w.worker_id, now))
+
+    def _excluded(self, worker_id: str, exclude: Mapping[str, int]) -> bool:
+        return worker_id in exclude and self._live_epochs.get(worker_id) == exclude[worker_id]
+
+    def epoch_of(self, worker_id: str) -> int | None:
+        info = self.workers.get(worker_id)
+        return None if info is None else info.epoch
 
     def _is_unreachable(self, worker_id: str, now: float) -> bool:
         mark = self._unreachable.get(worker_id)
@@ -132,11 +140,11 @@ class ClusterView:
         return [WorkerEntry(self.workers.get(w), w, self.loads.get(w)) for w in ids]
 
     def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool,
-             exclude: frozenset[str] = frozenset()) -> RoutePlan | NoWorkers:
+             exclude: Mapping[str, int] | None = None) -> RoutePlan | NoWorkers:
         """Plan one request on the current snapshot and count it there until the next poll.
 
-        Workers in `exclude` (they failed this request) and workers marked unreachable are
-        left out."""
+        Workers in `exclude` (id -> the epoch in which they failed this request) and workers marked unreachable are left out; a worker restarted since it failed
+        (a new epoch) is routable again."""
         holders = self.mirror.index.holders
         live = self._live_epochs
         # Only the request's own hashes are looked up: a snapshot of the whole index per
@@ -150,7 +158,7 @@ class ClusterView:
         snapshot = self._snapshot
         request = RouteRequest(prompt_len=prompt_len, block_hashes=block_hashes,
                                local_prefill=local_prefill)
-        plan = plan_route(request, ClusterSnapshot(self._routable(exclude), prefix_index,
+        plan = plan_route(request, ClusterSnapshot(self._routable(exclude or {}), prefix_index,
                                                    snapshot.block_size), self.rng)
         if isinstance(plan, RoutePlan):
             self._snapshot = with_assignment(snapshot, plan)

@@ -39,6 +39,7 @@ class UpstreamTimeouts:
     reservation_ms: int = 120_000  # D holds the blocks this long for the KV + DecodeRequest
     request_ms: int = 600_000  # the budget sent to workers with each request
     abort_s: float = 2.0
+    worker_wait_s: float = 15.0  # no worker to route to: wait this long for one (a restart)
 
 
 class Attempt:
@@ -62,7 +63,9 @@ class Generation:
         self.request = request
         self.relay = relay
         self.attempts: list[Attempt] = []
-        self.excluded: set[str] = set()  # workers that failed this generation
+        # Workers that failed this generation -> the epoch they had; a worker restarted
+        # since (a new epoch) may serve the generation again.
+        self.excluded: dict[str, int] = {}
 
     @property
     def current(self) -> Attempt | None:

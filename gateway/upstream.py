@@ -76,6 +76,7 @@ from gateway.tiers import TierConfig
 log = logging.getLogger(__name__)
 
 # What a failing worker call looks like from here; anything else is a bug and propagates.
+WORKER_WAIT_POLL_S = 0.2
 CALL_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
 
 
@@ -137,7 +138,7 @@ class WorkerBackend:
         self._active[request.request_id] = generation
         try:
             while True:
-                attempt = self._plan(generation)
+                attempt = await self._plan(generation)
                 try:
                     async with contextlib.aclosing(self._run(generation, attempt)) as batches:
                         async for batch in batches:
@@ -176,27 +177,36 @@ class WorkerBackend:
                 request.tier, outcome, None if first_at is None else first_at - started,
                 0.0 if first_at is None else time.perf_counter() - first_at, num_tokens)
 
-    def _plan(self, generation: Generation) -> Attempt:
-        """The next attempt: a fresh plan, or (tokens delivered) a decode worker to resume."""
+    async def _plan(self, generation: Generation) -> Attempt:
+        """The next attempt: a fresh plan, or (tokens delivered) a decode worker to resume.
+        With no worker to route to (one restarting, say), waits for one up to
+        `timeouts.worker_wait_s`, then gives up with 503."""
         request, relay = generation.request, generation.relay
         resuming = relay.num_tokens > 0
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
             else request.prompt_token_ids
-        plan = self.cluster.plan(len(tokens), block_hashes(tokens, self.cluster.block_size),
-                                 request.local_prefill or resuming,
-                                 exclude=frozenset(generation.excluded))
-        if isinstance(plan, NoWorkers):
-            if generation.attempts:
-                raise BackendUnavailable("No other worker could continue the request.",
-                                         retry_after_s=1)
-            raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
-        return generation.new_attempt(plan)
+        hashes = block_hashes(tokens, self.cluster.block_size)
+        deadline = time.monotonic() + self.timeouts.worker_wait_s
+        while True:
+            plan = self.cluster.plan(len(tokens), hashes, request.local_prefill or resuming,
+                                     exclude=generation.excluded)
+            if not isinstance(plan, NoWorkers):
+                return generation.new_attempt(plan)
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(WORKER_WAIT_POLL_S)
+        if generation.attempts:
+            raise BackendUnavailable("No other worker could continue the request.",
+                                     retry_after_s=1)
+        raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
 
     def _note_failure(self, generation: Generation, failure: LegFailed) -> None:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",
                     generation.request.request_id, len(generation.attempts) - 1, failure,
                     generation.relay.num_tokens)
-        generation.excluded.add(failure.worker_id)
+        epoch = self.cluster.epoch_of(failure.worker_id)
+        if epoch is not None:  # else gone from the registry already: not routable anyway
+            generation.excluded[failure.worker_id] = epoch
         if marks_worker_dead(failure.kind) and self.cluster.mark_unreachable(failure.worker_id):
             self.metrics.num_workers_marked_dead += 1
             log.warning("worker %s is unreachable: out of routing until it registers again",

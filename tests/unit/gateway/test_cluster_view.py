@@ -47,7 +47,7 @@ def view() -> tuple[ClusterView, ScriptedState]:
     return ClusterView(state, Mirror(), random.Random(0), vanish_grace_s=0.5), state  # type: ignore[arg-type]
 
 
-def plan(view: ClusterView, exclude: frozenset[str] = frozenset()) -> RoutePlan | NoWorkers:
+def plan(view: ClusterView, exclude: dict[str, int] | None = None) -> RoutePlan | NoWorkers:
     return view.plan(100, [], local_prefill=True, exclude=exclude)
 
 
@@ -80,9 +80,20 @@ def test_exclusion_is_per_request(view) -> None:
     cluster, state = view
     state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
     asyncio.run(cluster.poll())
-    assert {plan(cluster, frozenset({"d0"})).decode_worker_id for _ in range(20)} == {"d1"}
-    assert isinstance(plan(cluster, frozenset({"d0", "d1"})), NoWorkers)
+    assert {plan(cluster, {"d0": 1}).decode_worker_id for _ in range(20)} == {"d1"}
+    assert isinstance(plan(cluster, {"d0": 1, "d1": 1}), NoWorkers)
     assert {plan(cluster).decode_worker_id for _ in range(40)} == {"d0", "d1"}
+
+
+def test_a_worker_restarted_since_it_failed_a_request_may_serve_it_again(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    assert cluster.epoch_of("d0") == 1 and cluster.epoch_of("nobody") is None
+    assert isinstance(plan(cluster, {"d0": 1}), NoWorkers)
+    state.workers["d0"] = info("d0", Role.DECODE, epoch=2)
+    asyncio.run(cluster.poll())
+    assert plan(cluster, {"d0": 1}).decode_worker_id == "d0"
 
 
 def test_a_registry_emptied_by_a_redis_restart_keeps_the_last_snapshot_for_a_while(view) -> None:
