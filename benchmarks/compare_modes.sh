@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Goodput of pdserve disaggregated (1 prefill + 1 decode worker) vs colocated (2 combined
-# prefill+decode workers) on the same machine, model and workload.
+# Goodput of several `pdserve up` configurations on the same machine, model and workload,
+# side by side in one run: the colocated ones (1, 2, 4 workers; with and without CUDA MPS),
+# static disaggregation (1 prefill + 1 decode worker) and adaptive (2 workers of role
+# `both`, the router predicting each request's plan).
 #
-# The two clusters run one after the other, never at once: they would otherwise share the
+# The clusters run one after the other, never at once: they would otherwise share the
 # CPU cores / GPU and each would measure the other's load. Each gets the same `pdserve bench
 # goodput` search (same seed, so the same requests at every rate).
 #
 # Usage: benchmarks/compare_modes.sh [OUT_DIR]        (default OUT_DIR: bench-results/<time>)
 # Settings (environment):
 #   WORKLOAD=mixed  DURATION=60  START_RATE=0.5  MAX_RUNS=8  SEED=0  API=chat
-#   UP_DISAGG_ARGS / UP_COLOCATED_ARGS   extra `pdserve up` options per mode
-#   BENCH_ARGS                           extra `pdserve bench goodput` options (e.g. --slo)
+#   MODES      ";"-separated NAME=UP_ARGS pairs, run in order (default below)
+#   UP_ARGS    extra `pdserve up` options for every mode (e.g. "--model /m --device cuda")
+#   BENCH_ARGS extra `pdserve bench goodput` options (e.g. --slo)
 #   READY_TIMEOUT=600                    seconds to wait for a cluster's /ready
 #   WARMUP=10                            seconds of discarded warm-up load at START_RATE
-# Output: OUT_DIR/{disaggregated,colocated}/{goodput.json,up.log,plots/} and
-#         OUT_DIR/summary.json (both goodputs and their ratio).
+# Output: OUT_DIR/<mode>/{goodput.json,up.log,plots/} and OUT_DIR/summary.json (every
+#         goodput, the best colocated one, and adaptive and static over it).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,8 +31,11 @@ SEED="${SEED:-0}"
 API="${API:-chat}"
 READY_TIMEOUT="${READY_TIMEOUT:-600}"
 WARMUP="${WARMUP:-10}"
-UP_DISAGG_ARGS="${UP_DISAGG_ARGS:---prefill 1 --decode 1}"
-UP_COLOCATED_ARGS="${UP_COLOCATED_ARGS:---colocated --workers 2}"
+DEFAULT_MODES="colocated-1=--colocated --workers 1;colocated-2=--colocated --workers 2 --no-mps"
+DEFAULT_MODES+=";colocated-2-mps=--colocated --workers 2;static=--prefill 1 --decode 1"
+DEFAULT_MODES+=";adaptive=--workers 2 --roles both"
+MODES="${MODES:-$DEFAULT_MODES}"
+UP_ARGS="${UP_ARGS:-}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 
 mkdir -p "$OUT_DIR"
@@ -89,23 +95,38 @@ run_mode() {  # $1: mode name, $2: extra `pdserve up` options
     stop_cluster
 }
 
-run_mode disaggregated "$UP_DISAGG_ARGS"
-run_mode colocated "$UP_COLOCATED_ARGS"
+NAMES=()
+IFS=';' read -ra MODE_SPECS <<<"$MODES"
+for spec in "${MODE_SPECS[@]}"; do
+    name="${spec%%=*}"
+    args="${spec#*=}"
+    NAMES+=("$name")
+    run_mode "$name" "$args $UP_ARGS"
+done
 
-"$PY" - "$OUT_DIR" <<'EOF'
+"$PY" - "$OUT_DIR" "${NAMES[@]}" <<'EOF'
 import json, sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
-modes = {m: json.loads((out / m / "goodput.json").read_text())
-         for m in ("disaggregated", "colocated")}
+out, names = Path(sys.argv[1]), sys.argv[2:]
+modes = {m: json.loads((out / m / "goodput.json").read_text()) for m in names}
 goodput = {m: r["goodput_rps"] for m, r in modes.items()}
-ratio = (goodput["disaggregated"] / goodput["colocated"]
-         if goodput["disaggregated"] and goodput["colocated"] else None)
-summary = {"schema_version": 1, "kind": "compare_modes", "goodput_rps": goodput,
+colocated = {m: g for m, g in goodput.items() if m.startswith("colocated") and g}
+best = max(colocated, key=colocated.get) if colocated else None
+
+
+def over_best(mode):
+    if best is None or not goodput.get(mode):
+        return None
+    return goodput[mode] / colocated[best]
+
+
+summary = {"schema_version": 2, "kind": "compare_modes", "goodput_rps": goodput,
            "bound": {m: r["bound"] for m, r in modes.items()},
-           "attainment_target": modes["colocated"]["attainment_target"],
-           "disaggregated_over_colocated": ratio}
+           "attainment_target": next(iter(modes.values()))["attainment_target"],
+           "best_colocated": best,
+           "adaptive_over_best_colocated": over_best("adaptive"),
+           "static_over_best_colocated": over_best("static")}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=2))
 EOF

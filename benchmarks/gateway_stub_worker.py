@@ -36,8 +36,9 @@ from common.contract.control_server import (ControlServer, RequestRejected, make
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, FinishReason, PrefillRequest, PrefillResult,
                                       ReserveRequest, ReserveResponse, Role, TokenFrame,
-                                      TransferResult, TransferStatus, Usage, WorkerInfo, WorkerLoad)
+                                      TransferResult, TransferStatus, Usage, WorkerInfo)
 from common.contract.redis_state import RedisState, connect
+from common.contract.worker_load import WorkerLoad
 from common.worker.publisher import WorkerPublisher
 
 BLOCK_SIZE = 16

@@ -35,10 +35,10 @@ from pathlib import Path
 import msgspec
 
 from benchmarks.bench.corpus import Corpus
+from benchmarks.bench.goodput import SearchParams, search_goodput
 from benchmarks.bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
 from benchmarks.bench.planner import RequestPlanner
 from benchmarks.bench.progress import ProgressBar
-from benchmarks.bench.goodput import SearchParams, search_goodput
 from benchmarks.bench.report import RunReport, attains, build_report, summarize
 from benchmarks.bench.slo import SLOTarget
 from benchmarks.bench.sse_client import RequestRecord

@@ -1,26 +1,61 @@
-"""Wiring of one decode worker process: options -> KV receiver factory -> DecodeWorker.
+"""Wiring of one worker process: options -> KV sender and receiver factories -> AnyRoleWorker.
 
-Runs (per process): a control HTTP server, one engine thread, one KV receiver (a TCP
-control server on the worker's host, port 0, plus the UCX or TCP data plane), and the
-registry publisher. See decode_workers/worker.py for the request lifecycle.
+Every worker process (`pdserve prefill-worker`, `pdserve decode-worker --role R`) runs the
+same thing: a control HTTP server, one engine thread, a KV receiver (a TCP control server
+on the worker's host, port 0, plus the UCX or TCP data plane; opened when the role takes
+reservations), a KV sender (links opened on first use; created when the role prefills for
+others) and the registry publisher. Sender and receiver share the process's one UCX
+worker (ucxx runs one per event loop), created by whichever comes first. Its role only decides which work it takes, and can
+change at run time (decode_workers/any_role.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from common.contract.protocol import Role
 from common.worker.options import WorkerOptions
 from common.worker.runtime import WorkerRuntime
+from decode_workers.any_role import AnyRoleWorker
 from decode_workers.worker import DecodeWorker
 from engine.kv_storage import KVStorage
-from kv_transfer.interface import KVReceiver
+from kv_transfer.interface import KVReceiver, KVSender
+from prefill_workers.worker import PrefillWorker
+
+if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
+    from kv_transfer.ucx import UcxWorker
 
 
-def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> DecodeWorker:
+def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
+    shared: list[UcxWorker] = []  # at most one; made on the event loop, on first use
+
+    def ucx_worker() -> UcxWorker | None:
+        from kv_transfer.backend import make_ucx_worker, resolve_backend
+        if resolve_backend(options.kv_transport) != "ucx":
+            return None
+        if not shared:
+            shared.append(make_ucx_worker(options.host,
+                                          ucx_shared_memory=options.kv_shared_memory))
+        return shared[0]
+
+    def make_sender(storage: KVStorage) -> KVSender:
+        from kv_transfer.backend import make_sender as make
+        return make(storage, options.kv_transport, host=options.host,
+                    token=options.internal_token or "", ucx_worker=ucx_worker(),
+                    ucx_shared_memory=options.kv_shared_memory)
+
     async def make_receiver(storage: KVStorage) -> KVReceiver:
         from kv_transfer.backend import make_receiver as make
         return await make(storage, options.kv_transport, host=options.host,
-                          token=options.internal_token or "",
+                          token=options.internal_token or "", ucx_worker=ucx_worker(),
                           ucx_shared_memory=options.kv_shared_memory)
 
-    return DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
-                        epoch=lambda: runtime.epoch, colocated=options.role is Role.COLOCATED)
+    prefill = PrefillWorker(runtime.metrics, make_sender,
+                            transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,
+                            fault_request_prefix=options.fault_request_prefix)
+    decode = DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
+                          epoch=lambda: runtime.epoch,
+                          colocated=not options.role.takes_reservations,
+                          own_epoch=lambda e: e in runtime.own_epochs)
+    return AnyRoleWorker(options.role, prefill, decode, runtime.metrics, runtime.change_role,
+                         epoch=lambda: runtime.epoch)

@@ -67,12 +67,16 @@ _END_CODES = {EndReason.TRANSFER_FAILED: ErrorCode.TRANSFER_FAILED,
 class DecodeWorker:
     def __init__(self, worker_id: str, metrics: WorkerMetrics,
                  make_receiver: Callable[[KVStorage], Awaitable[KVReceiver]],
-                 epoch: Callable[[], int], colocated: bool = False) -> None:
+                 epoch: Callable[[], int], colocated: bool = False,
+                 own_epoch: Callable[[int], bool] | None = None) -> None:
+        """`own_epoch(e)`: did this process register epoch `e` (a role change starts a new
+        one; reservations of an earlier one stay joinable)? Default: `e == epoch()`."""
         self.worker_id = worker_id
         self.metrics = metrics
         self.colocated = colocated  # colocated: no reservations, every prompt prefilled here
         self._make_receiver = make_receiver
         self._epoch = epoch
+        self._own_epoch = own_epoch or (lambda e: e == epoch())
         self.table = ReservationTable()
         self.engine: EngineThread | None = None
         self.receiver: KVReceiver | None = None
@@ -98,7 +102,13 @@ class DecodeWorker:
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
         if not self.colocated:
-            self.receiver = await self._make_receiver(engine.kv_storage)
+            await self.start_receiver()
+
+    async def start_receiver(self) -> None:
+        """Open the KV receiver (at attach, or when the worker's role starts taking
+        reservations); idempotent."""
+        if self.receiver is None and self.engine is not None:
+            self.receiver = await self._make_receiver(self.engine.kv_storage)
 
     def state(self) -> dict[str, object]:
         return {"num_reservations": len(self.table), "num_streams": len(self._streams),
@@ -277,7 +287,7 @@ class DecodeWorker:
             if ended is not None:
                 return _error(rid, _END_CODES[ended[0]], f"reservation ended: {ended[1]}")
             return _error(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation for this request")
-        if request.epoch is not None and request.epoch != self._epoch():
+        if request.epoch is not None and not self._own_epoch(request.epoch):
             return _error(rid, ErrorCode.STALE_EPOCH, f"reservation epoch {request.epoch} is "
                           f"not this worker's epoch {self._epoch()}")
         if reservation.attached:
@@ -342,23 +352,38 @@ class DecodeWorker:
     # ---------------------------------------------------------------- abort
 
     async def abort(self, request: AbortRequest) -> Message:
-        rid = request.request_id
+        found = self.abort_request(request.request_id, request.reason or "aborted by the gateway")
+        self.metrics.aborts.inc(found="yes" if found else "no")
+        return AbortResponse(request_id=request.request_id, found=found)
+
+    def abort_request(self, rid: str, reason: str) -> bool:
+        """End a reservation or a running stream of `rid`; True when there was one."""
         found = False
         reservation = self.table.get(rid)
         if reservation is not None:
             found = True
             self.metrics.handoff_failures.inc(reason="aborted")
             reservation.end_reason = EndReason.ABORTED
-            self._spawn(self._drop(reservation, EndReason.ABORTED,
-                                   request.reason or "aborted by the gateway"))
+            self._spawn(self._drop(reservation, EndReason.ABORTED, reason))
         engine = self.engine
         stream = engine.stream(rid) if engine is not None else None
         if stream is not None and engine is not None:
             found = True
-            stream.end(request.reason or "aborted by the gateway")
+            stream.end(reason)
             engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
-        self.metrics.aborts.inc(found="yes" if found else "no")
-        return AbortResponse(request_id=rid, found=found)
+        return found
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def stream_ids(self) -> tuple[str, ...]:
+        return tuple(self._streams)
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self.table)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

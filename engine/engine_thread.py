@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from common.contract.protocol import WorkerLoad
+from common.contract.worker_load import WorkerLoad
 from engine.block_pool import CacheEvent
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_shape import StepShape, queue_shape, step_shape
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class StepReport:
     cache_events: list[CacheEvent]
     step_s: float  # 0.0 when the report follows a command rather than a step
     load: WorkerLoad  # the engine's counters after this step (no rates)
+    shape: StepShape = StepShape()  # what the step computed (empty after a command)
 
 
 @dataclass(slots=True)
@@ -92,11 +94,14 @@ def _checked_load(engine: LLMEngine) -> WorkerLoad:
 
 def engine_load(engine: LLMEngine) -> WorkerLoad:
     """The engine's counters as a WorkerLoad (rates left at zero); engine thread only."""
+    queued = queue_shape(engine.scheduler.live_requests())
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
                       num_kv_blocks_used=engine.kv_cache.num_used_blocks,
                       num_kv_blocks_total=engine.kv_cache.num_blocks,
                       num_held_tables=len(engine.kv_cache.request_ids()),
-                      num_steps=engine.num_steps)
+                      num_steps=engine.num_steps,
+                      num_queued_prefill_tokens=queued.prefill_tokens,
+                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens)
 
 
 class EngineThread:
@@ -280,8 +285,9 @@ class EngineThread:
                 self.loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _post(self, outputs: list[RequestOutput], step_s: float) -> None:
+        shape = step_shape(self._engine.last_schedule) if step_s > 0 else StepShape()
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine))
+                            engine_load(self._engine), shape)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

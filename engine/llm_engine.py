@@ -8,10 +8,9 @@ Lifecycle of a request inside one engine:
     reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
 
-Every step returns one `RequestOutput` per request that produced a token or finished in that
-step. Text is streamed with the incremental detokenizer; text that may be the start of a stop
-string is held back until it is decided (see engine/stop_checker.py), so the concatenated
-`new_text` of a request is exactly its final output text.
+Every step returns one `RequestOutput` per request that produced a token or finished in it.
+Text is streamed with the incremental detokenizer; text that may start a stop string is held
+back until decided (engine/stop_checker.py): the concatenated `new_text` is the final text.
 
 Invariants: a request id is tracked here iff the scheduler knows it (live or PREFILLED);
 finished requests produce exactly one output with `finish_reason` set.
@@ -35,6 +34,7 @@ from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner, StepRunner
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
+from engine.schedule_output import ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.stop_checker import check_stop
@@ -150,8 +150,8 @@ class LLMEngine:
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        self.num_preemptions = 0  # requests sent back to recompute, since start
-        self.num_steps = 0
+        self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
+        self.last_schedule: ScheduleOutput | None = None  # what the last step computed
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
@@ -253,7 +253,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns the outputs of this step (possibly none)."""
-        schedule = self.scheduler.schedule()
+        schedule = self.last_schedule = self.scheduler.schedule()
         self.num_steps += 1
         self.num_preemptions += len(schedule.preempted_request_ids)
         sampled: dict[str, int] = {}

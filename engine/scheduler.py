@@ -39,10 +39,8 @@ outside this argument: PREFILLED requests (until `release_prefilled`) and reserv
 yet joined (until `KVCacheManager.release`); their owners must release them, and a decode
 worker should reserve only while `num_waiting == 0`, so preempted requests get blocks first.
 
-No deadlock: a request whose tokens need more blocks than the whole pool is never queued
-forever: its prompt is rejected at `add_request` (FINISHED_ERROR), and a request that grows
-past the pool while decoding ends with FINISHED_LENGTH.
-
+No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
+(FINISHED_ERROR); a request that grows past the pool while decoding ends FINISHED_LENGTH.
 Lifecycle: the request states and their transitions are drawn in `engine/request.py`.
 
 Invariants (`check_invariants`, plus the KV cache manager's):
@@ -55,7 +53,7 @@ Invariants (`check_invariants`, plus the KV cache manager's):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
@@ -101,7 +99,7 @@ class Scheduler:
         return len(self._running)
 
     @property
-    def num_prefilled(self) -> int:
+    def num_prefilled(self) -> int:  # PREFILL_ONLY done, blocks held until released
         return len(self._prefilled)
 
     @property
@@ -111,6 +109,9 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def live_requests(self) -> Iterable[Request]:  # waiting, running or prefilled
+        return self._requests.values()
 
     # ---- adding and ending requests ---------------------------------------------------------
 

@@ -56,7 +56,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     tier: str
-    local_prefill: bool  # the tier says a decode worker should prefill this prompt itself
+    local_prefill: bool | None  # the tier's override (gateway/tiers.py); None: the router decides
     key_id: str | None = None
 
 

@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"pdserve gateway: cannot read --tiers file: {exc}", file=sys.stderr)
             return 2
+    from gateway.handoff import UpstreamTimeouts
     from gateway.main import GatewayConfig
     from gateway.main import run as run_gateway
     from gateway.model_files import ModelFileError
-    from gateway.handoff import UpstreamTimeouts
     from gateway.retry_policy import RetryLimits
     from gateway.tiers import TierConfigError
 

@@ -38,8 +38,10 @@ from dataclasses import dataclass
 import msgspec
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.protocol import LoadReport, WorkerInfo, WorkerLoad
+from common.contract.protocol import LoadReport, WorkerInfo
 from common.contract.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
+from common.contract.worker_load import WorkerLoad
+from gateway.plan_model import Targets
 from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
                             plan_route, with_assignment)
 
@@ -139,12 +141,14 @@ class ClusterView:
         ids = sorted(set(self.registered_ids) | set(self.workers))
         return [WorkerEntry(self.workers.get(w), w, self.loads.get(w)) for w in ids]
 
-    def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool,
-             exclude: Mapping[str, int] | None = None) -> RoutePlan | NoWorkers:
+    def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool | None,
+             exclude: Mapping[str, int] | None = None,
+             targets: Targets | None = None) -> RoutePlan | NoWorkers:
         """Plan one request on the current snapshot and count it there until the next poll.
 
-        Workers in `exclude` (id -> the epoch in which they failed this request) and workers marked unreachable are left out; a worker restarted since it failed
-        (a new epoch) is routable again."""
+        Workers in `exclude` (id -> the epoch in which they failed this request) and workers
+        marked unreachable are left out; a worker restarted since it failed (a new epoch) is
+        routable again. `targets`: the request's SLO, for a predicted plan."""
         holders = self.mirror.index.holders
         live = self._live_epochs
         # Only the request's own hashes are looked up: a snapshot of the whole index per
@@ -157,11 +161,11 @@ class ClusterView:
             prefix_index[h] = frozenset(w for w, e in row.items() if live.get(w) == e)
         snapshot = self._snapshot
         request = RouteRequest(prompt_len=prompt_len, block_hashes=block_hashes,
-                               local_prefill=local_prefill)
+                               local_prefill=local_prefill, targets=targets)
         plan = plan_route(request, ClusterSnapshot(self._routable(exclude or {}), prefix_index,
                                                    snapshot.block_size), self.rng)
         if isinstance(plan, RoutePlan):
-            self._snapshot = with_assignment(snapshot, plan)
+            self._snapshot = with_assignment(snapshot, plan, prompt_len)
         return plan
 
     # ---------------------------------------------------------------- lifecycle
@@ -259,7 +263,9 @@ def build_snapshot(workers: dict[str, WorkerInfo],
         load = report.load if report is not None else WorkerLoad()
         if load.num_kv_blocks_total == 0:  # not reported yet: the pool it registered
             load = msgspec.structs.replace(load, num_kv_blocks_total=info.num_kv_blocks)
-        views.append(WorkerView(worker_id=worker_id, role=info.role, load=load))
+        views.append(WorkerView(worker_id=worker_id, role=info.role, load=load,
+                                max_batched_tokens=info.max_num_batched_tokens or 2048,
+                                kv_bytes_per_token=info.kv_bytes_per_token))
         block_sizes.add(info.block_size)
     if len(block_sizes) > 1:
         log.warning("workers disagree on block size %s: prefix routing uses the smallest",

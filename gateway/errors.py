@@ -41,6 +41,7 @@ ERROR_TYPES: dict[int, str] = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    502: "server_error",
     503: "service_unavailable_error",
 }
 

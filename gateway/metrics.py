@@ -58,6 +58,8 @@ class GatewayMetrics:
         self.num_splice_mismatches = 0
         # Attempts after a worker failed: (phase, kind, "retry" before token 1 | "migration").
         self.retries: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        # Plans chosen: (kind "local" | "split", how "predicted" | "rule", tier).
+        self.plans: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.num_workers_marked_dead = 0
 
     def observe_request(self, endpoint: str, status: int) -> None:
@@ -71,6 +73,9 @@ class GatewayMetrics:
             self.ttft[tier].observe(ttft_s)
         if num_tokens > 1:
             self.tpot[tier].observe(decode_s / (num_tokens - 1))
+
+    def observe_plan(self, kind: str, predicted: bool, tier: str) -> None:
+        self.plans[(kind, "predicted" if predicted else "rule", tier)] += 1
 
     def observe_retry(self, phase: str, kind: str, migration: bool) -> None:
         self.retries[(phase, kind, "migration" if migration else "retry")] += 1
@@ -96,6 +101,11 @@ class GatewayMetrics:
                         "token 1, a migration after it.",
                         ((f'phase="{p}",kind="{k}",type="{t}"', n)
                          for (p, k, t), n in sorted(self.retries.items())))
+        out += _counter("pdserve_gateway_plans_total",
+                        "Plans chosen: kind local (the decode worker prefills) or split "
+                        "(prefill pool + KV handoff), by prediction or by the token-cost rule.",
+                        ((f'kind="{k}",how="{h}",tier="{t}"', n)
+                         for (k, h, t), n in sorted(self.plans.items())))
         out += _counter("pdserve_gateway_workers_marked_dead_total",
                         "Workers taken out of routing at once because they could not be "
                         "reached.", (("", self.num_workers_marked_dead),))

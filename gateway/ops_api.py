@@ -10,6 +10,8 @@
                      state: "ready" | "draining" | "expired" (lease lapsed, not yet purged);
                      needs an admin key when keys are configured (401/403 otherwise), or
                      the cluster's internal token.
+    POST /admin/workers/{id}/role   {"role", "drain_timeout_s"}: change a worker's role
+                     (gateway/role_admin.py); admin key or the internal token as above.
     /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
                       "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
                      its invariants checked on the spot (null: all hold); admin key as above.
@@ -26,11 +28,13 @@ from collections.abc import Iterator
 import msgspec
 from aiohttp import web
 
-from common.contract.protocol import Role, WorkerLoad
+from common.contract.protocol import Role
+from common.contract.worker_load import StepModel, WorkerLoad
 from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
+from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
 from gateway.tiers import TierConfig, TierError, resolve
 from gateway.upstream import WorkerBackend
 
@@ -48,7 +52,12 @@ class WorkerRow(msgspec.Struct):
     epoch: int | None
     control_url: str | None
     state: str
-    load: dict[str, int] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total
+    load: dict[str, int] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total,
+    #                              num_queued_prefill_tokens, num_decoding
+    device: str | None = None
+    sm_share_percent: int | None = None  # CUDA MPS share of the GPU's SMs (None: no MPS)
+    step_model: StepModel | None = None  # the fitted step time the router predicts with
+    kv_send_bytes_per_s: float | None = None
 
 
 class WorkerList(msgspec.Struct):
@@ -64,6 +73,7 @@ def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/admin/workers", handle_admin_workers)
     app.router.add_get("/admin/state", handle_admin_state)
+    app.router.add_post("/admin/workers/{worker_id}/role", handle_admin_role)
 
 
 @web.middleware
@@ -111,6 +121,16 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
                counts.get(role, 0))
     yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
            int(cluster.redis_connected))
+
+
+async def handle_admin_role(request: web.Request) -> web.Response:
+    _require_admin(request, request.app[TIERS])
+    backend = request.app[UPSTREAM]
+    body = await request.content.read(MAX_BODY_BYTES + 1)
+    changed = await change_worker_role(
+        request.app[CLUSTER], ControlClientFactory(backend.session, backend.internal_token),
+        request.match_info["worker_id"], body)
+    return json_answer(changed)
 
 
 async def handle_admin_workers(request: web.Request) -> web.Response:
@@ -168,12 +188,18 @@ def _row(entry: WorkerEntry) -> WorkerRow:
         id=entry.worker_id, role=info.role.value if info else None,
         pid=(info.pid or None) if info else None, epoch=info.epoch if info else None,
         control_url=info.control_url if info else None, state=state,
-        load=_load_fields(load.load) if load else None)
+        load=_load_fields(load.load) if load else None,
+        device=info.device if info else None,
+        sm_share_percent=(info.sm_share_percent or None) if info else None,
+        step_model=load.load.step_model if load else None,
+        kv_send_bytes_per_s=(load.load.kv_send_bytes_per_s or None) if load else None)
 
 
 def _load_fields(load: WorkerLoad) -> dict[str, int]:
     return {"num_running": load.num_running, "num_waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used,
-            "kv_blocks_total": load.num_kv_blocks_total}
+            "kv_blocks_total": load.num_kv_blocks_total,
+            "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
+            "num_decoding": load.num_decoding}
 
 

@@ -63,7 +63,7 @@ class LegFailed(Exception):
 
 _REFUSING_CODES = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.PROTOCOL_VERSION,
                              ErrorCode.UNAUTHORIZED})
-_BUSY_CODES = frozenset({ErrorCode.OVERLOADED})
+_BUSY_CODES = frozenset({ErrorCode.OVERLOADED, ErrorCode.WRONG_ROLE})
 
 
 def failure_kind(exc: BaseException) -> FailureKind:

@@ -1,8 +1,19 @@
 """Where a request runs: a pure function from a snapshot of the workers to a `RoutePlan`.
 
-Short prompts (the tier's local-prefill threshold, decided by `tiers.classify`) go to one
-decode worker, which prefills them itself: moving their KV would cost more than
-computing it. Long prompts go to a (prefill, decode) pair, and the KV moves between them.
+Predicted (the default, once every worker has published a fitted step model): every plan
+is enumerated, a local prefill on each decoding worker D and a (P, D) split for every
+worker P that prefills for others and every D that takes reservations, with their prefix
+cache hits; gateway/plan_model.py predicts each one's TTFT, this request's TPOT and the
+TPOT of D's running requests, and the plan with the smallest worst-ratio-to-target wins
+(the most slack, or the least miss); near ties (within `tie_margin_score`) go to the
+smaller sum of ratios, then to a local plan, then to two random choices. So short prompts stay local while the
+decode worker has room, and move to an idle prefill worker as soon as prefilling them
+locally would cost the running streams their TPOT or this request its TTFT.
+
+Forced (the tier sets `local_prefill_max_tokens`, or a migrated stream must recompute
+locally), or not predictable yet (a worker without a model): the token-cost rule below.
+Short prompts go to one decode worker, which prefills them itself; long prompts go to a
+(prefill, decode) pair, and the KV moves between them.
 
 Each candidate gets a cost in *tokens of work ahead of this request*:
 
@@ -32,12 +43,15 @@ so a worker's usable prefix is the longest run of leading blocks it holds:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import msgspec
 
-from common.contract.protocol import Role, WorkerLoad
+from common.contract.protocol import Role
+from common.contract.worker_load import WorkerLoad
+from gateway.plan_model import (Prediction, Targets, WorkerSide, complete_models, predict_local,
+                                predict_split)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +59,8 @@ class WorkerView:
     worker_id: str
     role: Role
     load: WorkerLoad
+    max_batched_tokens: int = 2048  # the engine's step budget
+    kv_bytes_per_token: int = 0  # KV of one token, all layers (what a handoff moves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +81,10 @@ class ClusterSnapshot:
 class RouteRequest:
     prompt_len: int
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks
-    local_prefill: bool  # from the tier: the decode worker prefills this prompt
+    # True: the decode worker must prefill it (tier threshold, or a migrated stream);
+    # False: on the prefill pool when there is one (tier threshold); None: predicted
+    local_prefill: bool | None
+    targets: Targets | None = None  # the request's SLO; None: not predicted
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +93,7 @@ class RoutingWeights:
     running_cost_tokens: float = 32.0  # a running request slows each step a little
     kv_pressure_cost_tokens: float = 2_048.0  # at a full KV pool; quadratic in usage
     tie_margin_tokens: float = 64.0  # costs this close are a tie, settled by two choices
+    tie_margin_score: float = 0.02  # predicted scores this close are a tie
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +101,11 @@ class RoutePlan:
     decode_worker_id: str
     prefill_worker_id: str | None  # None: the decode worker prefills the prompt itself
     cached_tokens: int  # prompt tokens already in the prefilling worker's prefix cache
+    predicted: Prediction | None = None  # set when the plan was chosen by prediction
+
+    @property
+    def kind(self) -> str:
+        return "local" if self.prefill_worker_id is None else "split"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +144,11 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
 
     prefillers = [w for w in snapshot.workers if w.role.prefills_for_others]
     receivers = [w for w in decoders if w.role.takes_reservations]
+    if request.local_prefill is None and request.targets is not None:
+        plan = _predicted_plan(request, request.targets, snapshot, decoders, prefillers,
+                               receivers, cached, rng, weights)
+        if plan is not None:
+            return plan
 
     def local(candidates: list[WorkerView]) -> RoutePlan:
         worker = _pick([(prefill_cost(w), w) for w in candidates], rng, weights.tie_margin_tokens)
@@ -128,27 +158,77 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     # Without a prefill worker a long prompt is still served: its decode worker prefills.
     if request.local_prefill or not prefillers:
         return local(decoders)
-    prefill = _pick([(prefill_cost(w), w) for w in prefillers], rng, weights.tie_margin_tokens)
+    # A colocated worker competes for the prefill too: it then decodes what it prefilled.
+    colocated = [w for w in decoders if w.role is Role.COLOCATED]
+    prefill = _pick([(prefill_cost(w), w) for w in prefillers + colocated], rng,
+                    weights.tie_margin_tokens)
+    others = [w for w in receivers if w.worker_id != prefill.worker_id]
     if prefill.role is Role.COLOCATED:
-        # A colocated worker that prefills may as well decode: no KV has to move.
-        return RoutePlan(decode_worker_id=prefill.worker_id, prefill_worker_id=None,
-                         cached_tokens=cached(prefill))
-    if not receivers:  # only colocated workers decode: one of them does it all
-        return local(decoders)
-    decode = _pick([(_load_cost(w.load, weights), w) for w in receivers], rng,
+        return local([prefill])
+    if not others:  # a BOTH worker alone: it may as well decode what it prefills
+        return local([prefill] if prefill.role.decodes else decoders)
+    decode = _pick([(_load_cost(w.load, weights), w) for w in others], rng,
                    weights.tie_margin_tokens)
     return RoutePlan(decode_worker_id=decode.worker_id, prefill_worker_id=prefill.worker_id,
                      cached_tokens=cached(prefill))
 
 
-def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan) -> ClusterSnapshot:
-    """The snapshot as it will look once the plan's workers have queued the request."""
-    chosen = {plan.decode_worker_id, plan.prefill_worker_id} - {None}
-    workers = tuple(
-        replace(w, load=msgspec.structs.replace(w.load, num_waiting=w.load.num_waiting + 1))
-        if w.worker_id in chosen else w
-        for w in snapshot.workers)
-    return replace(snapshot, workers=workers)
+def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSnapshot,
+                    decoders: list[WorkerView], prefillers: list[WorkerView],
+                    receivers: list[WorkerView], cached: Callable[[WorkerView], int],
+                    rng: random.Random, weights: RoutingWeights) -> RoutePlan | None:
+    involved = {w.worker_id: w for w in (*decoders, *prefillers)}
+    models = complete_models([w.load.step_model for w in involved.values()])
+    if models is None:
+        return None
+    sides = {wid: WorkerSide(w.load, m, w.max_batched_tokens, w.kv_bytes_per_token)
+             for (wid, w), m in zip(involved.items(), models)}
+    candidates: list[RoutePlan] = []
+    for d in decoders:
+        candidates.append(RoutePlan(d.worker_id, None, cached(d), predict_local(
+            sides[d.worker_id], request.prompt_len, cached(d), targets)))
+    for p in prefillers:
+        for d in receivers:
+            if d.worker_id != p.worker_id:
+                candidates.append(RoutePlan(d.worker_id, p.worker_id, cached(p), predict_split(
+                    sides[p.worker_id], sides[d.worker_id], request.prompt_len, cached(p),
+                    cached(d), targets)))
+    best = min(_prediction(c).score for c in candidates)
+    near = [c for c in candidates if _prediction(c).score <= best + weights.tie_margin_score]
+    least = min(_prediction(c).ratio_sum for c in near)
+    near = [c for c in near if _prediction(c).ratio_sum <= least + weights.tie_margin_score]
+    # Still tied: a local plan occupies one worker and moves no KV.
+    near = [c for c in near if c.prefill_worker_id is None] or near
+    return near[0] if len(near) == 1 else min(
+        rng.sample(near, 2), key=lambda c: (_prediction(c).score, _prediction(c).ratio_sum))
+
+
+def _prediction(plan: RoutePlan) -> Prediction:
+    assert plan.predicted is not None
+    return plan.predicted
+
+
+def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan,
+                    prompt_len: int = 0) -> ClusterSnapshot:
+    """The snapshot as it will look once the plan's workers have queued the request: one
+    more waiting request on each, its uncached prompt queued where it is prefilled, and one
+    more sequence decoding where it decodes."""
+    prefiller = plan.prefill_worker_id or plan.decode_worker_id
+    uncached = max(0, prompt_len - plan.cached_tokens)
+
+    def assigned(w: WorkerView) -> WorkerView:
+        load = w.load
+        if w.worker_id not in (plan.decode_worker_id, plan.prefill_worker_id):
+            return w
+        changes: dict[str, int] = {"num_waiting": load.num_waiting + 1}
+        if w.worker_id == prefiller:
+            changes["num_queued_prefill_tokens"] = load.num_queued_prefill_tokens + uncached
+        if w.worker_id == plan.decode_worker_id:
+            changes["num_decoding"] = load.num_decoding + 1
+            changes["num_context_tokens"] = load.num_context_tokens + prompt_len
+        return replace(w, load=msgspec.structs.replace(load, **changes))
+
+    return replace(snapshot, workers=tuple(assigned(w) for w in snapshot.workers))
 
 
 def _load_cost(load: WorkerLoad, weights: RoutingWeights) -> float:

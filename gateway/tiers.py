@@ -14,7 +14,9 @@ Tiers file (TOML, `--tiers`); every table and field is optional:
     max_queued = 32                    # requests waiting for admission, per tier
     max_running = 128                  # requests admitted and not finished, per tier
     tokens_per_min = 200000            # per API key, prompt + max_tokens; omit: no limit
-    local_prefill_max_tokens = 256     # shorter prompts are prefilled by the decode worker
+    local_prefill_max_tokens = 256     # optional override: shorter prompts are prefilled by
+                                       #   their decode worker, longer ones on the prefill
+                                       #   pool; omitted: the router predicts per request
 
     [[keys]]
     key = "sk-..."                     # or key_env = "NAME": read the key from the environment
@@ -60,7 +62,7 @@ class TierSpec:
     max_queued: int
     max_running: int
     tokens_per_min: int | None  # per API key; None: unlimited
-    local_prefill_max_tokens: int
+    local_prefill_max_tokens: int | None = None  # None: the router decides (gateway/router.py)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -69,7 +71,7 @@ class TierSpec:
             if not getattr(self, name) > 0:
                 raise TierConfigError(f"tier {self.name}: {name} must be positive")
         for name in ("max_queued", "max_running", "local_prefill_max_tokens"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise TierConfigError(f"tier {self.name}: {name} must be >= 0")
         if self.tokens_per_min is not None and self.tokens_per_min <= 0:
             raise TierConfigError(f"tier {self.name}: tokens_per_min must be positive or omitted")
@@ -77,11 +79,11 @@ class TierSpec:
 
 DEFAULT_TIERS: tuple[TierSpec, ...] = (
     TierSpec("interactive", priority=0, ttft_ms=500, tpot_ms=50, max_queued=64,
-             max_running=256, tokens_per_min=None, local_prefill_max_tokens=256),
+             max_running=256, tokens_per_min=None),
     TierSpec("standard", priority=1, ttft_ms=2_000, tpot_ms=100, max_queued=256,
-             max_running=256, tokens_per_min=None, local_prefill_max_tokens=256),
+             max_running=256, tokens_per_min=None),
     TierSpec("batch", priority=2, ttft_ms=60_000, tpot_ms=500, max_queued=4_096,
-             max_running=128, tokens_per_min=None, local_prefill_max_tokens=64),
+             max_running=128, tokens_per_min=None),
 )
 
 
@@ -146,7 +148,8 @@ class TierDecision:
 
     tier: TierSpec
     key_id: str | None  # None: open API
-    local_prefill: bool  # prompt shorter than the tier's local-prefill threshold
+    local_prefill: bool | None  # the tier's override (True: shorter than its threshold,
+    # False: not), or None: no threshold set, the router decides
 
 
 def hash_key(api_key: str) -> str:
@@ -181,8 +184,9 @@ def resolve(api_key: str | None, tier_header: str | None,
 
 def classify(caller: Caller, prompt_len: int) -> TierDecision:
     """How a request of `prompt_len` tokens from `caller` is served; side-effect free."""
+    threshold = caller.tier.local_prefill_max_tokens
     return TierDecision(tier=caller.tier, key_id=caller.key_id,
-                        local_prefill=prompt_len < caller.tier.local_prefill_max_tokens)
+                        local_prefill=None if threshold is None else prompt_len < threshold)
 
 
 # ---------------------------------------------------------------- loading
@@ -215,11 +219,12 @@ def load_tier_config(toml_text: str | None, env: Mapping[str, str]) -> TierConfi
 def _load_tier(name: str, table: dict, base: TierSpec | None) -> TierSpec:
     _check_keys(table, set(_TIER_FIELDS), f"tiers.{name}")
     if base is None:
-        missing = sorted(set(_TIER_FIELDS) - set(table) - {"tokens_per_min"})
+        missing = sorted(set(_TIER_FIELDS) - set(table)
+                         - {"tokens_per_min", "local_prefill_max_tokens"})
         if missing:
             raise TierConfigError(f"tiers.{name} is a new tier and needs: {', '.join(missing)}")
         base = TierSpec(name, priority=0, ttft_ms=1, tpot_ms=1, max_queued=0, max_running=0,
-                        tokens_per_min=None, local_prefill_max_tokens=0)
+                        tokens_per_min=None)
     for field_name, value in table.items():
         number_types = (int, float) if field_name.endswith("_ms") else (int,)
         if isinstance(value, bool) or not isinstance(value, number_types):

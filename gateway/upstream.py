@@ -66,6 +66,7 @@ from gateway.capacity import TtftWindow
 from gateway.cluster import ClusterView
 from gateway.handoff import Attempt, Generation, UpstreamTimeouts, prepend, watch_transfer
 from gateway.metrics import GatewayMetrics
+from gateway.plan_model import Targets
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.relay import StreamEnd, TokenRelay
 from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_message,
@@ -101,6 +102,7 @@ class WorkerBackend:
             DecodeResponseFrame)  # fresh() per stream
         self._background: set[asyncio.Task[None]] = set()
         self._active: dict[str, Generation] = {}  # generations in progress, by request id
+        self._strictest_tpot_s = min(t.tpot_ms for t in tiers.tiers.values()) / 1000
 
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded), then cancel what is left."""
@@ -186,11 +188,14 @@ class WorkerBackend:
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
             else request.prompt_token_ids
         hashes = block_hashes(tokens, self.cluster.block_size)
+        targets = self._targets(request, len(relay.token_ids))
         deadline = time.monotonic() + self.timeouts.worker_wait_s
         while True:
-            plan = self.cluster.plan(len(tokens), hashes, request.local_prefill or resuming,
-                                     exclude=generation.excluded)
+            plan = self.cluster.plan(len(tokens), hashes,
+                                     True if resuming else request.local_prefill,
+                                     exclude=generation.excluded, targets=targets)
             if not isinstance(plan, NoWorkers):
+                self.metrics.observe_plan(plan.kind, plan.predicted is not None, request.tier)
                 return generation.new_attempt(plan)
             if time.monotonic() >= deadline:
                 break
@@ -199,6 +204,12 @@ class WorkerBackend:
             raise BackendUnavailable("No other worker could continue the request.",
                                      retry_after_s=1)
         raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
+
+    def _targets(self, request: GenerationRequest, num_delivered: int) -> Targets:
+        tier = self.tiers.tiers[request.tier]
+        return Targets(ttft_s=tier.ttft_ms / 1000, tpot_s=tier.tpot_ms / 1000,
+                       strictest_tpot_s=self._strictest_tpot_s,
+                       max_tokens=max(1, request.sampling.max_tokens - num_delivered))
 
     def _note_failure(self, generation: Generation, failure: LegFailed) -> None:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",

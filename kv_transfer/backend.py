@@ -103,6 +103,13 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     return receiver
 
 
+def make_ucx_worker(host: str, *, ucx_shared_memory: bool = False) -> UcxWorker:
+    """The one UCX worker of a process that sends and receives (call on its event loop):
+    pass it to both `make_sender` and `make_receiver`; it closes with the last plane."""
+    from kv_transfer.ucx import UcxWorker
+    return UcxWorker(error_handling=not ucx_shared_memory, net_devices=interface_of(host))
+
+
 def make_sender(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
                 token: str = "",
                 ucx_worker: UcxWorker | None = None, abort_timeout_s: float = 1.0,

@@ -102,6 +102,7 @@ class UcxWorker:
         self.flush_timeout_s = flush_timeout_s
         self.address_bytes: bytes = self.ctx.worker_address.tobytes()
         self._loopback: Endpoint | None = None
+        self._num_planes = 0
         log.info("UCX worker up (ucx %s, transports %s)", ucxx.__ucx_version__,
                  transports or "UCX default")
 
@@ -117,7 +118,18 @@ class UcxWorker:
             UCXAddress.create_from_buffer(address),
             endpoint_error_handling=self.error_handling)
 
+    def attach(self) -> None:
+        """A plane starts using this worker (a process that sends and receives shares one)."""
+        self._num_planes += 1
+
+    def detach(self) -> None:
+        """A plane is done with this worker; the last one to leave closes it."""
+        self._num_planes -= 1
+        if self._num_planes <= 0:
+            self.close()
+
     def close(self) -> None:
+        """Stops progress and drops the loopback endpoint (idempotent)."""
         if self._loopback is not None:
             self._loopback.abort(period=10**8)
             self._loopback = None
@@ -127,6 +139,7 @@ class UcxWorker:
 class UcxReceivePlane:
     def __init__(self, worker: UcxWorker, kv: torch.Tensor, staging: StagingPool) -> None:
         self._worker = worker
+        worker.attach()
         self._kv = kv
         self._dst = pool_bytes(kv)
         self._staging = staging
@@ -292,12 +305,13 @@ class UcxReceivePlane:
             watcher.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
         self._watchers.clear()
-        self._worker.close()
+        self._worker.detach()
 
 
 class UcxSendPlane:
     def __init__(self, worker: UcxWorker) -> None:
         self._worker = worker
+        worker.attach()
         self.num_endpoints = 0
 
     async def connect(self, link: PeerLink, welcome: Welcome) -> None:
@@ -344,4 +358,4 @@ class UcxSendPlane:
             self.num_endpoints -= 1
 
     async def close(self) -> None:
-        self._worker.close()
+        self._worker.detach()

@@ -13,18 +13,16 @@ import sys
 from collections.abc import Callable
 
 from benchmarks.bench import cli as bench_cli
-from decode_workers import cli as decode_cli
 from engine import generate_cli
 from gateway import cli as gateway_cli
-from launcher import up_cli
-from prefill_workers import cli as prefill_cli
+from launcher import up_cli, worker_cli
 
 # Every subcommand's `add_parser`, in the order `--help` lists them.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     generate_cli.add_parser,
     bench_cli.add_parser,
-    prefill_cli.add_parser,
-    decode_cli.add_parser,
+    worker_cli.add_prefill_parser,
+    worker_cli.add_decode_parser,
     gateway_cli.add_parser,
     up_cli.add_parser,
 )

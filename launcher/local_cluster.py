@@ -1,22 +1,25 @@
 """A whole cluster on this machine, kept up: Redis, workers and the gateway as children.
 
-    start():  Redis (unless a URL is given) → the workers → the gateway (its port fixed)
+    start():  Redis (unless a URL is given) → the CUDA MPS daemon (when given one:
+              launcher/mps.py) → the workers → the gateway (its port fixed)
     wait_ready(): until /ready answers and every worker started here is listed ready
     supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
               a worker with a new process (new epoch), the gateway and Redis on their ports
     stop():   the gateway first (SIGTERM: it stops accepting, lets streams finish within its
               drain timeout, ends the rest with an error event and [DONE]), then the
-              workers (they drain and deregister), then Redis
+              workers (they drain and deregister), then the MPS daemon, then Redis
 
 Every child gets the cluster's internal token in its environment (PDSERVE_INTERNAL_TOKEN,
 never on a command line), so the workers' control APIs answer only this cluster: the one
-in `pdserve up`'s own environment if set, else a new random one. Worker
-ids are fixed per cluster (`ROLE-INDEX-TAG`), so a restarted worker replaces its own
-registry entry (a higher epoch) instead of leaving a stale one beside it.
+in `pdserve up`'s own environment if set, else a new random one; a worker's spec adds its
+own variables (the MPS ones) on top. Worker ids are fixed per cluster (`ROLE-INDEX-TAG`),
+so a restarted worker replaces its own registry entry (a higher epoch) instead of leaving
+a stale one beside it.
 
 Lifecycle: created → started → (supervise)* → stopped; `failure` is set when something
-essential cannot be kept up, and the caller then stops. Invariant: after stop() no child
-started here is alive.
+essential cannot be kept up, and the caller then stops. stop() is also the clean-up after
+a start() that failed half-way. Invariant: after stop() no child started here is alive,
+and the MPS daemon, if one was started, was told to quit (after the workers).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.contract.option_env import INTERNAL_TOKEN_ENV
+from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
 from launcher.supervisor import Child, Supervisor
@@ -40,10 +44,11 @@ from launcher.supervisor import Child, Supervisor
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    kind: str  # "prefill" | "decode" (the subcommand)
-    role: str | None  # --role for decode workers: "decode" | "colocated"
+    kind: str  # "prefill" | "decode" (the subcommand: prefill-worker | decode-worker)
+    role: str | None  # decode-worker's --role: prefill | decode | both | colocated
     device: str
     worker_id: str
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of the cluster's
 
     @property
     def label(self) -> str:
@@ -54,7 +59,7 @@ class LocalCluster:
     def __init__(self, workers: list[WorkerSpec], common_args: list[str], gateway_args: list[str],
                  gateway_url: str, log_dir: Path, redis_url: str | None,
                  say: Callable[[str], None], policy: RestartPolicy = RestartPolicy(),
-                 drain_timeout_s: float = 30.0) -> None:
+                 drain_timeout_s: float = 30.0, mps: MpsDaemon | None = None) -> None:
         self.worker_specs = workers
         self.common_args = common_args
         self.gateway_args = gateway_args
@@ -65,6 +70,7 @@ class LocalCluster:
         self.say = say
         self.policy = policy
         self.drain_timeout_s = drain_timeout_s
+        self.mps = mps  # started before the workers, stopped after them
         # The operator's token when the environment has one, else a fresh one per cluster.
         self.token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(16)
         self.failure: str | None = None
@@ -78,25 +84,25 @@ class LocalCluster:
     # ---------------------------------------------------------------- start
 
     def start(self) -> None:
-        """Start everything; raises RedisServerError when no Redis can run."""
+        """Start everything; raises RedisServerError when no Redis can run, MpsError when
+        the MPS daemon does not (call stop() then too)."""
         if self.redis_url is None:
             self.redis = RedisServer(die_with_parent=True)
             self.redis.start()
             self._redis_started_at = time.monotonic()
             self.redis_url = self.redis.url
             self.say(f"redis: {self.redis_url} ({Path(self.redis.binary.path).name})")
+        if self.mps is not None:
+            self.mps.start(self._env)
         base = [sys.executable, "-m", "launcher.cli"]
         common = [*self.common_args, "--redis-url", self.redis_url]
         counts: dict[str, int] = {}
         for spec in self.worker_specs:
             index = counts.get(spec.label, 0)
             counts[spec.label] = index + 1
-            argv = [*base, f"{spec.kind}-worker", *common, "--device", spec.device,
-                    "--worker-id", spec.worker_id]
-            if spec.role is not None:
-                argv += ["--role", spec.role]
-            self.workers.append(self.supervisor.start(f"{spec.label} worker {index}", argv,
-                                                      env=self._env))
+            self.workers.append(self.supervisor.start(
+                f"{spec.label} worker {index}", worker_argv(spec, base, common),
+                env={**self._env, **spec.env}))
         self.gateway = self.supervisor.start(
             "gateway", [*base, "gateway", "--redis-url", self.redis_url, *self.gateway_args,
                         "--drain-timeout-s", str(self.drain_timeout_s)],
@@ -198,9 +204,26 @@ class LocalCluster:
     # ---------------------------------------------------------------- stop
 
     def stop(self) -> None:
-        if self.gateway is not None:
-            # Streams get the drain timeout, the rest of the gateway's shutdown a few seconds.
-            self.supervisor.stop([self.gateway], timeout_s=self.drain_timeout_s + 10.0)
-        self.supervisor.stop(self.workers, timeout_s=40.0)  # workers drain what is left
-        if self.redis is not None:
-            self.redis.stop()
+        try:
+            if self.gateway is not None:
+                # Streams get the drain timeout, the rest of its shutdown a few seconds.
+                self.supervisor.stop([self.gateway], timeout_s=self.drain_timeout_s + 10.0)
+            self.supervisor.stop(self.workers, timeout_s=40.0)  # workers drain what is left
+        finally:
+            if self.mps is not None:  # after the workers: the daemon waits for its clients
+                try:
+                    self.mps.stop()
+                except MpsError as exc:
+                    self.say(f"CUDA MPS: {exc}")
+            if self.redis is not None:
+                self.redis.stop()
+
+
+def worker_argv(spec: WorkerSpec, base: list[str], common: list[str]) -> list[str]:
+    """The command line of one worker: `BASE KIND-worker COMMON --device D --worker-id ID`
+    and, when the spec has a role, `--role ROLE`."""
+    argv = [*base, f"{spec.kind}-worker", *common, "--device", spec.device,
+            "--worker-id", spec.worker_id]
+    if spec.role is not None:
+        argv += ["--role", spec.role]
+    return argv

@@ -1,16 +1,20 @@
 """`pdserve up`: a whole local cluster in one command.
 
-    Redis-protocol server (unless --redis-url)  →  --prefill N prefill workers and
-    --decode M decode workers (or --colocated --workers K colocated decode workers)
-    →  the gateway on --port  →  progress until /ready answers 200 and every worker has
-    registered  →  the URL and a curl example  →  supervise (restart what exits) until
-    Ctrl-C / SIGTERM  →  stop: the gateway (it drains its streams), the workers, Redis.
+    Redis-protocol server (unless --redis-url)  →  a CUDA MPS daemon when several workers
+    share a GPU (launcher/mps.py)  →  the workers: --prefill N prefill workers and --decode
+    M decode workers, or --workers K decode-worker processes with --roles R1,R2,...
+    (--colocated --workers K is --roles colocated)  →  the gateway on --port  →  progress
+    until /ready answers 200 and every worker has registered  →  the URL and a curl
+    example  →  supervise (restart what exits) until Ctrl-C / SIGTERM  →  stop: the gateway
+    (it drains its streams), the workers, the MPS daemon, Redis.
 
 Children run in their own process groups with a parent-death signal (launcher/supervisor.py),
-so neither Ctrl-C nor a killed `pdserve up` leaves orphans. A child that exits before the
-cluster is ready fails the command with its log's last lines; once it is up, a child that
-exits is restarted (launcher/local_cluster.py, launcher/restart_policy.py), and the cluster
-stops only on Ctrl-C / SIGTERM or when the gateway or Redis cannot be kept up.
+so neither Ctrl-C nor a killed `pdserve up` leaves orphans (the MPS daemon excepted: it
+detaches itself, so after a SIGKILL of `pdserve up` it idles until told to quit). A child
+that exits before the cluster is ready fails the command with its log's last lines; once
+it is up, a child that exits is restarted (launcher/local_cluster.py,
+launcher/restart_policy.py), and the cluster stops only on Ctrl-C / SIGTERM or when the
+gateway or Redis cannot be kept up.
 """
 
 from __future__ import annotations
@@ -25,14 +29,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
+    from launcher.mps import GpuShare, MpsDaemon, MpsWorker
 
 from common.contract.option_env import env_default, env_flag
+from common.contract.protocol import Role
+
+# A worker `up` starts: (the subcommand's kind, its --role or None for prefill-worker).
+WorkerKind = tuple[str, str | None]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,16 +59,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    "HF directory")
     opt("--port", "8000", type=int, help="gateway port (default 8000; 0 picks a free one)")
     opt("--host", "127.0.0.1", help="gateway address (default 127.0.0.1)")
-    opt("--prefill", "1", type=int, help="prefill workers (default 1)")
-    opt("--decode", "1", type=int, help="decode workers (default 1)")
+    opt("--prefill", type=int, help="prefill workers (default 1; not with --roles or "
+                                    "--colocated)")
+    opt("--decode", type=int, help="decode workers (default 1; not with --roles or "
+                                  "--colocated)")
     p.add_argument("--colocated", action="store_true", default=env_flag(env, "--colocated"),
-                   help="run --workers colocated decode workers that prefill locally "
-                        "[env PDSERVE_COLOCATED=1]")
-    opt("--workers", "2", type=int, help="colocated workers with --colocated (default 2)")
+                   help="run --workers colocated decode workers that prefill locally; the "
+                        "same as --roles colocated [env PDSERVE_COLOCATED=1]")
+    opt("--roles", metavar="ROLE[,ROLE...]",
+        help="run --workers decode-worker processes with these roles (prefill, decode, both, "
+             "colocated): one role for all of them (e.g. both), or one per worker (e.g. "
+             "prefill,decode); at least one must decode")
+    opt("--workers", type=int, help="how many workers with --roles or --colocated (default: "
+                                   "as many as --roles lists, else 2)")
     opt("--redis-url", help="use this Redis instead of starting one")
     opt("--tiers", help="tiers TOML file for the gateway")
     opt("--device", "auto", help="auto (CUDA GPUs round-robin when present, else cpu), cpu, "
                                  "cuda")
+    p.add_argument("--no-mps", action="store_true", default=env_flag(env, "--no-mps"),
+                   help="do not start CUDA MPS when several workers share a GPU (by default "
+                        "pdserve starts its own MPS daemon when nvidia-cuda-mps-control is "
+                        "on PATH) [env PDSERVE_NO_MPS=1]")
+    opt("--sm-share", metavar="SPEC",
+        help="under CUDA MPS, the percent of a GPU's SMs each worker of a role may use, e.g. "
+             "prefill=60,decode=40; roles not listed split what is left (default: an equal "
+             "split among the workers sharing the GPU); per GPU at most 100 in all")
     opt("--threads-per-worker", type=int, help="torch CPU threads per worker "
                                               "(default: cores / workers, at least 1)")
     opt("--kv-cache-mb", help="KV cache per worker, MiB (default: the worker's)")
@@ -74,27 +99,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from launcher.local_cluster import LocalCluster, WorkerSpec
+    from launcher.mps import MpsError, parse_sm_share
     from launcher.redis_server import RedisServerError, free_port
 
-    roles = ([("decode", "colocated")] * args.workers if args.colocated else
-             [("prefill", None)] * args.prefill + [("decode", "decode")] * args.decode)
-    if not any(kind == "decode" for kind, _ in roles):
-        return _fail("at least one decode worker is needed (--decode or --workers)")
+    try:
+        roles = worker_roles(args.prefill, args.decode, args.colocated, args.workers,
+                             args.roles)
+        sm_share = parse_sm_share(args.sm_share)
+    except ValueError as exc:
+        return _fail(str(exc))
     if args.drain_timeout_s < 0:
         return _fail("--drain-timeout-s must be >= 0")
+    devices = _devices(args.device, len(roles))
+    names = worker_names(roles)
+    try:
+        mps_plan = None if args.no_mps else _plan_mps(roles, names, devices, sm_share)
+    except ValueError as exc:
+        return _fail(str(exc))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    devices = _devices(args.device, len(roles))
+    mps = None if mps_plan is None else _mps_setup(mps_plan, log_dir)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
     tag = secrets.token_hex(3)
-    specs, counts = [], {}
-    for (kind, role), device in zip(roles, devices):
-        label = role or kind
-        index = counts.get(label, 0)
-        counts[label] = index + 1
-        specs.append(WorkerSpec(kind, role, device, f"{label}-{index}-{tag}"))
+    specs = [WorkerSpec(kind, role, device, f"{name}-{tag}",
+                        env={} if mps is None else mps.worker_envs[i])
+             for i, ((kind, role), device, name) in enumerate(zip(roles, devices, names))]
+    counts: dict[str, int] = {}
+    for kind, role in roles:
+        counts[role or kind] = counts.get(role or kind, 0) + 1
     common = ["--model", args.model, "--namespace", args.namespace, "--log-level",
               args.log_level, "--threads", str(threads)]
     if args.kv_cache_mb:
@@ -104,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tiers:
         gateway_args += ["--tiers", args.tiers]
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
-                           drain_timeout_s=args.drain_timeout_s)
+                           drain_timeout_s=args.drain_timeout_s,
+                           mps=None if mps is None else mps.daemon)
 
     stopping = False
 
@@ -116,8 +151,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             cluster.start()
-        except RedisServerError as exc:
+        except (RedisServerError, MpsError) as exc:
             return _fail(str(exc))
+        for line in [] if mps is None else mps.lines:
+            _say(line)
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
              f"({threads} thread(s) each) and the gateway; logs in {log_dir}")
@@ -146,6 +183,130 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _say("stopped.")
+
+
+def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: bool,
+                 num_workers: int | None, roles: str | None) -> list[WorkerKind]:
+    """The workers to start, from --prefill/--decode, --colocated or --roles (with
+    --workers); None is an option not given. Side-effect free; raises ValueError with a
+    message for the user.
+
+    --prefill N --decode M  →  N × ("prefill", None) + M × ("decode", "decode")
+    --roles R1,...,Rk       →  ("decode", R1), ..., ("decode", Rk): decode-worker processes
+                               (--workers K with one role: K of it; with k roles, K == k)
+    --colocated             →  --roles colocated (two workers unless --workers says)
+    """
+    if roles is not None and colocated:
+        raise ValueError("--roles conflicts with --colocated (--colocated is the same as "
+                         "--roles colocated)")
+    grouped = "--roles" if roles is not None else "--colocated" if colocated else None
+    if grouped is None:
+        if num_workers is not None:
+            raise ValueError("--workers counts the workers of --roles or --colocated; "
+                             "use --prefill / --decode without them")
+        counts = {"--prefill": 1 if num_prefill is None else num_prefill,
+                  "--decode": 1 if num_decode is None else num_decode}
+        for option, count in counts.items():
+            if count < 0:
+                raise ValueError(f"{option} must be >= 0")
+        kinds: list[WorkerKind] = ([("prefill", None)] * counts["--prefill"]
+                                   + [("decode", "decode")] * counts["--decode"])
+    else:
+        if num_prefill is not None or num_decode is not None:
+            raise ValueError(f"--prefill / --decode conflict with {grouped}: give the "
+                             f"workers' roles with --roles (e.g. --roles prefill,decode)")
+        names = _parse_roles(roles) if roles is not None else [Role.COLOCATED.value]
+        if num_workers is None:
+            num_workers = len(names) if len(names) > 1 else 2
+        if num_workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if len(names) == 1:
+            names = names * num_workers
+        elif len(names) != num_workers:
+            raise ValueError(f"--roles lists {len(names)} roles but --workers is "
+                             f"{num_workers}: give one role for all workers or exactly "
+                             f"{num_workers}")
+        kinds = [("decode", name) for name in names]
+    if not any(Role(role or kind).decodes for kind, role in kinds):
+        raise ValueError("at least one worker that decodes is needed: decode, both or "
+                         "colocated (--decode, --roles or --colocated)")
+    return kinds
+
+
+def _parse_roles(text: str) -> list[str]:
+    choices = [role.value for role in Role]
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in choices:
+            raise ValueError(f"--roles: unknown role {name!r} (roles: {', '.join(choices)})"
+                             if name else f"--roles: an empty role in {text!r}")
+    return names
+
+
+def worker_names(kinds: Sequence[WorkerKind]) -> list[str]:
+    """"LABEL-INDEX" per worker, the role (else the kind) as label, counted per label;
+    the cluster's worker ids are these plus "-TAG"."""
+    counts: dict[str, int] = {}
+    names = []
+    for kind, role in kinds:
+        label = role or kind
+        names.append(f"{label}-{counts.get(label, 0)}")
+        counts[label] = counts.get(label, 0) + 1
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class _MpsPlan:
+    binary: str  # nvidia-cuda-mps-control
+    shares: list[GpuShare]  # the shared GPUs
+    workers: list[MpsWorker]  # by worker position
+
+
+@dataclass(frozen=True, slots=True)
+class _MpsSetup:
+    daemon: MpsDaemon
+    worker_envs: list[dict[str, str]]  # by worker position
+    lines: list[str]  # one per shared GPU, for the operator
+
+
+def _plan_mps(kinds: Sequence[WorkerKind], names: Sequence[str], devices: Sequence[str],
+              sm_share: dict[str, int]) -> _MpsPlan | None:
+    """What MPS is to do, when some GPU has several workers and nvidia-cuda-mps-control is
+    on PATH; else None. Raises ValueError when --sm-share does not fit the workers."""
+    from launcher.mps import MpsWorker, find_control_binary, gpu_index, plan_gpu_shares
+
+    if not any(gpu_index(device) is not None for device in devices):
+        return None
+    binary = find_control_binary(os.environ.get("PATH"))
+    if binary is None:
+        return None
+    workers = [MpsWorker(name, role or kind, device)
+               for (kind, role), name, device in zip(kinds, names, devices)]
+    shares = plan_gpu_shares(workers, sm_share)
+    return _MpsPlan(binary, shares, workers) if shares else None
+
+
+def _mps_setup(plan: _MpsPlan, log_dir: Path) -> _MpsSetup:
+    """The daemon (not started yet), each worker's environment, the lines to print; asks
+    nvidia-smi for each shared GPU's memory (without it: no memory limit, and the line
+    says why)."""
+    from launcher.mps import (VISIBLE_DEVICES_ENV, MpsDaemon, MpsError, describe, mps_root,
+                              query_total_memory_mib, smi_device_id, worker_envs)
+
+    daemon = MpsDaemon(plan.binary, mps_root(log_dir))
+    visible = os.environ.get(VISIBLE_DEVICES_ENV)
+    totals: dict[int, int] = {}
+    lines = []
+    for share in plan.shares:
+        problem = None
+        try:
+            totals[share.gpu_index] = query_total_memory_mib(
+                smi_device_id(share.gpu_index, visible))
+        except MpsError as exc:
+            problem = str(exc)
+        lines.append(describe(share, plan.workers, totals.get(share.gpu_index), problem))
+    envs = worker_envs(len(plan.workers), plan.shares, daemon.env, totals, visible)
+    return _MpsSetup(daemon, envs, lines)
 
 
 def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], bool]

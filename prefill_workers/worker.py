@@ -222,21 +222,24 @@ class PrefillWorker:
                                     error=f"{reason}: {exc}")
         num_blocks = len(spec.src_block_ids)
         num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
-        self.metrics.kv_transfer_bytes.inc(num_bytes, direction="sent")
+        self.metrics.record_kv_sent(num_bytes, time.perf_counter() - started)
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
-        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started, direction="sent")
         return _transfer_result(spec, destination, TransferStatus.DONE,
                                 num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 
     # ---------------------------------------------------------------- abort
 
     async def abort(self, request: AbortRequest) -> Message:
-        rid = request.request_id
+        found = self.abort_request(request.request_id, request.reason or "aborted by the gateway")
+        self.metrics.aborts.inc(found="yes" if found else "no")
+        return AbortResponse(request_id=request.request_id, found=found)
+
+    def abort_request(self, rid: str, reason: str) -> bool:
+        """End the prefill (or push) of `rid`; True when there was one."""
         active = self._active.get(rid)
         if active is None or self.engine is None:
-            self.metrics.aborts.inc(found="no")
-            return AbortResponse(request_id=rid, found=False)
-        active.abort_reason = request.reason or "aborted by the gateway"
+            return False
+        active.abort_reason = reason
         active.aborted.set()
         stream = self.engine.stream(rid)
         if stream is not None:
@@ -244,8 +247,11 @@ class PrefillWorker:
         if not active.pushing:
             # While pushing, the stream frees the blocks once the send has drained.
             self.engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
-        self.metrics.aborts.inc(found="yes")
-        return AbortResponse(request_id=rid, found=True)
+        return True
+
+    @property
+    def active_ids(self) -> tuple[str, ...]:
+        return tuple(self._active)
 
 
 async def _unless(awaitable: Awaitable[None], aborted: asyncio.Event, active: _Active) -> None:

@@ -29,6 +29,7 @@ import msgspec
 
 from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
+from common.contract.worker_load import WorkerLoad
 
 PROTOCOL_VERSION = 1
 
@@ -75,13 +76,19 @@ class Role(enum.StrEnum):
     """What a worker does; registered in its WorkerInfo, read by the gateway's router.
 
     PREFILL   computes prompts' KV and pushes it to a decode worker's reservation
-    DECODE    receives KV into reservations and decodes; prefills short prompts itself
+    DECODE    receives KV into reservations and decodes; prefills prompts locally too
     COLOCATED prefills and decodes every request itself; takes no reservations
+    BOTH      any of it: prefills for others (pushing KV), receives KV and decodes, and
+              prefills + decodes locally; the router picks per request
+
+    A worker's role can change at run time (POST /internal/role); every worker process can
+    take every role.
     """
 
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+    BOTH = "both"
 
     @property
     def decodes(self) -> bool:
@@ -89,13 +96,13 @@ class Role(enum.StrEnum):
 
     @property
     def prefills_for_others(self) -> bool:
-        """Can prefill a prompt whose decode runs elsewhere (or, colocated, here)."""
-        return self is not Role.DECODE
+        """Prefills a prompt whose decode runs on another worker (PREFILL, BOTH)."""
+        return self in (Role.PREFILL, Role.BOTH)
 
     @property
     def takes_reservations(self) -> bool:
         """Receives KV pushed by a prefill worker."""
-        return self is Role.DECODE
+        return self in (Role.DECODE, Role.BOTH)
 
 
 class TransferStatus(str, enum.Enum):
@@ -116,6 +123,7 @@ class ErrorCode(str, enum.Enum):
     TRANSFER_FAILED = "transfer_failed"
     PEER_LOST = "peer_lost"  # the other leg of the handoff died
     STALE_EPOCH = "stale_epoch"  # the addressed worker restarted since the route was planned
+    WRONG_ROLE = "wrong_role"  # the worker's role changed since the route was planned
     UNKNOWN_REQUEST = "unknown_request"
     INTERNAL = "internal"
 
@@ -259,6 +267,21 @@ class AbortResponse(Message, tag="abort_response", frozen=True, kw_only=True):
     found: bool
 
 
+class RoleChangeRequest(Message, tag="role_change_request", frozen=True, kw_only=True):
+    """Operator → worker: take `role` from now on. Work the new role forbids is refused at
+    once; what is in flight gets `drain_timeout_ms` to finish, then is aborted (the gateway
+    retries or migrates it); then the role is published under a new epoch."""
+
+    role: Role
+    drain_timeout_ms: TimeoutMs = 30_000
+
+
+class RoleChangeResponse(Message, tag="role_change_response", frozen=True, kw_only=True):
+    role: Role
+    epoch: NonNegInt
+    num_aborted: NonNegInt = 0  # in-flight work the drain timeout cut
+
+
 class ErrorFrame(Message, tag="error_frame", frozen=True, kw_only=True):
     request_id: Id | None = None
     code: ErrorCode
@@ -284,32 +307,9 @@ class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
     epoch: NonNegInt = 0
     started_unix_ms: NonNegInt = 0
     pid: NonNegInt = 0  # the worker's process id on its host (0: not told)
+    kv_bytes_per_token: NonNegInt = 0  # KV of one token over all layers (0: not told)
+    sm_share_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0  # CUDA MPS share; 0: none
     draining: bool = False  # still serving what it has; route nothing new here
-
-
-class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
-    """How busy one worker is: its engine's queues and KV pool, and its token rates.
-
-    The engine thread takes the engine's counters after every step or command
-    (engine/engine_thread.py); the worker runtime adds the rates and publishes it in a
-    LoadReport; the gateway routes on it (gateway/router.py) and shows it (/admin/workers).
-    """
-
-    num_waiting: NonNegInt = 0
-    num_running: NonNegInt = 0
-    num_kv_blocks_used: NonNegInt = 0
-    num_kv_blocks_total: NonNegInt = 0
-    num_held_tables: NonNegInt = 0  # requests, parked prefills and reservations holding blocks
-    num_steps: NonNegInt = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the KV pool in use; 1.0 for an unknown (empty) pool."""
-        if self.num_kv_blocks_total <= 0:
-            return 1.0
-        return self.num_kv_blocks_used / self.num_kv_blocks_total
 
 
 class LoadReport(Message, tag="load_report", frozen=True, kw_only=True):
@@ -341,7 +341,8 @@ PrefillResponseFrame = Union[PrefillResult, TransferResult, ErrorFrame]
 DecodeResponseFrame = Union[TokenFrame, ErrorFrame]
 AnyMessage = Union[
     ReserveRequest, ReserveResponse, PrefillRequest, PrefillResult, TransferResult,
-    DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame,
+    DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame, RoleChangeRequest,
+    RoleChangeResponse,
     WorkerInfo, LoadReport, PrefixIndexEvent,
 ]
 

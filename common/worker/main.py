@@ -59,7 +59,8 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
 
     runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
                             options.host, options.port, options.internal_token,
-                            options.redis_url, options.namespace, options.drain_timeout_s)
+                            options.redis_url, options.namespace, options.drain_timeout_s,
+                            options.sm_share_percent)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, options.dtype), device=options.device)

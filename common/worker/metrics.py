@@ -56,7 +56,11 @@ class WorkerMetrics:
                                        "still known here", ("found",))
         self.reservations = registry.gauge("pdserve_reservations_held",
                                            "reservations waiting for KV or their decode request")
+        self.role_changes = registry.counter("pdserve_role_changes_total",
+                                             "role changes of this worker, by new role",
+                                             ("role",))
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode tokens)
+        self.kv_send_bytes_per_s = 0.0  # EWMA over completed pushes of bytes / push time
 
     def on_step(self, report: StepReport) -> None:
         load = report.load
@@ -93,3 +97,12 @@ class WorkerMetrics:
     def record_started(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_hit_tokens.inc(num_cached_tokens)
+
+    def record_kv_sent(self, num_bytes: int, seconds: float) -> None:
+        """A push completed: the transfer rate the router predicts KV handoffs with."""
+        self.kv_transfer_bytes.inc(num_bytes, direction="sent")
+        self.kv_transfer_seconds.observe(seconds, direction="sent")
+        if seconds > 0 and num_bytes > 0:
+            rate = num_bytes / seconds
+            self.kv_send_bytes_per_s = rate if self.kv_send_bytes_per_s == 0 else \
+                0.8 * self.kv_send_bytes_per_s + 0.2 * rate

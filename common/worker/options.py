@@ -45,6 +45,7 @@ class WorkerOptions:
     internal_token: str | None
     fault_transfer_delay_ms: int = 0
     fault_request_prefix: str = ""
+    sm_share_percent: int = 0  # CUDA MPS SM share given by the launcher (0: none)
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -99,13 +100,15 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
     add("--internal-token", None, "shared token for the control API (prefer the "
         "PDSERVE_INTERNAL_TOKEN environment variable)", secret=True)
     if kind == "decode":
-        add("--role", "decode", "decode: receives KV from prefill workers; colocated: "
-            "prefills every request locally", choices=("decode", "colocated"))
-    if kind == "prefill":
-        add("--fault-transfer-delay-ms", 0, "fault injection for tests: sleep this long "
-            "before sending each layer's KV (0: off)", type=int)
-        add("--fault-request-prefix", "", "fault injection for tests: delay only requests "
-            "whose id starts with this")
+        add("--role", "decode", "the role the worker starts in: decode (receives KV from "
+            "prefill workers, prefills locally too), colocated (prefills every request "
+            "itself, takes no KV), both (also prefills for other workers and pushes their "
+            "KV) or prefill; it can change at run time (POST /internal/role)",
+            choices=tuple(r.value for r in Role))
+    add("--fault-transfer-delay-ms", 0, "fault injection for tests: sleep this long "
+        "before sending each layer's KV (0: off)", type=int)
+    add("--fault-request-prefix", "", "fault injection for tests: delay only requests "
+        "whose id starts with this")
 
 
 def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
@@ -126,4 +129,13 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         drain_timeout_s=float(args.drain_timeout_s),
         internal_token=args.internal_token or None,
         fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),
-        fault_request_prefix=getattr(args, "fault_request_prefix", ""))
+        fault_request_prefix=getattr(args, "fault_request_prefix", ""),
+        sm_share_percent=_mps_share(os.environ))
+
+
+def _mps_share(environ: Mapping[str, str]) -> int:
+    """The SM share CUDA MPS gives this process (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 0: none."""
+    try:
+        return max(0, min(100, int(float(environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0")))))
+    except ValueError:
+        return 0

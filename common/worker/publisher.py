@@ -12,6 +12,7 @@ Lifecycle:
     DISCONNECTED ── a heartbeat succeeds ──▶ republish in full (reset + every held hash) ──▶ PUBLISHING
     PUBLISHING ── heartbeat finds the lease gone (expired, or Redis restarted) ──▶ republish in full
     any ── StaleEpochError (a newer start of this id registered) ──▶ FENCED (stops writing)
+    change_role() ── task paused, next_epoch, new info, republish in full ──▶ PUBLISHING
     set_draining() marks the registry entry; stop() flushes, deregisters, cancels the task.
 
 Invariants: `held` is exactly the set of hashes the engine has reported inserted and not
@@ -28,10 +29,11 @@ from typing import TypeVar
 
 import msgspec
 
-from common.contract.protocol import (MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent,
-                                      WorkerInfo, WorkerLoad)
+from common.contract.protocol import (MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent, Role,
+                                      WorkerInfo)
 from common.contract.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError,
                                          raise_if_cancelling, stop_task)
+from common.contract.worker_load import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,28 @@ class WorkerPublisher:
                 logger.warning("starting %s: redis unavailable (%s)", self.info.worker_id, exc)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.backoff_max_s)
+
+    async def change_role(self, role: Role, kv_address: str | None,
+                          timeout_s: float = 10.0) -> int:
+        """Register a new role under a new epoch and republish in full; returns the epoch.
+
+        The background task is stopped meanwhile: a write under the old epoch after the
+        INCR would be refused as stale and fence this publisher."""
+        task, self._task = self._task, None
+        if task is not None and not await stop_task(task, self.state.client, timeout_s):
+            logger.error("publisher task of %s did not stop for a role change",
+                         self.info.worker_id)
+        try:
+            async with asyncio.timeout(timeout_s):
+                epoch = await self._retrying(lambda: self.state.next_epoch(self.info.worker_id))
+                self.info = msgspec.structs.replace(self.info, role=role, kv_address=kv_address,
+                                                    epoch=epoch)
+                self._needs_republish = True
+                await self._retrying(lambda: self._tick(heartbeat=True))
+        finally:
+            self._task = asyncio.create_task(self._run(),
+                                             name=f"publisher-{self.info.worker_id}")
+        return epoch
 
     async def set_draining(self, timeout_s: float = 2.0) -> None:
         """Route nothing new here; best effort right now, and kept by every later heartbeat."""

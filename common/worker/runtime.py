@@ -31,13 +31,16 @@ from aiohttp import web
 
 from common.contract.control_server import ControlServer, make_app
 from common.contract.metrics import MetricsRegistry
-from common.contract.protocol import Role, WorkerInfo, WorkerLoad
+from common.contract.protocol import Role, WorkerInfo
 from common.contract.redis_state import RedisState, connect
+from common.contract.worker_load import WorkerLoad
 from common.worker.metrics import WorkerMetrics
 from common.worker.publisher import WorkerPublisher
+from common.worker.step_fit import StepFit
 from engine.block_pool import CacheEventKind
 from engine.engine_thread import EngineThread, StepReport
 from engine.llm_engine import LLMEngine
+from kv_transfer.layout import transfer_bytes
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,10 @@ class RoleWorker(Protocol):
 class WorkerRuntime:
     def __init__(self, worker_id: str, role: Role, model_name: str, device: str,
                  host: str, port: int, token: str | None, redis_url: str, namespace: str,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float, sm_share_percent: int = 0) -> None:
+        """`sm_share_percent`: the CUDA MPS share the launcher gave this process (0: none)."""
         self.worker_id = worker_id
+        self.sm_share_percent = sm_share_percent
         self.role = role
         self.model_name = model_name
         self.device = device
@@ -93,6 +98,8 @@ class WorkerRuntime:
         self.server = ControlServer(self.app, host, port, token)
         self.engine_thread: EngineThread | None = None
         self.publisher: WorkerPublisher | None = None
+        self.step_fit = StepFit()
+        self.own_epochs: set[int] = set()  # every epoch this process registered
         self.ready = False
         self.draining = False
         self._worker: RoleWorker | None = None
@@ -137,15 +144,29 @@ class WorkerRuntime:
             await self._shutdown(worker)
 
     async def _register(self, engine: EngineThread, url: str, kv_address: str | None) -> None:
+        layout = engine.kv_layout
         info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
                           control_url=url, kv_address=kv_address, device=self.device,
                           num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                           max_num_batched_tokens=engine.max_num_batched_tokens,
-                          pid=os.getpid())
+                          pid=os.getpid(), sm_share_percent=self.sm_share_percent,
+                          kv_bytes_per_token=transfer_bytes(layout, 1, layout.num_layers)
+                          // engine.block_size)
         state = RedisState(connect(self.redis_url), self.namespace)
         self.publisher = WorkerPublisher(state, info, self._load)
         # Redis may be starting too: registration retries until this deadline.
-        await self.publisher.start(timeout_s=30.0)
+        self.own_epochs.add(await self.publisher.start(timeout_s=30.0))
+
+    async def change_role(self, role: Role, kv_address: str | None) -> int:
+        """Publish a new role under a new epoch (the role worker drained first); returns it."""
+        if self.publisher is None:
+            raise RuntimeError("not registered yet")
+        epoch = await self.publisher.change_role(role, kv_address)
+        self.own_epochs.add(epoch)
+        self.role = role
+        self.metrics.role_changes.inc(role=role.value)
+        log.info("%s is now %s (epoch %d)", self.worker_id, role.value, epoch)
+        return epoch
 
     async def _drain(self, worker: RoleWorker) -> None:
         self.draining = True
@@ -174,6 +195,7 @@ class WorkerRuntime:
 
     def _on_step(self, report: StepReport) -> None:
         self.metrics.on_step(report)
+        self.step_fit.observe(report.shape, report.step_s)
         if self.publisher is None or not report.cache_events:
             return
         # Keep the order of events: a hash may be evicted and inserted again in one step.
@@ -187,7 +209,9 @@ class WorkerRuntime:
         load = self.engine_thread.load if self.engine_thread is not None else WorkerLoad()
         prefill_tps, decode_tps = self.metrics.tokens_per_s()
         return msgspec.structs.replace(load, prefill_tokens_per_s=prefill_tps,
-                                       decode_tokens_per_s=decode_tps)
+                                       decode_tokens_per_s=decode_tps,
+                                       step_model=self.step_fit.model(),
+                                       kv_send_bytes_per_s=self.metrics.kv_send_bytes_per_s)
 
     # ---------------------------------------------------------------- HTTP
 

@@ -26,6 +26,8 @@ class ScriptedEngine:
                                         request_ids=lambda: frozenset(self.requests),
                                         drain_events=lambda: [])
         self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64)
+        self.scheduler = SimpleNamespace(live_requests=lambda: ())
+        self.last_schedule = None
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
         self.invariant_broken = False
 

@@ -164,7 +164,7 @@ def test_non_streamed_completion_with_token_ids_and_logprobs(harness_factory):
     assert answer["choices"][0]["logprobs"]["text_offset"] == [0, 5, 11]
     sent = h.backend.requests[0]
     assert sent.prompt_token_ids == (5, 6, 7) and sent.sampling.seed == 3
-    assert sent.local_prefill  # 3 tokens is under the standard tier's threshold
+    assert sent.local_prefill is None  # the built-in tiers leave the plan to the router
 
 
 def test_models_endpoint(harness_factory):

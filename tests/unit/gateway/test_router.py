@@ -3,7 +3,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from common.contract.protocol import Role, WorkerLoad
+from common.contract.protocol import Role
+from common.contract.worker_load import WorkerLoad
 from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
                             plan_route, prefix_overlap_blocks, with_assignment)
 

@@ -14,8 +14,9 @@ from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, D
                                       PrefixIndexEvent, ProtocolError, ProtocolVersionError,
                                       ReserveRequest, ReserveResponse, Role, TokenFrame,
                                       TokenLogprob, TransferResult, TransferStatus, Usage,
-                                      WorkerInfo, WorkerLoad, decode, encode)
+                                      WorkerInfo, decode, encode)
 from common.contract.sampling_params import SamplingParams
+from common.contract.worker_load import WorkerLoad
 
 DEST = DecodeDestination(worker_id="decode-0", epoch=4, kv_address="ucx://10.0.0.2:7000",
                          block_ids=[9, 3, 12], num_prefix_blocks_held=1)

@@ -1,0 +1,137 @@
+"""Predicted latency of each way to serve one request: pure functions over worker snapshots.
+
+Each worker publishes a `StepModel` (common/contract/worker_load.py): one engine step costs
+
+    step(T, B, C) = base + a*T + b*B + c*C     (T prefill tokens, B decoding seqs, C context)
+
+and its queue: Q prompt tokens still to prefill, B sequences decoding over C tokens, and a
+step budget of M tokens. For a request of P prompt tokens, H of them cached on the worker
+that prefills it, with a TTFT target and a TPOT target:
+
+    local on D       prefill work W = Q_D + (P - H_D), done in n = ceil(W / (M_D - B_D))
+                     steps that also decode D's B_D sequences:
+                       TTFT        = a_D*W + n * step_D(0, B_D, C_D)
+                       D's running requests' TPOT while it lasts: step_D(min(W, M_D - B_D), B_D, C_D)
+                       this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P)
+    P prefills, D    TTFT        = the same on P (its own queue; P decodes nothing, or its B_P)
+    decodes          transfer    = P * kv_bytes_per_token / P's measured push rate
+                     this request's TPOT ~ step_D(0, B_D + 1, C_D + P) + transfer / max_tokens
+                     D's running requests' TPOT: unchanged (one more sequence); P's own
+                     running requests (a BOTH worker): stretched as in a local prefill on P
+
+Each prediction is scored by its worst ratio to a target: TTFT / ttft target, the
+request's TPOT / tpot target, and the running TPOT of the worker that prefills (when it
+decodes anything) / the strictest TPOT of any tier (what its running requests may need). Score < 1 meets every target; the router takes the
+smallest score (the most slack, or the least miss), ties broken by the sum of the ratios.
+
+A term a worker has never measured (no prefill steps yet: `num_prefill_samples == 0`) is
+borrowed from the median of the workers that have; a worker with no model at all makes the
+snapshot unpredictable (`predictable` is False) and the router falls back to its
+token-cost rule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from common.contract.worker_load import StepModel, WorkerLoad
+
+DEFAULT_KV_BYTES_PER_S = 1e9  # before a worker has pushed anything: a slow TCP link
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    ttft_s: float
+    tpot_s: float
+    strictest_tpot_s: float  # the smallest TPOT target of any tier: what running requests need
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if min(self.ttft_s, self.tpot_s, self.strictest_tpot_s) <= 0 or self.max_tokens < 1:
+            raise ValueError(f"targets must be positive: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float  # this request's
+    running_tpot_s: float  # of the prefilling worker's running requests while this prefills
+    score: float  # worst ratio to a target (< 1: every target met)
+    ratio_sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSide:
+    """What the prediction needs of one worker."""
+
+    load: WorkerLoad
+    model: StepModel
+    max_batched_tokens: int
+    kv_bytes_per_token: int
+
+
+def complete_models(models: Sequence[StepModel | None]) -> list[StepModel] | None:
+    """Every worker's model with unmeasured terms borrowed from its peers; None when a worker
+    has no model at all (the snapshot is not predictable)."""
+    if not models or any(m is None for m in models):
+        return None
+    known = [m for m in models if m is not None]
+    prefill_rates = [m.prefill_token_s for m in known if m.num_prefill_samples]
+    decode_terms = [(m.decode_seq_s, m.context_token_s) for m in known if m.num_decode_samples]
+    out = []
+    for m in known:
+        if not m.num_prefill_samples:
+            if not prefill_rates:
+                return None  # nobody has prefilled yet: nothing to predict a prefill with
+            m = msgspec.structs.replace(m, prefill_token_s=statistics.median(prefill_rates))
+        if not m.num_decode_samples and decode_terms:
+            m = msgspec.structs.replace(
+                m, decode_seq_s=statistics.median(t[0] for t in decode_terms),
+                context_token_s=statistics.median(t[1] for t in decode_terms))
+        out.append(m)
+    return out
+
+
+def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float]:
+    """(seconds until this prompt's first token, step time while prefilling)."""
+    load, m = side.load, side.model
+    work = load.num_queued_prefill_tokens + max(uncached, 1)
+    per_step = max(1, side.max_batched_tokens - load.num_decoding)
+    steps = math.ceil(work / per_step)
+    decode_part = m.step_s(0, load.num_decoding, load.num_context_tokens)
+    ttft = m.prefill_token_s * work + steps * decode_part
+    mixed = m.step_s(min(work, per_step), load.num_decoding, load.num_context_tokens)
+    return ttft, mixed
+
+
+def _score(ttft: float, tpot: float, running_tpot: float, has_running: bool,
+           targets: Targets) -> Prediction:
+    ratios = [ttft / targets.ttft_s, tpot / targets.tpot_s]
+    if has_running:
+        ratios.append(running_tpot / targets.strictest_tpot_s)
+    return Prediction(ttft, tpot, running_tpot, max(ratios), sum(ratios))
+
+
+def predict_local(decode: WorkerSide, prompt_len: int, cached: int,
+                  targets: Targets) -> Prediction:
+    ttft, mixed = _prefill_time(decode, prompt_len - cached)
+    load, m = decode.load, decode.model
+    tpot = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    return _score(ttft, tpot, mixed, load.num_decoding > 0, targets)
+
+
+def predict_split(prefill: WorkerSide, decode: WorkerSide, prompt_len: int,
+                  cached_on_prefill: int, held_on_decode: int, targets: Targets) -> Prediction:
+    ttft, mixed = _prefill_time(prefill, prompt_len - cached_on_prefill)
+    rate = prefill.load.kv_send_bytes_per_s or DEFAULT_KV_BYTES_PER_S
+    transfer = (prompt_len - held_on_decode) * prefill.kv_bytes_per_token / rate
+    load, m = decode.load, decode.model
+    step = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    # The prefill stretches the steps of whatever P itself decodes (a BOTH worker).
+    return _score(ttft, step + transfer / targets.max_tokens, mixed,
+                  prefill.load.num_decoding > 0, targets)

@@ -1,0 +1,38 @@
+"""Step and queue shapes: what the step-time model is fitted on and predicts from."""
+
+from __future__ import annotations
+
+from common.contract.sampling_params import SamplingParams
+from engine.request import Request, RequestStatus
+from engine.schedule_output import ScheduledChunk, ScheduleOutput
+from engine.step_shape import QueueShape, StepShape, queue_shape, step_shape
+
+
+def chunk(rid: str, n: int, start: int) -> ScheduledChunk:
+    return ScheduledChunk(rid, tuple(range(n)), start, (0,), sample=True)
+
+
+def test_a_step_is_split_into_prefill_tokens_and_decoding_sequences() -> None:
+    schedule = ScheduleOutput((chunk("a", 100, 0), chunk("b", 28, 64), chunk("c", 1, 200),
+                               chunk("d", 1, 31), chunk("e", 1, 0)))
+    assert step_shape(schedule) == StepShape(prefill_tokens=129, decode_seqs=2,
+                                             context_tokens=201 + 32)
+    assert step_shape(None) == StepShape()
+
+
+def request(rid: str, prompt: int, status: RequestStatus, computed: int = 0,
+            outputs: int = 0) -> Request:
+    r = Request(rid, list(range(prompt)), SamplingParams())
+    r.status = status
+    r.num_computed_tokens = computed
+    r.output_token_ids.extend(range(outputs))
+    return r
+
+
+def test_the_queue_counts_prompt_tokens_left_and_decoding_context() -> None:
+    requests = [request("w", 300, RequestStatus.WAITING),
+                request("p", 500, RequestStatus.RUNNING, computed=200),
+                request("d", 50, RequestStatus.RUNNING, computed=59, outputs=10),
+                request("done", 80, RequestStatus.PREFILLED, computed=80)]
+    assert queue_shape(requests) == QueueShape(prefill_tokens=300 + 300, decode_seqs=1,
+                                               context_tokens=60)

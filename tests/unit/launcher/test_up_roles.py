@@ -1,0 +1,92 @@
+"""Which workers `pdserve up` starts: --prefill/--decode as before, --colocated, and
+--roles with --workers (decode-worker processes with `--role R`); and how they are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.local_cluster import WorkerSpec, worker_argv
+from launcher.up_cli import worker_names, worker_roles
+
+
+def roles(prefill: int | None = None, decode: int | None = None, colocated: bool = False,
+          workers: int | None = None, spec: str | None = None) -> list[tuple[str, str | None]]:
+    return worker_roles(prefill, decode, colocated, workers, spec)
+
+
+def test_the_default_is_one_prefill_worker_and_one_decode_worker() -> None:
+    assert roles() == [("prefill", None), ("decode", "decode")]
+    assert roles(prefill=2, decode=3) == [("prefill", None)] * 2 + [("decode", "decode")] * 3
+    assert roles(prefill=0) == [("decode", "decode")]
+
+
+def test_colocated_is_roles_colocated() -> None:
+    assert roles(colocated=True) == [("decode", "colocated")] * 2
+    assert roles(colocated=True, workers=3) == [("decode", "colocated")] * 3
+    assert roles(spec="colocated") == roles(colocated=True)
+
+
+def test_one_role_applies_to_every_worker() -> None:
+    assert roles(spec="both") == [("decode", "both")] * 2
+    assert roles(spec="both", workers=3) == [("decode", "both")] * 3
+    assert roles(spec="decode", workers=1) == [("decode", "decode")]
+
+
+def test_a_list_gives_each_worker_its_role() -> None:
+    assert roles(spec="prefill,decode") == [("decode", "prefill"), ("decode", "decode")]
+    assert roles(spec=" prefill , both,decode ") == [
+        ("decode", "prefill"), ("decode", "both"), ("decode", "decode")]
+    assert roles(spec="prefill,prefill,decode", workers=3) == [
+        ("decode", "prefill"), ("decode", "prefill"), ("decode", "decode")]
+
+
+def test_a_list_must_match_workers() -> None:
+    with pytest.raises(ValueError, match="--roles lists 2 roles but --workers is 3"):
+        roles(spec="prefill,decode", workers=3)
+
+
+def test_unknown_and_empty_roles_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown role 'prefil'.*prefill, decode"):
+        roles(spec="prefil,decode")
+    with pytest.raises(ValueError, match="empty role"):
+        roles(spec="prefill,,decode")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"spec": "prefill"}, {"spec": "prefill", "workers": 3}, {"decode": 0},
+    {"prefill": 2, "decode": 0}])
+def test_some_worker_must_decode(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="at least one worker that decodes"):
+        roles(**kwargs)
+
+
+def test_conflicting_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="--roles conflicts with --colocated"):
+        roles(colocated=True, spec="both")
+    with pytest.raises(ValueError, match="--prefill / --decode conflict with --roles"):
+        roles(prefill=1, spec="both")
+    with pytest.raises(ValueError, match="--prefill / --decode conflict with --colocated"):
+        roles(decode=2, colocated=True)
+    with pytest.raises(ValueError, match="--workers counts the workers of --roles"):
+        roles(workers=3)
+    with pytest.raises(ValueError, match="--workers must be at least 1"):
+        roles(spec="both", workers=0)
+    with pytest.raises(ValueError, match="--decode must be >= 0"):
+        roles(decode=-1)
+
+
+def test_workers_are_named_by_role_and_counted_per_role() -> None:
+    assert worker_names(roles()) == ["prefill-0", "decode-0"]
+    assert worker_names(roles(spec="prefill,decode,prefill,both")) == [
+        "prefill-0", "decode-0", "prefill-1", "both-0"]
+
+
+def test_role_workers_run_decode_worker_with_their_role() -> None:
+    base, common = ["python", "-m", "launcher.cli"], ["--model", "m"]
+    kind, role = roles(spec="prefill,decode")[0]
+    argv = worker_argv(WorkerSpec(kind, role, "cpu", "prefill-0-abc"), base, common)
+    assert argv == [*base, "decode-worker", "--model", "m", "--device", "cpu",
+                    "--worker-id", "prefill-0-abc", "--role", "prefill"]
+    kind, role = roles()[0]  # --prefill N keeps its own subcommand, without --role
+    argv = worker_argv(WorkerSpec(kind, role, "cpu", "prefill-0-abc"), base, common)
+    assert argv[3] == "prefill-worker" and "--role" not in argv
