@@ -16,8 +16,9 @@
 #   BENCH_ARGS extra `pdserve bench goodput` options (e.g. --slo)
 #   READY_TIMEOUT=600                    seconds to wait for a cluster's /ready
 #   WARMUP=10                            seconds of discarded warm-up load at START_RATE
-# Output: OUT_DIR/<mode>/{goodput.json,up.log,plots/} and OUT_DIR/summary.json (every
-#         goodput, the best colocated one, and adaptive and static over it).
+# Output: OUT_DIR/<mode>/{goodput.json,curve.txt,plans.txt,workers.json,up.log,plots/} and
+#         OUT_DIR/summary.json (every goodput, the best colocated one, and adaptive and
+#         static over it).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,6 +93,11 @@ run_mode() {  # $1: mode name, $2: extra `pdserve up` options
         --seed "$SEED" --duration "$DURATION" --start-rate "$START_RATE" \
         --max-runs "$MAX_RUNS" --ignore-eos --output "$dir/goodput.json" \
         --plot "$dir/plots" $BENCH_ARGS | tee "$dir/curve.txt"
+    # What the cluster did: the plans the router chose (by kind, how and tier) and each
+    # worker's role, load and fitted step model as the search ended.
+    curl -fsS --max-time 10 "$url/metrics" | grep '^pdserve_gateway_plans_total' \
+        >"$dir/plans.txt" || true
+    curl -fsS --max-time 10 "$url/admin/workers" >"$dir/workers.json" || true
     stop_cluster
 }
 

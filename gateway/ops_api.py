@@ -52,8 +52,8 @@ class WorkerRow(msgspec.Struct):
     epoch: int | None
     control_url: str | None
     state: str
-    load: dict[str, int] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total,
-    #                              num_queued_prefill_tokens, num_decoding
+    load: dict[str, float] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total,
+    #                              num_queued_prefill_tokens, num_decoding, prefill_tokens_per_s
     device: str | None = None
     sm_share_percent: int | None = None  # CUDA MPS share of the GPU's SMs (None: no MPS)
     step_model: StepModel | None = None  # the fitted step time the router predicts with
@@ -195,11 +195,12 @@ def _row(entry: WorkerEntry) -> WorkerRow:
         kv_send_bytes_per_s=(load.load.kv_send_bytes_per_s or None) if load else None)
 
 
-def _load_fields(load: WorkerLoad) -> dict[str, int]:
+def _load_fields(load: WorkerLoad) -> dict[str, float]:
     return {"num_running": load.num_running, "num_waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used,
             "kv_blocks_total": load.num_kv_blocks_total,
             "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
-            "num_decoding": load.num_decoding}
+            "num_decoding": load.num_decoding,
+            "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1)}
 
 

@@ -19,10 +19,25 @@ that prefills it, with a TTFT target and a TPOT target:
                      D's running requests' TPOT: unchanged (one more sequence); P's own
                      running requests (a BOTH worker): stretched as in a local prefill on P
 
-Each prediction is scored by its worst ratio to a target: TTFT / ttft target, the
+D's decode steps are also stretched by the prompts it prefills for anyone: a worker that
+spends a fraction u = a_D * (its recent prefill tokens/s) of its time prefilling advances
+its decodes once per step of the rest, so every TPOT on D is divided by (1 - u) (u capped
+at MAX_PREFILL_BUSY).
+
+Each prediction gets a score, its worst ratio to a target: TTFT / ttft target, the
 request's TPOT / tpot target, and the running TPOT of the worker that prefills (when it
-decodes anything) / the strictest TPOT of any tier (what its running requests may need). Score < 1 meets every target; the router takes the
-smallest score (the most slack, or the least miss), ties broken by the sum of the ratios.
+decodes anything) / the strictest TPOT of any tier (what its running requests may need).
+Score < 1 meets every target. And a cost, in seconds of latency the plan adds to the
+cluster:
+
+    cost = TTFT + max_tokens * TPOT                  (this request, start to end)
+         + B_P * a_P * (P - H_P)                     (P's running decodes, stalled by the prefill)
+         + B_D * (b_D + c_D * P) * max_tokens        (D's running decodes, one more sequence)
+
+The router takes, among the plans that meet every target, the cheapest (so prefills
+gravitate to workers that decode little and decodes to workers that prefill little: the
+split a static 1P+1D cluster is built around, found from the load); when none meets
+them, the smallest score (the least miss).
 
 A term a worker has never measured (no prefill steps yet: `num_prefill_samples == 0`) is
 borrowed from the median of the workers that have; a worker with no model at all makes the
@@ -42,6 +57,7 @@ import msgspec
 from common.contract.worker_load import StepModel, WorkerLoad
 
 DEFAULT_KV_BYTES_PER_S = 1e9  # before a worker has pushed anything: a slow TCP link
+MAX_PREFILL_BUSY = 0.9  # the share of a worker's time prefill may be predicted to take
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,7 @@ class Prediction:
     running_tpot_s: float  # of the prefilling worker's running requests while this prefills
     score: float  # worst ratio to a target (< 1: every target met)
     ratio_sum: float
+    cost_s: float  # latency this plan adds: this request's and its workers' running ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +114,9 @@ def complete_models(models: Sequence[StepModel | None]) -> list[StepModel] | Non
     return out
 
 
-def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float]:
-    """(seconds until this prompt's first token, step time while prefilling)."""
+def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float, float]:
+    """(seconds until this prompt's first token, step time while prefilling, the seconds
+    the prefill stalls the worker's running decodes in all)."""
     load, m = side.load, side.model
     work = load.num_queued_prefill_tokens + max(uncached, 1)
     per_step = max(1, side.max_batched_tokens - load.num_decoding)
@@ -106,32 +124,41 @@ def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float]:
     decode_part = m.step_s(0, load.num_decoding, load.num_context_tokens)
     ttft = m.prefill_token_s * work + steps * decode_part
     mixed = m.step_s(min(work, per_step), load.num_decoding, load.num_context_tokens)
-    return ttft, mixed
+    return ttft, mixed, load.num_decoding * m.prefill_token_s * max(uncached, 0)
 
 
-def _score(ttft: float, tpot: float, running_tpot: float, has_running: bool,
-           targets: Targets) -> Prediction:
+def _decoding(side: WorkerSide, prompt_len: int, max_tokens: int) -> tuple[float, float]:
+    """(this request's TPOT on the worker, the seconds one more sequence adds to the
+    worker's running decodes over its max_tokens steps)."""
+    load, m = side.load, side.model
+    busy = min(MAX_PREFILL_BUSY, m.prefill_token_s * load.prefill_tokens_per_s)
+    step = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    added = load.num_decoding * (m.decode_seq_s + m.context_token_s * prompt_len) * max_tokens
+    return step / (1.0 - busy), added
+
+
+def _predict(ttft: float, tpot: float, running_tpot: float, has_running: bool,
+             harm_s: float, targets: Targets) -> Prediction:
     ratios = [ttft / targets.ttft_s, tpot / targets.tpot_s]
     if has_running:
         ratios.append(running_tpot / targets.strictest_tpot_s)
-    return Prediction(ttft, tpot, running_tpot, max(ratios), sum(ratios))
+    cost = ttft + targets.max_tokens * tpot + harm_s
+    return Prediction(ttft, tpot, running_tpot, max(ratios), sum(ratios), cost)
 
 
 def predict_local(decode: WorkerSide, prompt_len: int, cached: int,
                   targets: Targets) -> Prediction:
-    ttft, mixed = _prefill_time(decode, prompt_len - cached)
-    load, m = decode.load, decode.model
-    tpot = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
-    return _score(ttft, tpot, mixed, load.num_decoding > 0, targets)
+    ttft, mixed, stall = _prefill_time(decode, prompt_len - cached)
+    tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
+    return _predict(ttft, tpot, mixed, decode.load.num_decoding > 0, stall + added, targets)
 
 
 def predict_split(prefill: WorkerSide, decode: WorkerSide, prompt_len: int,
                   cached_on_prefill: int, held_on_decode: int, targets: Targets) -> Prediction:
-    ttft, mixed = _prefill_time(prefill, prompt_len - cached_on_prefill)
+    ttft, mixed, stall = _prefill_time(prefill, prompt_len - cached_on_prefill)
     rate = prefill.load.kv_send_bytes_per_s or DEFAULT_KV_BYTES_PER_S
     transfer = (prompt_len - held_on_decode) * prefill.kv_bytes_per_token / rate
-    load, m = decode.load, decode.model
-    step = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
     # The prefill stretches the steps of whatever P itself decodes (a BOTH worker).
-    return _score(ttft, step + transfer / targets.max_tokens, mixed,
-                  prefill.load.num_decoding > 0, targets)
+    return _predict(ttft, tpot + transfer / targets.max_tokens, mixed,
+                    prefill.load.num_decoding > 0, stall + added, targets)

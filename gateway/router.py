@@ -4,11 +4,13 @@ Predicted (the default, once every worker has published a fitted step model): ev
 is enumerated, a local prefill on each decoding worker D and a (P, D) split for every
 worker P that prefills for others and every D that takes reservations, with their prefix
 cache hits; gateway/plan_model.py predicts each one's TTFT, this request's TPOT and the
-TPOT of D's running requests, and the plan with the smallest worst-ratio-to-target wins
-(the most slack, or the least miss); near ties (within `tie_margin_score`) go to the
-smaller sum of ratios, then to a local plan, then to two random choices. So short prompts stay local while the
-decode worker has room, and move to an idle prefill worker as soon as prefilling them
-locally would cost the running streams their TPOT or this request its TTFT.
+TPOT of the running requests it stretches, and its cost (the latency it adds to this
+request and to the running ones). Among the plans that meet every target the cheapest
+wins (near ties, within `tie_margin_cost`, go to a local plan, then to two random
+choices); when none does, the smallest worst-ratio-to-target (the least miss; near ties
+within `tie_margin_score` to the smaller sum of ratios). So short prompts stay local while
+the decode worker has room, and move to an idle prefill worker as soon as prefilling them
+locally would stall more running streams than the move costs.
 
 Forced (the tier sets `local_prefill_max_tokens`, or a migrated stream must recompute
 locally), or not predictable yet (a worker without a model): the token-cost rule below.
@@ -94,6 +96,7 @@ class RoutingWeights:
     kv_pressure_cost_tokens: float = 2_048.0  # at a full KV pool; quadratic in usage
     tie_margin_tokens: float = 64.0  # costs this close are a tie, settled by two choices
     tie_margin_score: float = 0.02  # predicted scores this close are a tie
+    tie_margin_cost: float = 0.02  # predicted costs within this fraction are a tie
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,14 +196,20 @@ def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSn
                 candidates.append(RoutePlan(d.worker_id, p.worker_id, cached(p), predict_split(
                     sides[p.worker_id], sides[d.worker_id], request.prompt_len, cached(p),
                     cached(d), targets)))
-    best = min(_prediction(c).score for c in candidates)
-    near = [c for c in candidates if _prediction(c).score <= best + weights.tie_margin_score]
-    least = min(_prediction(c).ratio_sum for c in near)
-    near = [c for c in near if _prediction(c).ratio_sum <= least + weights.tie_margin_score]
+    feasible = [c for c in candidates if _prediction(c).score < 1.0]
+    if feasible:  # the cheapest plan that meets every target
+        least_cost = min(_prediction(c).cost_s for c in feasible)
+        near = [c for c in feasible
+                if _prediction(c).cost_s <= least_cost * (1 + weights.tie_margin_cost)]
+    else:  # none does: the least miss
+        best = min(_prediction(c).score for c in candidates)
+        near = [c for c in candidates if _prediction(c).score <= best + weights.tie_margin_score]
+        least = min(_prediction(c).ratio_sum for c in near)
+        near = [c for c in near if _prediction(c).ratio_sum <= least + weights.tie_margin_score]
     # Still tied: a local plan occupies one worker and moves no KV.
     near = [c for c in near if c.prefill_worker_id is None] or near
     return near[0] if len(near) == 1 else min(
-        rng.sample(near, 2), key=lambda c: (_prediction(c).score, _prediction(c).ratio_sum))
+        rng.sample(near, 2), key=lambda c: (_prediction(c).score, _prediction(c).cost_s))
 
 
 def _prediction(plan: RoutePlan) -> Prediction:

@@ -180,7 +180,10 @@ def test_admin_workers_and_metrics(cluster: GatewayCluster) -> None:
     for worker in workers:
         assert worker["state"] == "ready" and worker["control_url"].startswith("http://127.0.0.1:")
         assert set(worker["load"]) == {"num_running", "num_waiting", "kv_blocks_used",
-                                       "kv_blocks_total"}
+                                       "kv_blocks_total", "num_queued_prefill_tokens",
+                                       "num_decoding", "prefill_tokens_per_s"}
+        assert worker["step_model"] is None or worker["step_model"]["base_s"] >= 0
+        assert worker["sm_share_percent"] is None  # no MPS on the CPU
     metrics = httpx.get(cluster.url + "/metrics").text
     assert 'pdserve_gateway_ttft_seconds_count{tier="standard"}' in metrics
     assert 'pdserve_gateway_requests_total{endpoint="/v1/completions",status="200"}' in metrics

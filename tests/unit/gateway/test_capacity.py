@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.capacity import (
-    CapacityBounds,
-    CapacityGovernor,
-    GateState,
-    TtftWindow,
-    next_limit,
-    pressure,
-    protected_until,
-)
+from gateway.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow, next_limit,
+                              pressure, protected_until)
 
 BOUNDS = CapacityBounds(min_limit=2, max_limit=64, high=0.6, low=0.3)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from common.contract.protocol import Role
@@ -23,8 +24,6 @@ BUSY = WorkerLoad(num_kv_blocks_total=1000, num_running=32, num_decoding=32,
 
 def worker(wid: str, role: Role, load: WorkerLoad = IDLE,
            model: StepModel | None = MODEL) -> WorkerView:
-    import msgspec
-
     return WorkerView(wid, role, msgspec.structs.replace(load, step_model=model),
                       max_batched_tokens=2048, kv_bytes_per_token=1000)
 
@@ -45,9 +44,11 @@ def test_a_short_prompt_leaves_a_busy_decode_worker_for_an_idle_prefill_worker()
     """100 tokens, D decodes 32 seqs over 16k tokens, P idle.
     local on D: TTFT 2 + 24.2 = 26.2 ms; D's running TPOT step(100, 32, 16000) = 26.2 ms
         -> 0.524 of 50 ms; this request's TPOT step(0, 33, 16100) = 24.4 ms -> 0.488
-        score 0.524
-    P -> D:     TTFT 2 + 5 = 7 ms; TPOT 24.4 ms + 0.1 ms transfer / 64 -> 0.488; score 0.488
-    -> the split, by 0.036 (more than the 0.02 tie margin)."""
+        score 0.524; cost 26.2 ms + 64 * 24.4 ms + D's 32 decodes stalled 32 * 20 us * 100
+        = 64 ms + one more sequence 32 * (0.1 + 0.1) ms * 64 = 409.6 ms -> 2061.4 ms
+    P -> D:     TTFT 2 + 5 = 7 ms; TPOT 24.4 ms + 0.1 ms transfer / 64 -> 0.488; score 0.488;
+        cost 7 + 1561.7 + 0 (P decodes nothing) + 409.6 = 1978.3 ms
+    -> both meet every target; the split is cheaper by 4% (more than the 2% tie margin)."""
     d, p = worker("d", Role.DECODE, BUSY), worker("p", Role.PREFILL)
     local = predict_local(side(d), 100, 0, INTERACTIVE)
     split = predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE)
@@ -55,6 +56,8 @@ def test_a_short_prompt_leaves_a_busy_decode_worker_for_an_idle_prefill_worker()
     assert local.score == pytest.approx(0.524)
     assert split.ttft_s == pytest.approx(0.007)
     assert split.score == pytest.approx(0.488, abs=1e-3)
+    assert local.cost_s == pytest.approx(2.0614) and split.cost_s == pytest.approx(1.9783,
+                                                                                   abs=1e-4)
     for seed in range(10):
         plan = route([d, p], 100, seed)
         assert (plan.decode_worker_id, plan.prefill_worker_id, plan.kind) == ("d", "p", "split")
@@ -92,6 +95,46 @@ def test_both_workers_split_between_themselves_when_one_is_busy() -> None:
     b0, b1 = worker("b0", Role.BOTH, BUSY), worker("b1", Role.BOTH)
     plan = route([b0, b1], 100)
     assert (plan.decode_worker_id, plan.kind) == ("b1", "local")
+
+
+def test_a_decode_goes_to_the_worker_that_prefills_little() -> None:
+    """Two BOTH workers, each decoding 8 seqs over 4000 tokens; b0 prefills 30,000 tokens/s
+    for others (busy 20 us * 30,000 = 60% of its time), b1 nothing. A 100-token prompt:
+    local on b1: TTFT 2 + step(0, 8, 4000) 9.8 = 11.8 ms; TPOT step(0, 9, 4100) = 10.0 ms;
+        cost 11.8 + 640 + stall 8 * 20 us * 100 = 16 + one more sequence 8 * 0.2 ms * 64
+        = 102.4 -> 770.2 ms
+    local on b0: the same TTFT, TPOT 10.0 / (1 - 0.6) = 25 ms -> cost 1730.2 ms
+    b0 -> b1 costs what local on b1 does plus a transfer (a tie, so local) -> local on b1."""
+    busy_prefiller = WorkerLoad(num_kv_blocks_total=1000, num_running=8, num_decoding=8,
+                                num_context_tokens=4000, prefill_tokens_per_s=30_000)
+    b0 = worker("b0", Role.BOTH, busy_prefiller)
+    b1 = worker("b1", Role.BOTH, msgspec.structs.replace(busy_prefiller, prefill_tokens_per_s=0))
+    on_b1, on_b0 = (predict_local(side(b), 100, 0, INTERACTIVE) for b in (b1, b0))
+    assert on_b1.cost_s == pytest.approx(0.7702) and on_b0.cost_s == pytest.approx(1.7302)
+    assert on_b0.tpot_s == pytest.approx(0.025)
+    for seed in range(10):
+        plan = route([b0, b1], 100, seed)
+        assert (plan.decode_worker_id, plan.kind) == ("b1", "local")
+
+
+def test_a_prefill_goes_to_the_worker_that_decodes_little() -> None:
+    """b0 decodes 2 seqs over 1000 tokens and prefills 45,000 tokens/s (90% busy: a decode
+    there would take 7.3 / 0.1 = 73 ms a token, past the 50 ms target); b1 decodes 32 over
+    16,000 (BUSY). A 1000-token prompt, of the plans that decode on b1:
+    local on b1: stall 32 * 20 us * 1000 = 640 ms of b1's running decodes
+    b0 -> b1: stall 2 * 20 us * 1000 = 40 ms, TTFT 20 + step(0, 2, 1000) 6.2 = 26.2 ms
+    the same TPOT on b1 (plus 1 ms transfer / 64) -> the split, ~600 ms cheaper."""
+    b0 = worker("b0", Role.BOTH, WorkerLoad(num_kv_blocks_total=1000, num_running=2,
+                                            num_decoding=2, num_context_tokens=1000,
+                                            prefill_tokens_per_s=45_000))
+    b1 = worker("b1", Role.BOTH, BUSY)
+    local = predict_local(side(b1), 1000, 0, INTERACTIVE)
+    split = predict_split(side(b0), side(b1), 1000, 0, 0, INTERACTIVE)
+    assert split.ttft_s == pytest.approx(0.0262)
+    assert local.cost_s - split.cost_s == pytest.approx(0.64 - 0.04 + local.ttft_s - 0.0262
+                                                        - 0.001, abs=1e-6)
+    plan = route([b0, b1], 1000)
+    assert (plan.prefill_worker_id, plan.decode_worker_id) == ("b0", "b1")
 
 
 def test_a_worker_without_a_measured_prefill_term_borrows_its_peers() -> None:

@@ -68,3 +68,27 @@ def test_too_few_samples_give_no_model_and_empty_steps_are_not_samples() -> None
     model = window.model()
     assert model is not None and model.num_samples == 32
     assert model.prefill_token_s == pytest.approx(1e-5, rel=0.05)
+
+
+def test_rare_prefill_steps_keep_their_own_window_so_one_slow_one_does_not_set_the_rate() -> None:
+    """A worker that mostly decodes: 1000 decode steps, and 40 prefill steps of which the
+    first took a second (a kernel compile). One window of the latest 256 steps would keep
+    only a few prefills and the compile; the prefill window keeps all 40 (and, once more
+    prefills come, forgets the compile)."""
+    window = StepFit(window_size=256)
+    window.observe(StepShape(prefill_tokens=100, decode_seqs=8, context_tokens=800), 1.0)
+    for i in range(1000):
+        window.observe(StepShape(decode_seqs=8 + i % 8, context_tokens=800 + 100 * (i % 8)),
+                       0.002 + 1e-4 * (8 + i % 8))
+        if i % 25 == 0:
+            window.observe(StepShape(prefill_tokens=64 * (1 + i % 16), decode_seqs=8,
+                                     context_tokens=800), 0.002 + 8e-4 + 1e-5 * 64 * (1 + i % 16))
+    window.check_invariants()
+    model = window.model()
+    assert model is not None and model.num_prefill_samples == 41
+    assert model.num_samples == 256 + 41
+    for i in range(300):  # the compile leaves the prefill window
+        window.observe(StepShape(prefill_tokens=64 * (1 + i % 16), decode_seqs=8,
+                                 context_tokens=800), 0.002 + 8e-4 + 1e-5 * 64 * (1 + i % 16))
+    model = window.model()
+    assert model is not None and model.prefill_token_s == pytest.approx(1e-5, rel=0.02)
