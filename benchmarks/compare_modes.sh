@@ -15,7 +15,11 @@
 #   UP_ARGS    extra `pdserve up` options for every mode (e.g. "--model /m --device cuda")
 #   BENCH_ARGS extra `pdserve bench goodput` options (e.g. --slo)
 #   READY_TIMEOUT=600                    seconds to wait for a cluster's /ready
-#   WARMUP=10                            seconds of discarded warm-up load at START_RATE
+#   WARMUP=20                            seconds of discarded warm-up load at START_RATE
+#                                        (long enough for kernels to compile and for the
+#                                        gateway's capacity governor to settle after them)
+# On a CPU, give `pdserve up` tiers it can meet (UP_ARGS="--tiers benchmarks/tiers-cpu.toml")
+# and PDSERVE_ADMISSION=static: see docs/benchmarks.md.
 # Output: OUT_DIR/<mode>/{goodput.json,curve.txt,plans.txt,workers.json,up.log,plots/} and
 #         OUT_DIR/summary.json (every goodput, the best colocated one, and adaptive and
 #         static over it).
@@ -31,7 +35,7 @@ MAX_RUNS="${MAX_RUNS:-8}"
 SEED="${SEED:-0}"
 API="${API:-chat}"
 READY_TIMEOUT="${READY_TIMEOUT:-600}"
-WARMUP="${WARMUP:-10}"
+WARMUP="${WARMUP:-20}"
 DEFAULT_MODES="colocated-1=--colocated --workers 1;colocated-2=--colocated --workers 2 --no-mps"
 DEFAULT_MODES+=";colocated-2-mps=--colocated --workers 2;static=--prefill 1 --decode 1"
 DEFAULT_MODES+=";adaptive=--workers 2 --roles both"

@@ -25,11 +25,20 @@ from engine.llm_engine import EngineConfig, LLMEngine
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
+# Targets a loaded 2-core host meets: the tests check plans and tokens, not latency (an
+# interactive 500 ms TTFT would make admission turn streams away there).
 TIERS = """
 [tiers.standard]
 local_prefill_max_tokens = 0
+ttft_ms = 120000
+tpot_ms = 60000
 [tiers.interactive]
 local_prefill_max_tokens = 1000000
+ttft_ms = 120000
+tpot_ms = 60000
+[tiers.batch]
+ttft_ms = 120000
+tpot_ms = 60000
 """
 SHORT = "Name three colours of the rainbow:"
 LONG = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 50) + \

@@ -152,3 +152,43 @@ def test_without_models_or_with_a_tier_override_the_token_cost_rule_decides() ->
     assert plan.predicted is None
     forced = route([worker("d", Role.DECODE, BUSY), p], 100, local=True)
     assert forced.kind == "local" and forced.predicted is None
+
+
+# Recorded on one H200 at the end of an adaptive run (Llama-3-8B shape, two `both` workers
+# under MPS, 50% of the SMs each; /admin/workers), idle but for their recent prefill rates.
+RECORDED_B0 = StepModel(base_s=0.008873072296577366, prefill_token_s=4.4105103607996015e-05,
+                        decode_seq_s=2.187054517796061e-05,
+                        context_token_s=3.883035321262662e-07, num_samples=512,
+                        num_prefill_samples=256, num_decode_samples=484)
+RECORDED_B1 = StepModel(base_s=0.011078520738380594, prefill_token_s=0.0002212274836297896,
+                        decode_seq_s=2.720905090420568e-05, context_token_s=0.0,
+                        num_samples=359, num_prefill_samples=103, num_decode_samples=354)
+
+
+def test_a_recorded_h200_snapshot_prefills_where_prefill_is_fast() -> None:
+    """A 1000-token prompt; 8B KV is 131,072 bytes a token; b0 pushes at 4.36 GB/s.
+    local on b0: TTFT 44.1 + 8.9 = 53.0 ms; busy 44.1 us * 6117 = 27%, TPOT
+        step(0, 1, 1000) 9.28 / 0.730 = 12.71 ms; cost 53.0 + 64 * 12.71 = 866.6 ms
+    local on b1: TTFT 221.2 + 11.1 = 232.3 ms; busy 9.5%, TPOT 12.28 ms; cost 1018.0 ms
+    b0 -> b1: TTFT 53.0 ms, transfer 131 MB / 4.36 GB/s = 30.0 ms -> TPOT 12.28 + 0.47
+        = 12.75 ms; cost 868.7 ms: within 2% of local on b0, a tie -> local on b0."""
+    def recorded(wid: str, model: StepModel, rate: float, push: float) -> WorkerView:
+        load = WorkerLoad(num_kv_blocks_total=4096, prefill_tokens_per_s=rate,
+                          kv_send_bytes_per_s=push, step_model=model)
+        return WorkerView(wid, Role.BOTH, load, max_batched_tokens=2048,
+                          kv_bytes_per_token=131_072)
+
+    b0 = recorded("b0", RECORDED_B0, 6117.2, 4363466283.5)
+    b1 = recorded("b1", RECORDED_B1, 430.6, 1187310585.7)
+    sides = {"b0": WorkerSide(b0.load, RECORDED_B0, 2048, 131_072),
+             "b1": WorkerSide(b1.load, RECORDED_B1, 2048, 131_072)}
+    on_b0 = predict_local(sides["b0"], 1000, 0, INTERACTIVE)
+    on_b1 = predict_local(sides["b1"], 1000, 0, INTERACTIVE)
+    split = predict_split(sides["b0"], sides["b1"], 1000, 0, 0, INTERACTIVE)
+    assert on_b0.ttft_s == pytest.approx(0.05298, abs=1e-5)
+    assert on_b0.cost_s == pytest.approx(0.8666, abs=5e-4)
+    assert on_b1.cost_s == pytest.approx(1.0180, abs=5e-4)
+    assert split.cost_s == pytest.approx(0.8687, abs=5e-4)
+    for seed in range(10):
+        plan = route([b0, b1], 1000, seed)
+        assert (plan.decode_worker_id, plan.kind) == ("b0", "local")
