@@ -172,8 +172,23 @@ def test_client_disconnect_frees_both_workers_within_100_ms(cluster: GatewayClus
     assert latency_s < 0.1, f"workers freed {latency_s * 1000:.0f} ms after the disconnect"
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if not (sample == name or sample.startswith(name + "{")):
+            continue
+        if all(f'{k}="{v}"' in sample for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 def test_admin_workers_and_metrics(cluster: GatewayCluster) -> None:
-    stream(cluster, {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+    completions = {"endpoint": "/v1/completions", "status": "200"}
+    before = httpx.get(cluster.url + "/metrics").text
+    for _ in range(2):
+        stream(cluster, {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
     workers = httpx.get(cluster.url + "/admin/workers").json()["workers"]
     by_role = {w["role"]: w for w in workers}
     assert set(by_role) == {"prefill", "decode"}
@@ -184,8 +199,22 @@ def test_admin_workers_and_metrics(cluster: GatewayCluster) -> None:
                                        "num_decoding", "prefill_tokens_per_s"}
         assert worker["step_model"] is None or worker["step_model"]["base_s"] >= 0
         assert worker["sm_share_percent"] is None  # no MPS on the CPU
-    metrics = httpx.get(cluster.url + "/metrics").text
-    assert 'pdserve_gateway_ttft_seconds_count{tier="standard"}' in metrics
-    assert 'pdserve_gateway_requests_total{endpoint="/v1/completions",status="200"}' in metrics
+    # The counters moved by exactly the two requests (the request counter is written once
+    # the handler returns, just after the client saw [DONE]).
+    deadline = time.monotonic() + 5
+    while True:
+        metrics = httpx.get(cluster.url + "/metrics").text
+        done = metric_sum(metrics, "pdserve_gateway_requests_total", **completions) - \
+            metric_sum(before, "pdserve_gateway_requests_total", **completions)
+        if done >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert done == 2
+
+    def moved(name: str, **labels: str) -> float:
+        return metric_sum(metrics, name, **labels) - metric_sum(before, name, **labels)
+
+    assert moved("pdserve_gateway_ttft_seconds_count", tier="standard") == 2
+    assert moved("pdserve_gateway_plans_total", tier="standard") == 2
     assert 'pdserve_gateway_queue_depth{tier="interactive"} 0' in metrics
     assert "pdserve_gateway_splice_mismatch_total 0" in metrics

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import os
 import subprocess
 import sys
@@ -44,6 +46,30 @@ def test_block_hash_is_pinned_and_chained() -> None:
     assert block_hash(None, [5, 6, 7, 8]) != block_hash(first, [5, 6, 7, 8])
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BS) == [first, block_hash(first, [5, 6, 7, 8])]
     assert 0 <= first < 2**64
+
+
+def _recipe(parent: int | None, tokens: list[int]) -> int:
+    """The documented recipe, written out by hand: blake2b with an 8-byte digest, read
+    big-endian, over the msgpack bytes of the 2-array [parent, tokens] (nil or uint64;
+    each token a msgpack uint in its shortest form, at most 15 tokens here)."""
+    def uint(t: int) -> bytes:
+        for limit, tag, size in ((0x80, b"", 1), (0x100, b"\xcc", 1), (0x10000, b"\xcd", 2),
+                                 (0x100000000, b"\xce", 4)):
+            if t < limit:
+                return tag + t.to_bytes(size, "big")
+        raise ValueError(t)
+
+    head = b"\xc0" if parent is None else b"\xcf" + parent.to_bytes(8, "big")
+    body = bytes([0x90 | len(tokens)]) + b"".join(uint(t) for t in tokens)
+    return int.from_bytes(hashlib.blake2b(b"\x92" + head + body, digest_size=8).digest(), "big")
+
+
+def test_block_hash_follows_the_documented_recipe() -> None:
+    first = block_hash(None, [1, 2, 3, 4])
+    assert first == _recipe(None, [1, 2, 3, 4])
+    assert block_hash(first, [5, 6, 7, 8]) == _recipe(first, [5, 6, 7, 8])
+    tokens = [300, 40_000, 7, 128, 0, 127, 255, 65_535, 65_536, 128_255]
+    assert block_hash(first, tokens) == _recipe(first, tokens)
 
 
 @pytest.mark.timeout(60)

@@ -133,3 +133,7 @@ def test_routing_is_deterministic_for_a_given_rng_seed():
     a = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(11)] * 30]
     b = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(11)] * 30]
     assert a == b
+    # ...and the generator decides: another seed draws another sequence (a router that
+    # ignored it would repeat `a`).
+    c = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(12)] * 30]
+    assert c != a and set(a) == set(c) == {f"d{i}" for i in range(5)}
