@@ -11,6 +11,11 @@ one TokenFrame per token, paced `token_interval_s` apart (0: back to back).
              without (local prefill): streams reply[0:]
              last frame: finish_reason (length when max_tokens cut the reply) + usage
 
+`decode_gate` (a threading.Event, or None) holds every decode stream before its
+`decode_hold_after`-th token until it is set, so a test can check what happens while the
+decode worker is busy (token 1 reaching the client first; an abort arriving before the next
+token); `tokens_sent` counts the tokens each decode stream produced.
+
 `held` is what a real worker would hold KV for (reservations, prefills in flight, decodes);
 abort, a dropped stream or the end of a request removes the id and records when
 (time.monotonic, comparable across processes on one Linux host), so tests can check that
@@ -25,6 +30,7 @@ import asyncio
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -69,6 +75,9 @@ class StubWorker:
         # Fault injection: cut the next decode stream after this many tokens (as a worker
         # that dies mid-stream does), once; stubs may share one DecodeCut.
         self.decode_cut = DecodeCut()
+        self.decode_gate: threading.Event | None = None
+        self.decode_hold_after = 0
+        self.tokens_sent: dict[str, int] = {}  # request id -> decode tokens produced
         self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
         self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
         self.aborts: list[str] = []
@@ -180,10 +189,15 @@ class StubWorker:
                     raise ConnectionResetError("stub: decode stream cut (fault injection)")
                 if self.token_interval_s:
                     await asyncio.sleep(self.token_interval_s)
+                gate = self.decode_gate
+                while (gate is not None and i - start >= self.decode_hold_after
+                       and not gate.is_set()):
+                    await asyncio.sleep(0.005)
                 if rid not in self.held:  # aborted meanwhile
                     yield TokenFrame(request_id=rid, token_ids=[], finish_reason=FinishReason.ABORT)
                     return
                 token_id, text = self.reply[i]
+                self.tokens_sent[rid] = self.tokens_sent.get(rid, 0) + 1
                 last = i == num_total - 1
                 finish = None
                 if last:
