@@ -44,6 +44,27 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32,
                progress: Callable[[str], None] | None = None) -> LoadedModel:
     """Loads `model` (HF directory, `.gguf` path or "default"); raises ModelLoadError."""
     report = progress or (lambda message: None)
+    path = _resolve(model)
+    if path.is_dir():
+        return _load_hf(path, dtype, device, report)
+    return _load_gguf(path, dtype, device, report)
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The model's shape without loading weights (so a bad TP size fails before spawning
+    anything); raises ModelLoadError."""
+    path = _resolve(model)
+    if path.is_dir():
+        from engine.hf_reader import read_config
+
+        return read_config(path)
+    from engine.gguf_reader import GGUFCheckpoint
+
+    return GGUFCheckpoint(path).config()
+
+
+def _resolve(model: str) -> Path:
+    """The directory or `.gguf` file `model` names; ModelLoadError if it is neither."""
     if model == "default":
         from engine.default_model import default_model_path
 
@@ -52,11 +73,9 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32,
         path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
-    if path.is_dir():
-        return _load_hf(path, dtype, device, report)
-    if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype, device, report)
-    raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    return path
 
 
 def _load_hf(directory: Path, dtype: torch.dtype, device: torch.device | str,

@@ -295,29 +295,6 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
     return dataclasses.replace(loaded, model=sharded)
 
 
-def read_model_config(model: str) -> ModelConfig:
-    """The model's shape without loading weights (so a bad TP size fails before spawning)."""
-    from pathlib import Path
-
-    from engine.errors import ModelLoadError
-
-    if model == "default":
-        from engine.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(model).expanduser()
-    if path.is_dir():
-        from engine.hf_reader import read_config
-
-        return read_config(path)
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        from engine.gguf_reader import GGUFCheckpoint
-
-        return GGUFCheckpoint(path).config()
-    raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
-
-
 @contextlib.contextmanager
 def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
                            kv_cache_bytes: int, threads: int | None = None,
@@ -328,6 +305,7 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
     does not fit the model) or ModelLoadError before any process is spawned."""
     from engine.engine_builder import load_tokenizer
     from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.loader import read_model_config
 
     report = progress or (lambda message: None)
     full_config = read_model_config(model)
@@ -397,4 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The group is destroyed and every result delivered; skip interpreter finalization,
+    # where gloo's worker threads can still be torn down and abort the process (SIGABRT,
+    # "terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

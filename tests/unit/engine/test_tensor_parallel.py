@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_storage import KVStorage
-from engine.loader import load_model
+from engine.loader import load_model, read_model_config
 from engine.model_runner import ModelRunner
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.tensor_parallel import (DrivingRunner, Followers, ShardDim, check_shardable, connect,
-                                    load_shard, read_model_config, shard_config, shard_dim,
-                                    shard_tensor)
+                                    load_shard, shard_config, shard_dim, shard_tensor)
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12], [300, 1, 64, 128, 9, 9, 9, 31, 77, 4, 200])
 NUM_TOKENS = 6
