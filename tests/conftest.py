@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hf_reference import HFReference
 
 from launcher.redis_server import RedisServer
 
@@ -29,3 +30,10 @@ def redis_url(redis_server: RedisServer) -> str:
 def anyio_backend() -> str:
     """Async tests (`@pytest.mark.anyio`) run on asyncio, the loop pdserve runs on."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    """transformers' model, tokenizer and chat template for the default model: the
+    independent reference greedy output is compared with (loaded once, about 10 s)."""
+    return HFReference()

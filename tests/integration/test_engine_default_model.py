@@ -1,8 +1,8 @@
 """The whole engine loop on the real default model (SmolLM2-135M-Instruct, GGUF).
 
-Each scheduling feature (batching, chunked prefill, prefix-cache hits, preemption) must give
-exactly the greedy output of the request run alone; the reference for "alone" is itself
-checked against transformers in tests/unit/engine/test_llama_reference.py.
+Every greedy run is compared with transformers' greedy output for the same weights, prompt
+and chat template (tests/hf_reference.py): run alone, batched, with chunked prefill, under
+preemption; token ids, text and finish reason exactly.
 """
 
 from __future__ import annotations
@@ -48,60 +48,67 @@ def make_engine(loaded, **overrides) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def alone(loaded) -> dict[str, list[int]]:
-    """Greedy tokens of each prompt run by itself in a fresh engine."""
-    results = {}
-    for prompt in PROMPTS:
-        engine = make_engine(loaded)
-        ids = engine.tokenizer.encode(prompt)
-        results[prompt] = engine.generate([ids], GREEDY)[0].token_ids
-    return results
+def expected(hf_reference) -> dict[str, list[int]]:
+    """transformers' greedy tokens for each prompt (GREEDY: 24 tokens, EOS ignored)."""
+    return {p: hf_reference.greedy(hf_reference.prompt_ids(p), GREEDY.max_tokens,
+                                   ignore_eos=True).token_ids for p in PROMPTS}
 
 
 def encode_all(engine: LLMEngine) -> list[list[int]]:
     return [engine.tokenizer.encode(p) for p in PROMPTS]
 
 
-def test_greedy_continuation_names_paris(loaded):
+def test_each_prompt_alone_matches_transformers(loaded, hf_reference, expected):
     engine = make_engine(loaded)
-    ids = engine.tokenizer.encode("The capital of France is")
-    result = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    assert "Paris" in result.text
+    for i, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer.encode(prompt)
+        assert ids == hf_reference.prompt_ids(prompt)
+        tokens, texts = _run(engine, f"r{i}", ids, GREEDY)
+        assert tokens == expected[prompt]
+        # The text streamed step by step is transformers' decoding of the same tokens.
+        assert "".join(texts) == hf_reference.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert engine.kv_cache.num_used_blocks == 0
 
 
-def test_chat_answer_and_stop_on_end_of_turn(loaded):
+@pytest.mark.parametrize("question", ["What is the capital of France?", "Name a colour."])
+def test_chat_answer_matches_transformers_and_stops_at_end_of_turn(loaded, hf_reference,
+                                                                 question):
     engine = make_engine(loaded)
-    ids = engine.tokenizer.encode_chat([{"role": "user",
-                                         "content": "What is the capital of France?"}])
+    messages = [{"role": "user", "content": question}]
+    ids = engine.tokenizer.encode_chat(messages)
+    assert ids == hf_reference.chat_ids(messages)
+    reference = hf_reference.greedy(ids, 64)
+    assert reference.finish_reason == "stop"  # both answers end well inside 64 tokens
     result = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
-    assert "Paris" in result.text
+    # The end-of-turn token is generated and counted, and left out of the text.
+    assert result.token_ids == reference.token_ids
+    assert result.text == reference.text and "<|im_end|>" not in result.text
     assert result.finish_reason == "stop"
-    assert "<|im_end|>" not in result.text
     engine.check_invariants()
     assert engine.kv_cache.num_used_blocks == 0
 
 
-def test_batched_requests_match_running_alone(loaded, alone):
+def test_batched_requests_match_transformers(loaded, expected):
     engine = make_engine(loaded)
     results = engine.generate(encode_all(engine), GREEDY)
-    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == alone
+    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == expected
     engine.check_invariants()
 
 
-def test_chunked_prefill_matches_running_alone(loaded, alone):
+def test_chunked_prefill_matches_transformers(loaded, expected):
     # A 5-token per-request chunk and an 8-token step budget split every prompt over steps.
     engine = make_engine(loaded, max_num_seqs=8, max_num_batched_tokens=8, prefill_chunk_tokens=5)
     results = engine.generate(encode_all(engine), GREEDY)
-    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == alone
+    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == expected
 
 
-def test_prefix_cache_hit_matches_and_skips_compute(loaded):
+def test_prefix_cache_hit_matches_and_skips_compute(loaded, hf_reference):
     engine = make_engine(loaded)
     shared = ("You are a careful assistant. Answer briefly and precisely, and never invent "
               "facts you do not know. Question: ")
     first = engine.tokenizer.encode(shared + "What is two plus two?")
     second = engine.tokenizer.encode(shared + "What is the colour of the sky?")
-    fresh = make_engine(loaded).generate([second], GREEDY)[0].token_ids
+    fresh = hf_reference.greedy(second, GREEDY.max_tokens, ignore_eos=True).token_ids
     engine.generate([first], GREEDY)
     engine.add_request("second", second, GREEDY)
     tokens, cached = [], None
@@ -113,11 +120,11 @@ def test_prefix_cache_hit_matches_and_skips_compute(loaded):
     assert cached is not None and cached >= 16  # at least one whole block came from the cache
 
 
-def test_preemption_under_memory_pressure_matches_running_alone(loaded, alone):
+def test_preemption_under_memory_pressure_matches_transformers(loaded, expected):
     # 8 blocks of 16 tokens cannot hold five requests growing to ~30 tokens each at once.
     engine = make_engine(loaded, num_kv_blocks=8)
     results = engine.generate(encode_all(engine), GREEDY)
-    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == alone
+    assert {p: r.token_ids for p, r in zip(PROMPTS, results)} == expected
     assert engine.num_preemptions > 0
     engine.check_invariants()
     assert engine.kv_cache.num_used_blocks == 0
@@ -135,10 +142,10 @@ def test_seeded_sampling_same_alone_and_batched(loaded):
     assert results[1].token_ids == expected
 
 
-def test_stop_string_is_not_emitted(loaded, alone):
+def test_stop_string_is_not_emitted(loaded, expected):
     engine = make_engine(loaded)
     ids = engine.tokenizer.encode(PROMPTS[0])
-    full = engine.tokenizer.decode(alone[PROMPTS[0]])
+    full = engine.tokenizer.decode(expected[PROMPTS[0]])
     stop = full.strip().split()[1]  # a word the greedy output is known to contain
     result = engine.generate([ids], SamplingParams(max_tokens=24, temperature=0.0,
                                                    stop=(stop,)))[0]
@@ -159,13 +166,14 @@ def test_abort_frees_blocks(loaded):
     assert not engine.has_unfinished()
 
 
-def test_generate_cli_streams_only_the_text(tmp_path):
+def test_generate_cli_streams_only_the_text(hf_reference):
+    prompt = "The capital of France is"
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "generate", "The capital of France is",
-         "--max-tokens", "12", "--threads", "1"],
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "launcher.cli", "generate", prompt, "--max-tokens", "12",
+         "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
+    expected = hf_reference.greedy(hf_reference.prompt_ids(prompt), 12)
+    assert proc.stdout == expected.text + "\n" and "Paris" in proc.stdout
     assert "loading" not in proc.stdout and "loading weights" in proc.stderr
 
 

@@ -1,6 +1,10 @@
 """`pdserve up` with the default model on CPU (1 prefill + 1 decode worker), driven by the
 official `openai` client: completions and chat, streamed and not, a prompt long enough to
-be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behind."""
+be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behind.
+
+Every greedy answer is compared with transformers' greedy output for the same weights and
+chat template (tests/hf_reference.py): text, finish reason and token counts exactly.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,24 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 LONG_PROMPT = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 80)
 
 
+# The shipped tiers, plus one that hands every prompt off P -> D, so the handoff test does
+# not depend on which plan the router predicts to be cheaper on this machine.
+HANDOFF_TIERS = """
+[tiers.handoff]
+priority = 1
+ttft_ms = 60000
+tpot_ms = 5000
+max_queued = 16
+max_running = 16
+local_prefill_max_tokens = 0
+"""
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = UpProcess(log_dir=tmp_path_factory.mktemp("up-logs"))
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIERS)
+    process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"))
     yield process
     process.stop()
 
@@ -37,50 +56,86 @@ def test_up_prints_a_curl_example_and_registers_both_workers(up: UpProcess) -> N
     assert sorted(w["role"] for w in up.workers()) == ["decode", "prefill"]
 
 
-def test_chat_non_streaming(client: openai.OpenAI, model: str) -> None:
-    reply = client.chat.completions.create(
-        model=model, max_tokens=8, temperature=0,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert reply.choices[0].message.content
-    assert reply.choices[0].finish_reason in ("stop", "length")
-    assert 0 < reply.usage.completion_tokens <= 8
+def _chat(client: openai.OpenAI, model: str, question: str, max_tokens: int, **kwargs):
+    return client.chat.completions.create(
+        model=model, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "user", "content": question}], **kwargs)
 
 
-def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, model: str) -> None:
-    messages = [{"role": "user", "content": "Name a colour."}]
-    whole = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
-                                           messages=messages)
-    chunks = list(client.chat.completions.create(
-        model=model, max_tokens=8, temperature=0, messages=messages, stream=True,
-        stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+def test_chat_non_streaming(client: openai.OpenAI, model: str, hf_reference) -> None:
+    question = "What is the capital of France?"
+    expected = hf_reference.greedy(
+        hf_reference.chat_ids([{"role": "user", "content": question}]), 32)
+    assert expected.finish_reason == "stop"
+    reply = _chat(client, model, question, 32)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(expected.token_ids)  # end of turn included
+    assert reply.usage.prompt_tokens == len(hf_reference.chat_ids(
+        [{"role": "user", "content": question}]))
+
+
+def test_chat_streaming_cut_at_max_tokens(client: openai.OpenAI, model: str,
+                                          hf_reference) -> None:
+    question = "Name a colour."
+    expected = hf_reference.greedy(
+        hf_reference.chat_ids([{"role": "user", "content": question}]), 8)
+    assert expected.finish_reason == "length"  # the answer is longer than 8 tokens
+    whole = _chat(client, model, question, 8)
+    chunks = list(_chat(client, model, question, 8, stream=True,
+                        stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and
+              c.choices[0].delta.content]
+    assert "".join(deltas) == whole.choices[0].message.content == expected.text
+    assert len(deltas) == 8  # one event per token: each of these 8 tokens has text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
+
+
+def _metric(up: UpProcess, line_start: str) -> float:
+    """The value of the first /metrics sample whose line starts with `line_start` (0 if
+    the series has no sample yet)."""
+    metrics = urllib.request.urlopen(f"{up.url}/metrics", timeout=5).read().decode()
+    for line in metrics.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_completions_long_prompt_is_handed_off_and_spliced_exactly_once(
-        client: openai.OpenAI, model: str, up: UpProcess) -> None:
-    # Greedy decoding: the handed-off stream must equal the non-streamed answer token for
-    # token; a duplicated or lost token at the splice would change the text and the count.
+        client: openai.OpenAI, model: str, up: UpProcess, hf_reference) -> None:
+    # Greedy decoding: the handed-off stream must be transformers' answer token for token;
+    # a duplicated or lost token at the splice would change the text and the count.
+    expected = hf_reference.greedy(hf_reference.prompt_ids(LONG_PROMPT), 12, ignore_eos=True)
+    split = 'pdserve_gateway_plans_total{kind="split",how="rule",tier="handoff"}'
+    splits_before = _metric(up, split)
     args = dict(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=0,
-                extra_body={"ignore_eos": True})
+                extra_body={"ignore_eos": True}, extra_headers={"x-pdserve-tier": "handoff"})
     whole = client.completions.create(**args)
     chunks = list(client.completions.create(**args, stream=True,
                                             stream_options={"include_usage": True}))
-    assert whole.usage.prompt_tokens > 256  # above the default tier's local-prefill threshold
+    assert _metric(up, split) == splits_before + 2  # both went prefill worker -> decode worker
+    assert whole.usage.prompt_tokens == len(hf_reference.prompt_ids(LONG_PROMPT))
+    assert whole.choices[0].text == expected.text
     assert whole.usage.completion_tokens == 12
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == 12
-    metrics = urllib.request.urlopen(f"{up.url}/metrics", timeout=5).read().decode()
-    assert "pdserve_gateway_splice_mismatch_total 0" in metrics
+    assert _metric(up, "pdserve_gateway_splice_mismatch_total") == 0
 
 
-def test_completions_streaming_short_prompt(client: openai.OpenAI, model: str) -> None:
-    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
-                                       stream=True, extra_body={"ignore_eos": True})
-    chunks = list(stream)
-    assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 1
-    assert chunks[-1].choices[0].finish_reason == "length"
+def test_completions_streaming_short_prompt(client: openai.OpenAI, model: str,
+                                            hf_reference) -> None:
+    prompt = "Once upon a time"
+    expected = hf_reference.greedy(hf_reference.prompt_ids(prompt), 6, ignore_eos=True)
+    chunks = list(client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == expected.text
+    assert len(texts) == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == len(hf_reference.prompt_ids(prompt))
 
 
 def _held(up: UpProcess, state_urls: dict[str, str]) -> dict[str, int]:

@@ -110,26 +110,9 @@ GGUF_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_pair(single_thread):
+def gguf_pair(single_thread, hf_reference):
     """(our LoadedModel, transformers' model built by its own GGUF loader)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers < 5
-        from transformers.modeling_utils import no_init_weights
-
-    ours = load_model("default")
-    path = str(ours.source)
-    config = LlamaConfig(**load_gguf_checkpoint(path)["config"])
-    with no_init_weights():  # every weight is overwritten from the file just below
-        reference = LlamaForCausalLM(config).eval()
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=reference)["tensors"]
-    result = reference.load_state_dict(tensors, strict=False)
-    # Tied embeddings: the head is the embedding, so it is the only key the file lacks.
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-    reference.tie_weights()
-    return ours, reference
+    return load_model("default"), hf_reference.model
 
 
 @pytest.mark.slow

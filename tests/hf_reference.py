@@ -1,0 +1,87 @@
+"""The independent reference for the default model: `transformers`' own GGUF loader,
+tokenizer and chat template, and a greedy loop over its own KV cache.
+
+Nothing here touches pdserve's engine: the weights are dequantized by transformers, the
+prompt is tokenized by its tokenizer (from the same file's metadata), and generation stops
+at the tokenizer's end-of-turn token exactly as OpenAI-style servers do (the stop token is
+generated, counted in `completion_tokens`, and left out of the text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """One greedy continuation: every generated token (a stop token included), its text
+    without special tokens, and why it ended ("stop" or "length")."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class HFReference:
+    """transformers' LlamaForCausalLM and tokenizer for the default GGUF file (fp32)."""
+
+    def __init__(self) -> None:
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # transformers < 5
+            from transformers.modeling_utils import no_init_weights
+
+        from engine.default_model import default_model_path
+
+        path = default_model_path()
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = LlamaConfig(**load_gguf_checkpoint(str(path))["config"])
+        with no_init_weights():  # every weight is overwritten from the file just below
+            self.model = LlamaForCausalLM(config).eval()
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                       model_to_load=self.model)["tensors"]
+        result = self.model.load_state_dict(tensors, strict=False)
+        # Tied embeddings: the head is the embedding, so it is the only key the file lacks.
+        assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
+        self.model.tie_weights()
+        self.stop_ids = {int(self.tokenizer.eos_token_id)}
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt an assistant turn is generated after, by the file's chat template."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 return_dict=False)
+        return [int(i) for i in ids]
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+
+    def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> Greedy:
+        """Argmax decoding through transformers' KV cache, up to `max_tokens` tokens (on one
+        thread: the suite shares two cores with the servers under test)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._greedy(prompt, max_tokens, ignore_eos)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool) -> Greedy:
+        out: list[int] = []
+        finish = "length"
+        with torch.no_grad():
+            result = self.model(torch.tensor([prompt]), use_cache=True)
+            while len(out) < max_tokens:
+                token = int(result.logits[0, -1].argmax())
+                out.append(token)
+                if not ignore_eos and token in self.stop_ids:
+                    finish = "stop"
+                    break
+                result = self.model(torch.tensor([[token]]),
+                                    past_key_values=result.past_key_values, use_cache=True)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Greedy(out, text, finish)
