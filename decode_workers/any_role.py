@@ -124,10 +124,11 @@ class AnyRoleWorker:
 
     async def abort(self, request: AbortRequest) -> Message:
         reason = request.reason or "aborted by the gateway"
+        sent = self.decode_half.tokens_sent(request.request_id)
         found = self.prefill_half.abort_request(request.request_id, reason)
         found = self.decode_half.abort_request(request.request_id, reason) or found
         self.metrics.aborts.inc(found="yes" if found else "no")
-        return AbortResponse(request_id=request.request_id, found=found)
+        return AbortResponse(request_id=request.request_id, found=found, num_tokens_sent=sent)
 
     def _wrong_role(self, request_id: str, what: str) -> ErrorFrame:
         return ErrorFrame(request_id=request_id, code=ErrorCode.WRONG_ROLE, retryable=True,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.contract.protocol import Role
 from common.worker.options import WorkerOptions
 from common.worker.runtime import WorkerRuntime
 from decode_workers.any_role import AnyRoleWorker

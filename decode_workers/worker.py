@@ -47,7 +47,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame)
 from common.worker.metrics import WorkerMetrics
-from common.worker.output_frames import merge_outputs
+from common.worker.output_frames import error_frame, frame_outcome, merge_outputs
 from decode_workers.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
                                          blocks_to_receive)
 from engine.engine_thread import EngineThread, RequestStream, StreamEnd
@@ -139,16 +139,16 @@ class DecodeWorker:
     async def reserve(self, request: ReserveRequest) -> Message:
         rid = request.request_id
         if self.engine is None or self.receiver is None or self.draining:
-            return _error(rid, ErrorCode.OVERLOADED, "not accepting reservations "
+            return error_frame(rid, ErrorCode.OVERLOADED, "not accepting reservations "
                           "(loading, draining or colocated)", retryable=True)
         if rid in self.table or rid in self._streams:
-            return _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
+            return error_frame(rid, ErrorCode.BAD_REQUEST, "request id already in use")
         try:
             held = await self.engine.call(lambda e: e.reserve(rid, request.prompt_token_ids))
         except ValueError as exc:
-            return _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+            return error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         if held is None:
-            return _error(rid, ErrorCode.OVERLOADED, "not enough free KV blocks", retryable=True)
+            return error_frame(rid, ErrorCode.OVERLOADED, "not enough free KV blocks", retryable=True)
         engine, receiver = self.engine, self.receiver
         block_size = engine.block_size
         num_held, num_receive = blocks_to_receive(len(request.prompt_token_ids), block_size,
@@ -221,10 +221,10 @@ class DecodeWorker:
     async def decode(self, request: DecodeRequest) -> AsyncGenerator[Message, None]:
         rid = request.request_id
         if self.engine is None or (self.draining and request.is_local_prefill):
-            yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
+            yield error_frame(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
             return
         if rid in self._streams:
-            yield _error(rid, ErrorCode.BAD_REQUEST, "request id already streaming")
+            yield error_frame(rid, ErrorCode.BAD_REQUEST, "request id already streaming")
             return
         params = request.sampling  # validated while decoding
         engine = self.engine
@@ -241,14 +241,14 @@ class DecodeWorker:
                     RequestMode.PREFILL_AND_DECODE, request.resume_token_ids))
                 in_engine = True
             elif request.resume_token_ids:
-                yield _error(rid, ErrorCode.BAD_REQUEST, "resume_token_ids needs a local "
+                yield error_frame(rid, ErrorCode.BAD_REQUEST, "resume_token_ids needs a local "
                              "prefill (no first_token_id)")
                 return
             else:
                 reservation = self.table.get(rid)
                 error = self._check_joinable(request, reservation)
                 if error is not None or reservation is None:
-                    yield error or _error(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation")
+                    yield error or error_frame(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation")
                     return
                 # From here this stream owns the reservation's fate.
                 reservation.attached = True
@@ -269,7 +269,7 @@ class DecodeWorker:
                 yield frame
         except ValueError as exc:  # the engine refused the request (bad prompt, id in use)
             finished = True
-            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+            yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._streams.discard(rid)
             engine.close_stream(rid)
@@ -285,13 +285,13 @@ class DecodeWorker:
         if reservation is None:
             ended = self.table.tombstone(rid)
             if ended is not None:
-                return _error(rid, _END_CODES[ended[0]], f"reservation ended: {ended[1]}")
-            return _error(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation for this request")
+                return error_frame(rid, _END_CODES[ended[0]], f"reservation ended: {ended[1]}")
+            return error_frame(rid, ErrorCode.UNKNOWN_REQUEST, "no reservation for this request")
         if request.epoch is not None and not self._own_epoch(request.epoch):
-            return _error(rid, ErrorCode.STALE_EPOCH, f"reservation epoch {request.epoch} is "
+            return error_frame(rid, ErrorCode.STALE_EPOCH, f"reservation epoch {request.epoch} is "
                           f"not this worker's epoch {self._epoch()}")
         if reservation.attached:
-            return _error(rid, ErrorCode.BAD_REQUEST, "a decode request already joined")
+            return error_frame(rid, ErrorCode.BAD_REQUEST, "a decode request already joined")
         return None
 
     async def _wait_for_kv(self, reservation: Reservation, timeout_s: float) -> ErrorFrame | None:
@@ -304,12 +304,12 @@ class DecodeWorker:
         except TimeoutError:
             self.metrics.handoff_failures.inc(reason="decode_deadline")
             await self._drop(reservation, EndReason.EXPIRED, "request deadline passed")
-            return _error(rid, ErrorCode.DEADLINE_EXCEEDED, "KV did not land before the "
+            return error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "KV did not land before the "
                           "request deadline")
         except KVTransferError as exc:
             await self._drop(reservation, EndReason.TRANSFER_FAILED, str(exc))
             reason = reservation.end_reason or EndReason.TRANSFER_FAILED
-            return _error(rid, _END_CODES[reason], f"KV transfer failed: {exc}")
+            return error_frame(rid, _END_CODES[reason], f"KV transfer failed: {exc}")
         self.table.mark_landed(rid)
         return None
 
@@ -322,39 +322,41 @@ class DecodeWorker:
                 item = await stream.next(deadline - loop.time())
             except TimeoutError:
                 self.metrics.handoff_failures.inc(reason="decode_deadline")
-                yield _error(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
+                yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
                 return
             items = [item, *stream.take_ready()]
             outputs = [i for i in items if not isinstance(i, StreamEnd)]
             end = next((i for i in items if isinstance(i, StreamEnd)), None)
-            if outputs:
-                if first:
-                    self.metrics.record_started(outputs[0].num_prompt_tokens,
-                                                outputs[0].num_cached_tokens)
-                    first = False
+            if outputs and first:
+                self.metrics.record_started(outputs[0].num_prompt_tokens,
+                                            outputs[0].num_cached_tokens)
+                first = False
+            if outputs and end is None:  # after an end, nothing more is sent
                 frame = merge_outputs(rid, outputs)
-                if isinstance(frame, ErrorFrame):
-                    yield frame
-                    self.metrics.requests.inc(outcome="error")
+                if isinstance(frame, TokenFrame):
+                    stream.num_tokens_sent += len(frame.token_ids)
+                yield frame
+                if (outcome := frame_outcome(frame)) is not None:
+                    self.metrics.requests.inc(outcome=outcome)
                     return
-                if frame.finish_reason is not None:
-                    yield frame
-                    self.metrics.requests.inc(outcome=frame.finish_reason.value)
-                    return
-                if end is None:
-                    yield frame
             if end is not None:
                 self.metrics.requests.inc(outcome="aborted")
                 code = ErrorCode.ABORTED if end.error is None else ErrorCode.INTERNAL
-                yield _error(rid, code, f"request ended: {end.reason}")
+                yield error_frame(rid, code, f"request ended: {end.reason}")
                 return
 
     # ---------------------------------------------------------------- abort
 
     async def abort(self, request: AbortRequest) -> Message:
+        sent = self.tokens_sent(request.request_id)  # read first: nothing is sent after
         found = self.abort_request(request.request_id, request.reason or "aborted by the gateway")
         self.metrics.aborts.inc(found="yes" if found else "no")
-        return AbortResponse(request_id=request.request_id, found=found)
+        return AbortResponse(request_id=request.request_id, found=found, num_tokens_sent=sent)
+
+    def tokens_sent(self, rid: str) -> int:
+        """Tokens the open decode stream of `rid` has sent (0 without one)."""
+        stream = self.engine.stream(rid) if self.engine is not None else None
+        return stream.num_tokens_sent if stream is not None else 0
 
     def abort_request(self, rid: str, reason: str) -> bool:
         """End a reservation or a running stream of `rid`; True when there was one."""
@@ -394,7 +396,3 @@ class DecodeWorker:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("decode worker task failed", exc_info=task.exception())
-
-
-def _error(request_id: str, code: ErrorCode, message: str, retryable: bool = False) -> ErrorFrame:
-    return ErrorFrame(request_id=request_id, code=code, message=message, retryable=retryable)

@@ -71,6 +71,7 @@ class RequestStream:
 
     request_id: str
     queue: asyncio.Queue[RequestOutput | StreamEnd] = field(default_factory=asyncio.Queue)
+    num_tokens_sent: int = 0  # counted by the consumer, for the tokens it passed on
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
         self.queue.put_nowait(StreamEnd(reason, error))

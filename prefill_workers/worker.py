@@ -41,10 +41,10 @@ from aiohttp import web
 from common.contract.control_server import message_handler, stream_handler
 from common.contract.finish_reason import FinishReason
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode,
-                                      ErrorFrame, Message, PrefillRequest, PrefillResult,
-                                      TransferResult, TransferStatus)
+                                      Message, PrefillRequest, PrefillResult, TransferResult,
+                                      TransferStatus)
 from common.worker.metrics import WorkerMetrics
-from common.worker.output_frames import to_token_logprob
+from common.worker.output_frames import error_frame, to_token_logprob
 from engine.engine_thread import EngineThread, StreamEnd
 from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput
@@ -119,10 +119,10 @@ class PrefillWorker:
     async def prefill(self, request: PrefillRequest) -> AsyncGenerator[Message, None]:
         rid = request.request_id
         if self.engine is None or self.draining:
-            yield _error(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
+            yield error_frame(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
             return
         if rid in self._active:
-            yield _error(rid, ErrorCode.BAD_REQUEST, "request id already in use")
+            yield error_frame(rid, ErrorCode.BAD_REQUEST, "request id already in use")
             return
         params = request.sampling  # validated while decoding
         engine = self.engine
@@ -140,14 +140,14 @@ class PrefillWorker:
                 item = await stream.next(deadline - loop.time())
             except TimeoutError:
                 self.metrics.handoff_failures.inc(reason="prefill_deadline")
-                yield _error(rid, ErrorCode.DEADLINE_EXCEEDED, "prefill not done by the deadline")
+                yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "prefill not done by the deadline")
                 return
             if isinstance(item, StreamEnd):
                 code = ErrorCode.ABORTED if item.error is None else ErrorCode.INTERNAL
-                yield _error(rid, code, f"request ended: {item.reason}")
+                yield error_frame(rid, code, f"request ended: {item.reason}")
                 return
             if item.finish_reason is FinishReason.ERROR:
-                yield _error(rid, ErrorCode.INTERNAL, "the engine could not prefill this "
+                yield error_frame(rid, ErrorCode.INTERNAL, "the engine could not prefill this "
                              "prompt (too long for the KV pool?)")
                 return
             self.metrics.record_started(item.num_prompt_tokens, item.num_cached_tokens)
@@ -156,7 +156,7 @@ class PrefillWorker:
             async for frame in self._after_first_token(request, item, active, deadline):
                 yield frame
         except ValueError as exc:  # the engine refused the prompt
-            yield _error(rid, ErrorCode.BAD_REQUEST, str(exc))
+            yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._active.pop(rid, None)
             engine.close_stream(rid)
@@ -279,7 +279,3 @@ def _transfer_result(spec: TransferSpec, destination: DecodeDestination, status:
                           destination_epoch=destination.epoch, status=status,
                           num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent,
                           error=error)
-
-
-def _error(request_id: str, code: ErrorCode, message: str, retryable: bool = False) -> ErrorFrame:
-    return ErrorFrame(request_id=request_id, code=code, message=message, retryable=retryable)

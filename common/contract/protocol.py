@@ -263,8 +263,12 @@ class AbortRequest(Message, tag="abort_request", frozen=True, kw_only=True):
 
 
 class AbortResponse(Message, tag="abort_response", frozen=True, kw_only=True):
+    """`num_tokens_sent`: tokens of the request's decode stream this worker had sent when
+    the abort arrived (0 without a stream). Invariant: the stream sends none after it."""
+
     request_id: Id
     found: bool
+    num_tokens_sent: NonNegInt = 0
 
 
 class RoleChangeRequest(Message, tag="role_change_request", frozen=True, kw_only=True):

@@ -52,3 +52,16 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
     return TokenFrame(request_id=request_id, token_ids=token_ids, text="".join(text),
                       logprobs=logprobs if wants_logprobs else None,
                       finish_reason=last.finish_reason, usage=usage)
+
+
+def error_frame(request_id: str, code: ErrorCode, message: str,
+                retryable: bool = False) -> ErrorFrame:
+    return ErrorFrame(request_id=request_id, code=code, message=message, retryable=retryable)
+
+
+def frame_outcome(frame: TokenFrame | ErrorFrame) -> str | None:
+    """How the request ended with this frame ("error" or the finish reason), or None when
+    the stream goes on."""
+    if isinstance(frame, ErrorFrame):
+        return "error"
+    return None if frame.finish_reason is None else frame.finish_reason.value

@@ -304,14 +304,17 @@ def test_shared_prefix_sends_fewer_kv_bytes(cluster: Cluster) -> None:
     asyncio.run(run())
 
 
-def test_abort_reaches_the_decode_worker_within_100_ms(cluster: Cluster) -> None:
+def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Cluster) -> None:
+    # Cause and effect, not a latency bound: the worker answers the abort with the number
+    # of tokens its stream had sent when the abort arrived, and the client must receive
+    # exactly those and then ABORTED; a worker that sent one more token fails. (Abort
+    # latencies are measured by benchmarks/, not asserted here.)
     d = cluster.workers["d-ucx"]
 
     async def run() -> None:
         client = ControlClient(d.control_url)
         frames: list[TokenFrame] = []
-        ended: list[Exception] = []
-        aborted_at: list[float] = []
+        ended: list[RemoteError] = []
 
         async def consume() -> None:
             try:
@@ -323,27 +326,27 @@ def test_abort_reaches_the_decode_worker_within_100_ms(cluster: Cluster) -> None
                     frames.append(frame)
             except RemoteError as exc:
                 ended.append(exc)
-                aborted_at.append(time.monotonic())
 
         task = asyncio.create_task(consume())
         while sum(len(f.token_ids) for f in frames) < 3:
             await asyncio.sleep(0.01)
         abort_client = ControlClient(d.control_url)
-        sent = time.monotonic()
         answer = await abort_client.call("/internal/abort", AbortRequest(request_id="abort-me"),
-                                         AbortResponse, 2.0)
-        abort_latency_s = time.monotonic() - sent
-        await asyncio.wait_for(task, 5.0)
+                                         AbortResponse, 5.0)
+        await asyncio.wait_for(task, 10.0)
         await abort_client.aclose()
         await client.aclose()
         assert answer.found
-        assert abort_latency_s < 0.1, abort_latency_s
+        assert answer.num_tokens_sent >= 3
+        assert sum(len(f.token_ids) for f in frames) == answer.num_tokens_sent
+        assert all(f.finish_reason is None for f in frames)
         assert ended and ended[0].frame.code is ErrorCode.ABORTED
-        assert aborted_at[0] - sent < 0.5  # the stream ends at the next step boundary
-        assert sum(len(f.token_ids) for f in frames) < 500
-        await wait_no_blocks_held(d, 2.0)
-        print(f"abort answered in {abort_latency_s * 1000:.1f} ms; stream ended "
-              f"{(aborted_at[0] - sent) * 1000:.1f} ms after it was sent")
+        await wait_no_blocks_held(d, 5.0)
+        again = ControlClient(d.control_url)
+        repeat = await again.call("/internal/abort", AbortRequest(request_id="abort-me"),
+                                  AbortResponse, 5.0)
+        await again.aclose()
+        assert not repeat.found and repeat.num_tokens_sent == 0
 
     asyncio.run(run())
 

@@ -1,16 +1,17 @@
-"""The control-plane helpers over a real aiohttp server on 127.0.0.1, port 0."""
+"""The control-plane helpers over a real aiohttp server on 127.0.0.1, port 0. Deadline tests
+move the loop's clock (tests/manual_clock.py) instead of sleeping through the deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
 import pytest
 from aiohttp import ClientSession, web
+from manual_clock import ManualClock
 
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
@@ -34,6 +35,7 @@ class FakeWorker:
     def __init__(self) -> None:
         self.stall_after_first = False
         self.stream_closed = asyncio.Event()
+        self.never = asyncio.Event()  # a stalled stream waits on this; nobody sets it
 
     async def reserve(self, request: ReserveRequest) -> ReserveResponse | ErrorFrame:
         if len(request.prompt_token_ids) == 1:  # the test of an overloaded worker
@@ -51,7 +53,7 @@ class FakeWorker:
                 yield TokenFrame(request_id=request.request_id, token_ids=[i], text=f"t{i}",
                                  logprobs=[TokenLogprob(i, -0.5 * i, [(i, -0.5 * i)])])
                 if self.stall_after_first:
-                    await asyncio.sleep(60)
+                    await self.never.wait()
             if request.sampling.max_tokens == 3:
                 yield TokenFrame(request_id=request.request_id, token_ids=[],
                                  finish_reason=FinishReason.LENGTH,
@@ -213,19 +215,28 @@ async def test_stalled_stream_hits_the_frame_deadline_and_the_worker_sees_it(
     worker, url = served
     worker.stall_after_first = True
     client = ControlClient(url, token=TOKEN)
+    received: list[TokenFrame] = []
+
+    async def read() -> None:
+        async with contextlib.aclosing(client.stream(
+                "/v1/decode", decode_request(), TokenFrame, first_frame_timeout_s=60.0,
+                frame_timeout_s=30.0)) as frames:
+            async for frame in frames:
+                received.append(frame)
+
     try:
-        received = []
-        start = time.monotonic()
-        with pytest.raises(FrameDeadlineError):
-            async with contextlib.aclosing(client.stream(
-                    "/v1/decode", decode_request(), TokenFrame, first_frame_timeout_s=2.0,
-                    frame_timeout_s=0.3)) as frames:
-                async for frame in frames:
-                    received.append(frame)
-        waited_s = time.monotonic() - start
-        assert len(received) == 1 and 0.3 <= waited_s < 1.5
+        with ManualClock() as clock:
+            reader = asyncio.create_task(read())
+            while not received:
+                await asyncio.sleep(0.01)
+            await clock.advance(25.0)  # the worker is stalled, the 30 s deadline not reached
+            assert not reader.done() and not worker.stream_closed.is_set()
+            await clock.advance(10.0)
+            with pytest.raises(FrameDeadlineError):
+                await asyncio.wait_for(reader, 5.0)
+        assert len(received) == 1
         # Hanging up cancels the worker's handler: its producer is closed promptly.
-        await asyncio.wait_for(worker.stream_closed.wait(), 2.0)
+        await asyncio.wait_for(worker.stream_closed.wait(), 5.0)
     finally:
         await client.aclose()
 
@@ -249,24 +260,41 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_the_handler_never_
         called.append(request)
         return await worker.reserve(request)
 
-    app = make_app(token=None, body_timeout_s=0.3)
+    app = make_app(token=None, body_timeout_s=30.0)
     app.router.add_post("/v1/reserve", message_handler(ReserveRequest, reserve))
     server = ControlServer(app)
     url = await server.start()
 
+    rest_sent = asyncio.Event()
+    first_part_sent = asyncio.Event()
+
     async def trickle() -> AsyncIterator[bytes]:
         yield b"\x92\x01"
-        await asyncio.sleep(2.0)
+        first_part_sent.set()
+        await rest_sent.wait()  # the rest never comes while the test looks
         yield b"\x80"
 
-    try:
+    async def post() -> tuple[int, bytes]:
         async with ClientSession() as session:
-            started = time.monotonic()
             async with session.post(url + "/v1/reserve", data=trickle(),
                                     headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as response:
-                body = await response.read()
-            assert time.monotonic() - started < 1.5
-        assert response.status == 408
+                return response.status, await response.read()
+
+    try:
+        with ManualClock() as clock:
+            posting = asyncio.create_task(post())
+            await asyncio.wait_for(first_part_sent.wait(), 5.0)
+            await clock.advance(25.0)  # short of the server's 30 s body deadline
+            assert not posting.done()
+            # Past it. (The server arms the deadline when its handler starts reading, which
+            # may come a little after the client sent the first part: step until it fires.)
+            for _ in range(10):
+                await clock.advance(10.0)
+                if posting.done():
+                    break
+            status, body = await asyncio.wait_for(posting, 5.0)
+        rest_sent.set()
+        assert status == 408
         frame = MessageDecoder(ErrorFrame).decode(body)
         assert frame.code is ErrorCode.BAD_REQUEST and "not received" in frame.message
         assert called == []

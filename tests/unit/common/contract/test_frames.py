@@ -1,18 +1,19 @@
 """The gateway's batched frame reader: splitting, decoding, deadlines, errors, reuse.
 
-The splitting tests are pure; the stream tests run a real control server on 127.0.0.1:0.
+The splitting tests are pure; the stream tests run a real control server on 127.0.0.1:0,
+and the deadline tests move the loop's clock (tests/manual_clock.py) instead of sleeping.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import ManualClock
 
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
 from common.contract.control_server import ControlServer, make_app
@@ -66,7 +67,8 @@ def test_fresh_decoder_shares_nothing_buffered():
 
 
 class ScriptedWorker:
-    """Streams `script` (frames, or a float: sleep that long) for every decode request."""
+    """Streams `script` for every decode request: frames, a float (sleep that long) or an
+    asyncio.Event (wait until the test sets it)."""
 
     def __init__(self) -> None:
         self.script: list[object] = []
@@ -82,6 +84,8 @@ class ScriptedWorker:
         for step in self.script:
             if isinstance(step, float):
                 await asyncio.sleep(step)
+            elif isinstance(step, asyncio.Event):
+                await step.wait()
             else:
                 await response.write(encode_frame(step))
         await response.write_eof()
@@ -126,17 +130,27 @@ def test_stream_yields_all_frames_then_reuses_the_connection():
 def test_stalled_stream_fails_at_the_frame_deadline_and_drops_the_connection():
     async def main() -> None:
         worker = ScriptedWorker()
-        worker.script = [token(0), 5.0, token(1)]
+        held = asyncio.Event()
+        worker.script = [token(0), held, token(1)]
         async with worker as url, ClientSession() as session:
-            got = []
-            started = time.monotonic()
-            with pytest.raises(FrameDeadlineError, match="stalled"):
+            got: list = []
+
+            async def read() -> None:
                 async for batch in stream_frame_batches(session, url, REQUEST,
-                                                        DECODE_FRAMES, 5.0, 0.3):
-                    got += batch
-            waited = time.monotonic() - started
+                                                        DECODE_FRAMES, 5.0, 30.0):
+                    got.extend(batch)
+
+            with ManualClock() as clock:
+                reader = asyncio.create_task(read())
+                while not got:
+                    await asyncio.sleep(0.01)
+                await clock.advance(25.0)  # short of the 30 s frame deadline
+                assert not reader.done() and got == [token(0)]
+                await clock.advance(10.0)  # past it
+                with pytest.raises(FrameDeadlineError, match="stalled"):
+                    await asyncio.wait_for(reader, 5.0)
             assert got == [token(0)]
-            assert 0.25 < waited < 2.0, waited
+            held.set()
             worker.script = [token(7, FinishReason.STOP)]
             assert await collect(session, url) == [token(7, FinishReason.STOP)]
         assert worker.peers[0] != worker.peers[1], "a stalled connection was reused"
@@ -146,13 +160,18 @@ def test_stalled_stream_fails_at_the_frame_deadline_and_drops_the_connection():
 def test_slow_consumer_is_not_mistaken_for_a_stalled_worker():
     async def main() -> None:
         worker = ScriptedWorker()
-        worker.script = [token(0), token(1, FinishReason.STOP)]
+        held = asyncio.Event()
+        worker.script = [token(0), held, token(1, FinishReason.STOP)]
         async with worker as url, ClientSession() as session:
             got = []
-            async for batch in stream_frame_batches(session, url, REQUEST,
-                                                    DECODE_FRAMES, 5.0, 0.2):
-                got += batch
-                await asyncio.sleep(0.5)  # longer than the frame deadline, spent here
+            with ManualClock() as clock:
+                async for batch in stream_frame_batches(session, url, REQUEST,
+                                                        DECODE_FRAMES, 5.0, 2.0):
+                    got += batch
+                    if not held.is_set():
+                        # Far past the frame deadline, spent here while the worker waits.
+                        await clock.advance(60.0)
+                        held.set()
             assert got == [token(0), token(1, FinishReason.STOP)]
     asyncio.run(main())
 
