@@ -2,7 +2,9 @@
 TTFT, per-token delay, capacity and faults are injected: the tool must measure them back."""
 
 import asyncio
+import heapq
 import json
+import random
 import re
 import subprocess
 import sys
@@ -11,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench.goodput import SearchParams, search_goodput
+from benchmarks.bench.arrivals import arrival_gaps_s
+from benchmarks.bench.goodput import SearchParams, goodput_of, next_rate, search_goodput
 from benchmarks.bench.runner import BenchRunner
 from launcher.cli import build_parser
 
@@ -152,21 +155,48 @@ def test_runs_are_bounded_by_duration_and_count(stub, tmp_path):
     assert 8 <= report.overall.num_requests <= 35 and report.wall_s < 2.0
 
 
+def _simulated_attainment(rate_rps: float, duration_s: float, overhead_s: float) -> float:
+    """The stub's TTFT SLO attainment on the runner's own arrival schedule (seed 1), worked
+    out by hand: 4 slots served in arrival order, each held 50 + 9 * 10 = 140 ms; a request
+    meets the 150 ms TTFT when its wait for a slot + 50 ms + `overhead_s` is within it."""
+    gaps = arrival_gaps_s(random.Random("arrivals:1"), rate_rps)
+    arrivals, t = [], 0.0
+    while t < duration_s:
+        arrivals.append(t)
+        t += next(gaps)
+    free_at = [0.0] * 4
+    met = 0
+    for arrival in arrivals:
+        start = max(arrival, heapq.heappop(free_at))
+        heapq.heappush(free_at, start + 0.140)
+        met += start - arrival + 0.050 + overhead_s <= 0.150
+    return met / len(arrivals)
+
+
+def _simulated_goodput(params: SearchParams, overhead_s: float) -> float | None:
+    points: list[tuple[float, bool]] = []
+    while (rate := next_rate(points, params)) is not None:
+        points.append((rate, _simulated_attainment(rate, 1.5, overhead_s) >= 0.9))
+    return goodput_of(points)
+
+
 def test_goodput_search_finds_the_capacity_knee(stub, tmp_path):
-    # 4 slots, each request holds one for 50 + 9 * 10 = 140 ms: capacity ~28.6 req/s.
-    # TTFT SLO 150 ms allows 100 ms of queueing, so attainment collapses near capacity.
+    # 4 slots, each request holds one for 140 ms: capacity ~28.6 req/s, and the TTFT SLO
+    # of 150 ms allows 100 ms of queueing, so attainment collapses near capacity. The
+    # expected answer is the same search run on a simulation of the same arrivals, with
+    # between 0 and 20 ms of HTTP and scheduling overhead per request (20, 24 or 28 req/s).
     server = stub("--ttft-ms", "50", "--tpot-ms", "10", "--max-concurrency", "4")
     runner = _runner(tmp_path, server.url, "--duration", "1.5", mode="goodput")
     params = SearchParams(start_rate_rps=4.0, max_runs=6, rel_tolerance=0.15)
     report = asyncio.run(search_goodput(
         lambda rate: runner.measure("stub-model", rate, None, "test"), params, 0.9))
-    capacity = 4 / 0.140
-    assert report.num_runs <= 6
-    assert report.goodput_rps is not None, [(p.rate_rps, p.attainment_by_tier)
-                                            for p in report.points]
-    assert 0.4 * capacity <= report.goodput_rps <= 1.2 * capacity
+    expected = {_simulated_goodput(params, overhead_s / 1000) for overhead_s in range(0, 21)}
+    assert expected == {20.0, 24.0, 28.0}
+    curve = [(p.rate_rps, p.attainment_by_tier) for p in report.points]
+    assert report.num_runs == 6
+    assert report.goodput_rps in expected, curve
     assert any(not p.passed for p in report.points)   # the curve shows the knee
-    assert all(p.passed for p in report.points if p.rate_rps <= 0.3 * capacity)
+    assert all(p.passed for p in report.points if p.rate_rps <= 16.0), curve
 
 
 def test_cli_end_to_end_writes_json_and_plots(stub, tmp_path):

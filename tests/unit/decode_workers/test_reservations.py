@@ -54,5 +54,8 @@ def test_duplicate_ids_are_refused_and_tombstones_are_bounded() -> None:
     for rid in ("a", "b", "c"):
         if rid != "a":
             table.add(make(rid))
-        table.release(rid, EndReason.EXPIRED)
-    assert table.tombstone("a") is None and table.tombstone("c") is not None
+        table.release(rid, EndReason.EXPIRED, f"{rid} expired")
+    # Only the last two ended ids are remembered, each with how and why it ended.
+    assert table.tombstone("a") is None
+    assert table.tombstone("b") == (EndReason.EXPIRED, "b expired")
+    assert table.tombstone("c") == (EndReason.EXPIRED, "c expired")

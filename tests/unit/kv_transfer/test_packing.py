@@ -26,9 +26,11 @@ def choose(s, slot=1 << 20, min_message=0, below=1 << 20):
 def test_policy_packs_small_runs_and_by_default_always_on_cuda():
     fragmented = spec([1, 5, 9], [2, 6, 10])
     assert choose(fragmented, below=128) is None  # runs of one 128-byte block: not < 128
-    assert choose(fragmented, below=129) is not None
+    # No minimum message size: one layer (K and V of 3 blocks, 768 bytes) per message.
+    assert choose(fragmented, below=129) == Packing(layers_per_message=1, blocks_per_message=3)
     one_run = spec(list(range(30)), list(range(30)))  # one run of 3840 bytes
-    assert choose(one_run, below=PackingLimits.for_device(True).pack_below_run_bytes)
+    assert choose(one_run, below=PackingLimits.for_device(True).pack_below_run_bytes) == \
+        Packing(layers_per_message=1, blocks_per_message=30)
     assert choose(one_run, below=3840) is None and choose(one_run, below=0) is None
 
 

