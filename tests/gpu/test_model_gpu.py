@@ -3,8 +3,8 @@ CUDA graphs against eager steps.
 
 On a CUDA device everything runs in bf16. On the CPU the kernel path runs under Triton's
 interpreter in fp32 (set in conftest.py), with the padded graph steps run eagerly: that
-checks the metadata, the fused projections and the padding logic; the comparisons with
-transformers and real graph replay need CUDA and are skipped there.
+checks the metadata, the fused projections, the padding logic and the kernels against
+transformers in fp32; only real graph replay needs CUDA and is skipped there.
 """
 
 from __future__ import annotations
@@ -223,8 +223,7 @@ def test_cuda_graph_replay_gives_eager_logits(pair):
     assert rel_error(again, got) > 10 * TOLERANCE
 
 
-@needs_cuda
-def test_kernel_path_matches_transformers_in_bf16(pair):
+def test_kernel_path_matches_transformers(pair):
     reference, model = pair
     runner = make_runner(model, True, graph_sizes=(1, 4))
     for i, (prompt, table) in enumerate(zip(PROMPTS, TABLES)):
@@ -234,12 +233,11 @@ def test_kernel_path_matches_transformers_in_bf16(pair):
         assert rel_error(ours[0], theirs) < TOLERANCE
 
 
-@needs_cuda
-def test_greedy_matches_transformers_in_bf16(pair):
+def test_greedy_matches_transformers(pair):
     """transformers' greedy `generate` picks the tokens; our batched, chunked, graph-replayed
     decode is fed the same tokens and must give the same logits at every step."""
     reference, model = pair
-    num_tokens = 8
+    num_tokens = 8 if ON_CUDA else 4  # the interpreter takes ~2 s per batched step
     tokens, expected = [], []
     for prompt in PROMPTS:
         with torch.no_grad():
