@@ -155,10 +155,11 @@ def test_runs_are_bounded_by_duration_and_count(stub, tmp_path):
     assert 8 <= report.overall.num_requests <= 35 and report.wall_s < 2.0
 
 
-def _simulated_attainment(rate_rps: float, duration_s: float, overhead_s: float) -> float:
-    """The stub's TTFT SLO attainment on the runner's own arrival schedule (seed 1), worked
-    out by hand: 4 slots served in arrival order, each held 50 + 9 * 10 = 140 ms; a request
-    meets the 150 ms TTFT when its wait for a slot + 50 ms + `overhead_s` is within it."""
+def _simulated(rate_rps: float, duration_s: float, overhead_s: float) -> tuple[int, float]:
+    """(requests sent, TTFT SLO attainment) on the runner's own arrival schedule (seed 1),
+    worked out by hand: 4 slots served in arrival order, each held 50 + 9 * 10 = 140 ms; a
+    request meets the 150 ms TTFT when its wait for a slot + 50 ms + `overhead_s` is within
+    it."""
     gaps = arrival_gaps_s(random.Random("arrivals:1"), rate_rps)
     arrivals, t = [], 0.0
     while t < duration_s:
@@ -170,13 +171,13 @@ def _simulated_attainment(rate_rps: float, duration_s: float, overhead_s: float)
         start = max(arrival, heapq.heappop(free_at))
         heapq.heappush(free_at, start + 0.140)
         met += start - arrival + 0.050 + overhead_s <= 0.150
-    return met / len(arrivals)
+    return len(arrivals), met / len(arrivals)
 
 
 def _simulated_goodput(params: SearchParams, overhead_s: float) -> float | None:
     points: list[tuple[float, bool]] = []
     while (rate := next_rate(points, params)) is not None:
-        points.append((rate, _simulated_attainment(rate, 1.5, overhead_s) >= 0.9))
+        points.append((rate, _simulated(rate, 1.5, overhead_s)[1] >= 0.9))
     return goodput_of(points)
 
 
@@ -197,6 +198,15 @@ def test_goodput_search_finds_the_capacity_knee(stub, tmp_path):
     assert report.goodput_rps in expected, curve
     assert any(not p.passed for p in report.points)   # the curve shows the knee
     assert all(p.passed for p in report.points if p.rate_rps <= 16.0), curve
+    for point in report.points:
+        # Each run sent exactly the simulated arrivals, and met the SLO for as many as the
+        # simulation does with 0-20 ms of overhead (one request of slack either way).
+        num_sent, best = _simulated(point.rate_rps, 1.5, 0.0)
+        _, worst = _simulated(point.rate_rps, 1.5, 0.020)
+        assert point.report.overall.num_requests == num_sent, point.rate_rps
+        attainment = point.attainment_by_tier["interactive"]
+        assert worst - 1 / num_sent <= attainment <= best + 1 / num_sent, \
+            (point.rate_rps, attainment, worst, best)
 
 
 def test_cli_end_to_end_writes_json_and_plots(stub, tmp_path):
