@@ -47,10 +47,12 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame)
 from common.worker.metrics import WorkerMetrics
-from common.worker.output_frames import error_frame, frame_outcome, merge_outputs
+from common.worker.output_frames import error_frame
+from decode_workers.block_waiters import BlockWaiters, refusal
 from decode_workers.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
                                          blocks_to_receive)
-from engine.engine_thread import EngineThread, RequestStream, StreamEnd
+from decode_workers.stream_frames import stream_frames
+from engine.engine_thread import EngineThread
 from engine.kv_storage import KVStorage
 from engine.request import RequestMode
 from kv_transfer.errors import KVTransferError
@@ -78,6 +80,8 @@ class DecodeWorker:
         self._epoch = epoch
         self._own_epoch = own_epoch or (lambda e: e == epoch())
         self.table = ReservationTable()
+        self.block_waiters = BlockWaiters(on_change=self._on_waiters)  # for free KV blocks
+        self._last_full_log = -1e9  # loop time of the last "KV cache full" log line
         self.engine: EngineThread | None = None
         self.receiver: KVReceiver | None = None
         self.draining = False
@@ -112,11 +116,13 @@ class DecodeWorker:
 
     def state(self) -> dict[str, object]:
         return {"num_reservations": len(self.table), "num_streams": len(self._streams),
+                "num_waiting_for_blocks": len(self.block_waiters),
                 "reservations": [r.request_id for r in self.table.live()],
                 "streams": sorted(self._streams), "num_tasks": len(self._tasks)}
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
+        self.block_waiters.check_invariants()
         for reservation in self.table.live():
             assert reservation.request_id not in self._streams or reservation.attached, \
                 f"{reservation.request_id} streams but its reservation is not attached"
@@ -141,15 +147,18 @@ class DecodeWorker:
         if self.engine is None or self.receiver is None or self.draining:
             return error_frame(rid, ErrorCode.OVERLOADED, "not accepting reservations "
                           "(loading, draining or colocated)", retryable=True)
-        if rid in self.table or rid in self._streams:
+        if rid in self.table or rid in self._streams or rid in self.block_waiters:
             return error_frame(rid, ErrorCode.BAD_REQUEST, "request id already in use")
+        engine, receiver = self.engine, self.receiver
         try:
-            held = await self.engine.call(lambda e: e.reserve(rid, request.prompt_token_ids))
+            held = await self.block_waiters.reserve(engine, request, lambda: self.draining)
         except ValueError as exc:
             return error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
-        if held is None:
-            return error_frame(rid, ErrorCode.OVERLOADED, "not enough free KV blocks", retryable=True)
-        engine, receiver = self.engine, self.receiver
+        if held is None or self.draining or self.receiver is not receiver:
+            if held is not None:  # the worker began draining while this one waited
+                engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
+            return error_frame(rid, ErrorCode.OVERLOADED, self._refusal(engine, request),
+                               retryable=True)
         block_size = engine.block_size
         num_held, num_receive = blocks_to_receive(len(request.prompt_token_ids), block_size,
                                                   held.num_cached_tokens)
@@ -171,6 +180,15 @@ class DecodeWorker:
                                         block_ids=list(held.block_ids),
                                         num_prefix_blocks_held=num_held)
         return ReserveResponse(request_id=rid, destination=destination, block_size=block_size)
+
+    def _refusal(self, engine: EngineThread, request: ReserveRequest) -> str:
+        load = engine.load
+        message = refusal(request, engine.block_size, load.num_kv_blocks_used,
+                          load.num_kv_blocks_total)
+        if (now := asyncio.get_running_loop().time()) - self._last_full_log > 10.0:
+            self._last_full_log = now  # one line per burst of refusals
+            log.warning("reservation %s refused: %s", request.request_id, message)
+        return message
 
     async def _watch_transfer(self, reservation: Reservation) -> None:
         """Mark LANDED as soon as the KV is in (and count its bytes); failures are
@@ -215,6 +233,7 @@ class DecodeWorker:
             rid = reservation.request_id
             self.engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
             self.metrics.reservations.set(len(self.table))
+            self.block_waiters.notify()
 
     # ---------------------------------------------------------------- decode
 
@@ -263,7 +282,7 @@ class DecodeWorker:
                 assert first_token_id is not None  # not a local prefill
                 await engine.call(lambda e: e.add_decode_request(
                     rid, request.prompt_token_ids, params, first_token_id, request.priority))
-            async for frame in self._frames(rid, stream, deadline):
+            async for frame in stream_frames(rid, stream, deadline, self.metrics):
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
                 yield frame
@@ -273,6 +292,7 @@ class DecodeWorker:
         finally:
             self._streams.discard(rid)
             engine.close_stream(rid)
+            self.block_waiters.notify()  # its blocks are freed by now or by the abort below
             if in_engine and not finished:
                 engine.submit(lambda e: e.abort_request(rid), f"abort {rid}")
             elif reservation is not None and reservation.state in (
@@ -313,38 +333,6 @@ class DecodeWorker:
         self.table.mark_landed(rid)
         return None
 
-    async def _frames(self, rid: str, stream: RequestStream, deadline: float
-                      ) -> AsyncGenerator[TokenFrame | ErrorFrame, None]:
-        loop = asyncio.get_running_loop()
-        first = True
-        while True:
-            try:
-                item = await stream.next(deadline - loop.time())
-            except TimeoutError:
-                self.metrics.handoff_failures.inc(reason="decode_deadline")
-                yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
-                return
-            items = [item, *stream.take_ready()]
-            outputs = [i for i in items if not isinstance(i, StreamEnd)]
-            end = next((i for i in items if isinstance(i, StreamEnd)), None)
-            if outputs and first:
-                self.metrics.record_started(outputs[0].num_prompt_tokens,
-                                            outputs[0].num_cached_tokens)
-                first = False
-            if outputs and end is None:  # after an end, nothing more is sent
-                frame = merge_outputs(rid, outputs)
-                if isinstance(frame, TokenFrame):
-                    stream.num_tokens_sent += len(frame.token_ids)
-                yield frame
-                if (outcome := frame_outcome(frame)) is not None:
-                    self.metrics.requests.inc(outcome=outcome)
-                    return
-            if end is not None:
-                self.metrics.requests.inc(outcome="aborted")
-                code = ErrorCode.ABORTED if end.error is None else ErrorCode.INTERNAL
-                yield error_frame(rid, code, f"request ended: {end.reason}")
-                return
-
     # ---------------------------------------------------------------- abort
 
     async def abort(self, request: AbortRequest) -> Message:
@@ -360,7 +348,7 @@ class DecodeWorker:
 
     def abort_request(self, rid: str, reason: str) -> bool:
         """End a reservation or a running stream of `rid`; True when there was one."""
-        found = False
+        found = self.block_waiters.cancel(rid)
         reservation = self.table.get(rid)
         if reservation is not None:
             found = True
@@ -391,6 +379,11 @@ class DecodeWorker:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+
+    def _on_waiters(self, length: int, outcome: str | None) -> None:
+        self.metrics.kv_waiting.set(length)
+        if outcome is not None:
+            self.metrics.kv_waits.inc(outcome=outcome)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

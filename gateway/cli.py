@@ -49,6 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--worker-wait-s", "15", type=float,
         help="with no worker to route a request to (one restarting, say), wait this long "
              "for one before answering 503 (default 15)")
+    opt("--kv-wait-s", "60", type=float,
+        help="a decode worker whose KV cache is full queues a request's reservation this "
+             "long for free blocks (by tier priority) before the gateway tries elsewhere or "
+             "answers 503 (default 60)")
     opt("--admission", "adaptive", choices=("adaptive", "static"),
         help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
              "shed early while the most urgent tier is at risk; static: --max-running "
@@ -90,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_wait_s < 0:
         print("pdserve gateway: --worker-wait-s must be >= 0", file=sys.stderr)
         return 2
+    if not 0 <= args.kv_wait_s <= 600:
+        print("pdserve gateway: --kv-wait-s must be within 0..600", file=sys.stderr)
+        return 2
     config = GatewayConfig(
         redis_url=args.redis_url, host=args.host, port=args.port,
         tokenizer_model=args.tokenizer_model, model_name=args.model_name,
@@ -98,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running, max_queued=args.max_queued,
         retry_limits=retry_limits, drain_timeout_s=args.drain_timeout_s,
         body_timeout_s=args.body_timeout_s,
-        timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s),
+        timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s,
+                                  kv_wait_ms=int(args.kv_wait_s * 1000)),
         adaptive_admission=args.admission == "adaptive",
         internal_token=args.internal_token or None)
     try:

@@ -33,13 +33,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class UpstreamTimeouts:
-    reserve_s: float = 5.0  # answer to /internal/reserve
+    reserve_s: float = 5.0  # answer to /internal/reserve, beyond kv_wait_ms
+    kv_wait_ms: int = 60_000  # D queues a reservation this long for free KV blocks
     first_token_s: float = 120.0  # PrefillResult, or D's first frame (a long CPU prefill)
     frame_s: float = 60.0  # between two frames of a running stream
     reservation_ms: int = 120_000  # D holds the blocks this long for the KV + DecodeRequest
     request_ms: int = 600_000  # the budget sent to workers with each request
     abort_s: float = 2.0
     worker_wait_s: float = 15.0  # no worker to route to: wait this long for one (a restart)
+
+    @property
+    def reserve_call_s(self) -> float:
+        return self.reserve_s + self.kv_wait_ms / 1000
 
 
 class Attempt:
@@ -66,6 +71,7 @@ class Generation:
         # Workers that failed this generation -> the epoch they had; a worker restarted
         # since (a new epoch) may serve the generation again.
         self.excluded: dict[str, int] = {}
+        self.last_failure: LegFailed | None = None
 
     @property
     def current(self) -> Attempt | None:

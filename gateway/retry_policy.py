@@ -119,7 +119,9 @@ def client_message(num_attempts: int, failure: LegFailed) -> str:
         return f"A worker refused the request while {what}."
     reason = {FailureKind.UNREACHABLE: "a worker became unreachable",
               FailureKind.STALLED: "a worker stopped answering",
-              FailureKind.BUSY: "the workers are overloaded",
+              FailureKind.BUSY: ("no decode worker had free KV cache blocks in time"
+                                 if failure.phase is Phase.RESERVE
+                                 else "the workers are overloaded"),
               FailureKind.WORKER_ERROR: "a worker failed"}[failure.kind]
     return (f"The request failed while {what}: {reason}, after {tries} attempt"
             f"{'s' if tries != 1 else ''}. Retry later.")

@@ -200,9 +200,9 @@ class WorkerBackend:
             if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(WORKER_WAIT_POLL_S)
-        if generation.attempts:
-            raise BackendUnavailable("No other worker could continue the request.",
-                                     retry_after_s=1)
+        if generation.last_failure is not None:  # every worker failed it once already
+            raise BackendUnavailable(client_message(len(generation.attempts),
+                                                    generation.last_failure), retry_after_s=1)
         raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
 
     def _targets(self, request: GenerationRequest, num_delivered: int) -> Targets:
@@ -215,7 +215,7 @@ class WorkerBackend:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",
                     generation.request.request_id, len(generation.attempts) - 1, failure,
                     generation.relay.num_tokens)
-        epoch = self.cluster.epoch_of(failure.worker_id)
+        generation.last_failure, epoch = failure, self.cluster.epoch_of(failure.worker_id)
         if epoch is not None:  # else gone from the registry already: not routable anyway
             generation.excluded[failure.worker_id] = epoch
         if marks_worker_dead(failure.kind) and self.cluster.mark_unreachable(failure.worker_id):
@@ -253,15 +253,13 @@ class WorkerBackend:
         t, request, relay = self.timeouts, generation.request, generation.relay
         decode_id, rid = attempt.plan.decode_worker_id, attempt.request_id
         prompt = list(request.prompt_token_ids)
-        decoder = self._client(decode_id, attempt, Phase.RESERVE)
-        try:
-            reserved = await decoder.call(
-                "/internal/reserve", ReserveRequest(request_id=rid, prompt_token_ids=prompt,
-                                                    timeout_ms=t.reservation_ms),
-                ReserveResponse, t.reserve_s)
+        decoder, priority = self._client(decode_id, attempt, Phase.RESERVE), self._priority(request)
+        try:  # D may queue it for free KV blocks (kv_wait_ms) before it answers
+            reserved = await decoder.call("/internal/reserve", ReserveRequest(
+                request_id=rid, prompt_token_ids=prompt, timeout_ms=t.reservation_ms,
+                wait_ms=t.kv_wait_ms, priority=priority), ReserveResponse, t.reserve_call_s)
         except CALL_FAILURES as exc:
             raise leg_failed(decode_id, Phase.RESERVE, exc) from exc
-        priority = self._priority(request)
         prefiller = self._client(prefill_id, attempt, Phase.PREFILL)
         prefill_frames = prefiller.stream(
             "/internal/prefill", PrefillRequest(

@@ -170,11 +170,14 @@ class DecodeDestination(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReserveRequest(Message, tag="reserve_request", frozen=True, kw_only=True):
-    """Gateway → decode: hold blocks for a prompt's KV until it lands (or timeout_ms)."""
+    """Gateway → decode: hold blocks for a prompt's KV until it lands (or timeout_ms). Too
+    few free blocks: wait up to `wait_ms` in line by `priority`, then OVERLOADED."""
 
     request_id: Id
     prompt_token_ids: TokenIds
     timeout_ms: ReservationMs  # the reservation is freed if no KV and DecodeRequest by then
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_RESERVATION_MS)] = 0
+    priority: int = 0  # larger is served first
 
 
 class ReserveResponse(Message, tag="reserve_response", frozen=True, kw_only=True):
@@ -263,11 +266,9 @@ class AbortRequest(Message, tag="abort_request", frozen=True, kw_only=True):
 
 
 class AbortResponse(Message, tag="abort_response", frozen=True, kw_only=True):
-    """`num_tokens_sent`: tokens of the request's decode stream this worker had sent when
-    the abort arrived (0 without a stream). Invariant: the stream sends none after it."""
-
     request_id: Id
     found: bool
+    # Tokens of the request's decode stream sent when the abort arrived; none are sent after.
     num_tokens_sent: NonNegInt = 0
 
 

@@ -56,6 +56,11 @@ class WorkerMetrics:
                                        "still known here", ("found",))
         self.reservations = registry.gauge("pdserve_reservations_held",
                                            "reservations waiting for KV or their decode request")
+        self.kv_waits = registry.counter(
+            "pdserve_kv_waits_total", "reservations that waited in line for free KV blocks, "
+            "by outcome (served, timed_out: refused OVERLOADED, cancelled)", ("outcome",))
+        self.kv_waiting = registry.gauge("pdserve_kv_waiting",
+                                         "reservations waiting in line for free KV blocks now")
         self.role_changes = registry.counter("pdserve_role_changes_total",
                                              "role changes of this worker, by new role",
                                              ("role",))

@@ -66,3 +66,12 @@ def test_client_messages_name_no_internals() -> None:
     assert retry_after_s(FailureKind.UNREACHABLE) == 1.0
     refused = LegFailed("d0", Phase.DECODE, FailureKind.REFUSED, "bad resume")
     assert "refused" in client_message(1, refused) and retry_after_s(FailureKind.REFUSED) is None
+
+
+def test_a_full_kv_cache_is_named_as_the_cause() -> None:
+    full = LegFailed("d0", Phase.RESERVE, FailureKind.BUSY, "KV cache full: 3 blocks needed")
+    assert client_message(2, full) == (
+        "The request failed while reserving KV cache for it: no decode worker had free KV "
+        "cache blocks in time, after 2 attempts. Retry later.")
+    busy = LegFailed("p0", Phase.PREFILL, FailureKind.BUSY, "draining")
+    assert "the workers are overloaded" in client_message(1, busy)

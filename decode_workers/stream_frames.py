@@ -1,0 +1,51 @@
+"""One decode stream's frames: the engine's outputs for a request, merged per read.
+
+Each read takes every output ready now and sends them as one TokenFrame (common/worker/
+output_frames.py). An end put on the stream by the worker (abort, shutdown, failure) wins
+over outputs read with it: after an end, no token is sent (the abort's `num_tokens_sent`
+relies on it). The request's outcome is counted once, in `pdserve_requests_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+from common.contract.protocol import ErrorCode, ErrorFrame, TokenFrame
+from common.worker.metrics import WorkerMetrics
+from common.worker.output_frames import error_frame, frame_outcome, merge_outputs
+from engine.engine_thread import RequestStream, StreamEnd
+
+
+async def stream_frames(rid: str, stream: RequestStream, deadline: float,
+                        metrics: WorkerMetrics) -> AsyncGenerator[TokenFrame | ErrorFrame, None]:
+    """The frames of `rid`'s stream until it finishes, ends (abort, shutdown) or passes
+    `deadline` (loop time); `stream.num_tokens_sent` counts the tokens yielded."""
+    loop = asyncio.get_running_loop()
+    first = True
+    while True:
+        try:
+            item = await stream.next(deadline - loop.time())
+        except TimeoutError:
+            metrics.handoff_failures.inc(reason="decode_deadline")
+            yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
+            return
+        items = [item, *stream.take_ready()]
+        outputs = [i for i in items if not isinstance(i, StreamEnd)]
+        end = next((i for i in items if isinstance(i, StreamEnd)), None)
+        if outputs and first:
+            metrics.record_started(outputs[0].num_prompt_tokens, outputs[0].num_cached_tokens)
+            first = False
+        if outputs and end is None:  # after an end, nothing more is sent
+            frame = merge_outputs(rid, outputs)
+            if isinstance(frame, TokenFrame):
+                stream.num_tokens_sent += len(frame.token_ids)
+            yield frame
+            if (outcome := frame_outcome(frame)) is not None:
+                metrics.requests.inc(outcome=outcome)
+                return
+        if end is not None:
+            metrics.requests.inc(outcome="aborted")
+            code = ErrorCode.ABORTED if end.error is None else ErrorCode.INTERNAL
+            yield error_frame(rid, code, f"request ended: {end.reason}")
+            return
