@@ -10,7 +10,8 @@ wins (near ties, within `tie_margin_cost`, go to a local plan, then to two rando
 choices); when none does, the smallest worst-ratio-to-target (the least miss; near ties
 within `tie_margin_score` to the smaller sum of ratios). So short prompts stay local while
 the decode worker has room, and move to an idle prefill worker as soon as prefilling them
-locally would stall more running streams than the move costs.
+locally would stall more running streams than the move costs. Decode workers whose KV pool
+(as last published) lacks the blocks for the prompt are passed over while another has them.
 
 Forced (the tier sets `local_prefill_max_tokens`, or a migrated stream must recompute
 locally), or not predictable yet (a worker without a model): the token-cost rule below.
@@ -137,6 +138,9 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     decoders = [w for w in snapshot.workers if w.role.decodes]
     if not decoders:
         return NoWorkers("no decode worker is available")
+    # Workers whose KV pool has room for the prompt go first (the others would queue it).
+    decoders = [w for w in decoders if has_room(w, request.prompt_len, snapshot.block_size)] \
+        or decoders
     overlap = prefix_overlap_blocks(request.block_hashes, snapshot.prefix_index)
 
     def cached(worker: WorkerView) -> int:
@@ -238,6 +242,14 @@ def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan,
         return replace(w, load=msgspec.structs.replace(load, **changes))
 
     return replace(snapshot, workers=tuple(assigned(w) for w in snapshot.workers))
+
+
+def has_room(worker: WorkerView, prompt_len: int, block_size: int) -> bool:
+    """Whether the worker's last published KV pool has the blocks for the prompt and its
+    first token (prefix-cache hits not counted: a conservative guess)."""
+    load = worker.load
+    needed = -(-(prompt_len + 1) // block_size)
+    return load.num_kv_blocks_total - load.num_kv_blocks_used >= needed
 
 
 def _load_cost(load: WorkerLoad, weights: RoutingWeights) -> float:

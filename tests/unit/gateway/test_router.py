@@ -137,3 +137,20 @@ def test_routing_is_deterministic_for_a_given_rng_seed():
     # ignored it would repeat `a`).
     c = [plan_route(long_request(), snap, r).decode_worker_id for r in [random.Random(12)] * 30]
     assert c != a and set(a) == set(c) == {f"d{i}" for i in range(5)}
+
+
+def test_a_decode_worker_without_room_for_the_prompt_is_passed_over():
+    # 2048 tokens + 1 need 129 blocks of 16: d-full has 100 free, d-room 200.
+    full = WorkerLoad(num_running=0, num_waiting=0, num_kv_blocks_used=900,
+                      num_kv_blocks_total=1000)
+    room = WorkerLoad(num_running=8, num_waiting=4, num_kv_blocks_used=800,
+                      num_kv_blocks_total=1000)
+    snap = snapshot([worker("p0", Role.PREFILL), worker("d-full", Role.DECODE, full),
+                     worker("d-room", Role.DECODE, room)])
+    # d-room is busier, so the load rule alone would prefer d-full.
+    picks = {plan_route(long_request(), snap, random.Random(seed)).decode_worker_id
+             for seed in range(20)}
+    assert picks == {"d-room"}
+    # With no worker having room, the request still goes somewhere (the worker queues it).
+    both_full = snapshot([worker("p0", Role.PREFILL), worker("d-full", Role.DECODE, full)])
+    assert plan_route(long_request(), both_full, random.Random(0)).decode_worker_id == "d-full"
