@@ -49,6 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--worker-wait-s", "15", type=float,
         help="with no worker to route a request to (one restarting, say), wait this long "
              "for one before answering 503 (default 15)")
+    opt("--expect-workers", "0", type=int,
+        help="not ready (/ready and the API answer 503 \"starting\") until this many workers "
+             "have registered; `pdserve up` passes the number it starts (default 0: ready "
+             "with the first decode worker)")
     opt("--kv-wait-s", "60", type=float,
         help="a decode worker whose KV cache is full queues a request's reservation this "
              "long for free blocks (by tier priority) before the gateway tries elsewhere or "
@@ -94,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_wait_s < 0:
         print("pdserve gateway: --worker-wait-s must be >= 0", file=sys.stderr)
         return 2
+    if args.expect_workers < 0:
+        print("pdserve gateway: --expect-workers must be >= 0", file=sys.stderr)
+        return 2
     if not 0 <= args.kv_wait_s <= 600:
         print("pdserve gateway: --kv-wait-s must be within 0..600", file=sys.stderr)
         return 2
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout_s,
         timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s,
                                   kv_wait_ms=int(args.kv_wait_s * 1000)),
-        adaptive_admission=args.admission == "adaptive",
+        adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
         internal_token=args.internal_token or None)
     try:
         run_gateway(config)

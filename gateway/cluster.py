@@ -90,6 +90,10 @@ class ClusterView:
     def block_size(self) -> int:
         return self._snapshot.block_size
 
+    def num_registered(self) -> int:
+        """Workers registered and not draining (each registers once its model is loaded)."""
+        return sum(1 for info in self.workers.values() if not info.draining)
+
     def num_decode_workers(self) -> int:
         return sum(1 for w in self._routable({}) if w.role.decodes)
 

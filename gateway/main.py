@@ -29,6 +29,7 @@ from aiohttp import ClientSession, TCPConnector, web
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
+from gateway import startup
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow
@@ -42,6 +43,7 @@ from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.rate_limit import TokenRateLimiter
 from gateway.request_parsing import RequestLimits
 from gateway.retry_policy import RetryLimits
+from gateway.startup import StartupGate
 from gateway.tiers import load_tier_config
 from gateway.upstream import WorkerBackend
 
@@ -68,6 +70,7 @@ class GatewayConfig:
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
     retry_limits: RetryLimits = RetryLimits()
     adaptive_admission: bool = True  # False: a fixed limit (max_running), no early shedding
+    expect_workers: int = 0  # not ready (/ready, /v1/*) until this many workers registered
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -109,6 +112,7 @@ async def make_app(config: GatewayConfig) -> web.Application:
         CapacityBounds(max_limit=config.max_running))
     app = create_app(settings, tiers, backend, tokenizer, gate)
     install(app, cluster, backend, metrics)
+    startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
                                             config.adaptive_admission))
     return app

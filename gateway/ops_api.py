@@ -1,7 +1,8 @@
 """Operator endpoints of the gateway: /health, /ready, /metrics, GET /admin/workers.
 
     /health          200 while the process serves HTTP
-    /ready           200 once at least one decode (or colocated) worker is routable and the
+    /ready           200 once at least one decode (or colocated) worker is routable, the
+                     workers it expects have registered (gateway/startup.py) and the
                      gateway is not draining, else 503
     /metrics         Prometheus text (gateway/metrics.py)
     /admin/workers   {"workers": [{"id", "role", "pid", "epoch", "control_url", "state",
@@ -35,6 +36,7 @@ from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
+from gateway.startup import STARTUP
 from gateway.tiers import TierConfig, TierError, resolve
 from gateway.upstream import WorkerBackend
 
@@ -90,10 +92,10 @@ async def handle_health(request: web.Request) -> web.Response:
 
 async def handle_ready(request: web.Request) -> web.Response:
     cluster, draining = request.app[CLUSTER], request.app[DRAIN].draining
-    num_decode = cluster.num_decode_workers()
-    ready = num_decode > 0 and not draining
+    num_decode, startup = cluster.num_decode_workers(), request.app[STARTUP]
+    ready = num_decode > 0 and not draining and startup.is_open
     body = {"ready": ready, "decode_workers": num_decode, "draining": draining,
-            "redis_connected": cluster.redis_connected}
+            "redis_connected": cluster.redis_connected, **startup.status()}
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_cache_mb:
         common += ["--kv-cache-mb", str(args.kv_cache_mb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
-                    "--tokenizer-model", args.model, "--log-level", args.log_level]
+                    "--tokenizer-model", args.model, "--log-level", args.log_level,
+                    "--expect-workers", str(len(specs))]
     if args.tiers:
         gateway_args += ["--tiers", args.tiers]
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
