@@ -1,13 +1,13 @@
 """A full KV cache, side by side: reservations answered at once (--kv-wait-s 0, the old
-behaviour) against reservations that wait for free blocks (the default), on the default
-`pdserve up` cluster (1 prefill + 1 decode worker, default model, CPU), one after the other
-with the same seeded requests.
+behaviour) against reservations that wait for free blocks (the default), on a `pdserve up`
+cluster (1 prefill + 1 decode worker, default model, CPU) with a 256 MiB KV cache per
+worker (the CPU default before it was sized from memory), one after the other with the
+same seeded requests.
 
 Workload: `--num-requests` completions of `--input-len` prompt tokens and `--output-len`
 generated tokens (EOS ignored), Poisson arrivals at `--rate`, tier `--tier`; the goodput
-SLO counted by the bench client is TTFT 2 s / TPOT 300 ms. The decode
-worker's default CPU KV pool holds only about a dozen such requests, so at any rate above
-what it drains some reservations find it full.
+SLO counted by the bench client is TTFT 2 s / TPOT 300 ms. A 256 MiB pool holds about a
+dozen such requests, so at any rate above what it drains some reservations find it full.
 
     python -m benchmarks.kv_pressure [--rate 1] [--num-requests 40] [--waits 0,60]
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--kv-wait-s settings to compare, comma-separated (default 0,60)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a request may take (default 600)")
-    parser.add_argument("--up-args", default="--threads-per-worker 1",
+    parser.add_argument("--up-args", default="--threads-per-worker 1 --kv-cache-mb 256",
                         help="arguments for `pdserve up` (default: %(default)r)")
     args = parser.parse_args(argv)
     try:

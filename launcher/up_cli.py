@@ -86,7 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "split among the workers sharing the GPU); per GPU at most 100 in all")
     opt("--threads-per-worker", type=int, help="torch CPU threads per worker "
                                               "(default: cores / workers, at least 1)")
-    opt("--kv-cache-mb", help="KV cache per worker, MiB (default: the worker's)")
+    opt("--kv-cache-mb", help="KV cache per worker, MiB (default on CPU: "
+                              f"{CPU_KV_MEMORY_SHARE * 100:.0f}%% of the memory available at start, split "
+                              "among the workers, 256 to 4096 each; on CUDA: the worker's)")
     opt("--namespace", "pdserve", help="Redis key namespace")
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
@@ -131,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
         counts[role or kind] = counts.get(role or kind, 0) + 1
     common = ["--model", args.model, "--namespace", args.namespace, "--log-level",
               args.log_level, "--threads", str(threads)]
-    if args.kv_cache_mb:
-        common += ["--kv-cache-mb", str(args.kv_cache_mb)]
+    kv_cache_mb = args.kv_cache_mb
+    if not kv_cache_mb and all(d == "cpu" for d in devices):
+        kv_cache_mb = cpu_kv_cache_mb(len(roles), _mem_available_bytes())
+    if kv_cache_mb:
+        common += ["--kv-cache-mb", str(kv_cache_mb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
                     "--tokenizer-model", args.model, "--log-level", args.log_level,
                     "--expect-workers", str(len(specs))]
@@ -157,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
         for line in [] if mps is None else mps.lines:
             _say(line)
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
+        kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
-             f"({threads} thread(s) each) and the gateway; logs in {log_dir}")
+             f"({threads} thread(s){kv}) and the gateway; logs in {log_dir}")
         failure = _wait_ready(cluster, args.ready_timeout_s, lambda: stopping)
         if failure is not None:
             if not stopping:
@@ -357,6 +363,28 @@ def _count_gpus() -> int:
 def _device_summary(devices: list[str]) -> str:
     unique = sorted(set(devices))
     return ", ".join(unique)
+
+
+CPU_KV_MEMORY_SHARE = 0.15  # of MemAvailable at start, for all the workers' KV caches
+
+
+def cpu_kv_cache_mb(num_workers: int, mem_available_bytes: int | None) -> int:
+    """Each CPU worker's KV cache: a share of the memory available, 256..4096 MiB (pure)."""
+    if not mem_available_bytes:
+        return 256  # unknown: the worker's own default
+    share = int(mem_available_bytes * CPU_KV_MEMORY_SHARE / max(1, num_workers)) >> 20
+    return max(256, min(4096, share))
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _say(message: str) -> None:

@@ -90,3 +90,13 @@ def test_role_workers_run_decode_worker_with_their_role() -> None:
     kind, role = roles()[0]  # --prefill N keeps its own subcommand, without --role
     argv = worker_argv(WorkerSpec(kind, role, "cpu", "prefill-0-abc"), base, common)
     assert argv[3] == "prefill-worker" and "--role" not in argv
+
+
+def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():
+    from launcher.up_cli import cpu_kv_cache_mb
+
+    # 15% of 24 GiB over 2 workers = 1843 MiB each; bounded to 256..4096; unknown: 256.
+    assert cpu_kv_cache_mb(2, 24 << 30) == 1843
+    assert cpu_kv_cache_mb(1, 64 << 30) == 4096
+    assert cpu_kv_cache_mb(4, 2 << 30) == 256
+    assert cpu_kv_cache_mb(2, None) == 256
