@@ -23,6 +23,7 @@ by endpoint and status (after error rendering, so 4xx/5xx are seen as the client
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Iterator
 
@@ -35,6 +36,7 @@ from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
+from gateway.responses import SENT_RESPONSE
 from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
 from gateway.startup import STARTUP
 from gateway.tiers import TierConfig, TierError, resolve
@@ -80,8 +82,16 @@ def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
 
 @web.middleware
 async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    response = await handler(request)
     path = request.path if request.path in _COUNTED_PATHS else "other"
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:
+        # The client hung up and aiohttp cancelled the handler: a stream whose headers went
+        # out was answered all the same (often in full, [DONE] included).
+        sent = request.get(SENT_RESPONSE)
+        if sent is not None and sent.prepared:
+            request.app[METRICS].observe_request(path, sent.status)
+        raise
     request.app[METRICS].observe_request(path, response.status)
     return response
 

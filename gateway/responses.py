@@ -34,6 +34,13 @@ from gateway.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponse
 from gateway.request_parsing import Endpoint, ValidatedRequest
 from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
 
+# The request's stream response, kept on the request: a handler cancelled once the client
+# hangs up (after [DONE], say) still counts the status the client saw (gateway/ops_api.py).
+try:
+    SENT_RESPONSE = web.RequestKey("sent_response", web.StreamResponse)
+except AttributeError:  # aiohttp < 3.14 has no typed request keys
+    SENT_RESPONSE = "pdserve_sent_response"  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 KEEPALIVE_COMMENT = b": waiting for the first token\n\n"
 
@@ -98,7 +105,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
     encode = encoder.text
     num_generated = 0
     write_timeout_s = timing.write_timeout_s
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = request[SENT_RESPONSE] = web.StreamResponse(headers=SSE_HEADERS)
     events: list[bytes] = []
     try:
         try:
