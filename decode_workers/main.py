@@ -5,8 +5,8 @@ same thing: a control HTTP server, one engine thread, a KV receiver (a TCP contr
 on the worker's host, port 0, plus the UCX or TCP data plane; opened when the role takes
 reservations), a KV sender (links opened on first use; created when the role prefills for
 others) and the registry publisher. Sender and receiver share the process's one UCX
-worker (ucxx runs one per event loop), created by whichever comes first. Its role only decides which work it takes, and can
-change at run time (decode_workers/any_role.py).
+worker (ucxx runs one per event loop), created by whichever comes first. Its role only
+decides which work it takes, and can change at run time (decode_workers/any_role.py).
 """
 
 from __future__ import annotations
@@ -25,17 +25,26 @@ if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
     from kv_transfer.ucx import UcxWorker
 
 
-def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
-    shared: list[UcxWorker] = []  # at most one; made on the event loop, on first use
+class SharedUcxWorker:
+    """The process's one UCX worker: made on the event loop on first use (by the sender or
+    the receiver, whichever comes first); None when the KV transport is not UCX."""
 
-    def ucx_worker() -> UcxWorker | None:
+    def __init__(self, options: WorkerOptions) -> None:
+        self._options = options
+        self._worker: UcxWorker | None = None
+
+    def get(self) -> UcxWorker | None:
         from kv_transfer.backend import make_ucx_worker, resolve_backend
-        if resolve_backend(options.kv_transport) != "ucx":
+        if resolve_backend(self._options.kv_transport) != "ucx":
             return None
-        if not shared:
-            shared.append(make_ucx_worker(options.host,
-                                          ucx_shared_memory=options.kv_shared_memory))
-        return shared[0]
+        if self._worker is None:
+            self._worker = make_ucx_worker(self._options.host,
+                                           ucx_shared_memory=self._options.kv_shared_memory)
+        return self._worker
+
+
+def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
+    ucx_worker = SharedUcxWorker(options).get
 
     def make_sender(storage: KVStorage) -> KVSender:
         from kv_transfer.backend import make_sender as make
