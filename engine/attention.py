@@ -16,7 +16,11 @@ a chunked prefill, or a shared prefix) sees them exactly as if it had computed t
 
 Chunks are attended in groups: all single-token chunks (decode steps) in one padded batch,
 every longer chunk on its own, so a long prefill never pads the decode batch to its length.
-All gather indices and masks are built once per step here and reused by every layer.
+All gather indices and masks are built once per step here and reused by every layer. A
+chunk that starts its sequence (`start_pos == 0`, the common first prefill chunk) has no
+cached keys to read: it attends over its own new K/V with a causal SDPA (`CausalChunk`),
+without gathering from the cache or building a mask (on the CPU a 512-token prefill step
+takes a fifth less time than through the gather).
 
 The kernel path (Triton, chosen on CUDA) needs no padded groups: `KernelAttentionMetadata`
 carries what the kernels read, one row per chunk,
@@ -97,6 +101,15 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class CausalChunk:
+    """A chunk that starts its sequence: rows [row_start, row_end) of T attend causally to
+    each other only (no cached keys exist before them)."""
+
+    row_start: int
+    row_end: int
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's layout; built once, read by every layer."""
 
@@ -106,7 +119,8 @@ class AttentionMetadata:
     end_pos: tuple[int, ...]  # per chunk: one past the last position computed this step
     block_tables: tuple[tuple[int, ...], ...]  # per chunk: the request's block ids
     block_size: int
-    groups: tuple[AttentionGroup, ...]  # the torch path's padded groups; () on the kernel path
+    # The torch path's groups; () on the kernel path.
+    groups: tuple[AttentionGroup | CausalChunk, ...]
     kernels: KernelAttentionMetadata | None = None  # set: the model runs the Triton path
 
     @property
@@ -153,9 +167,16 @@ class AttentionMetadata:
             return dataclasses.replace(meta_without_groups, kernels=_build_kernel_metadata(
                 schedule, meta_without_groups.slot_mapping, num_kv_heads, device))
         decode = [i for i, c in enumerate(schedule.chunks) if len(c.token_ids) == 1]
-        longer = [[i] for i, c in enumerate(schedule.chunks) if len(c.token_ids) > 1]
-        groups = [_build_group(meta_without_groups, g, device)
-                  for g in ([decode] if decode else []) + longer]
+        groups: list[AttentionGroup | CausalChunk] = []
+        if decode:
+            groups.append(_build_group(meta_without_groups, decode, device))
+        for i, chunk in enumerate(schedule.chunks):
+            if len(chunk.token_ids) == 1:
+                continue
+            if chunk.start_pos == 0:
+                groups.append(CausalChunk(query_start[i], query_start[i + 1]))
+            else:
+                groups.append(_build_group(meta_without_groups, [i], device))
         return dataclasses.replace(meta_without_groups, groups=tuple(groups))
 
 
@@ -224,6 +245,19 @@ def _build_group(meta: AttentionMetadata, chunk_ids: list[int],
     )
 
 
+def _attend_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   chunk: CausalChunk, cache_dtype: torch.dtype, scale: float,
+                   out: torch.Tensor) -> None:
+    """A chunk from position 0: its own K/V (rounded as the cache stores them), causal."""
+    a, b = chunk.row_start, chunk.row_end
+    qg = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    kg = k_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    vg = v_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
+                                        enable_gqa=qg.shape[1] != kg.shape[1])
+    out[a:b] = og[0].transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -244,6 +278,9 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     cache_v.index_copy_(0, meta.slot_mapping, v_new.to(cache_v.dtype))
     out = torch.empty_like(q)
     for group in meta.groups:
+        if isinstance(group, CausalChunk):
+            _attend_causal(q, k_new, v_new, group, cache_k.dtype, scale, out)
+            continue
         num_chunks, num_keys = group.key_slots.shape
         keys = group.key_slots.reshape(-1)
         # [C, Q, H, D] -> [C, H, Q, D]; keys [C, L, KVH, D] -> [C, KVH, L, D]

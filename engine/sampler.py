@@ -160,8 +160,11 @@ class Sampler:
         noise = torch.empty_like(probs)
         shared = [j for j, g in enumerate(generators) if g is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
-                                        device=probs.device).exponential_(generator=self._generator)
+            # E = -log(1 - U), U ~ Uniform[0, 1): an Exp(1) draw; on the CPU four times
+            # cheaper than exponential_ over a whole vocabulary per row.
+            uniform = torch.rand(len(shared), probs.shape[1], dtype=probs.dtype,
+                                 device=probs.device, generator=self._generator)
+            noise[shared] = uniform.neg_().log1p_().neg_()
         for j, (g, position) in enumerate(zip(generators, positions)):
             if g is not None and seeds[j] is not None:
                 # One full row per seeded request, whatever the batch or the worker: the

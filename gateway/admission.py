@@ -9,7 +9,7 @@ Lifecycle of a request:
     submit ──> ADMITTED (running) ──release/cancel──> gone
        │
        ├────> QUEUED ──(slot frees, picked)──> ADMITTED
-       │        ├──expire (TTFT deadline passed)──> REJECTED
+       │        ├──expire (its tier's wait limit passed)──> REJECTED
        │        ├──shed (a more urgent tier needs the queue room)──> REJECTED
        │        └──cancel (client gone)──> gone
        └────> REJECTED (tier queue full / deadline unmeetable / no room)
@@ -21,10 +21,13 @@ its own `max_running`, cannot take every slot.
 
 Early rejection: a request that must queue gets an estimate of its wait — the requests
 ahead of it times the mean time between two slots freeing (mean running time / slots,
-learned from releases). If `now + wait` is past its TTFT deadline it is rejected at once
-(429, Retry-After = the estimate) instead of being served late. Lower tiers have more
+learned from releases). If `now + wait` is past its wait limit (`TierSpec.wait_limit_ms`:
+the tier's `max_wait_ms`, by default its TTFT target) it is rejected at once (429,
+Retry-After = the estimate) instead of being served later than that; a tier whose wait
+limit is longer than its TTFT target is served late instead. Lower tiers have more
 requests ahead, so under overload they are rejected first; when the shared queue is
-full, an arrival sheds the least urgent queued request of a strictly lower tier.
+full, an arrival sheds the least urgent queued request of a strictly lower tier. Queued
+requests are ordered by TTFT deadline (arrival + target), whatever their wait limit.
 
 Protection (`set_protection`, driven by gateway/capacity.py while the most urgent tier is
 near its target or has to queue): lower tiers may hold at most `protected_share` of the
@@ -79,8 +82,9 @@ class _TierState:
 @dataclass(frozen=True, slots=True)
 class _Waiting:
     tier: str
-    deadline: float
+    deadline: float  # TTFT deadline: the queue's order
     seq: int
+    expires: float  # the wait limit: rejected when still queued then
 
 
 class AdmissionController:
@@ -149,6 +153,7 @@ class AdmissionController:
         state = self._tiers[tier]  # KeyError: the caller classified against other tiers
         now = self._clock()
         deadline = now + state.spec.ttft_ms / 1000.0
+        expires = now + state.spec.wait_limit_ms / 1000.0
         # Work-conserving state: while this tier has a free slot, nobody is queued who could
         # take it, so admitting now jumps no queue.
         if self._has_free_slot(state):
@@ -159,7 +164,7 @@ class AdmissionController:
             return Rejected(request_id, max(1.0, wait_s), "overload")
         if state.num_queued >= state.spec.max_queued:
             return Rejected(request_id, wait_s, "tier_queue_full")
-        if now + wait_s > deadline:
+        if now + wait_s > expires:
             return Rejected(request_id, wait_s, "deadline")
         shed: tuple[Rejected, ...] = ()
         if self.num_queued >= self.max_queued_total:
@@ -169,7 +174,7 @@ class AdmissionController:
             victim_tier = self._tiers[self._waiting[victim].tier]
             self._remove_waiting(victim)
             shed = (Rejected(victim, self._expected_wait_s(victim_tier), "shed"),)
-        self._enqueue(request_id, state, deadline)
+        self._enqueue(request_id, state, deadline, expires)
         return Queued(request_id, wait_s, shed)
 
     def release(self, request_id: str) -> tuple[str, ...]:
@@ -192,9 +197,9 @@ class AdmissionController:
         return ()
 
     def expire(self) -> tuple[Rejected, ...]:
-        """Reject queued requests whose TTFT deadline has passed (call it periodically)."""
+        """Reject queued requests whose wait limit has passed (call it periodically)."""
         now = self._clock()
-        late = [rid for rid, w in self._waiting.items() if w.deadline <= now]
+        late = [rid for rid, w in self._waiting.items() if w.expires <= now]
         for rid in late:
             self._remove_waiting(rid)
         return tuple(Rejected(rid, self._mean_service_s / self.max_running_total, "deadline")
@@ -245,9 +250,10 @@ class AdmissionController:
         self._running[request_id] = (tier, now)
         self._tiers[tier].num_running += 1
 
-    def _enqueue(self, request_id: str, state: _TierState, deadline: float) -> None:
+    def _enqueue(self, request_id: str, state: _TierState, deadline: float,
+                 expires: float) -> None:
         seq = next(self._seq)
-        self._waiting[request_id] = _Waiting(state.spec.name, deadline, seq)
+        self._waiting[request_id] = _Waiting(state.spec.name, deadline, seq, expires)
         heapq.heappush(state.heap, (deadline, seq, request_id))
         state.num_queued += 1
 

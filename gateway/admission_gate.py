@@ -9,7 +9,8 @@ into awaits and HTTP errors:
                                                   └─ Rejected ──────────────> ApiError 429
     leave() ── controller.release ──> wake the handlers it admitted
 
-A waiter's wait ends at its TTFT deadline (no background expiry task needed); a waiter
+A waiter's wait ends at its tier's wait limit (`TierSpec.wait_limit_ms`: by default the
+TTFT target; no background expiry task needed); a waiter
 cancelled while queued (client gone) is removed from the queue in `finally`.
 
 Lifecycle of one request here: enter() → (rate limited: 429) → admitted at once, or
@@ -33,7 +34,7 @@ _REJECT_MESSAGES = {
     "tier_queue_full": "The {tier} tier's queue is full; retry later.",
     "queue_full": "The server's queue is full; retry later.",
     "deadline": "The server cannot start this request within the {tier} tier's "
-                "time-to-first-token target; retry later.",
+                "wait limit ({limit}); retry later.",
     "shed": "This request was shed to serve more urgent ones; retry later.",
     "overload": "The server is overloaded and serves more urgent tiers first; this {tier} "
                 "request was not queued; retry later.",
@@ -80,19 +81,19 @@ class AdmissionGate:
         if isinstance(outcome, Admitted):
             return
         if isinstance(outcome, Rejected):
-            raise _rejection(outcome, tier.name)
+            raise _rejection(outcome, tier)
         assert isinstance(outcome, Queued)
         for shed in outcome.shed:
             waiter = self._waiters.pop(shed.request_id, None)
             if waiter is not None and not waiter.done():
-                waiter.set_exception(_rejection(shed, tier.name))
+                waiter.set_exception(_rejection(shed, tier))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = future
         try:
-            await asyncio.wait_for(future, timeout=tier.ttft_ms / 1000.0)
+            await asyncio.wait_for(future, timeout=tier.wait_limit_ms / 1000.0)
         except TimeoutError:
             raise _rejection(Rejected(request_id, self._controller.mean_service_s, "deadline"),
-                             tier.name) from None
+                             tier) from None
         finally:
             self._waiters.pop(request_id, None)
             if not (future.done() and not future.cancelled() and future.exception() is None):
@@ -125,6 +126,9 @@ class AdmissionGate:
             assert not waiter.done(), f"{rid}'s wait ended but it is still listed"
 
 
-def _rejection(rejected: Rejected, tier: str) -> ApiError:
-    message = _REJECT_MESSAGES[rejected.reason].format(tier=tier)
+def _rejection(rejected: Rejected, tier: TierSpec) -> ApiError:
+    limit_ms = tier.wait_limit_ms
+    limit = (f"its time-to-first-token target, {limit_ms:g} ms" if tier.max_wait_ms is None
+             else f"{limit_ms / 1000:g} s")
+    message = _REJECT_MESSAGES[rejected.reason].format(tier=tier.name, limit=limit)
     return rate_limited(message, rejected.retry_after_s, code=rejected.reason)

@@ -15,6 +15,11 @@ every tier misses together. So the limit follows the workers' latency:
 The cooldown lets the window fill with samples taken under the new limit before the next
 cut; without it a slow window keeps cutting down to the minimum.
 
+Only tiers that are refused rather than served late (`TierSpec.max_wait_ms` unset, so a
+request that cannot start within its TTFT target gets a 429) drive the limit
+(`limit_tiers`): a tier that waits past its target is served for throughput, and cutting
+the limit for it would only shrink the workers' batches while its queue grows.
+
 The backend TTFT is measured from admission to the first token, so it is the workers'
 share; keeping it under 80% of the most urgent tier's target leaves the rest for the
 queue, where that tier goes first. Lower tiers then wait longer and are shed early when
@@ -38,8 +43,10 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from gateway.tiers import TierSpec
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +122,11 @@ class GateState:
     num_urgent_queued: int  # queued requests of the most urgent tier(s)
 
 
+def limit_tiers(specs: Iterable[TierSpec]) -> tuple[str, ...]:
+    """The tiers whose TTFT drives the limit: those refused at their target (pure)."""
+    return tuple(t.name for t in specs if t.wait_limit_ms <= t.ttft_ms)
+
+
 def pressure(p90_s: Mapping[str, float], targets_s: Mapping[str, float]) -> float | None:
     """max over tiers of p90 / target; None without samples."""
     ratios = [p90 / targets_s[tier] for tier, p90 in p90_s.items() if tier in targets_s]
@@ -126,10 +138,14 @@ class CapacityGovernor:
                  urgent_tiers: tuple[str, ...], get_state: Callable[[], GateState],
                  set_limit: Callable[[int], None], set_protection: Callable[[bool], None],
                  bounds: CapacityBounds = CapacityBounds(), period_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`set_limit(n)` applies a limit, `set_protection(on)` protection."""
+                 clock: Callable[[], float] = time.monotonic,
+                 limit_tiers: Iterable[str] | None = None) -> None:
+        """`set_limit(n)` applies a limit, `set_protection(on)` protection; `limit_tiers`
+        (default: every tier of `targets_s`) are the tiers whose TTFT moves the limit."""
         self.window = window
         self.targets_s = dict(targets_s)
+        chosen = self.targets_s.keys() if limit_tiers is None else set(limit_tiers)
+        self.limit_targets_s = {t: s for t, s in self.targets_s.items() if t in chosen}
         self.urgent_targets_s = {t: self.targets_s[t] for t in urgent_tiers}
         self.bounds = bounds
         self.period_s = period_s
@@ -148,7 +164,7 @@ class CapacityGovernor:
         now = self._clock()
         p90 = self.window.p90()
         new = next_limit(state.limit, state.num_running, state.num_queued,
-                         pressure(p90, self.targets_s), self.bounds)
+                         pressure(p90, self.limit_targets_s), self.bounds)
         if new < state.limit:
             if now - self._last_cut < self.bounds.cooldown_s:
                 new = state.limit

@@ -56,7 +56,7 @@ class ApiSettings:
     body_timeout_s: float = 30.0  # the whole request body must arrive within this (else 408)
     write_timeout_s: float = 30.0  # a client that takes no bytes this long is treated as gone
     first_byte_s: float = 2.0  # stream headers wait this long for the first token at most
-    keepalive_s: float = 10.0  # then an SSE comment this often until it comes
+    keepalive_s: float = 10.0  # then a keep-alive blank line this often until it comes
 
 
 SETTINGS = web.AppKey("settings", ApiSettings)

@@ -32,7 +32,7 @@ from common.contract.redis_state import RedisState, connect
 from gateway import startup
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
-from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow
+from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow, limit_tiers
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import DRAIN, ApiSettings, create_app
@@ -109,7 +109,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
         lambda: GateState(controller.max_running_total, controller.num_running,
                           controller.num_queued, controller.num_queued_urgent()),
         gate.set_capacity, gate.set_protection,
-        CapacityBounds(max_limit=config.max_running))
+        CapacityBounds(max_limit=config.max_running),
+        limit_tiers=limit_tiers(tiers.tiers.values()))
     app = create_app(settings, tiers, backend, tokenizer, gate)
     install(app, cluster, backend, metrics)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))

@@ -2,8 +2,8 @@
 (`json_answer`), both from the backend's batches of `TokenDelta`s.
 
 Stream: headers go out with the first token (a request that fails at once still gets a
-proper 503), or after `first_byte_s` without it, then an SSE comment every `keepalive_s`;
-one SSE event per token, all the events of one batch in one write; a failure after the
+proper 503), or after `first_byte_s` without it, then a keep-alive blank line every
+`keepalive_s`; one SSE event per token, all the events of one batch in one write; a failure after the
 headers is an in-band error event; the end is the usage chunk (when asked) and [DONE]; a
 stream the gateway's shutdown cuts (gateway/drain.py) ends the same way, with an error.
 Every write to the client is bounded (`write_timeout_s`): a client that stops reading
@@ -42,14 +42,18 @@ except AttributeError:  # aiohttp < 3.14 has no typed request keys
     SENT_RESPONSE = "pdserve_sent_response"  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-KEEPALIVE_COMMENT = b": waiting for the first token\n\n"
+# What goes out while the first token is awaited: a blank line, which every SSE parser
+# ignores (no field, no event). Not a `: comment` line: clients that strip each chunk
+# they read and split on blank lines (vLLM's benchmark client, many hand-written ones)
+# glue a comment to the next event and lose the whole stream.
+KEEPALIVE = b"\n"
 
 
 @dataclass(frozen=True, slots=True)
 class StreamTiming:
     write_timeout_s: float = 30.0  # a client that takes no bytes this long is treated as gone
     first_byte_s: float = 2.0  # headers wait this long for the first token at most
-    keepalive_s: float = 10.0  # then an SSE comment this often until it comes
+    keepalive_s: float = 10.0  # then a blank line this often until it comes
 
 
 def shutting_down() -> ApiError:
@@ -94,8 +98,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
 
     Headers go out with the first token, so a request that fails at once still gets a
     proper 503; when the first token takes longer than `first_byte_s` (a long prefill, a
-    queue) they go out without it, followed by an SSE comment every `keepalive_s`, and a
-    failure is then reported in-band. A stream the gateway's shutdown cuts ends with an
+    queue) they go out without it, followed by a keep-alive blank line every
+    `keepalive_s`, and a failure is then reported in-band. A stream the gateway's shutdown cuts ends with an
     error event and [DONE] (gateway/drain.py).
     """
     created = int(time.time())
@@ -167,8 +171,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
 async def _first_batch_or_keepalive(request: web.Request, response: web.StreamResponse,
                                     batches: AsyncGenerator[list[TokenDelta], None],
                                     timing: StreamTiming) -> list[TokenDelta]:
-    """The first batch; past `first_byte_s` without it, the headers and SSE comments go
-    out while it is awaited (raises ApiError for a backend that fails or gives nothing)."""
+    """The first batch; past `first_byte_s` without it, the headers and keep-alive blank
+    lines go out while it is awaited (raises ApiError for a backend that fails or gives nothing)."""
     first = asyncio.ensure_future(_first_batch(batches))
     try:
         timeout_s = timing.first_byte_s
@@ -178,7 +182,7 @@ async def _first_batch_or_keepalive(request: web.Request, response: web.StreamRe
                 return first.result()
             if not response.prepared:
                 await response.prepare(request)
-            await _write(request, response, KEEPALIVE_COMMENT, timing.write_timeout_s)
+            await _write(request, response, KEEPALIVE, timing.write_timeout_s)
             timeout_s = timing.keepalive_s
     finally:
         if not first.done():

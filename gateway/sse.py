@@ -8,7 +8,6 @@ byte fragments and returns whole events, so no event is merged or split by TCP f
 from __future__ import annotations
 
 DONE_EVENT = b"data: [DONE]\n\n"
-KEEPALIVE_EVENT = b": keep-alive\n\n"  # a comment line; clients ignore it
 SSE_HEADERS: dict[str, str] = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",

@@ -12,6 +12,9 @@ Tiers file (TOML, `--tiers`); every table and field is optional:
     ttft_ms = 200                      # time-to-first-token target
     tpot_ms = 40                       # time-per-output-token target
     max_queued = 32                    # requests waiting for admission, per tier
+    max_wait_ms = 300000               # how long one may wait for admission before a 429;
+                                       #   omitted: ttft_ms (a request that cannot start
+                                       #   within its TTFT target is turned away at once)
     max_running = 128                  # requests admitted and not finished, per tier
     tokens_per_min = 200000            # per API key, prompt + max_tokens; omit: no limit
     local_prefill_max_tokens = 256     # optional override: shorter prompts are prefilled by
@@ -63,12 +66,19 @@ class TierSpec:
     max_running: int
     tokens_per_min: int | None  # per API key; None: unlimited
     local_prefill_max_tokens: int | None = None  # None: the router decides (gateway/router.py)
+    # How long a request may wait for admission; None: ttft_ms. Longer than ttft_ms, a
+    # request the queue cannot start in time is served late instead of refused (429).
+    max_wait_ms: float | None = None
+
+    @property
+    def wait_limit_ms(self) -> float:
+        return self.ttft_ms if self.max_wait_ms is None else self.max_wait_ms
 
     def __post_init__(self) -> None:
         if not self.name:
             raise TierConfigError("a tier needs a name")
-        for name in ("ttft_ms", "tpot_ms"):
-            if not getattr(self, name) > 0:
+        for name in ("ttft_ms", "tpot_ms", "max_wait_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise TierConfigError(f"tier {self.name}: {name} must be positive")
         for name in ("max_queued", "max_running", "local_prefill_max_tokens"):
             if (getattr(self, name) or 0) < 0:
@@ -77,13 +87,16 @@ class TierSpec:
             raise TierConfigError(f"tier {self.name}: tokens_per_min must be positive or omitted")
 
 
+# Interactive requests that cannot start within their TTFT target are refused at once
+# (429): a late answer is of no use to a person waiting. Standard and batch requests wait
+# up to five and ten minutes for admission: a burst is served late, not refused.
 DEFAULT_TIERS: tuple[TierSpec, ...] = (
     TierSpec("interactive", priority=0, ttft_ms=500, tpot_ms=50, max_queued=64,
              max_running=256, tokens_per_min=None),
     TierSpec("standard", priority=1, ttft_ms=2_000, tpot_ms=100, max_queued=256,
-             max_running=256, tokens_per_min=None),
+             max_running=256, tokens_per_min=None, max_wait_ms=300_000),
     TierSpec("batch", priority=2, ttft_ms=60_000, tpot_ms=500, max_queued=4_096,
-             max_running=128, tokens_per_min=None),
+             max_running=128, tokens_per_min=None, max_wait_ms=600_000),
 )
 
 
@@ -220,7 +233,7 @@ def _load_tier(name: str, table: dict, base: TierSpec | None) -> TierSpec:
     _check_keys(table, set(_TIER_FIELDS), f"tiers.{name}")
     if base is None:
         missing = sorted(set(_TIER_FIELDS) - set(table)
-                         - {"tokens_per_min", "local_prefill_max_tokens"})
+                         - {"tokens_per_min", "local_prefill_max_tokens", "max_wait_ms"})
         if missing:
             raise TierConfigError(f"tiers.{name} is a new tier and needs: {', '.join(missing)}")
         base = TierSpec(name, priority=0, ttft_ms=1, tpot_ms=1, max_queued=0, max_running=0,

@@ -54,6 +54,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     import torch
 
     from common.worker.runtime import WorkerRuntime
+    from engine.dtype_choice import resolve_dtype
     from engine.engine_builder import build_engine
     from engine.llm_engine import EngineConfig, LLMEngine
 
@@ -61,9 +62,11 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                             options.host, options.port, options.internal_token,
                             options.redis_url, options.namespace, options.drain_timeout_s,
                             options.sm_share_percent)
+    dtype, why = resolve_dtype(options.dtype, options.device)
+    logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          dtype=getattr(torch, options.dtype), device=options.device)
+                          dtype=getattr(torch, dtype), device=options.device)
 
     def load() -> LLMEngine:
         return build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)

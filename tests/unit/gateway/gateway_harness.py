@@ -88,7 +88,8 @@ class Harness:
 
     def __init__(self, backend: ScriptedBackend, tiers: TierConfig | None = None,
                  limits: RequestLimits | None = None, max_running_total: int = 64,
-                 max_queued_total: int = 64, body_timeout_s: float = 30.0) -> None:
+                 max_queued_total: int = 64, body_timeout_s: float = 30.0,
+                 first_byte_s: float = 2.0, keepalive_s: float = 10.0) -> None:
         self.loop = asyncio.new_event_loop()
         self.backend = backend
         self.tiers = tiers or load_tier_config(None, {})
@@ -97,7 +98,8 @@ class Harness:
                                               max_queued_total, clock)
         self.gate = gate = AdmissionGate(self.controller, TokenRateLimiter(clock))
         settings = ApiSettings(served_models=(MODEL,), limits=limits or default_limits(),
-                               created_at=1_700_000_000, body_timeout_s=body_timeout_s)
+                               created_at=1_700_000_000, body_timeout_s=body_timeout_s,
+                               first_byte_s=first_byte_s, keepalive_s=keepalive_s)
         self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate)
         self.server = TestServer(self.app, host="127.0.0.1", port=0)
         self.loop.run_until_complete(self.server.start_server())

@@ -15,9 +15,11 @@ class Clock:
         return self.now
 
 
-def tier(name, priority, ttft_ms, max_queued=100, max_running=100) -> TierSpec:
+def tier(name, priority, ttft_ms, max_queued=100, max_running=100,
+         max_wait_ms=None) -> TierSpec:
     return TierSpec(name, priority=priority, ttft_ms=ttft_ms, tpot_ms=50, max_queued=max_queued,
-                    max_running=max_running, tokens_per_min=None, local_prefill_max_tokens=0)
+                    max_running=max_running, tokens_per_min=None, local_prefill_max_tokens=0,
+                    max_wait_ms=max_wait_ms)
 
 
 INTERACTIVE = tier("interactive", 0, ttft_ms=10_000)
@@ -166,6 +168,27 @@ def test_tier_queue_limit():
     assert isinstance(c.submit("q", "standard"), Queued)
     refused = c.submit("q2", "standard")
     assert isinstance(refused, Rejected) and refused.reason == "tier_queue_full"
+
+
+def test_a_tier_with_a_longer_wait_limit_queues_what_would_miss_its_ttft_and_expires_later():
+    patient = tier("standard", 1, ttft_ms=2_500, max_wait_ms=4_500)
+    c, clock = controller(capacity=1, tiers=(INTERACTIVE, patient, BATCH), service_s=1.0)
+    c.submit("run", "standard")
+    # Waits of ~1, 2, 3, 4 s (mean service 1 s / 1 slot): past the 2.5 s TTFT target from
+    # q3 on, yet queued up to the 4.5 s wait limit; q5 (~5 s) is refused.
+    for rid in ("q1", "q2", "q3", "q4"):
+        assert isinstance(c.submit(rid, "standard"), Queued), rid
+    rejected = c.submit("q5", "standard")
+    assert isinstance(rejected, Rejected) and rejected.reason == "deadline"
+    assert rejected.retry_after_s == pytest.approx(5.0)
+    # Past the TTFT target nothing expires; past the wait limit everything still queued does.
+    clock.now += 2.5 + 0.001
+    assert c.expire() == ()
+    assert c.release("run") == ("q1",)
+    clock.now += 2.0
+    assert [r.request_id for r in c.expire()] == ["q2", "q3", "q4"]
+    c.check_invariants()
+    assert c.num_queued == 0 and c.is_running("q1")
 
 
 def test_expire_rejects_queued_requests_past_their_deadline():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow, next_limit,
-                              pressure, protected_until)
+from gateway.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow, limit_tiers,
+                              next_limit, pressure, protected_until)
 
 BOUNDS = CapacityBounds(min_limit=2, max_limit=64, high=0.6, low=0.3)
 
@@ -94,3 +94,24 @@ def test_the_governor_protects_on_the_urgent_tier_alone() -> None:
     now[0] = 30.0  # samples aged out, hold over
     governor.tick()
     assert calls[-1] is False
+
+
+def test_only_tiers_refused_at_their_target_move_the_limit() -> None:
+    """Standard waits past its TTFT target (served late): its slow TTFT must not shrink the
+    limit; interactive, refused at its target, does."""
+    from gateway.tiers import load_tier_config
+
+    tiers = load_tier_config(None, {}).tiers
+    assert limit_tiers(tiers.values()) == ("interactive",)
+    now = [0.0]
+    window = TtftWindow(window_s=10.0, clock=lambda: now[0])
+    limits: list[int] = []
+    governor = CapacityGovernor(window, {t.name: t.ttft_ms / 1000 for t in tiers.values()},
+                                ("interactive",), lambda: GateState(64, 64, 10, 0),
+                                limits.append, lambda on: None, CapacityBounds(),
+                                clock=lambda: now[0], limit_tiers=limit_tiers(tiers.values()))
+    for _ in range(5):
+        window.observe("standard", 30.0)  # 15x its 2 s target
+    assert governor.tick() == 64 and limits == []
+    window.observe("interactive", 0.45)  # 0.9 of its 0.5 s target
+    assert governor.tick() == 48 and limits == [48]

@@ -153,6 +153,59 @@ def test_streamed_completion_finishes_with_length_and_no_usage_by_default(harnes
     assert all(c["object"] == "text_completion" for c in chunks)
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_a_slow_first_token_keeps_the_stream_alive_for_a_client_that_strips_chunks(
+        harness_factory):
+    """Before the first token, headers and keep-alives go out; a client that strips every
+    chunk it reads and splits the rest on blank lines (vLLM's benchmark client does) still
+    sees every event: a keep-alive is whitespace only, never glued to the next event."""
+    gate = asyncio.Event()
+    h = harness_factory(backend=ScriptedBackend(gate=gate), first_byte_s=0.01,
+                        keepalive_s=0.01)
+
+    async def read() -> tuple[list[bytes], list[bytes]]:
+        chunks: list[bytes] = []
+        async with h.session.post(h.server.make_url("/v1/completions"), json={
+                **GOOD_COMPLETION, "stream": True}) as resp:
+            assert resp.status == 200  # headers came without a token
+            async for chunk in resp.content.iter_any():
+                chunks.append(chunk)
+                if len(chunks) == 3:  # keep-alives only so far: the backend is held
+                    assert not h.backend.num_finished
+                    gate.set()
+        # The naive reader: strip each chunk, split on blank lines, and take a buffer
+        # that is one whole `data:` line (JSON that parses, or [DONE]) as a message.
+        buffer, messages = "", []
+        for chunk in chunks:
+            if not chunk.strip():
+                continue
+            buffer += chunk.strip().decode()
+            while "\n\n" in buffer:
+                message, buffer = buffer.split("\n\n", 1)
+                messages.append(message.strip().encode())
+            content = buffer.removeprefix("data: ")
+            if buffer.startswith("data: ") and (content == "[DONE]" or _is_json(content)):
+                messages.append(buffer.encode())
+                buffer = ""
+        assert not buffer, buffer
+        return chunks, messages
+
+    chunks, messages = h.loop.run_until_complete(read())
+    assert all(not c.strip() for c in chunks[:3])
+    datas = [m.removeprefix(b"data: ") for m in messages if m]
+    assert datas[-1] == b"[DONE]"
+    assert "".join(json.loads(d)["choices"][0]["text"] for d in datas[:-1]) == "Hello world!"
+    # The standard parser agrees.
+    assert SseDecoder().feed(b"".join(chunks))[-1] == b"[DONE]"
+
+
 def test_non_streamed_completion_with_token_ids_and_logprobs(harness_factory):
     h = harness_factory()
     status, _, raw = h.call("POST", "/v1/completions", data=json.dumps(

@@ -50,6 +50,18 @@ def test_no_file_no_keys_is_open_with_builtin_tiers():
     assert error.kind.status == 400
 
 
+def test_wait_limits_interactive_is_refused_at_its_target_the_others_wait():
+    config = load_tier_config(None, {})
+    assert [config.tiers[t].wait_limit_ms for t in ("interactive", "standard", "batch")] == [
+        500, 300_000, 600_000]
+    changed = load_tier_config("[tiers.standard]\nmax_wait_ms = 2000\n"
+                               "[tiers.gold]\npriority = 0\nttft_ms = 100\ntpot_ms = 10\n"
+                               "max_queued = 1\nmax_running = 1", {})
+    assert changed.tiers["standard"].wait_limit_ms == 2000
+    assert changed.tiers["gold"].max_wait_ms is None  # optional for a new tier
+    assert changed.tiers["gold"].wait_limit_ms == 100
+
+
 def test_file_overrides_builtin_fields_and_adds_tiers():
     config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
     assert config.tiers["interactive"].ttft_ms == 300
@@ -101,6 +113,8 @@ def test_keys_from_env_with_flags():
     ("[tiers.gold]\nttft_ms = 1", {}, "new tier and needs"),
     ("[tiers.standard]\nttft_ms = 'fast'", {}, "must be a number"),
     ("[tiers.standard]\nttft_ms = -5", {}, "must be positive"),
+    ("[tiers.standard]\nmax_wait_ms = 0", {}, "max_wait_ms must be positive"),
+    ("[tiers.standard]\nmax_wait_ms = true", {}, "must be a number"),
     ("[tiers.standard]\nspeed = 5", {}, "unknown field"),
     ("[[keys]]\nkey = 'a'\ntier = 'nope'", {}, "unknown tier"),
     ("[[keys]]\nkey = 'a'\ntier = 'batch'\n[[keys]]\nkey = 'a'\ntier = 'batch'", {}, "twice"),
