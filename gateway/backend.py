@@ -32,9 +32,11 @@ from common.contract.sampling_params import SamplingParams
 class BackendUnavailable(Exception):
     """No worker can take the request now (answered as 503)."""
 
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = None,
+                 code: str = "service_unavailable") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.code = code  # the error body's `code`: what ran out or failed
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):

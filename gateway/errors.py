@@ -120,8 +120,9 @@ def rate_limited(message: str, retry_after_s: float, code: str = "rate_limit_exc
     return ApiError(429, message, code=code, retry_after_s=retry_after_s)
 
 
-def overloaded(message: str, retry_after_s: float | None = None) -> ApiError:
-    return ApiError(503, message, code="service_unavailable", retry_after_s=retry_after_s)
+def overloaded(message: str, retry_after_s: float | None = None,
+               code: str = "service_unavailable") -> ApiError:
+    return ApiError(503, message, code=code, retry_after_s=retry_after_s)
 
 
 def internal_error() -> ApiError:

@@ -40,7 +40,7 @@ from gateway.errors import (ApiError, body_too_large, internal_error, invalid_re
 from gateway.openai_api import ModelCard, ModelList
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
-from gateway.responses import StreamTiming, json_answer, shutting_down, stream_answer
+from gateway.responses import REFUSAL, StreamTiming, json_answer, shutting_down, stream_answer
 from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 from gateway.tokenize_pool import TokenizePool, TokenizerBusy
 
@@ -94,6 +94,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as exc:
         response = error_response(exc)
+        if exc.status in (429, 503):
+            request[REFUSAL] = exc
         if exc.status == 408 and request.protocol is not None:
             # The rest of the body is not worth waiting for: answer, then close at once
             # (aiohttp would otherwise keep reading it for up to ten seconds).

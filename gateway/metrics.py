@@ -4,6 +4,8 @@
     pdserve_gateway_tpot_seconds{tier}            histogram: mean gap between later tokens
     pdserve_gateway_requests_total{endpoint,status} counter: HTTP answers by status
     pdserve_gateway_completions_total{tier,outcome} counter: finished / failed / aborted
+    pdserve_gateway_refusals_total{status,code}   counter: requests answered 429 or 503, by
+                                                  the error's code (what ran out)
     pdserve_gateway_tokens_total{tier}            counter: tokens streamed to clients
     pdserve_gateway_splice_mismatch_total         counter: worker usage disagreed with the
                                                   tokens relayed (should stay 0)
@@ -61,6 +63,10 @@ class GatewayMetrics:
         # Plans chosen: (kind "local" | "split", how "predicted" | "rule", tier).
         self.plans: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.num_workers_marked_dead = 0
+        self.refusals: defaultdict[tuple[int, str], int] = defaultdict(int)
+
+    def observe_refusal(self, status: int, code: str) -> None:
+        self.refusals[(status, code)] += 1
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -94,6 +100,11 @@ class GatewayMetrics:
                         ((f'endpoint="{e}",status="{s}"', n) for (e, s), n in sorted(self.requests.items())))
         out += _counter("pdserve_gateway_completions_total", "Generations by tier and outcome.",
                         ((f'tier="{t}",outcome="{o}"', n) for (t, o), n in sorted(self.completions.items())))
+        out += _counter("pdserve_gateway_refusals_total",
+                        "Requests answered 429 or 503 (before or after the stream's headers), "
+                        "by the error's code: the resource or limit that ran out.",
+                        ((f'status="{st}",code="{c}"', n)
+                         for (st, c), n in sorted(self.refusals.items())))
         out += _counter("pdserve_gateway_tokens_total", "Tokens streamed to clients.",
                         ((f'tier="{t}"', n) for t, n in sorted(self.tokens.items())))
         out += _counter("pdserve_gateway_retries_total",

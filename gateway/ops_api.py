@@ -18,13 +18,17 @@
                      its invariants checked on the spot (null: all hold); admin key as above.
 
 `install(app, ...)` adds the routes and the outermost middleware that counts every answer
-by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them).
+by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them),
+and every refusal (429, 503, before or after the stream's headers) by its error code, with
+one warning line per burst of one code (gateway/refusals.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -36,7 +40,8 @@ from gateway.cluster import ClusterView, WorkerEntry
 from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
-from gateway.responses import SENT_RESPONSE
+from gateway.refusals import RefusalLog
+from gateway.responses import REFUSAL, SENT_RESPONSE
 from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
 from gateway.startup import STARTUP
 from gateway.tiers import TierConfig, TierError, resolve
@@ -45,6 +50,8 @@ from gateway.upstream import WorkerBackend
 CLUSTER = web.AppKey("cluster", ClusterView)
 UPSTREAM = web.AppKey("upstream", WorkerBackend)
 METRICS = web.AppKey("metrics", GatewayMetrics)
+REFUSALS = web.AppKey("refusals", RefusalLog)
+log = logging.getLogger(__name__)
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 
@@ -71,6 +78,7 @@ class WorkerList(msgspec.Struct):
 def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
             metrics: GatewayMetrics) -> None:
     app[CLUSTER], app[UPSTREAM], app[METRICS] = cluster, backend, metrics
+    app[REFUSALS] = RefusalLog()
     app.middlewares.insert(0, count_middleware)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
@@ -93,6 +101,14 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
             request.app[METRICS].observe_request(path, sent.status)
         raise
     request.app[METRICS].observe_request(path, response.status)
+    refusal = request.get(REFUSAL)
+    if refusal is not None:
+        code = refusal.code or refusal.type
+        request.app[METRICS].observe_refusal(refusal.status, code)
+        line = request.app[REFUSALS].observe(refusal.status, code, refusal.message,
+                                             time.monotonic())
+        if line is not None:
+            log.warning("%s", line)
     return response
 
 

@@ -36,10 +36,13 @@ from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
 
 # The request's stream response, kept on the request: a handler cancelled once the client
 # hangs up (after [DONE], say) still counts the status the client saw (gateway/ops_api.py).
+# A request refused with 429 or 503, kept on the request for the refusal counter and log.
 try:
     SENT_RESPONSE = web.RequestKey("sent_response", web.StreamResponse)
+    REFUSAL = web.RequestKey("refusal", ApiError)
 except AttributeError:  # aiohttp < 3.14 has no typed request keys
     SENT_RESPONSE = "pdserve_sent_response"  # type: ignore[assignment]
+    REFUSAL = "pdserve_refusal"  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 # What goes out while the first token is awaited: a blank line, which every SSE parser
@@ -81,7 +84,7 @@ async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[
     try:
         return await anext(batches)
     except BackendUnavailable as exc:
-        raise overloaded(str(exc), exc.retry_after_s) from exc
+        raise overloaded(str(exc), exc.retry_after_s, exc.code) from exc
     except StopAsyncIteration:
         raise overloaded("The backend ended the request without an answer.") from None
 
@@ -119,6 +122,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 raise
             batch = []  # headers are out: the error goes in-band, below
             events.append(encode_event(exc.body_bytes()))
+            if exc.status in (429, 503):
+                request[REFUSAL] = exc
         if not response.prepared:
             await response.prepare(request)
         if batch and isinstance(encoder, ChatChunkEncoder):
@@ -142,7 +147,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 break
             except BackendUnavailable as exc:
                 # Headers are out: report in-band, as OpenAI-compatible servers do.
-                events.append(encode_event(overloaded(str(exc)).body_bytes()))
+                refusal = request[REFUSAL] = overloaded(str(exc), code=exc.code)
+                events.append(encode_event(refusal.body_bytes()))
                 break
         if validated.include_usage:
             events.append(encoder.usage(_usage(generation, num_generated)))
@@ -212,7 +218,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     except StopAsyncIteration:
         pass
     except BackendUnavailable as exc:
-        raise overloaded(str(exc), exc.retry_after_s) from exc
+        raise overloaded(str(exc), exc.retry_after_s, exc.code) from exc
     finally:
         await batches.aclose()
     text = "".join(texts)

@@ -127,6 +127,15 @@ def client_message(num_attempts: int, failure: LegFailed) -> str:
             f"{'s' if tries != 1 else ''}. Retry later.")
 
 
+def client_code(failure: LegFailed) -> str:
+    """The error `code` the client gets (and /metrics counts) for a generation that failed so."""
+    if failure.kind is FailureKind.BUSY:
+        return "kv_cache_full" if failure.phase is Phase.RESERVE else "workers_busy"
+    return {FailureKind.REFUSED: "worker_refused", FailureKind.UNREACHABLE: "worker_unreachable",
+            FailureKind.STALLED: "worker_stalled",
+            FailureKind.WORKER_ERROR: "worker_error"}[failure.kind]
+
+
 def retry_after_s(kind: FailureKind) -> float | None:
     """Retry-After for a generation that failed so: soon, unless it was refused."""
     return None if kind is FailureKind.REFUSED else 1.0

@@ -69,8 +69,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.plan_model import Targets
 from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.relay import StreamEnd, TokenRelay
-from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_message,
-                                  leg_failed, marks_worker_dead, retry_after_s, should_retry)
+from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
+                                  client_message, leg_failed, marks_worker_dead, retry_after_s,
+                                  should_retry)
 from gateway.router import NoWorkers
 from gateway.tiers import TierConfig
 
@@ -161,10 +162,9 @@ class WorkerBackend:
                     self._note_failure(generation, failure)
                     if not should_retry(failure.kind, len(generation.attempts), self.limits):
                         outcome = "failed"
-                        raise BackendUnavailable(client_message(len(generation.attempts),
-                                                                failure),
-                                                 retry_after_s=retry_after_s(failure.kind)) \
-                            from None
+                        raise BackendUnavailable(
+                            client_message(len(generation.attempts), failure),
+                            retry_after_s(failure.kind), client_code(failure)) from None
                     self.metrics.observe_retry(failure.phase.value, failure.kind.value,
                                                migration=relay.num_tokens > 0)
         except BackendUnavailable:
@@ -201,9 +201,10 @@ class WorkerBackend:
                 break
             await asyncio.sleep(WORKER_WAIT_POLL_S)
         if generation.last_failure is not None:  # every worker failed it once already
-            raise BackendUnavailable(client_message(len(generation.attempts),
-                                                    generation.last_failure), retry_after_s=1)
-        raise BackendUnavailable(plan.reason.capitalize() + ".", retry_after_s=1)
+            failure = generation.last_failure
+            raise BackendUnavailable(client_message(len(generation.attempts), failure), 1,
+                                     client_code(failure))
+        raise BackendUnavailable(plan.reason.capitalize() + ".", 1, "no_worker")
 
     def _targets(self, request: GenerationRequest, num_delivered: int) -> Targets:
         tier = self.tiers.tiers[request.tier]

@@ -7,9 +7,9 @@ from aiohttp import ClientConnectionError
 
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
 from common.contract.protocol import ErrorCode, ErrorFrame
-from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_message,
-                                  failure_kind, leg_failed, marks_worker_dead, retry_after_s,
-                                  should_retry)
+from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
+                                  client_message, failure_kind, leg_failed, marks_worker_dead,
+                                  retry_after_s, should_retry)
 
 
 def remote(code: ErrorCode) -> RemoteError:
@@ -75,3 +75,12 @@ def test_a_full_kv_cache_is_named_as_the_cause() -> None:
         "cache blocks in time, after 2 attempts. Retry later.")
     busy = LegFailed("p0", Phase.PREFILL, FailureKind.BUSY, "draining")
     assert "the workers are overloaded" in client_message(1, busy)
+    assert (client_code(full), client_code(busy)) == ("kv_cache_full", "workers_busy")
+
+
+@pytest.mark.parametrize("kind, code", [
+    (FailureKind.UNREACHABLE, "worker_unreachable"), (FailureKind.STALLED, "worker_stalled"),
+    (FailureKind.WORKER_ERROR, "worker_error"), (FailureKind.REFUSED, "worker_refused"),
+])
+def test_every_failure_kind_has_an_error_code(kind: FailureKind, code: str) -> None:
+    assert client_code(LegFailed("d0", Phase.DECODE, kind, "detail")) == code
