@@ -12,8 +12,10 @@
 #   --out DIR        results (default .bench/vs-vllm-cpu): the model folder, one JSON per
 #                    config and rate, the servers' logs, table.md
 #   --configs LIST   any of: disaggregated (pdserve up: 1 prefill + 1 decode worker),
-#                    colocated (pdserve up --colocated: 2 workers), adaptive (pdserve up
-#                    --roles both --workers 2), vllm (one vLLM server); default all four
+#                    colocated (pdserve up --colocated: 2 workers, 1 thread each),
+#                    colocated-1x2 (one colocated worker with 2 threads), adaptive
+#                    (pdserve up --roles both --workers 2), vllm (one vLLM server);
+#                    default all five
 #   --rates LIST     request rates for `vllm bench serve --request-rate` (default "1 inf")
 #   --num-prompts N  requests per run (default 40)
 #
@@ -22,14 +24,17 @@
 # the default model's GGUF by benchmarks/export_hf.py, in the same precision: the one
 # `--dtype auto` picks on this CPU (engine/dtype_choice.py). Between runs the script waits
 # for an idle machine. Each run's JSON gains server_cpu_s: the CPU seconds the server's
-# process tree used during it.
+# process tree used during it. Each rate sends its own prompts (seed 1000 + the rate's
+# position in the list), the same for every server: a server's prefix cache cannot serve
+# one run from the prompts of the run before.
 set -euo pipefail
+set -m  # each server runs in a process group of its own, its pid the group's id
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY="$ROOT/.venv/bin/python"
 VLLM_VENV=${VLLM_VENV:-$ROOT/.bench/vllm-venv}
 OUT=$ROOT/.bench/vs-vllm-cpu
-CONFIGS="disaggregated colocated adaptive vllm"
+CONFIGS="disaggregated colocated colocated-1x2 adaptive vllm"
 RATES="1 inf"
 NUM_PROMPTS=40
 INSTALL=0
@@ -84,9 +89,11 @@ free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0
 SERVER_PID=
 stop_server() {
     if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-        kill -INT "$SERVER_PID" 2>/dev/null || true
-        for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+        kill -INT -- "-$SERVER_PID" 2>/dev/null || true
+        # Until every process of the group is gone (pdserve up stops its children first).
+        for _ in $(seq 60); do kill -0 -- "-$SERVER_PID" 2>/dev/null || break; sleep 1; done
         kill -9 -- "-$SERVER_PID" 2>/dev/null || kill -9 "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
     fi
     SERVER_PID=
 }
@@ -104,10 +111,12 @@ wait_ready() {  # URL TIMEOUT_S
 start_server() {  # CONFIG PORT LOG
     local common=(--model "$MODEL_DIR" --port "$2" --log-dir "$OUT/logs-$1")
     case "$1" in
-        disaggregated) setsid "$ROOT/.venv/bin/pdserve" up "${common[@]}" ;;
-        colocated) setsid "$ROOT/.venv/bin/pdserve" up "${common[@]}" --colocated ;;
-        adaptive) setsid "$ROOT/.venv/bin/pdserve" up "${common[@]}" --roles both --workers 2 ;;
-        vllm) VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} setsid "$VLLM_VENV/bin/python" \
+        disaggregated) "$ROOT/.venv/bin/pdserve" up "${common[@]}" ;;
+        colocated) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --colocated ;;
+        colocated-1x2) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --colocated \
+                           --workers 1 --threads-per-worker 2 ;;
+        adaptive) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --roles both --workers 2 ;;
+        vllm) VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} "$VLLM_VENV/bin/python" \
                   -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
                   --served-model-name "$NAME" --port "$2" --dtype "$DTYPE" ;;
         *) log "unknown config $1"; return 2 ;;
@@ -124,14 +133,16 @@ for config in $CONFIGS; do
     wait_ready "$url" 900
     model=$NAME
     [ "$config" = vllm ] || model=$(basename "$MODEL_DIR")
+    seed=1000
     for rate in $RATES; do
+        seed=$((seed + 1))
         "$PY" -m benchmarks.serve_table wait-idle
         log "$config: rate $rate"
         cpu0=$("$PY" -m benchmarks.serve_table cpu "$SERVER_PID")
         vllm_client bench serve --backend openai --base-url "$url" --model "$model" \
             --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len 512 \
             --random-output-len 64 --num-prompts "$NUM_PROMPTS" --ignore-eos \
-            --request-rate "$rate" --goodput ttft:2000 tpot:300 --seed 0 --save-result \
+            --request-rate "$rate" --goodput ttft:2000 tpot:300 --seed "$seed" --save-result \
             --result-dir "$OUT" --result-filename "$config-rate$rate.json" \
             >"$OUT/$config-rate$rate.log" 2>&1 || log "$config rate $rate: client failed (see its log)"
         cpu1=$("$PY" -m benchmarks.serve_table cpu "$SERVER_PID")
