@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ from gateway.errors import (ApiError, body_too_large, internal_error, invalid_re
 from gateway.openai_api import ModelCard, ModelList
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
-from gateway.responses import REFUSAL, StreamTiming, json_answer, shutting_down, stream_answer
+from gateway.responses import (REFUSAL, SLO_TIMING, StreamTiming, json_answer, shutting_down,
+                               stream_answer)
+from gateway.slo_accounting import RequestTiming, timed_batches
 from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 from gateway.tokenize_pool import TokenizePool, TokenizerBusy
 
@@ -156,6 +159,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
 
 
 async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    arrived_s = time.monotonic()  # the SLO clock starts before the body is read
     app = request.app
     settings = app[SETTINGS]
     caller = resolve(bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
@@ -185,10 +189,11 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         sampling=sampling, tier=tier.name, key_id=key_id,
         local_prefill=decision.local_prefill)
     gate = app[GATE]
+    slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
     num_generated = 0
     try:
-        batches = delta_batches(app[BACKEND], generation)
+        batches = timed_batches(delta_batches(app[BACKEND], generation), slo_timing)
         if validated.stream:
             timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
                                   settings.keepalive_s)

@@ -6,6 +6,12 @@
     pdserve_gateway_completions_total{tier,outcome} counter: finished / failed / aborted
     pdserve_gateway_refusals_total{status,code}   counter: requests answered 429 or 503, by
                                                   the error's code (what ran out)
+    pdserve_gateway_slo_requests_total{tier,outcome} counter: every request's one SLO
+                                                  outcome (gateway/slo_accounting.py): met,
+                                                  missed_ttft, missed_tpot, missed_both,
+                                                  rejected, shed, failed, aborted
+    pdserve_gateway_arrival_ttft_seconds{tier}    histogram: arrival at the gateway -> first
+                                                  token (admission queueing included)
     pdserve_gateway_tokens_total{tier}            counter: tokens streamed to clients
     pdserve_gateway_splice_mismatch_total         counter: worker usage disagreed with the
                                                   tokens relayed (should stay 0)
@@ -64,6 +70,14 @@ class GatewayMetrics:
         self.plans: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.num_workers_marked_dead = 0
         self.refusals: defaultdict[tuple[int, str], int] = defaultdict(int)
+        self.slo: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.arrival_ttft: defaultdict[str, Histogram] = defaultdict(
+            lambda: Histogram(TTFT_BUCKETS_S))
+
+    def observe_slo(self, tier: str, outcome: str, arrival_ttft_s: float | None) -> None:
+        self.slo[(tier, outcome)] += 1
+        if arrival_ttft_s is not None:
+            self.arrival_ttft[tier].observe(arrival_ttft_s)
 
     def observe_refusal(self, status: int, code: str) -> None:
         self.refusals[(status, code)] += 1
@@ -92,7 +106,9 @@ class GatewayMetrics:
         for name, help_text, kind, series in (
                 ("pdserve_gateway_ttft_seconds", "Time to first token (backend).", "histogram", self.ttft),
                 ("pdserve_gateway_tpot_seconds", "Mean time per output token after the first.",
-                 "histogram", self.tpot)):
+                 "histogram", self.tpot),
+                ("pdserve_gateway_arrival_ttft_seconds", "Time to first token from arrival at "
+                 "the gateway (admission queueing included).", "histogram", self.arrival_ttft)):
             out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for tier, hist in sorted(series.items()):
                 out += hist.lines(name, f'tier="{tier}"')
@@ -105,6 +121,10 @@ class GatewayMetrics:
                         "by the error's code: the resource or limit that ran out.",
                         ((f'status="{st}",code="{c}"', n)
                          for (st, c), n in sorted(self.refusals.items())))
+        out += _counter("pdserve_gateway_slo_requests_total",
+                        "Requests by tier and SLO outcome: met, missed_ttft, missed_tpot, "
+                        "missed_both, rejected, shed, failed, aborted.",
+                        ((f'tier="{t}",outcome="{o}"', n) for (t, o), n in sorted(self.slo.items())))
         out += _counter("pdserve_gateway_tokens_total", "Tokens streamed to clients.",
                         ((f'tier="{t}"', n) for t, n in sorted(self.tokens.items())))
         out += _counter("pdserve_gateway_retries_total",

@@ -41,8 +41,9 @@ from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.refusals import RefusalLog
-from gateway.responses import REFUSAL, SENT_RESPONSE
+from gateway.responses import REFUSAL, SENT_RESPONSE, SLO_TIMING
 from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
+from gateway.slo_accounting import slo_outcome
 from gateway.startup import STARTUP
 from gateway.tiers import TierConfig, TierError, resolve
 from gateway.upstream import WorkerBackend
@@ -99,17 +100,30 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
         sent = request.get(SENT_RESPONSE)
         if sent is not None and sent.prepared:
             request.app[METRICS].observe_request(path, sent.status)
+        _account(request, client_gone=True)
         raise
     request.app[METRICS].observe_request(path, response.status)
+    _account(request, client_gone=False)
+    return response
+
+
+def _account(request: web.Request, client_gone: bool) -> None:
+    """Count the request's refusal (and log it once per burst) and its SLO outcome."""
+    metrics = request.app[METRICS]
     refusal = request.get(REFUSAL)
+    code = None
     if refusal is not None:
         code = refusal.code or refusal.type
-        request.app[METRICS].observe_refusal(refusal.status, code)
+        metrics.observe_refusal(refusal.status, code)
         line = request.app[REFUSALS].observe(refusal.status, code, refusal.message,
                                              time.monotonic())
         if line is not None:
             log.warning("%s", line)
-    return response
+    timing = request.get(SLO_TIMING)
+    if timing is not None:
+        outcome = slo_outcome(timing, None if refusal is None else (refusal.status, code or ""),
+                              client_gone)
+        metrics.observe_slo(timing.tier.name, outcome.value, timing.ttft_s)
 
 
 async def handle_health(request: web.Request) -> web.Response:

@@ -15,7 +15,10 @@ from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.http_api import ApiSettings, create_app
+from gateway.metrics import GatewayMetrics
+from gateway.ops_api import METRICS, REFUSALS, count_middleware
 from gateway.rate_limit import TokenRateLimiter
+from gateway.refusals import RefusalLog
 from gateway.request_parsing import RequestLimits
 from gateway.tiers import TierConfig, load_tier_config
 
@@ -89,7 +92,8 @@ class Harness:
     def __init__(self, backend: ScriptedBackend, tiers: TierConfig | None = None,
                  limits: RequestLimits | None = None, max_running_total: int = 64,
                  max_queued_total: int = 64, body_timeout_s: float = 30.0,
-                 first_byte_s: float = 2.0, keepalive_s: float = 10.0) -> None:
+                 first_byte_s: float = 2.0, keepalive_s: float = 10.0,
+                 count: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
         self.backend = backend
         self.tiers = tiers or load_tier_config(None, {})
@@ -101,6 +105,10 @@ class Harness:
                                created_at=1_700_000_000, body_timeout_s=body_timeout_s,
                                first_byte_s=first_byte_s, keepalive_s=keepalive_s)
         self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate)
+        self.metrics = GatewayMetrics()
+        if count:  # the counting middleware of gateway/ops_api.py, without its routes
+            self.app[METRICS], self.app[REFUSALS] = self.metrics, RefusalLog()
+            self.app.middlewares.insert(0, count_middleware)
         self.server = TestServer(self.app, host="127.0.0.1", port=0)
         self.loop.run_until_complete(self.server.start_server())
         self.session = self.loop.run_until_complete(self._session())
