@@ -7,11 +7,11 @@ the command line wins. The environment is read when the parser is built, not at 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Any
 
+from common.contract.log_format import LOG_FORMATS, configure_logging
 from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default
 
 
@@ -63,14 +63,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "fixed, tiers shed only when their own deadline cannot be met (default adaptive)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
+    opt("--log-format", "text", choices=LOG_FORMATS,
+        help="text lines, or json: one object per line with the request id where there is "
+             "one (default text)")
     p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
                    help=f"token for the workers' control API (default: ${INTERNAL_TOKEN_ENV})")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, "gateway",
+                      "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.redis_url:
         print("pdserve gateway: --redis-url (or PDSERVE_REDIS_URL) is required, e.g. "
               "redis://127.0.0.1:6379/0; `pdserve up` starts one for you", file=sys.stderr)

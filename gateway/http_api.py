@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
+from common.contract.log_format import REQUEST_ID
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import (CompletionBackend, ContextLimited, GenerationRequest, PromptTokenizer,
                              delta_batches)
@@ -184,6 +185,7 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     tier, key_id = decision.tier, decision.key_id
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
+    REQUEST_ID.set(request_id)  # this handler's log lines carry it (log_format.py)
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
         sampling=sampling, tier=tier.name, key_id=key_id,

@@ -92,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--namespace", "pdserve", help="Redis key namespace")
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
+    opt("--log-format", "text", choices=("text", "json"), help="the children's log format")
     opt("--ready-timeout-s", "600", type=float, help="give up if not ready by then")
     opt("--drain-timeout-s", "30", type=float,
         help="on Ctrl-C / SIGTERM, how long running streams may finish before they end "
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for kind, role in roles:
         counts[role or kind] = counts.get(role or kind, 0) + 1
     common = ["--model", args.model, "--namespace", args.namespace, "--log-level",
-              args.log_level, "--threads", str(threads)]
+              args.log_level, "--log-format", args.log_format, "--threads", str(threads)]
     kv_cache_mb = args.kv_cache_mb
     if not kv_cache_mb and all(d == "cpu" for d in devices):
         kv_cache_mb = cpu_kv_cache_mb(len(roles), _mem_available_bytes())
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         common += ["--kv-cache-mb", str(kv_cache_mb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
                     "--tokenizer-model", args.model, "--log-level", args.log_level,
+                    "--log-format", args.log_format,
                     "--expect-workers", str(len(specs))]
     if args.tiers:
         gateway_args += ["--tiers", args.tiers]

@@ -36,6 +36,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
+from common.contract.log_format import REQUEST_ID
 from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
                                       ProtocolVersionError, encode)
@@ -161,6 +162,13 @@ async def read_message(request: web.Request, decoder: MessageDecoder[M]) -> M:
         raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
 
 
+def _name_request(message: object) -> None:
+    """Log lines of this handler's task carry the message's request id (log_format.py)."""
+    request_id = getattr(message, "request_id", None)
+    if isinstance(request_id, str):
+        REQUEST_ID.set(request_id)
+
+
 def message_response(message: Message, status: int = 200) -> web.Response:
     return web.Response(status=status, body=encode(message), content_type=MSGPACK_CONTENT_TYPE)
 
@@ -170,7 +178,9 @@ def message_handler(request_type: type[M], handle: Callable[[M], Awaitable[Messa
     decoder: MessageDecoder[M] = MessageDecoder(request_type)
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        reply = await handle(await read_message(request, decoder))
+        message = await read_message(request, decoder)
+        _name_request(message)
+        reply = await handle(message)
         status = ERROR_STATUS[reply.code] if isinstance(reply, ErrorFrame) else 200
         return message_response(reply, status)
 
@@ -189,6 +199,7 @@ def stream_handler(request_type: type[M],
 
     async def handler(request: web.Request) -> web.StreamResponse:
         message = await read_message(request, decoder)
+        _name_request(message)
         limits = request.app[LIMITS]
         response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
         response.enable_chunked_encoding()

@@ -30,9 +30,10 @@ def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> in
     except ValueError as exc:
         print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=options.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {options.worker_id} %(levelname)s %(name)s: "
-                               f"%(message)s")
+    from common.contract.log_format import configure_logging
+
+    configure_logging(options.log_level, options.log_format, options.worker_id,
+                      f"%(asctime)s {options.worker_id} %(levelname)s %(name)s: %(message)s")
     import torch
 
     torch.set_num_threads(options.threads)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.contract.log_format import LOG_FORMATS
 from common.contract.option_env import env_flag, env_name
 from common.contract.protocol import Role
 
@@ -46,6 +47,7 @@ class WorkerOptions:
     fault_transfer_delay_ms: int = 0
     fault_request_prefix: str = ""
     sm_share_percent: int = 0  # CUDA MPS SM share given by the launcher (0: none)
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -97,6 +99,8 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
              "agree) [env PDSERVE_KV_SHARED_MEMORY; default: off]")
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
+    add("--log-format", "text", "text lines, or json: one object per line with the request "
+        "id where there is one", choices=LOG_FORMATS)
     add("--drain-timeout-s", 30.0, "on SIGTERM, how long in-flight requests may finish",
         type=float)
     add("--internal-token", None, "shared token for the control API (prefer the "
@@ -132,7 +136,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         internal_token=args.internal_token or None,
         fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),
         fault_request_prefix=getattr(args, "fault_request_prefix", ""),
-        sm_share_percent=_mps_share(os.environ))
+        sm_share_percent=_mps_share(os.environ),
+        log_format=getattr(args, "log_format", "text"))
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:
