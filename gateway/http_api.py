@@ -42,7 +42,7 @@ from gateway.errors import (ApiError, body_too_large, internal_error, invalid_re
 from gateway.openai_api import ModelCard, ModelList
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
-from gateway.responses import (REFUSAL, SLO_TIMING, StreamTiming, json_answer, shutting_down,
+from gateway.responses import (SLO_TIMING, StreamTiming, json_answer, keep_refusal, shutting_down,
                                stream_answer)
 from gateway.slo_accounting import RequestTiming, timed_batches
 from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
@@ -98,8 +98,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as exc:
         response = error_response(exc)
-        if exc.status in (429, 503):
-            request[REFUSAL] = exc
+        keep_refusal(request, exc)
         if exc.status == 408 and request.protocol is not None:
             # The rest of the body is not worth waiting for: answer, then close at once
             # (aiohttp would otherwise keep reading it for up to ten seconds).

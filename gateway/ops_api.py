@@ -111,18 +111,16 @@ def _account(request: web.Request, client_gone: bool) -> None:
     """Count the request's refusal (and log it once per burst) and its SLO outcome."""
     metrics = request.app[METRICS]
     refusal = request.get(REFUSAL)
-    code = None
+    status_code = None
     if refusal is not None:
-        code = refusal.code or refusal.type
-        metrics.observe_refusal(refusal.status, code)
-        line = request.app[REFUSALS].observe(refusal.status, code, refusal.message,
-                                             time.monotonic())
+        status_code = (refusal.status, refusal.code or refusal.type)
+        metrics.observe_refusal(*status_code)
+        line = request.app[REFUSALS].observe(*status_code, refusal.message, time.monotonic())
         if line is not None:
             log.warning("%s", line)
     timing = request.get(SLO_TIMING)
     if timing is not None:
-        outcome = slo_outcome(timing, None if refusal is None else (refusal.status, code or ""),
-                              client_gone)
+        outcome = slo_outcome(timing, status_code, client_gone)
         metrics.observe_slo(timing.tier.name, outcome.value, timing.ttft_s)
 
 

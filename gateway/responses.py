@@ -3,8 +3,8 @@
 
 Stream: headers go out with the first token (a request that fails at once still gets a
 proper 503), or after `first_byte_s` without it, then a keep-alive blank line every
-`keepalive_s`; one SSE event per token, all the events of one batch in one write; a failure after the
-headers is an in-band error event; the end is the usage chunk (when asked) and [DONE]; a
+`keepalive_s`; one SSE event per token, all the events of one batch in one write; a
+failure after the headers is an in-band error event; the end is the usage chunk (when asked) and [DONE]; a
 stream the gateway's shutdown cuts (gateway/drain.py) ends the same way, with an error.
 Every write to the client is bounded (`write_timeout_s`): a client that stops reading
 counts as gone, its connection dropped. A client that goes away closes the batches'
@@ -54,6 +54,13 @@ log = logging.getLogger(__name__)
 # they read and split on blank lines (vLLM's benchmark client, many hand-written ones)
 # glue a comment to the next event and lose the whole stream.
 KEEPALIVE = b"\n"
+
+
+def keep_refusal(request: web.Request, exc: ApiError) -> None:
+    """Remember a 429 or 503 on the request for the refusal counter and the SLO outcome
+    (gateway/ops_api.py); other errors are not refusals."""
+    if exc.status in (429, 503):
+        request[REFUSAL] = exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +113,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
     Headers go out with the first token, so a request that fails at once still gets a
     proper 503; when the first token takes longer than `first_byte_s` (a long prefill, a
     queue) they go out without it, followed by a keep-alive blank line every
-    `keepalive_s`, and a failure is then reported in-band. A stream the gateway's shutdown cuts ends with an
-    error event and [DONE] (gateway/drain.py).
+    `keepalive_s`, and a failure is then reported in-band. A stream the gateway's shutdown
+    cuts ends with an error event and [DONE] (gateway/drain.py).
     """
     created = int(time.time())
     chat = validated.endpoint is Endpoint.CHAT
@@ -126,8 +133,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 raise
             batch = []  # headers are out: the error goes in-band, below
             events.append(encode_event(exc.body_bytes()))
-            if exc.status in (429, 503):
-                request[REFUSAL] = exc
+            keep_refusal(request, exc)
         if not response.prepared:
             await response.prepare(request)
         if batch and isinstance(encoder, ChatChunkEncoder):
@@ -151,7 +157,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 break
             except BackendUnavailable as exc:
                 # Headers are out: report in-band, as OpenAI-compatible servers do.
-                refusal = request[REFUSAL] = overloaded(str(exc), code=exc.code)
+                refusal = overloaded(str(exc), code=exc.code)
+                keep_refusal(request, refusal)
                 events.append(encode_event(refusal.body_bytes()))
                 break
         if validated.include_usage:
@@ -182,7 +189,8 @@ async def _first_batch_or_keepalive(request: web.Request, response: web.StreamRe
                                     batches: AsyncGenerator[list[TokenDelta], None],
                                     timing: StreamTiming) -> list[TokenDelta]:
     """The first batch; past `first_byte_s` without it, the headers and keep-alive blank
-    lines go out while it is awaited (raises ApiError for a backend that fails or gives nothing)."""
+    lines go out while it is awaited (raises ApiError for a backend that fails or gives
+    nothing)."""
     first = asyncio.ensure_future(_first_batch(batches))
     try:
         timeout_s = timing.first_byte_s

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
     from launcher.mps import GpuShare, MpsDaemon, MpsWorker
 
+from common.contract.log_format import LOG_FORMATS
 from common.contract.option_env import env_default, env_flag
 from common.contract.protocol import Role
 
@@ -92,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--namespace", "pdserve", help="Redis key namespace")
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
-    opt("--log-format", "text", choices=("text", "json"), help="the children's log format")
+    opt("--log-format", "text", choices=LOG_FORMATS, help="the children's log format")
     opt("--ready-timeout-s", "600", type=float, help="give up if not ready by then")
     opt("--drain-timeout-s", "30", type=float,
         help="on Ctrl-C / SIGTERM, how long running streams may finish before they end "
