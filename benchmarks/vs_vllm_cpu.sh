@@ -103,7 +103,7 @@ trap stop_server EXIT
 
 wait_ready() {  # URL TIMEOUT_S
     local deadline=$((SECONDS + $2))
-    until [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/v1/models")" = 200 ]; do
+    until [ "$(curl -s --max-time 5 -o /dev/null -w '%{http_code}' "$1/v1/models")" = 200 ]; do
         kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited; see its log"; return 1; }
         [ $SECONDS -lt $deadline ] || { log "server not ready after $2 s"; return 1; }
         sleep 2
