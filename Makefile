@@ -12,13 +12,17 @@ WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test typecheck clean help
+# Debian packages the integration tests run (Redis falls back to the bundled Valkey).
+TEST_TOOLS := redis-server prometheus chromium
+
+.PHONY: setup run test typecheck test-tools clean help
 
 help:
 	@echo "make run    set up .venv and start the main job (local cluster on the default model)"
 	@echo "make test   set up .venv and run the whole test suite"
 	@echo "make setup  only create .venv and install pdserve, its test tools and the default model"
 	@echo "make typecheck  mypy over the typed packages (make test runs it first)"
+	@echo "make test-tools  apt-get install what the tests run: $(TEST_TOOLS) (as root)"
 	@echo "make clean  remove .venv"
 
 setup: $(STAMP)
@@ -39,7 +43,17 @@ run: setup
 typecheck: setup
 	$(PY) -m mypy
 
-test: typecheck
+test-tools:
+	@missing=""; for tool in $(TEST_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo ">> installing the Debian packages the tests run:$$missing" >&2; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+	    echo "make: the tests need$$missing; install them (Debian: apt-get install$$missing) or run make as root" >&2; \
+	fi
+
+test: typecheck test-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

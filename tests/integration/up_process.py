@@ -17,13 +17,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class UpProcess:
-    def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0) -> None:
+    def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0,
+                 env: dict[str, str] | None = None) -> None:
         self.token = secrets.token_hex(8)  # the cluster's internal token (workers need it)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--threads-per-worker", "1",
              "--log-dir", str(log_dir), "--log-level", "warning", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": self.token})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": self.token,
+                 **(env or {})})
         self.lines: list[str] = []
         self.url: str | None = None
         self._found = threading.Event()
@@ -57,7 +59,7 @@ class UpProcess:
             return json.loads(response.read())
 
     def workers(self) -> list[dict]:
-        return self.get_json(f"{self.url}/admin/workers")["workers"]
+        return self.internal_get(f"{self.url}/admin/workers")["workers"]
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
         if self.process.poll() is None:
