@@ -13,6 +13,10 @@ relayed tokens. Every gateway stream is checked: exactly `num_tokens` events in
 order, then [DONE] (no event merged, dropped or reordered).
 
     .venv/bin/python -m benchmarks.gateway_overhead [--rounds 3] [--num-tokens 64]
+        [--tracing off on]
+
+`--tracing off on` measures the gateway with traces off and on (exported over OTLP/HTTP
+to a sink in this process that counts the spans it receives), side by side.
 """
 
 from __future__ import annotations
@@ -127,7 +131,33 @@ async def measure(url: str, stub_url: str, gateway_pid: int, concurrency: int, r
             "cpu_ms_per_1k_tokens": 1000 * cpu_s / num_relayed * 1000}
 
 
-def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace) -> list[dict]:
+class SpanSink:
+    """An OTLP/HTTP endpoint that takes every export (200) and counts the bytes."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.num_bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                sink.num_bytes += len(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
+                 otlp_url: str | None = None) -> list[dict]:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
                             "--namespace", namespace, "--num-tokens", str(args.num_tokens),
@@ -136,7 +166,8 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace) -
         tiers.write(TIERS)
     gateway, url = spawn(["launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
-                          "--log-level", "warning"], "listening on")
+                          "--log-level", "warning",
+                          *(["--otlp-endpoint", otlp_url] if otlp_url else [])], "listening on")
     try:
         deadline = time.monotonic() + 20
         while b'"ready": true' not in _get(url + "/ready"):
@@ -182,16 +213,24 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=64)
     parser.add_argument("--interval-ms", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
+    parser.add_argument("--tracing", nargs="+", choices=("off", "on"), default=["off"],
+                        help="measure with traces off, on (to a local OTLP sink), or both")
     args = parser.parse_args()
-    print("| pacing | streams | direct TTFT p50 ms | gateway TTFT p50 ms | added p50 ms "
-          "| added p99 ms | gateway CPU ms / 1k tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tracing | pacing | streams | direct TTFT p50 ms | gateway TTFT p50 ms "
+          "| added p50 ms | added p99 ms | gateway CPU ms / 1k tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
         for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
-            for row in run_scenario(redis.url, interval, args):
-                print(f"| {label} | {row['concurrency']} | {row['direct_p50_ms']:.2f} | "
-                      f"{row['gateway_p50_ms']:.2f} | {row['added_p50_ms']:.2f} | "
-                      f"{row['added_p99_ms']:.2f} | {row['cpu_ms_per_1k_tokens']:.1f} |", flush=True)
+            for tracing in args.tracing:
+                otlp = sink.url if sink is not None and tracing == "on" else None
+                for row in run_scenario(redis.url, interval, args, otlp):
+                    print(f"| {tracing} | {label} | {row['concurrency']} | "
+                          f"{row['direct_p50_ms']:.2f} | {row['gateway_p50_ms']:.2f} | "
+                          f"{row['added_p50_ms']:.2f} | {row['added_p99_ms']:.2f} | "
+                          f"{row['cpu_ms_per_1k_tokens']:.1f} |", flush=True)
+    if sink is not None:
+        print(f"\nspans exported with tracing on: {sink.num_bytes} bytes of OTLP", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                       RoleChangeRequest, RoleChangeResponse)
+from common.contract.tracing import NO_TRACING, Tracing
 from common.worker.metrics import WorkerMetrics
+from common.worker.request_spans import traced_decode, traced_prefill
 from decode_workers.worker import DecodeWorker
 from engine.engine_thread import EngineThread
 from prefill_workers.worker import PrefillWorker
@@ -50,9 +52,12 @@ DRAIN_POLL_S = 0.05
 class AnyRoleWorker:
     def __init__(self, role: Role, prefill: PrefillWorker, decode: DecodeWorker,
                  metrics: WorkerMetrics, publish_role: Callable[[Role, str | None], Awaitable[int]],
-                 epoch: Callable[[], int]) -> None:
-        """`publish_role(role, kv_address)` registers the new role under a new epoch."""
+                 epoch: Callable[[], int], tracing: Tracing = NO_TRACING,
+                 kv_backend: str = "") -> None:
+        """`publish_role(role, kv_address)` registers the new role under a new epoch;
+        `tracing` gets a span per traced request (common/worker/request_spans.py)."""
         self.role = role
+        self.tracing, self.kv_backend = tracing, kv_backend
         self.prefill_half = prefill
         self.decode_half = decode
         self.metrics = metrics
@@ -72,9 +77,11 @@ class AnyRoleWorker:
         return self.decode_half.kv_address
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, self.prefill))
+        prefill = traced_prefill(self.tracing, self.prefill, self.kv_backend)
+        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, prefill))
         app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self.reserve))
-        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self.decode))
+        decode = traced_decode(self.tracing, self.decode)
+        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, decode))
         app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
         app.router.add_post("/internal/role", message_handler(RoleChangeRequest,
                                                               self.change_role))

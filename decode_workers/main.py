@@ -65,5 +65,7 @@ def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
                           epoch=lambda: runtime.epoch,
                           colocated=not options.role.takes_reservations,
                           own_epoch=lambda e: e in runtime.own_epochs)
+    from kv_transfer.backend import resolve_backend
     return AnyRoleWorker(options.role, prefill, decode, runtime.metrics, runtime.change_role,
-                         epoch=lambda: runtime.epoch)
+                         epoch=lambda: runtime.epoch, tracing=runtime.tracing,
+                         kv_backend=resolve_backend(options.kv_transport))

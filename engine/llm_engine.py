@@ -9,11 +9,10 @@ Lifecycle of a request inside one engine:
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
 
 Every step returns one `RequestOutput` per request that produced a token or finished in it.
-Text is streamed with the incremental detokenizer; text that may start a stop string is held
-back until decided (engine/stop_checker.py): the concatenated `new_text` is the final text.
+Text streams through the incremental detokenizer, held back while it may start a stop string.
 
-Invariants: a request id is tracked here iff the scheduler knows it (live or PREFILLED);
-finished requests produce exactly one output with `finish_reason` set.
+Invariants: ids tracked here = ids the scheduler knows (live or PREFILLED); a finished
+request produces exactly one output with `finish_reason` set. Outputs count engine steps.
 """
 
 from __future__ import annotations
@@ -95,6 +94,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     prefilled: bool = False  # PREFILL_ONLY request parked with its KV (see release_prefilled)
+    num_steps: int = 0  # Request.num_steps
 
     @property
     def finished(self) -> bool:
@@ -371,7 +371,7 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, token_ids, text, logprobs, None, request.num_prompt_tokens,
             request.num_output_tokens, request.num_cached_tokens,
-            prefilled=request.status is RequestStatus.PREFILLED)
+            prefilled=request.status is RequestStatus.PREFILLED, num_steps=request.num_steps)
 
     def _finish_output(self, tracked: _Tracked, token_ids: list[int],
                        logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:

@@ -83,6 +83,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
+    num_steps: int = 0  # engine steps that computed some of its tokens (prefill chunks + decodes)
     # The request's block table; position p lives in block_ids[p // block_size]. The KV
     # cache manager owns the list object: read it, never mutate it.
     block_ids: list[int] = field(default_factory=list)

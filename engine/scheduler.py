@@ -10,8 +10,8 @@ Called by one engine loop, in this order, every step:
     ... engine checks EOS / stop strings -> scheduler.finish_request(id, FINISHED_STOPPED)
     for request in scheduler.drain_finished(): ...   # LENGTH / ERROR / PREFILLED
 
-Stop rules: this module applies max_tokens (FINISHED_LENGTH) and the pool-capacity limits;
-EOS, stop_token_ids and stop strings are the engine's, reported through `finish_request`.
+Stop rules: max_tokens (FINISHED_LENGTH) and pool-capacity limits are this module's; EOS,
+stop ids and stop strings the engine's (`finish_request`). It counts each request's steps.
 
 One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunks:
   1. seats: the max_num_seqs best-ranked RUNNING requests (more can be running only after
@@ -25,8 +25,8 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
      by smaller ones. Admission never preempts.
   When a running request needs a block and none is free, the worst-ranked running request
   (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
-  full blocks stay in the prefix cache), num_computed_tokens goes back to 0 and it re-enters
-  the waiting queue. A chunk already scheduled for the victim this step is withdrawn.
+  full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
+  waiting queue, and a chunk already scheduled for it this step is withdrawn.
 
 Rank and starvation: rank = priority * aging_steps - arrival_step (priority alone when
 aging_steps is None); ties go to the earlier arrival_time, then the earlier add. This equals
@@ -245,7 +245,7 @@ class Scheduler:
         for chunk, request in live:
             # schedule() set start_pos from num_computed_tokens and nothing moves it between.
             assert chunk.start_pos == request.num_computed_tokens
-            request.num_computed_tokens = chunk.end_pos
+            request.num_computed_tokens, request.num_steps = chunk.end_pos, request.num_steps + 1
             if chunk.sample:
                 request.output_token_ids.append(int(sampled_token_ids[chunk.request_id]))
             self.kv_cache.cache_full_blocks(request)

@@ -27,6 +27,8 @@ import msgspec
 
 from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
+from gateway.retry_policy import LegFailed
+from gateway.router import RoutePlan
 
 
 class BackendUnavailable(Exception):
@@ -60,6 +62,20 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     tier: str
     local_prefill: bool | None  # the tier's override (gateway/tiers.py); None: the router decides
     key_id: str | None = None
+    trace: RouteObserver | None = None  # told each plan and failure (gateway/request_trace.py)
+
+
+class RouteObserver(Protocol):
+    """What a backend tells about one request's routing (its timeline and trace spans)."""
+
+    @property
+    def traceparent(self) -> str | None:
+        """Sent to the workers, whose spans become children of the request's."""
+        ...
+
+    def planned(self, attempt: int, plan: RoutePlan, now_s: float) -> None: ...
+
+    def failed(self, failure: LegFailed, now_s: float) -> None: ...
 
 
 class CompletionBackend(Protocol):

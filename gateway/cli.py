@@ -13,6 +13,7 @@ from typing import Any
 
 from common.contract.log_format import LOG_FORMATS, configure_logging
 from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default
+from common.contract.tracing import ENDPOINT_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,6 +67,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--log-format", "text", choices=LOG_FORMATS,
         help="text lines, or json: one object per line with the request id where there is "
              "one (default text)")
+    p.add_argument("--otlp-endpoint",
+                   default=env.get("PDSERVE_OTLP_ENDPOINT") or env.get(ENDPOINT_ENV),
+                   help="OpenTelemetry traces: OTLP/HTTP base URL to export one trace per "
+                        "request to, e.g. http://127.0.0.1:4318 (needs the tracing extra); "
+                        f"unset: no traces (default: $PDSERVE_OTLP_ENDPOINT or ${ENDPOINT_ENV})")
     p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
                    help=f"token for the workers' control API (default: ${INTERNAL_TOKEN_ENV})")
     p.set_defaults(func=run)
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s,
                                   kv_wait_ms=int(args.kv_wait_s * 1000)),
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
-        internal_token=args.internal_token or None)
+        internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None)
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -77,12 +78,25 @@ class Generation:
     def current(self) -> Attempt | None:
         return self.attempts[-1] if self.attempts else None
 
+    @property
+    def traceparent(self) -> str | None:
+        """The request span's, for the workers' messages (None: not traced)."""
+        return None if self.request.trace is None else self.request.trace.traceparent
+
     def new_attempt(self, plan: RoutePlan) -> Attempt:
         number = len(self.attempts)
         rid = self.request.request_id if number == 0 else f"{self.request.request_id}-{number}"
         attempt = Attempt(rid, number, plan)
         self.attempts.append(attempt)
+        if self.request.trace is not None:
+            self.request.trace.planned(number, plan, time.monotonic())
         return attempt
+
+    def failed(self, failure: LegFailed) -> None:
+        """The current attempt failed (the next one must avoid its worker)."""
+        self.last_failure = failure
+        if self.request.trace is not None:
+            self.request.trace.failed(failure, time.monotonic())
 
 
 async def prepend(first: asyncio.Task[list[TokenFrame]],

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from common.contract.log_format import REQUEST_ID
+from common.contract.log_format import REQUEST_ID, TRACE_ID
+from common.contract.tracing import NO_TRACING, Tracing
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import (CompletionBackend, ContextLimited, GenerationRequest, PromptTokenizer,
                              delta_batches)
@@ -42,8 +43,9 @@ from gateway.errors import (ApiError, body_too_large, internal_error, invalid_re
 from gateway.openai_api import ModelCard, ModelList
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
-from gateway.responses import (SLO_TIMING, StreamTiming, json_answer, keep_refusal, shutting_down,
-                               stream_answer)
+from gateway.request_trace import RequestTrace
+from gateway.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer, keep_refusal,
+                               shutting_down, stream_answer)
 from gateway.slo_accounting import RequestTiming, timed_batches
 from gateway.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 from gateway.tokenize_pool import TokenizePool, TokenizerBusy
@@ -69,17 +71,18 @@ BACKEND = web.AppKey("backend", CompletionBackend)
 TOKENIZE = web.AppKey("tokenize_pool", TokenizePool)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 DRAIN = web.AppKey("drain", Drain)
+TRACING = web.AppKey("tracing", Tracing)
 JSON_CONTENT_TYPE = "application/json"
 
 
 def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBackend,
                tokenizer: PromptTokenizer, gate: AdmissionGate,
-               drain: Drain | None = None) -> web.Application:
+               drain: Drain | None = None, tracing: Tracing = NO_TRACING) -> web.Application:
     # client_max_size backs up our own limit for any handler that calls request.read().
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.limits.max_body_bytes)
     app[SETTINGS], app[TIERS], app[BACKEND] = settings, tiers, backend
-    app[GATE], app[DRAIN] = gate, drain or Drain()
+    app[GATE], app[DRAIN], app[TRACING] = gate, drain or Drain(), tracing
     pool = app[TOKENIZE] = TokenizePool(tokenizer)
 
     async def close_pool(_: web.Application) -> None:
@@ -159,7 +162,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
 
 
 async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    arrived_s = time.monotonic()  # the SLO clock starts before the body is read
+    arrived_s, arrived_unix_ns = time.monotonic(), time.time_ns()  # before the body is read
     app = request.app
     settings = app[SETTINGS]
     caller = resolve(bearer_key(request), request.headers.get(TIER_HEADER), app[TIERS])
@@ -185,13 +188,20 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
     REQUEST_ID.set(request_id)  # this handler's log lines carry it (log_format.py)
+    trace = request[TRACE] = RequestTrace.begin(
+        app[TRACING], endpoint.value, validated.model, request_id, tier.name,
+        request.headers.get("traceparent"), arrived_s, arrived_unix_ns, len(prompt_ids),
+        sampling.max_tokens)
+    if trace.span.trace_id is not None:
+        TRACE_ID.set(trace.span.trace_id)
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
         sampling=sampling, tier=tier.name, key_id=key_id,
-        local_prefill=decision.local_prefill)
+        local_prefill=decision.local_prefill, trace=trace)
     gate = app[GATE]
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
+    trace.admitted(time.monotonic())
     num_generated = 0
     try:
         batches = timed_batches(delta_batches(app[BACKEND], generation), slo_timing)

@@ -29,7 +29,8 @@ from aiohttp import ClientSession, TCPConnector, web
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
-from gateway import startup
+from common.contract.tracing import Tracing, start_tracing
+from gateway import cluster_page, startup
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow, limit_tiers
@@ -43,6 +44,7 @@ from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.rate_limit import TokenRateLimiter
 from gateway.request_parsing import RequestLimits
 from gateway.retry_policy import RetryLimits
+from gateway.slo_accounting import SloOutcome
 from gateway.startup import StartupGate
 from gateway.tiers import load_tier_config
 from gateway.upstream import WorkerBackend
@@ -71,6 +73,7 @@ class GatewayConfig:
     retry_limits: RetryLimits = RetryLimits()
     adaptive_admission: bool = True  # False: a fixed limit (max_running), no early shedding
     expect_workers: int = 0  # not ready (/ready, /v1/*) until this many workers registered
+    otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -93,7 +96,7 @@ async def make_app(config: GatewayConfig) -> web.Application:
                             max_queued_total=config.max_queued, clock=time.monotonic),
         TokenRateLimiter(time.monotonic))
     tokenizer = GatewayTokenizer(engine_tokenizer)
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tiers.tiers, (o.value for o in SloOutcome))
     state = RedisState(connect(config.redis_url), namespace=config.namespace)
     cluster = ClusterView(state, PrefixIndexMirror(state), random.Random())
     # No connection cap: every stream holds one upstream connection for its whole life.
@@ -111,17 +114,19 @@ async def make_app(config: GatewayConfig) -> web.Application:
         gate.set_capacity, gate.set_protection,
         CapacityBounds(max_limit=config.max_running),
         limit_tiers=limit_tiers(tiers.tiers.values()))
-    app = create_app(settings, tiers, backend, tokenizer, gate)
+    tracing = start_tracing("pdserve-gateway", config.otlp_endpoint)
+    app = create_app(settings, tiers, backend, tokenizer, gate, tracing=tracing)
     install(app, cluster, backend, metrics)
+    cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
-                                            config.adaptive_admission))
+                                            config.adaptive_admission, tracing))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
-                     state: RedisState, governor: CapacityGovernor, adaptive: bool
-                     ) -> Callable[[web.Application], AsyncIterator[None]]:
+                     state: RedisState, governor: CapacityGovernor, adaptive: bool,
+                     tracing: Tracing) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
         if adaptive:
@@ -134,6 +139,7 @@ def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: Clie
             await backend.aclose()
             await session.close()
             await state.aclose()
+            await tracing.shutdown()  # exports the spans still queued
 
     return ctx
 

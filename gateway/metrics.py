@@ -57,7 +57,9 @@ class Histogram:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tiers: Iterable[str] = (), slo_outcomes: Iterable[str] = ()) -> None:
+        """`tiers` (and `slo_outcomes`): series created at zero, so that the first request
+        of a tier is an increase a scraper can see (rate() of a series born at 1 is 0)."""
         self.ttft: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(TTFT_BUCKETS_S))
         self.tpot: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(TPOT_BUCKETS_S))
         self.requests: defaultdict[tuple[str, int], int] = defaultdict(int)
@@ -73,6 +75,12 @@ class GatewayMetrics:
         self.slo: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.arrival_ttft: defaultdict[str, Histogram] = defaultdict(
             lambda: Histogram(TTFT_BUCKETS_S))
+        outcomes = tuple(slo_outcomes)
+        for tier in tiers:
+            for series in (self.ttft, self.tpot, self.arrival_ttft, self.tokens):
+                series[tier]  # noqa: B018 (creates the zero series)
+            for outcome in outcomes:
+                self.slo[(tier, outcome)] = 0
 
     def observe_slo(self, tier: str, outcome: str, arrival_ttft_s: float | None) -> None:
         self.slo[(tier, outcome)] += 1

@@ -20,7 +20,8 @@
 `install(app, ...)` adds the routes and the outermost middleware that counts every answer
 by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them),
 and every refusal (429, 503, before or after the stream's headers) by its error code, with
-one warning line per burst of one code (gateway/refusals.py).
+one warning line per burst of one code (gateway/refusals.py); it also ends each request's
+trace and keeps it in the request history the cluster page shows (gateway/cluster_page.py).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from gateway.errors import ApiError
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.refusals import RefusalLog
-from gateway.responses import REFUSAL, SENT_RESPONSE, SLO_TIMING
+from gateway.request_history import RequestHistory
+from gateway.responses import REFUSAL, SENT_RESPONSE, SLO_TIMING, TRACE
 from gateway.role_admin import MAX_BODY_BYTES, ControlClientFactory, change_worker_role, json_answer
-from gateway.slo_accounting import slo_outcome
+from gateway.slo_accounting import SloOutcome, slo_outcome
 from gateway.startup import STARTUP
 from gateway.tiers import TierConfig, TierError, resolve
 from gateway.upstream import WorkerBackend
@@ -52,6 +54,9 @@ CLUSTER = web.AppKey("cluster", ClusterView)
 UPSTREAM = web.AppKey("upstream", WorkerBackend)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 REFUSALS = web.AppKey("refusals", RefusalLog)
+HISTORY = web.AppKey("request_history", RequestHistory)
+FINISHED = frozenset({SloOutcome.MET, SloOutcome.MISSED_TTFT, SloOutcome.MISSED_TPOT,
+                      SloOutcome.MISSED_BOTH})
 log = logging.getLogger(__name__)
 
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -79,7 +84,7 @@ class WorkerList(msgspec.Struct):
 def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
             metrics: GatewayMetrics) -> None:
     app[CLUSTER], app[UPSTREAM], app[METRICS] = cluster, backend, metrics
-    app[REFUSALS] = RefusalLog()
+    app[REFUSALS], app[HISTORY] = RefusalLog(), RequestHistory()
     app.middlewares.insert(0, count_middleware)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
@@ -122,6 +127,13 @@ def _account(request: web.Request, client_gone: bool) -> None:
     if timing is not None:
         outcome = slo_outcome(timing, status_code, client_gone)
         metrics.observe_slo(timing.tier.name, outcome.value, timing.ttft_s)
+        trace = request.get(TRACE)
+        if trace is not None:
+            error = None if outcome in FINISHED else status_code[1] if status_code else \
+                outcome.value
+            record = trace.finish(timing, outcome, error)
+            if HISTORY in request.app:  # (unit-test apps may leave the history out)
+                request.app[HISTORY].observe(record, time.time())
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -164,7 +176,7 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
 
 
 async def handle_admin_role(request: web.Request) -> web.Response:
-    _require_admin(request, request.app[TIERS])
+    require_admin(request, request.app[TIERS])
     backend = request.app[UPSTREAM]
     body = await request.content.read(MAX_BODY_BYTES + 1)
     changed = await change_worker_role(
@@ -174,8 +186,8 @@ async def handle_admin_role(request: web.Request) -> web.Response:
 
 
 async def handle_admin_workers(request: web.Request) -> web.Response:
-    _require_admin(request, request.app[TIERS])
-    rows = [_row(entry) for entry in request.app[CLUSTER].entries()]
+    require_admin(request, request.app[TIERS])
+    rows = [worker_row(entry) for entry in request.app[CLUSTER].entries()]
     return web.Response(body=msgspec.json.encode(WorkerList(workers=rows)),
                         content_type="application/json")
 
@@ -191,7 +203,7 @@ class GatewayState(msgspec.Struct):
 
 async def handle_admin_state(request: web.Request) -> web.Response:
     app = request.app
-    _require_admin(request, app[TIERS])
+    require_admin(request, app[TIERS])
     backend, gate, cluster = app[UPSTREAM], app[GATE], app[CLUSTER]
     error = None
     try:
@@ -199,6 +211,7 @@ async def handle_admin_state(request: web.Request) -> web.Response:
         gate.check_invariants()
         cluster.check_invariants()
         app[DRAIN].check_invariants()
+        app[HISTORY].check_invariants()
     except AssertionError as exc:
         error = f"AssertionError: {exc}"
     state = GatewayState(num_active=backend.num_active,
@@ -209,7 +222,7 @@ async def handle_admin_state(request: web.Request) -> web.Response:
     return web.Response(body=msgspec.json.encode(state), content_type="application/json")
 
 
-def _require_admin(request: web.Request, tiers: TierConfig) -> None:
+def require_admin(request: web.Request, tiers: TierConfig) -> None:
     key = bearer_key(request)
     token = request.app[UPSTREAM].internal_token
     if token and key and hmac.compare_digest(key.encode(), token.encode()):
@@ -221,7 +234,7 @@ def _require_admin(request: web.Request, tiers: TierConfig) -> None:
         raise ApiError(403, "This API key may not call /admin endpoints.", code="not_admin")
 
 
-def _row(entry: WorkerEntry) -> WorkerRow:
+def worker_row(entry: WorkerEntry) -> WorkerRow:
     info, load = entry.info, entry.load
     state = "expired" if info is None else "draining" if info.draining else "ready"
     return WorkerRow(

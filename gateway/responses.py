@@ -32,21 +32,24 @@ from gateway.errors import ApiError, overloaded
 from gateway.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
                                 CompletionChoice, CompletionResponse, Usage)
 from gateway.request_parsing import Endpoint, ValidatedRequest
+from gateway.request_trace import RequestTrace
 from gateway.slo_accounting import RequestTiming
 from gateway.sse import DONE_EVENT, SSE_HEADERS, encode_event
 
 # The request's stream response, kept on the request: a handler cancelled once the client
 # hangs up (after [DONE], say) still counts the status the client saw (gateway/ops_api.py).
 # A request refused with 429 or 503, kept on the request for the refusal counter and log;
-# and its timing, for the SLO accounting (gateway/slo_accounting.py).
+# and its timing, for the SLO accounting (gateway/slo_accounting.py), and its stages.
 try:
     SENT_RESPONSE = web.RequestKey("sent_response", web.StreamResponse)
     REFUSAL = web.RequestKey("refusal", ApiError)
     SLO_TIMING = web.RequestKey("slo_timing", RequestTiming)
+    TRACE = web.RequestKey("trace", RequestTrace)
 except AttributeError:  # aiohttp < 3.14 has no typed request keys
     SENT_RESPONSE = "pdserve_sent_response"  # type: ignore[assignment]
     REFUSAL = "pdserve_refusal"  # type: ignore[assignment]
     SLO_TIMING = "pdserve_slo_timing"  # type: ignore[assignment]
+    TRACE = "pdserve_trace"  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 # What goes out while the first token is awaited: a blank line, which every SSE parser

@@ -51,6 +51,7 @@ class RequestTiming:
     last_token_s: float | None = None
     num_tokens: int = 0
     finished: bool = False  # a finish reason reached the gateway
+    finish_reason: str | None = None  # as the client sees it (stop, length)
 
     @property
     def ttft_s(self) -> float | None:
@@ -98,6 +99,7 @@ async def timed_batches(batches: AsyncGenerator[list[TokenDelta], None], timing:
                     timing.num_tokens += delta.num_tokens
                 if delta.finish_reason is not None:
                     timing.finished = True
+                    timing.finish_reason = delta.finish_reason.value
             yield batch
     finally:
         await batches.aclose()

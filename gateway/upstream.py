@@ -27,21 +27,19 @@ When a worker fails (gateway/retry_policy.py says how each failure is classified
                   sees one stream with no token lost or repeated (greedy and seeded sampling
                   give the tokens an undisturbed run would)
 
-A worker that cannot be reached is taken out of routing at once (`ClusterView.
-mark_unreachable`), before its lease lapses. After `RetryLimits.max_attempts` attempts the
-failure reaches the client: `BackendUnavailable` (HTTP 503) before t1, an in-band SSE error
-event after it. Messages to clients name no host, port or worker internals; the log does.
+An unreachable worker leaves routing at once (`ClusterView.mark_unreachable`), before its
+lease lapses. After `RetryLimits.max_attempts` attempts the failure reaches the client
+(503 before t1, an in-band SSE error event after); client messages name no host or port.
 
 Lifecycle of one generation: planned → attempt running (its legs added as they are called)
 → finished (D's finish_reason), or failed → legs aborted → next attempt or give up; or the
-client goes away (the generator is closed or its task cancelled) → the current attempt's
-legs aborted. Aborts are sent from tasks this backend owns, so a cancelled handler cannot
-stop them half-way; `aclose()` cancels what is left at shutdown.
-
-Invariants (`check_invariants`): every generation in progress is in `_active` under its
-id, its relay's invariants hold, and its legs use this backend's clients; an attempt that
-did not finish has sent an abort to every worker in its `legs` (emptied when they are
-sent); every abort task is in `_background` until it ends.
+client goes away (generator closed, task cancelled) → the current attempt's legs aborted.
+Aborts are sent from tasks this backend owns, so a cancelled handler cannot stop them
+half-way; `aclose()` cancels what is left. Worker messages carry the request's traceparent.
+Invariants (`check_invariants`): every generation in progress is in `_active` under its id,
+its relay's invariants hold, its legs use this backend's clients; an attempt that did not
+finish has sent an abort to every worker in its `legs` (emptied when they are sent); every
+abort task is in `_background` until it ends.
 """
 
 from __future__ import annotations
@@ -77,8 +75,8 @@ from gateway.tiers import TierConfig
 
 log = logging.getLogger(__name__)
 
-# What a failing worker call looks like from here; anything else is a bug and propagates.
 WORKER_WAIT_POLL_S = 0.2
+# What a failing worker call looks like from here; anything else is a bug and propagates.
 CALL_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
 
 
@@ -216,7 +214,8 @@ class WorkerBackend:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",
                     generation.request.request_id, len(generation.attempts) - 1, failure,
                     generation.relay.num_tokens)
-        generation.last_failure, epoch = failure, self.cluster.epoch_of(failure.worker_id)
+        generation.failed(failure)
+        epoch = self.cluster.epoch_of(failure.worker_id)
         if epoch is not None:  # else gone from the registry already: not routable anyway
             generation.excluded[failure.worker_id] = epoch
         if marks_worker_dead(failure.kind) and self.cluster.mark_unreachable(failure.worker_id):
@@ -237,7 +236,7 @@ class WorkerBackend:
             request_id=attempt.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling, priority=self._priority(request),
             timeout_ms=self.timeouts.request_ms,
-            resume_token_ids=list(generation.relay.token_ids))
+            resume_token_ids=list(generation.relay.token_ids), traceparent=generation.traceparent)
         # Returned, not wrapped: one generator level less per relayed batch.
         return self._relay(generation.relay, self._decode_stream(decode_id, attempt, message),
                            attempt, decode_id)
@@ -265,7 +264,8 @@ class WorkerBackend:
         prefill_frames = prefiller.stream(
             "/internal/prefill", PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-                priority=priority, timeout_ms=t.request_ms, destination=reserved.destination),
+                priority=priority, timeout_ms=t.request_ms, destination=reserved.destination,
+                traceparent=generation.traceparent),
             PrefillResponseFrame, t.first_token_s, t.first_token_s)
         watcher: asyncio.Task[None] | None = None
         next_frame: asyncio.Task[list[TokenFrame]] | None = None
@@ -291,7 +291,7 @@ class WorkerBackend:
                 request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
                 priority=priority, timeout_ms=t.request_ms,
                 first_token_id=first.first_token_id, first_logprob=first.first_logprob,
-                epoch=reserved.destination.epoch))
+                epoch=reserved.destination.epoch, traceparent=generation.traceparent))
             # Sent now, while token 1 is written to the client: D's wait for the KV starts
             # at once instead of after the client write.
             next_frame = asyncio.create_task(anext(decode_frames))

@@ -9,12 +9,11 @@
     (it drains its streams), the workers, the MPS daemon, Redis.
 
 Children run in their own process groups with a parent-death signal (launcher/supervisor.py),
-so neither Ctrl-C nor a killed `pdserve up` leaves orphans (the MPS daemon excepted: it
-detaches itself, so after a SIGKILL of `pdserve up` it idles until told to quit). A child
-that exits before the cluster is ready fails the command with its log's last lines; once
-it is up, a child that exits is restarted (launcher/local_cluster.py,
-launcher/restart_policy.py), and the cluster stops only on Ctrl-C / SIGTERM or when the
-gateway or Redis cannot be kept up.
+so neither Ctrl-C nor a killed `pdserve up` leaves orphans (but the MPS daemon, which
+detaches itself and idles until told to quit). A child that exits before the cluster is
+ready fails the command with its log's last lines; once it is up, a child that exits is
+restarted (launcher/local_cluster.py, restart_policy.py); the cluster stops only on
+Ctrl-C / SIGTERM or when the gateway or Redis cannot be kept up.
 """
 
 from __future__ import annotations
@@ -56,14 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     def opt(name: str, default: str | None = None, **kwargs) -> None:
         p.add_argument(name, default=env_default(env, name, default), **kwargs)
 
-    opt("--model", "default", help='model for the workers: "default", a .gguf file or an '
-                                   "HF directory")
+    opt("--model", "default", help='the model: "default", a .gguf file or an HF directory')
     opt("--port", "8000", type=int, help="gateway port (default 8000; 0 picks a free one)")
     opt("--host", "127.0.0.1", help="gateway address (default 127.0.0.1)")
-    opt("--prefill", type=int, help="prefill workers (default 1; not with --roles or "
-                                    "--colocated)")
-    opt("--decode", type=int, help="decode workers (default 1; not with --roles or "
-                                  "--colocated)")
+    opt("--prefill", type=int, help="prefill workers (default 1; not with --roles, --colocated)")
+    opt("--decode", type=int, help="decode workers (default 1; not with --roles, --colocated)")
     p.add_argument("--colocated", action="store_true", default=env_flag(env, "--colocated"),
                    help="run --workers colocated decode workers that prefill locally; the "
                         "same as --roles colocated [env PDSERVE_COLOCATED=1]")
@@ -94,6 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
     opt("--log-format", "text", choices=LOG_FORMATS, help="the children's log format")
+    opt("--otlp-endpoint", help="traces of every process to this OTLP/HTTP base URL, e.g. "
+        "http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else no traces)")
     opt("--ready-timeout-s", "600", type=float, help="give up if not ready by then")
     opt("--drain-timeout-s", "30", type=float,
         help="on Ctrl-C / SIGTERM, how long running streams may finish before they end "
@@ -146,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
                     "--expect-workers", str(len(specs))]
     if args.tiers:
         gateway_args += ["--tiers", args.tiers]
+    if args.otlp_endpoint:  # else the children read OTEL_EXPORTER_OTLP_ENDPOINT themselves
+        common, gateway_args = (c + ["--otlp-endpoint", args.otlp_endpoint]
+                                for c in (common, gateway_args))
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
                            drain_timeout_s=args.drain_timeout_s,
                            mps=None if mps is None else mps.daemon)
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"\npdserve is up: {url}   (model {model})\n\n"
              f"Try it:\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
              f"-d '{example}'\n\n"
-             f"Workers: {url}/admin/workers   Metrics: {url}/metrics   Logs: {log_dir}\n"
+             f"Cluster page: {url}/dashboard   Metrics: {url}/metrics   Logs: {log_dir}\n"
              f"A worker that exits is restarted; Ctrl-C stops everything.")
         while not stopping:
             cluster.supervise()

@@ -181,7 +181,7 @@ class PrefillWorker:
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             transfer_status=TransferStatus.PENDING if spec is not None else TransferStatus.SKIPPED,
-            finish_reason=out.finish_reason)
+            finish_reason=out.finish_reason, num_steps=out.num_steps)
         if destination is None:
             return
         if spec is None:

@@ -36,7 +36,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
-from common.contract.log_format import REQUEST_ID
+from common.contract.log_format import REQUEST_ID, TRACE_ID
 from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
                                       ProtocolVersionError, encode)
@@ -163,10 +163,14 @@ async def read_message(request: web.Request, decoder: MessageDecoder[M]) -> M:
 
 
 def _name_request(message: object) -> None:
-    """Log lines of this handler's task carry the message's request id (log_format.py)."""
+    """Log lines of this handler's task carry the message's request and trace ids
+    (log_format.py)."""
     request_id = getattr(message, "request_id", None)
     if isinstance(request_id, str):
         REQUEST_ID.set(request_id)
+    traceparent = getattr(message, "traceparent", None)
+    if isinstance(traceparent, str):  # validated by the message's schema
+        TRACE_ID.set(traceparent.split("-")[1])
 
 
 def message_response(message: Message, status: int = 200) -> web.Response:

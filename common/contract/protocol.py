@@ -29,12 +29,13 @@ import msgspec
 
 from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
+from common.contract.tracing import TRACEPARENT_PATTERN
 from common.contract.worker_load import WorkerLoad
 
 PROTOCOL_VERSION = 1
 
-# Upper bounds enforced while decoding, so a corrupt or hostile peer cannot make a worker
-# allocate without limit. Generous for real use: 1M-token prompts, 64 MiB messages.
+# Bounds enforced while decoding, so a hostile peer cannot make a worker allocate without
+# limit; generous for real use (1M-token prompts, 64 MiB messages).
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_TOKENS_PER_MESSAGE = 1 << 20
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
@@ -58,6 +59,7 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TimeoutMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_TIMEOUT_MS)]
 ReservationMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_RESERVATION_MS)]
+Traceparent = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]  # W3C: the caller's span
 
 
 class ProtocolError(ValueError):
@@ -132,8 +134,6 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every message; subclasses set `tag=` to their wire name."""
 
 
-# ---------------------------------------------------------------- request parameters
-
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
@@ -145,6 +145,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: NonNegInt
     num_completion_tokens: NonNegInt
     num_cached_tokens: NonNegInt = 0
+    num_steps: NonNegInt = 0  # engine steps that computed the request's tokens
 
 
 class DecodeDestination(msgspec.Struct, frozen=True, kw_only=True):
@@ -195,6 +196,7 @@ class PrefillRequest(Message, tag="prefill_request", frozen=True, kw_only=True):
     priority: int = 0  # larger runs first
     timeout_ms: TimeoutMs
     destination: DecodeDestination | None = None  # None: prefill only (KV stays cached here)
+    traceparent: Traceparent | None = None
 
 
 class PrefillResult(Message, tag="prefill_result", frozen=True, kw_only=True):
@@ -207,11 +209,12 @@ class PrefillResult(Message, tag="prefill_result", frozen=True, kw_only=True):
     num_cached_tokens: NonNegInt  # prompt tokens whose KV came from a prefix cache
     transfer_status: TransferStatus
     finish_reason: FinishReason | None = None  # set when the first token already ends it
+    num_steps: NonNegInt = 0  # engine steps of the prefill (its chunks)
 
 
 class TransferResult(Message, tag="transfer_result", frozen=True, kw_only=True):
-    """Prefill → gateway: the KV handoff of one request has ended (the decode worker learns
-    it from its KV receiver, not from this message)."""
+    """Prefill → gateway: the KV handoff of one request has ended (D learns it from its KV
+    receiver)."""
 
     request_id: Id
     destination_worker_id: WorkerId
@@ -241,6 +244,7 @@ class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
     first_logprob: TokenLogprob | None = None
     epoch: NonNegInt | None = None  # the reservation's epoch; a mismatch is STALE_EPOCH
     resume_token_ids: TokenIds = []
+    traceparent: Traceparent | None = None
 
     @property
     def is_local_prefill(self) -> bool:
@@ -347,9 +351,7 @@ DecodeResponseFrame = Union[TokenFrame, ErrorFrame]
 AnyMessage = Union[
     ReserveRequest, ReserveResponse, PrefillRequest, PrefillResult, TransferResult,
     DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame, RoleChangeRequest,
-    RoleChangeResponse,
-    WorkerInfo, LoadReport, PrefixIndexEvent,
-]
+    RoleChangeResponse, WorkerInfo, LoadReport, PrefixIndexEvent]
 
 M = TypeVar("M")
 
@@ -359,10 +361,8 @@ def encode(message: Message) -> bytes:
 
 
 class MessageDecoder(Generic[M]):
-    """Decodes envelopes into one message type (or a union of them), checking the version.
-
-    `message_type` is a type or a union; annotate the decoder with what it yields
-    (`decoder: MessageDecoder[A | B] = MessageDecoder(A | B)`)."""
+    """Decodes envelopes into one message type (or a union of them), checking the version;
+    annotate it with what it yields (`d: MessageDecoder[A | B] = MessageDecoder(A | B)`)."""
 
     def __init__(self, message_type: object, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.message_type = message_type

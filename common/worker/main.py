@@ -54,15 +54,18 @@ def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> in
 async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     import torch
 
+    from common.contract.tracing import start_tracing
     from common.worker.runtime import WorkerRuntime
     from engine.dtype_choice import resolve_dtype
     from engine.engine_builder import build_engine
     from engine.llm_engine import EngineConfig, LLMEngine
 
+    tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
+                            options.worker_id)
     runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
                             options.host, options.port, options.internal_token,
                             options.redis_url, options.namespace, options.drain_timeout_s,
-                            options.sm_share_percent)
+                            options.sm_share_percent, tracing)
     dtype, why = resolve_dtype(options.dtype, options.device)
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
@@ -72,4 +75,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     def load() -> LLMEngine:
         return build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
 
-    return await runtime.serve(build_role(options, runtime), load)
+    try:
+        return await runtime.serve(build_role(options, runtime), load)
+    finally:
+        await tracing.shutdown()  # exports the spans still queued

@@ -17,6 +17,7 @@ from typing import Any
 from common.contract.log_format import LOG_FORMATS
 from common.contract.option_env import env_flag, env_name
 from common.contract.protocol import Role
+from common.contract.tracing import ENDPOINT_ENV
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")
@@ -48,6 +49,7 @@ class WorkerOptions:
     fault_request_prefix: str = ""
     sm_share_percent: int = 0  # CUDA MPS SM share given by the launcher (0: none)
     log_format: str = "text"
+    otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -101,6 +103,11 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "
         "id where there is one", choices=LOG_FORMATS)
+    parser.add_argument(
+        "--otlp-endpoint", default=env.get(env_name("--otlp-endpoint")) or env.get(ENDPOINT_ENV),
+        help="OpenTelemetry traces: OTLP/HTTP base URL to export spans to, e.g. "
+             "http://127.0.0.1:4318 (needs the tracing extra); unset: no traces [env "
+             f"{env_name('--otlp-endpoint')} or {ENDPOINT_ENV}; default: unset]")
     add("--drain-timeout-s", 30.0, "on SIGTERM, how long in-flight requests may finish",
         type=float)
     add("--internal-token", None, "shared token for the control API (prefer the "
@@ -137,7 +144,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),
         fault_request_prefix=getattr(args, "fault_request_prefix", ""),
         sm_share_percent=_mps_share(os.environ),
-        log_format=getattr(args, "log_format", "text"))
+        log_format=getattr(args, "log_format", "text"),
+        otlp_endpoint=getattr(args, "otlp_endpoint", None) or None)
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

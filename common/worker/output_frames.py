@@ -48,7 +48,7 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
     if last.finish_reason is not None:
         usage = Usage(num_prompt_tokens=last.num_prompt_tokens,
                       num_completion_tokens=last.num_output_tokens,
-                      num_cached_tokens=last.num_cached_tokens)
+                      num_cached_tokens=last.num_cached_tokens, num_steps=last.num_steps)
     return TokenFrame(request_id=request_id, token_ids=token_ids, text="".join(text),
                       logprobs=logprobs if wants_logprobs else None,
                       finish_reason=last.finish_reason, usage=usage)

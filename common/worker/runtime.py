@@ -33,6 +33,7 @@ from common.contract.control_server import ControlServer, make_app
 from common.contract.metrics import MetricsRegistry
 from common.contract.protocol import Role, WorkerInfo
 from common.contract.redis_state import RedisState, connect
+from common.contract.tracing import NO_TRACING, Tracing
 from common.contract.worker_load import WorkerLoad
 from common.worker.metrics import WorkerMetrics
 from common.worker.publisher import WorkerPublisher
@@ -82,9 +83,12 @@ class RoleWorker(Protocol):
 class WorkerRuntime:
     def __init__(self, worker_id: str, role: Role, model_name: str, device: str,
                  host: str, port: int, token: str | None, redis_url: str, namespace: str,
-                 drain_timeout_s: float, sm_share_percent: int = 0) -> None:
-        """`sm_share_percent`: the CUDA MPS share the launcher gave this process (0: none)."""
+                 drain_timeout_s: float, sm_share_percent: int = 0,
+                 tracing: Tracing = NO_TRACING) -> None:
+        """`sm_share_percent`: the CUDA MPS share the launcher gave this process (0: none);
+        `tracing`: where the role's request spans go (owned by the caller)."""
         self.worker_id = worker_id
+        self.tracing = tracing
         self.sm_share_percent = sm_share_percent
         self.role = role
         self.model_name = model_name
