@@ -16,7 +16,9 @@ order, then [DONE] (no event merged, dropped or reordered).
         [--tracing off on]
 
 `--tracing off on` measures the gateway with traces off and on (exported over OTLP/HTTP
-to a sink in this process that counts the spans it receives), side by side.
+to a sink in this process that counts the bytes it receives), side by side;
+`--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
+run from DIR with this interpreter, as the row "baseline".
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spawn(argv: list[str], marker: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE,
+def spawn(argv: list[str], marker: str, cwd: Path = REPO) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", *argv], cwd=cwd, stdout=subprocess.PIPE,
                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = process.stdout.readline()
     if marker not in line:
@@ -87,7 +89,8 @@ async def direct_stream(client: ControlClient, num_tokens: int) -> float:
 
 
 async def gateway_stream(session: aiohttp.ClientSession, url: str, num_tokens: int) -> float:
-    body = {"model": "default", "prompt": "hi", "max_tokens": num_tokens, "stream": True}
+    # Token ids, as the direct path sends: the relay is measured, not the tokenizer.
+    body = {"model": "default", "prompt": [1, 2, 3], "max_tokens": num_tokens, "stream": True}
     started = time.perf_counter()
     ttft = None
     decoder, events = SseDecoder(), []
@@ -157,7 +160,7 @@ class SpanSink:
 
 
 def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
-                 otlp_url: str | None = None) -> list[dict]:
+                 otlp_url: str | None = None, tree: Path = REPO) -> list[dict]:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
                             "--namespace", namespace, "--num-tokens", str(args.num_tokens),
@@ -167,7 +170,8 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
     gateway, url = spawn(["launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
                           "--log-level", "warning",
-                          *(["--otlp-endpoint", otlp_url] if otlp_url else [])], "listening on")
+                          *(["--otlp-endpoint", otlp_url] if otlp_url else [])], "listening on",
+                         cwd=tree)
     try:
         deadline = time.monotonic() + 20
         while b'"ready": true' not in _get(url + "/ready"):
@@ -215,6 +219,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
     parser.add_argument("--tracing", nargs="+", choices=("off", "on"), default=["off"],
                         help="measure with traces off, on (to a local OTLP sink), or both")
+    parser.add_argument("--baseline", type=Path,
+                        help="also measure the gateway of this checkout (traces off)")
     args = parser.parse_args()
     print("| tracing | pacing | streams | direct TTFT p50 ms | gateway TTFT p50 ms "
           "| added p50 ms | added p99 ms | gateway CPU ms / 1k tokens |")
@@ -222,9 +228,11 @@ def main() -> None:
     sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
         for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
-            for tracing in args.tracing:
+            configs = [(t, REPO) for t in args.tracing]
+            configs += [("baseline", args.baseline)] if args.baseline else []
+            for tracing, tree in configs:
                 otlp = sink.url if sink is not None and tracing == "on" else None
-                for row in run_scenario(redis.url, interval, args, otlp):
+                for row in run_scenario(redis.url, interval, args, otlp, tree):
                     print(f"| {tracing} | {label} | {row['concurrency']} | "
                           f"{row['direct_p50_ms']:.2f} | {row['gateway_p50_ms']:.2f} | "
                           f"{row['added_p50_ms']:.2f} | {row['added_p99_ms']:.2f} | "

@@ -3,7 +3,10 @@
 Tokenizing (and applying a chat template to) a large prompt takes long enough to stall
 every stream the gateway relays, so it runs on `max_workers` threads; requests beyond
 `max_waiting` waiting for a thread are refused at once (503), so a burst of huge prompts
-cannot queue without bound. Before any of it, a text too long to fit the context in any
+cannot queue without bound. A short prompt (at most `inline_max_chars` characters, tens
+of microseconds of work; a chat of at most INLINE_MAX_TURNS turns) is tokenized on the
+spot instead: a thread hop would cost more,
+and a burst of short chats must not be refused for a queue it never needed. Before any of it, a text too long to fit the context in any
 tokenization is refused by its length alone: no token is longer than the tokenizer's
 longest vocabulary entry, so n characters make at least ceil(n / max_token_chars) tokens.
 
@@ -22,6 +25,7 @@ from typing import TypeVar
 from gateway.backend import PromptTokenizer
 
 A = TypeVar("A")
+INLINE_MAX_TURNS = 16  # a chat template's cost grows with the turns, not only the text
 
 
 class TokenizerBusy(Exception):
@@ -30,8 +34,9 @@ class TokenizerBusy(Exception):
 
 class TokenizePool:
     def __init__(self, tokenizer: PromptTokenizer, max_workers: int = 2,
-                 max_waiting: int = 64) -> None:
+                 max_waiting: int = 64, inline_max_chars: int = 512) -> None:
         self.tokenizer = tokenizer
+        self.inline_max_chars = inline_max_chars
         self.max_workers = max_workers
         self.max_waiting = max_waiting
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -43,9 +48,14 @@ class TokenizePool:
         return -(-num_chars // self.tokenizer.max_token_chars)
 
     async def encode(self, text: str) -> list[int]:
+        if len(text) <= self.inline_max_chars:
+            return self.tokenizer.encode(text)
         return await self._run(self.tokenizer.encode, text)
 
     async def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        if len(turns) <= INLINE_MAX_TURNS and \
+                sum(len(text) for _, text in turns) <= self.inline_max_chars:
+            return self.tokenizer.encode_chat(turns)
         return await self._run(self.tokenizer.encode_chat, turns)
 
     async def _run(self, fn: Callable[[A], list[int]], arg: A) -> list[int]:

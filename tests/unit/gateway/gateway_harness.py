@@ -4,13 +4,15 @@ aiohttp server on 127.0.0.1 (port 0) driven from a private event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from common.contract.finish_reason import FinishReason
+from common.contract.tracing import NO_TRACING, Tracing
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
@@ -93,7 +95,9 @@ class Harness:
                  limits: RequestLimits | None = None, max_running_total: int = 64,
                  max_queued_total: int = 64, body_timeout_s: float = 30.0,
                  first_byte_s: float = 2.0, keepalive_s: float = 10.0,
-                 count: bool = False) -> None:
+                 count: bool = False, tracing: Tracing = NO_TRACING,
+                 install: Callable[[web.Application], None] | None = None) -> None:
+        """`install(app)` adds routes before the server starts."""
         self.loop = asyncio.new_event_loop()
         self.backend = backend
         self.tiers = tiers or load_tier_config(None, {})
@@ -104,11 +108,14 @@ class Harness:
         settings = ApiSettings(served_models=(MODEL,), limits=limits or default_limits(),
                                created_at=1_700_000_000, body_timeout_s=body_timeout_s,
                                first_byte_s=first_byte_s, keepalive_s=keepalive_s)
-        self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate)
+        self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate,
+                              tracing=tracing)
         self.metrics = GatewayMetrics()
         if count:  # the counting middleware of gateway/ops_api.py, without its routes
             self.app[METRICS], self.app[REFUSALS] = self.metrics, RefusalLog()
             self.app.middlewares.insert(0, count_middleware)
+        if install is not None:
+            install(self.app)
         self.server = TestServer(self.app, host="127.0.0.1", port=0)
         self.loop.run_until_complete(self.server.start_server())
         self.session = self.loop.run_until_complete(self._session())

@@ -50,3 +50,27 @@ def test_spans_nest_and_carry_their_parent_when_on() -> None:
     assert spans["decode"].attributes["error.type"] == "worker_error"
     assert "skip" not in spans["chat m"].attributes
     tracing._provider.shutdown()  # type: ignore[attr-defined]
+
+
+def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() -> None:
+    import asyncio
+
+    from common.contract.protocol import DecodeRequest, PrefillRequest
+    from common.worker.request_spans import traced_decode, traced_prefill
+
+    async def produce(request):
+        yield request
+
+    prefill = PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000,
+                             traceparent=GOOD)
+    decode = DecodeRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000)
+
+    async def frames(generator):
+        return [frame async for frame in generator]
+
+    off_prefill = traced_prefill(NO_TRACING, produce, "tcp")(prefill)
+    assert off_prefill.ag_code is produce.__code__  # the producer itself, no wrapper
+    assert asyncio.run(frames(off_prefill)) == [prefill]
+    tracing = start_tracing("pdserve-test", "http://127.0.0.1:9")
+    assert traced_decode(tracing, produce)(decode).ag_code is produce.__code__  # untraced
+    asyncio.run(tracing.shutdown())
