@@ -19,6 +19,12 @@ order, then [DONE] (no event merged, dropped or reordered).
 to a sink in this process that counts the bytes it receives), side by side;
 `--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
 run from DIR with this interpreter, as the row "baseline".
+
+Peers, in the same run (`--peers`; default: proxy, and vllm-router when it is on the
+PATH): the same streams relayed by a plain aiohttp pass-through proxy and by vllm-router
+(Rust), both in front of an OpenAI-speaking stub (benchmarks/relay_peers.py) that sends
+the same 64 " word" events; their "direct" is the client reading that stub itself, and
+the CPU is the relay process's.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -110,17 +119,23 @@ async def gateway_stream(session: aiohttp.ClientSession, url: str, num_tokens: i
 
 
 async def measure(url: str, stub_url: str, gateway_pid: int, concurrency: int, rounds: int,
-                  num_tokens: int) -> dict:
+                  num_tokens: int, peer: bool = False) -> dict:
+    """`peer`: the relay at `url` and the stub at `stub_url` speak OpenAI (relay_peers.py);
+    else `url` is pdserve's gateway and `stub_url` the stub worker's control API."""
     direct, via = [], []
     cpu_s = 0.0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         client = ControlClient(stub_url, session=session)
+
+        def one_direct() -> Awaitable[float]:
+            return gateway_stream(session, stub_url, num_tokens) if peer else \
+                direct_stream(client, num_tokens)
+
         await gateway_stream(session, url, num_tokens)  # warm the connection pools
-        await direct_stream(client, num_tokens)
+        await one_direct()
         for _ in range(rounds):
-            direct += await asyncio.gather(*(direct_stream(client, num_tokens)
-                                             for _ in range(concurrency)))
+            direct += await asyncio.gather(*(one_direct() for _ in range(concurrency)))
             before = cpu_seconds(gateway_pid)
             via += await asyncio.gather(*(gateway_stream(session, url, num_tokens)
                                           for _ in range(concurrency)))
@@ -188,6 +203,40 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
         os.unlink(tiers.name)
 
 
+def run_peer(peer: str, interval_ms: float, args: argparse.Namespace) -> list[dict]:
+    """The same streams through a plain aiohttp proxy or vllm-router, against the
+    OpenAI-speaking stub (benchmarks/relay_peers.py)."""
+    stub, stub_url = spawn(["benchmarks.relay_peers", "stub", "--num-tokens",
+                            str(args.num_tokens), "--token-interval-ms", str(interval_ms)],
+                           "listening on")
+    relay: subprocess.Popen | None = None
+    try:
+        if peer == "proxy":
+            relay, url = spawn(["benchmarks.relay_peers", "proxy", "--upstream", stub_url],
+                               "listening on")
+        else:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            relay = subprocess.Popen(
+                [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                 stub_url, "--policy", "round_robin", "--log-level", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while b'"data"' not in _get(url + "/v1/models"):
+                if time.monotonic() > deadline or relay.poll() is not None:
+                    raise RuntimeError("vllm-router did not start")
+                time.sleep(0.2)
+        return [asyncio.run(measure(url, stub_url, relay.pid, c, args.rounds, args.num_tokens,
+                                    peer=True)) for c in args.concurrency]
+    finally:
+        for process in (relay, stub):
+            if process is not None:
+                process.terminate()
+                stop(process)
+
+
 def stop(process: subprocess.Popen) -> None:
     """Wait for a terminated process; kill it when it takes too long (a loaded host)."""
     try:
@@ -211,6 +260,12 @@ def _get(url: str) -> bytes:
         return b""
 
 
+def print_row(relay: str, pacing: str, row: dict) -> None:
+    print(f"| {relay} | {pacing} | {row['concurrency']} | {row['direct_p50_ms']:.2f} | "
+          f"{row['gateway_p50_ms']:.2f} | {row['added_p50_ms']:.2f} | {row['added_p99_ms']:.2f} "
+          f"| {row['cpu_ms_per_1k_tokens']:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -221,9 +276,19 @@ def main() -> None:
                         help="measure with traces off, on (to a local OTLP sink), or both")
     parser.add_argument("--baseline", type=Path,
                         help="also measure the gateway of this checkout (traces off)")
+    parser.add_argument("--peers", nargs="*", choices=("proxy", "vllm-router"), default=None,
+                        help="also relay the same streams through these (default: proxy, "
+                             "and vllm-router when it is on the PATH); none: --peers alone")
+    parser.add_argument("--vllm-router", default=shutil.which("vllm-router"),
+                        help="the vllm-router binary (default: the one on the PATH)")
     args = parser.parse_args()
-    print("| tracing | pacing | streams | direct TTFT p50 ms | gateway TTFT p50 ms "
-          "| added p50 ms | added p99 ms | gateway CPU ms / 1k tokens |")
+    if args.peers is None:
+        args.peers = ["proxy", *(["vllm-router"] if args.vllm_router else [])]
+    if "vllm-router" in args.peers and not args.vllm_router:
+        parser.error("vllm-router is not on the PATH (pip install vllm-router), or give "
+                     "--vllm-router PATH")
+    print("| relay | pacing | streams | direct TTFT p50 ms | relayed TTFT p50 ms "
+          "| added p50 ms | added p99 ms | relay CPU ms / 1k tokens |")
     print("|---|---|---|---|---|---|---|---|")
     sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
@@ -233,10 +298,11 @@ def main() -> None:
             for tracing, tree in configs:
                 otlp = sink.url if sink is not None and tracing == "on" else None
                 for row in run_scenario(redis.url, interval, args, otlp, tree):
-                    print(f"| {tracing} | {label} | {row['concurrency']} | "
-                          f"{row['direct_p50_ms']:.2f} | {row['gateway_p50_ms']:.2f} | "
-                          f"{row['added_p50_ms']:.2f} | {row['added_p99_ms']:.2f} | "
-                          f"{row['cpu_ms_per_1k_tokens']:.1f} |", flush=True)
+                    print_row(f"pdserve, tracing {tracing}" if tracing != "baseline"
+                              else "pdserve baseline", label, row)
+            for peer in args.peers:
+                for row in run_peer(peer, interval, args):
+                    print_row(peer, label, row)
     if sink is not None:
         print(f"\nspans exported with tracing on: {sink.num_bytes} bytes of OTLP", flush=True)
 
