@@ -1,8 +1,9 @@
 """The client's side of one generation's tokens, across every attempt that produced them.
 
-Workers send token ids (with their text); the client receives `TokenDelta`s. The relay
-turns one into the other and keeps what a retry or a migration needs: the token ids the
-client already has, in order.
+Workers send token ids (with their text; per token when a frame carries several); the
+client receives `TokenDelta`s, one per token where the worker said which text is whose.
+The relay turns one into the other and keeps what a retry or a migration needs: the token
+ids the client already has, in order.
 
     PrefillResult(t1)      ──▶ first_token() ──▶ delta t1            token_ids = [t1]
     TokenFrame(t2 t3)      ──▶ frames()      ──▶ deltas t2, t3       token_ids = [t1, t2, t3]
@@ -85,7 +86,7 @@ class TokenRelay:
         token_ids = self.token_ids
         for frame in frames:
             reason = frame.finish_reason
-            if reason is None and frame.token_ids and not frame.logprobs:
+            if reason is None and frame.token_ids and not frame.logprobs and frame.texts is None:
                 # The common case, kept short: one more token, nothing else.
                 token_ids.extend(frame.token_ids)
                 deltas.append(TokenDelta(text=frame.text, num_tokens=len(frame.token_ids)))
@@ -102,9 +103,20 @@ class TokenRelay:
                           frame.usage.num_completion_tokens)
             if not frame.token_ids and finish is None:
                 continue
-            deltas.append(TokenDelta(
-                text=frame.text, num_tokens=len(frame.token_ids), finish_reason=finish,
-                logprobs=self._logprobs(frame.logprobs) if frame.logprobs else None))
+            logprobs = self._logprobs(frame.logprobs) if frame.logprobs else None
+            texts = frame.texts
+            if texts is not None and len(texts) == len(frame.token_ids) > 1 and \
+                    (logprobs is None or len(logprobs) == len(texts)):
+                # Tokens the worker merged into one frame: one delta (SSE event) each.
+                last = len(texts) - 1
+                deltas.extend(TokenDelta(
+                    text=text, num_tokens=1, finish_reason=finish if i == last else None,
+                    logprobs=None if logprobs is None else logprobs[i:i + 1])
+                    for i, text in enumerate(texts))
+            else:
+                text = frame.text if texts is None else "".join(texts)
+                deltas.append(TokenDelta(text=text, num_tokens=len(frame.token_ids),
+                                         finish_reason=finish, logprobs=logprobs))
             if finish is not None:
                 # Frames after the finishing one (none from a correct worker) are dropped.
                 self.finished = True

@@ -256,7 +256,8 @@ class TokenFrame(Message, tag="token_frame", frozen=True, kw_only=True):
 
     request_id: Id
     token_ids: TokenIds
-    text: Text = ""
+    text: Text = ""  # the tokens' text; "" when `texts` (one per token id, in order) is set
+    texts: Annotated[list[Text], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)] | None = None
     logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # on the last frame

@@ -26,6 +26,7 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
 
     The last output decides the end: a finish carries usage; an engine error becomes an
     ErrorFrame (the tokens before it were already delivered or are dropped with it).
+    Merged one-token outputs keep their texts apart (`texts`).
     """
     token_ids: list[int] = []
     text: list[str] = []
@@ -49,7 +50,12 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
         usage = Usage(num_prompt_tokens=last.num_prompt_tokens,
                       num_completion_tokens=last.num_output_tokens,
                       num_cached_tokens=last.num_cached_tokens, num_steps=last.num_steps)
-    return TokenFrame(request_id=request_id, token_ids=token_ids, text="".join(text),
+    # Several one-token outputs (a gateway that lagged): per-token texts, so the gateway
+    # still sends one SSE event per token.
+    per_token = len(outputs) > 1 and all(len(o.new_token_ids) == 1 for o in outputs)
+    return TokenFrame(request_id=request_id, token_ids=token_ids,
+                      text="" if per_token else "".join(text),
+                      texts=text if per_token else None,
                       logprobs=logprobs if wants_logprobs else None,
                       finish_reason=last.finish_reason, usage=usage)
 

@@ -81,3 +81,24 @@ def test_more_tokens_than_max_tokens_break_the_invariant() -> None:
     r.frames([frame(1, 2, 3)], "d0")
     with pytest.raises(AssertionError, match="max_tokens"):
         r.check_invariants()
+
+
+def test_a_frame_with_per_token_texts_becomes_one_delta_per_token() -> None:
+    r, metrics = relay()
+    merged = TokenFrame(request_id="r", token_ids=[4, 5, 6], texts=["a", "", "bc"])
+    deltas, end = r.frames([merged], "d0")
+    assert [(d.text, d.num_tokens) for d in deltas] == [("a", 1), ("", 1), ("bc", 1)]
+    last = TokenFrame(request_id="r", token_ids=[7, 8], texts=["d", "e"],
+                      finish_reason=FinishReason.LENGTH,
+                      usage=Usage(num_prompt_tokens=3, num_completion_tokens=5))
+    deltas, end = r.frames([last], "d0")
+    assert [d.finish_reason for d in deltas] == [None, FinishReason.LENGTH]
+    assert end is StreamEnd.FINISHED and r.token_ids == [4, 5, 6, 7, 8]
+    assert metrics.num_splice_mismatches == 0
+
+
+def test_per_token_texts_that_do_not_match_the_ids_become_one_delta() -> None:
+    r, _ = relay()
+    odd = TokenFrame(request_id="r", token_ids=[4, 5], texts=["a", "b", "c"])
+    deltas, _ = r.frames([odd], "d0")
+    assert [(d.text, d.num_tokens) for d in deltas] == [("abc", 2)]
