@@ -6,7 +6,8 @@ gateway/static/, no CDN) and `GET /admin/cluster`, the JSON the page polls every
     /admin/cluster         {"now_unix_ms", "models", "workers": [/admin/workers rows],
                             "tiers": [{"name", "priority", "ttft_ms", "tpot_ms", "queued",
                                        "running"}],
-                            "bucket_s", "attainment": [{"start_unix_s", "tiers": {tier:
+                            "bucket_s", "window_s" (what the counts cover: the
+                            buckets, or the gateway's uptime when shorter), "attainment": [{"start_unix_s", "tiers": {tier:
                                        {"met", "missed", "refused", "failed"}}}],
                             "recent": [requests that missed, newest first, with stages],
                             "agent_events": []}
@@ -56,6 +57,7 @@ class ClusterSnapshot(msgspec.Struct):
     workers: list[WorkerRow]
     tiers: list[TierRow]
     bucket_s: int
+    window_s: float
     attainment: list[Bucket]
     recent: list[RequestRecord]
     agent_events: list[dict[str, object]]  # the operations agent's decisions (none yet)
@@ -96,7 +98,8 @@ async def handle_cluster(request: web.Request) -> web.Response:
     snapshot = ClusterSnapshot(
         now_unix_ms=int(now * 1000), models=list(app[SETTINGS].served_models[:1]),
         workers=[worker_row(entry) for entry in app[CLUSTER].entries()], tiers=tiers,
-        bucket_s=history.bucket_s, attainment=history.attainment(now),
+        bucket_s=history.bucket_s, window_s=history.window_s(now),
+        attainment=history.attainment(now),
         recent=history.recent(), agent_events=[])
     return web.Response(body=msgspec.json.encode(snapshot), content_type="application/json",
                         headers=SECURITY_HEADERS)

@@ -5,6 +5,8 @@ their targets (slow, refused, failed or aborted) with their stage timelines.
     observe(record, now_unix_s)   one finished request (gateway/request_trace.py's record)
     attainment(now_unix_s)        the last `num_buckets` buckets, oldest first, each
                                   {tier: OutcomeCounts}; empty buckets included
+    window_s(now_unix_s)          the time those counts cover (less for a young gateway,
+                                  so a rate over it is not diluted by time it did not run)
     recent()                      the last `max_recent` requests that missed, newest first
 
 Bounded: at most `num_buckets` buckets and `max_recent` records, whatever the traffic.
@@ -14,6 +16,7 @@ in order, and none is older than the window.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import msgspec
@@ -48,9 +51,12 @@ class Bucket(msgspec.Struct):
 
 
 class RequestHistory:
-    def __init__(self, bucket_s: int = 10, num_buckets: int = 30, max_recent: int = 40) -> None:
+    def __init__(self, bucket_s: int = 10, num_buckets: int = 30, max_recent: int = 40,
+                 started_unix_s: float | None = None) -> None:
+        """`started_unix_s`: when counting began (default: now)."""
         if bucket_s < 1 or num_buckets < 1 or max_recent < 0:
             raise ValueError("bucket_s and num_buckets must be >= 1, max_recent >= 0")
+        self.started_unix_s = time.time() if started_unix_s is None else started_unix_s
         self.bucket_s, self.num_buckets = bucket_s, num_buckets
         self._buckets: deque[Bucket] = deque()
         self._recent: deque[RequestRecord] = deque(maxlen=max_recent)
@@ -80,6 +86,10 @@ class RequestHistory:
         newest = self._start(now_unix_s)
         starts = range(newest - (self.num_buckets - 1) * self.bucket_s, newest + 1, self.bucket_s)
         return [kept.get(start) or Bucket(start, {}) for start in starts]
+
+    def window_s(self, now_unix_s: float) -> float:
+        """The seconds the counts cover: the whole window, or less since counting began."""
+        return max(0.0, min(self.num_buckets * self.bucket_s, now_unix_s - self.started_unix_s))
 
     def recent(self) -> list[RequestRecord]:
         return list(reversed(self._recent))

@@ -121,12 +121,12 @@ function tierTotals(data) {
 }
 
 function renderTiers(data, totals) {
-  const minutes = data.attainment.length * data.bucket_s / 60;
-  $("window").textContent = `(last ${minutes.toFixed(0)} min)`;
+  const minutes = data.window_s / 60;
+  $("window").textContent = minutes >= 1 ? `(last ${minutes.toFixed(0)} min)` : `(last ${data.window_s.toFixed(0)} s)`;
   $("tiers").tBodies[0].replaceChildren(...data.tiers.map(t => {
     const c = totals[t.name];
     const done = c.met + c.missed + c.refused + c.failed;
-    const goodput = c.met / (data.attainment.length * data.bucket_s);
+    const goodput = c.met / Math.max(1, data.window_s);  // a young gateway: its uptime
     return el("tr", { "data-tier": t.name },
       el("td", {}, t.name), el("td", {}, `${ms(t.ttft_ms)} / ${ms(t.tpot_ms)}`),
       el("td", { class: "num" }, t.queued), el("td", { class: "num" }, t.running),

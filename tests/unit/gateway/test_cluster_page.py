@@ -67,6 +67,7 @@ def test_the_data_lists_tiers_buckets_and_no_workers(harness: Harness) -> None:
     assert status == 200 and data["models"] == [MODEL] and data["workers"] == []
     assert {t["name"] for t in data["tiers"]} == {"interactive", "standard", "batch"}
     assert len(data["attainment"]) == 30 and data["bucket_s"] == 10
+    assert 0 <= data["window_s"] < 60  # the history began with this test
     assert data["recent"] == [] and data["agent_events"] == []
 
 

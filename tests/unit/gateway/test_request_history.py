@@ -56,3 +56,10 @@ def test_a_clock_stepping_back_lands_in_the_newest_bucket() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
         RequestHistory(bucket_s=0)
+
+
+def test_the_window_is_the_uptime_until_the_buckets_cover_more() -> None:
+    history = RequestHistory(bucket_s=10, num_buckets=3, started_unix_s=1000.0)
+    assert history.window_s(1012.5) == 12.5
+    assert history.window_s(2000.0) == 30
+    assert history.window_s(990.0) == 0.0  # a clock that stepped back
