@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from up_process import terminate
 
 PACKAGE_HINT = ("Chromium is not installed: `apt-get install chromium` (Debian's package; "
                 ".ci/run and `make test` install it when run as root)")
@@ -119,13 +120,7 @@ class ChromiumPage:
             self._loop.run_until_complete(self._ws.close())
         if hasattr(self, "_session"):
             self._loop.run_until_complete(self._session.close())
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        terminate(self.process)
         self._loop.close()
 
     def __enter__(self) -> ChromiumPage:

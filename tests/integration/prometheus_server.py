@@ -16,6 +16,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from up_process import terminate
+
 PACKAGE_HINT = ("Prometheus is not installed: `apt-get install prometheus` (Debian's package; "
                 ".ci/run and `make test` install it when run as root)")
 
@@ -83,10 +85,4 @@ class PrometheusServer:
         return {t["scrapeUrl"]: t["health"] for t in self.api("targets")["activeTargets"]}
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        terminate(self.process)

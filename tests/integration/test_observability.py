@@ -29,22 +29,13 @@ import pytest
 from chromium_page import ChromiumPage
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 from prometheus_server import PrometheusServer
-from up_process import REPO, UpProcess
+from up_process import HANDOFF_TIER, LONG_PROMPT, REPO, UpProcess
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "pdserve.json"
 ADMIN_KEY, LIMITED_KEY = "sk-observability-admin", "sk-observability-limited"
-LONG_PROMPT = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 80)
-TIERS = """
-[tiers.handoff]
-priority = 1
-ttft_ms = 60000
-tpot_ms = 5000
-max_queued = 16
-max_running = 16
-local_prefill_max_tokens = 0
-
+TIERS = HANDOFF_TIER + """
 [tiers.limited]
 priority = 2
 ttft_ms = 60000

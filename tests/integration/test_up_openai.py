@@ -13,29 +13,15 @@ import urllib.request
 
 import openai
 import pytest
-from up_process import UpProcess, child_pids, wait_gone
+from up_process import HANDOFF_TIER, LONG_PROMPT, UpProcess, child_pids, wait_gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-LONG_PROMPT = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 80)
-
-
-# The shipped tiers, plus one that hands every prompt off P -> D, so the handoff test does
-# not depend on which plan the router predicts to be cheaper on this machine.
-HANDOFF_TIERS = """
-[tiers.handoff]
-priority = 1
-ttft_ms = 60000
-tpot_ms = 5000
-max_queued = 16
-max_running = 16
-local_prefill_max_tokens = 0
-"""
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
-    tiers.write_text(HANDOFF_TIERS)
+    tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
     process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"))
     yield process
     process.stop()

@@ -14,6 +14,19 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# A prompt long enough (over 512 tokens) to be handed off P -> D.
+LONG_PROMPT = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 80)
+# A tier that hands every prompt off P -> D, so a handoff test does not depend on which
+# plan the router predicts to be cheaper on this machine.
+HANDOFF_TIER = """
+[tiers.handoff]
+priority = 1
+ttft_ms = 60000
+tpot_ms = 5000
+max_queued = 16
+max_running = 16
+local_prefill_max_tokens = 0
+"""
 
 
 class UpProcess:
@@ -71,6 +84,17 @@ class UpProcess:
             code = self.process.wait(10)
         self._reader.join(5)
         return code
+
+
+def terminate(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout_s`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 def pid_alive(pid: int) -> bool:
