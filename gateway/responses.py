@@ -4,8 +4,9 @@
 Stream: headers go out with the first token (a request that fails at once still gets a
 proper 503), or after `first_byte_s` without it, then a keep-alive blank line every
 `keepalive_s`; one SSE event per token, all the events of one batch in one write; a
-failure after the headers is an in-band error event; the end is the usage chunk (when asked) and [DONE]; a
-stream the gateway's shutdown cuts (gateway/drain.py) ends the same way, with an error.
+failure after the headers is an in-band error event; the end is the usage chunk (when
+asked) and [DONE]; a stream the gateway's shutdown cuts (gateway/drain.py) ends the same
+way, with an error.
 Every write to the client is bounded (`write_timeout_s`): a client that stops reading
 counts as gone, its connection dropped. A client that goes away closes the batches'
 generator, which is what stops the work upstream.
