@@ -56,7 +56,8 @@ function askForKey(message) {
 
 async function poll() {
   try {
-    const answer = await fetch("/admin/cluster", { headers: headers(), cache: "no-store" });
+    const answer = await fetch("/admin/cluster", { headers: headers(), cache: "no-store",
+                                                   signal: AbortSignal.timeout(10000) });
     if (answer.status === 401 || answer.status === 403) {
       const body = await answer.json().catch(() => ({}));
       askForKey((body.error && body.error.message) || "This page needs an admin API key.");

@@ -74,3 +74,16 @@ def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() 
     tracing = start_tracing("pdserve-test", "http://127.0.0.1:9")
     assert traced_decode(tracing, produce)(decode).ag_code is produce.__code__  # untraced
     asyncio.run(tracing.shutdown())
+
+
+@pytest.mark.parametrize("bad", ["garbage", GOOD.upper(), GOOD + "-x", "00-" + "g" * 32 + "-00f067aa0ba902b7-01"])
+def test_a_worker_message_with_a_malformed_traceparent_is_refused(bad: str) -> None:
+    from common.contract.protocol import PrefillRequest, ProtocolError, decode, encode
+
+    message = PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000,
+                             traceparent=bad)  # constructing does not validate; decoding does
+    with pytest.raises(ProtocolError, match="traceparent"):
+        decode(encode(message), PrefillRequest)
+    good = PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000,
+                          traceparent=GOOD)
+    assert decode(encode(good), PrefillRequest).traceparent == GOOD
