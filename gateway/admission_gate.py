@@ -3,11 +3,16 @@
 The controller decides (pure state machine, injected clock); the gate turns its decisions
 into awaits and HTTP errors:
 
-    enter() ── rate limit ──> controller.submit ─┬─ Admitted ──────────────> return
-                                                  ├─ Queued ── future set ──> return
+    enter() ── rate limit ──> controller.submit ─┬─ Admitted ───────────────> cluster slot
+                                                  ├─ Queued ── future set ──> cluster slot
                                                   │     └─ deadline / shed ─> ApiError 429
                                                   └─ Rejected ──────────────> ApiError 429
-    leave() ── controller.release ──> wake the handlers it admitted
+            cluster slot (with shared limits: gateway/shared_limits.py, the limits of every
+            replica together) ── held ──> return;  refused ──> local slot back, ApiError 429
+    leave() ── cluster slot back ── controller.release ──> wake the handlers it admitted
+
+With shared limits the key's token rate is charged in Redis too, so a key's limit holds
+across replicas; without (one gateway, unit tests) the local `TokenRateLimiter`.
 
 A waiter's wait ends at its tier's wait limit (`TierSpec.wait_limit_ms`: by default the
 TTFT target; no background expiry task needed); a waiter
@@ -28,6 +33,7 @@ import asyncio
 from gateway.admission import AdmissionController, Admitted, Queued, Rejected
 from gateway.errors import ApiError, rate_limited
 from gateway.rate_limit import TokenRateLimiter
+from gateway.shared_limits import SharedLimits
 from gateway.tiers import TierSpec
 
 _REJECT_MESSAGES = {
@@ -42,10 +48,16 @@ _REJECT_MESSAGES = {
 
 
 class AdmissionGate:
-    def __init__(self, controller: AdmissionController, limiter: TokenRateLimiter) -> None:
+    def __init__(self, controller: AdmissionController, limiter: TokenRateLimiter,
+                 shared: SharedLimits | None = None) -> None:
         self._controller = controller
         self._limiter = limiter
+        self._shared = shared
         self._waiters: dict[str, asyncio.Future[None]] = {}
+
+    @property
+    def shared(self) -> SharedLimits | None:
+        return self._shared
 
     @property
     def controller(self) -> AdmissionController:
@@ -55,7 +67,7 @@ class AdmissionGate:
                     num_tokens: int) -> None:
         """Return once admitted; raises ApiError(429) when refused or too late."""
         if key_id is not None and tier.tokens_per_min is not None:
-            wait_s = self._limiter.try_consume(key_id, num_tokens, tier.tokens_per_min)
+            wait_s = await self._charge(key_id, num_tokens, tier.tokens_per_min)
             if wait_s is not None:
                 hint = (" This request alone exceeds the limit; lower max_tokens."
                         if num_tokens > tier.tokens_per_min else "")
@@ -63,9 +75,10 @@ class AdmissionGate:
                                    f"reached for this API key.{hint}", wait_s, code="rate_limit_exceeded")
         try:
             await self._wait_for_admission(request_id, tier)
+            await self._hold_cluster_slot(request_id, tier)
         except BaseException:
             if key_id is not None and tier.tokens_per_min is not None:
-                self._limiter.refund(key_id, num_tokens, tier.tokens_per_min)
+                self._refund(key_id, num_tokens, tier.tokens_per_min)
             raise
 
     def leave(self, request_id: str, tier: TierSpec, key_id: str | None,
@@ -73,8 +86,38 @@ class AdmissionGate:
         """The request ended (finished, failed or client gone); called exactly once per
         successful `enter`."""
         if key_id is not None and tier.tokens_per_min is not None:
-            self._limiter.refund(key_id, num_unused_tokens, tier.tokens_per_min)
+            self._refund(key_id, num_unused_tokens, tier.tokens_per_min)
+        if self._shared is not None:
+            self._shared.release(request_id)
         self._wake(self._controller.release(request_id))
+
+    async def _charge(self, key_id: str, num_tokens: int, tokens_per_min: int) -> float | None:
+        if self._shared is not None:
+            return await self._shared.charge(key_id, num_tokens, tokens_per_min)
+        return self._limiter.try_consume(key_id, num_tokens, tokens_per_min)
+
+    def _refund(self, key_id: str, num_tokens: int, tokens_per_min: int) -> None:
+        if self._shared is not None:
+            self._shared.refund(key_id, num_tokens, tokens_per_min)
+        else:
+            self._limiter.refund(key_id, num_tokens, tokens_per_min)
+
+    async def _hold_cluster_slot(self, request_id: str, tier: TierSpec) -> None:
+        """With shared limits, also a slot of the whole cluster's; holds the local slot
+        meanwhile and gives it back when refused or cancelled."""
+        if self._shared is None:
+            return
+        refused = None
+        try:
+            refused = await self._shared.acquire(request_id, tier,
+                                                 self._controller.max_running_total,
+                                                 self._controller.mean_service_s)
+        except BaseException:
+            self._wake(self._controller.cancel(request_id))
+            raise
+        if refused is not None:
+            self._wake(self._controller.cancel(request_id))
+            raise _rejection(Rejected(request_id, refused.retry_after_s, refused.reason), tier)
 
     async def _wait_for_admission(self, request_id: str, tier: TierSpec) -> None:
         outcome = self._controller.submit(request_id, tier.name)

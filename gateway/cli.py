@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from common.contract.log_format import LOG_FORMATS, configure_logging
-from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default
+from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default, env_flag
 from common.contract.tracing import ENDPOINT_ENV
 
 
@@ -62,6 +62,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
              "shed early while the most urgent tier is at risk; static: --max-running "
              "fixed, tiers shed only when their own deadline cannot be met (default adaptive)")
+    opt("--shared-limits", "on", choices=("on", "off"),
+        help="on: tier concurrency and queue limits and per-key token rates are held in "
+             "Redis, so every gateway replica of the namespace together admits what one "
+             "would (one Redis round trip per admission); off: this process's own limits "
+             "(default on)")
+    opt("--replicas", "1", type=int,
+        help="gateway replicas this one is part of; while Redis is unreachable each admits "
+             "1/N of every limit on its own, N being the larger of this and the replicas "
+             "last seen live in Redis (default 1)")
+    p.add_argument("--reuse-port", action="store_true", default=env_flag(env, "--reuse-port"),
+                   help="listen with SO_REUSEPORT, so several replicas share --port and the "
+                        "kernel spreads connections among them (`pdserve up --gateways N`)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
     opt("--log-format", "text", choices=LOG_FORMATS,
@@ -110,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     if args.expect_workers < 0:
         print("pdserve gateway: --expect-workers must be >= 0", file=sys.stderr)
         return 2
+    if args.replicas < 1:
+        print("pdserve gateway: --replicas must be >= 1", file=sys.stderr)
+        return 2
     if not 0 <= args.kv_wait_s <= 600:
         print("pdserve gateway: --kv-wait-s must be within 0..600", file=sys.stderr)
         return 2
@@ -124,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s,
                                   kv_wait_ms=int(args.kv_wait_s * 1000)),
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
-        internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None)
+        internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None,
+        shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
+        reuse_port=args.reuse_port)
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

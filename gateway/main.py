@@ -11,8 +11,9 @@
 Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
 session, the Redis client, the cluster view (its poll task and the mirror's task) and the
 concurrency governor (gateway/capacity.py) start;
-on shutdown they stop in reverse order and every pending abort is awaited or cancelled,
-so no task outlives the app.
+the shared-limits sync (gateway/shared_limits.py) starts last; on shutdown they stop in
+reverse order (the sync hands this replica's slots back first) and every pending abort
+is awaited or cancelled, so no task outlives the app.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWi
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import DRAIN, ApiSettings, create_app
+from gateway.limit_store import LimitStore
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import read_model_info
 from gateway.ops_api import install
@@ -44,6 +46,7 @@ from gateway.prompt_tokenizer import GatewayTokenizer
 from gateway.rate_limit import TokenRateLimiter
 from gateway.request_parsing import RequestLimits
 from gateway.retry_policy import RetryLimits
+from gateway.shared_limits import SharedLimits
 from gateway.slo_accounting import SloOutcome
 from gateway.startup import StartupGate
 from gateway.tiers import load_tier_config
@@ -74,6 +77,11 @@ class GatewayConfig:
     adaptive_admission: bool = True  # False: a fixed limit (max_running), no early shedding
     expect_workers: int = 0  # not ready (/ready, /v1/*) until this many workers registered
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
+    # Admission limits held in Redis, shared with every replica of the cluster (a
+    # namespace); the hint is the N of the 1/N fallback while Redis is unreachable.
+    shared_limits: bool = True
+    replicas_hint: int = 1
+    reuse_port: bool = False  # SO_REUSEPORT: several replicas listen on one port
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -91,13 +99,16 @@ async def make_app(config: GatewayConfig) -> web.Application:
                              max_prompt_tokens=config.max_prompt_tokens,
                              vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes),
         body_timeout_s=config.body_timeout_s)
+    state = RedisState(connect(config.redis_url), namespace=config.namespace)
+    shared = (SharedLimits(LimitStore(state.client, config.namespace), time.monotonic,
+                           replicas_hint=config.replicas_hint)
+              if config.shared_limits else None)
     gate = AdmissionGate(
         AdmissionController(tuple(tiers.tiers.values()), max_running_total=config.max_running,
                             max_queued_total=config.max_queued, clock=time.monotonic),
-        TokenRateLimiter(time.monotonic))
+        TokenRateLimiter(time.monotonic), shared)
     tokenizer = GatewayTokenizer(engine_tokenizer)
     metrics = GatewayMetrics(tiers.tiers, (o.value for o in SloOutcome))
-    state = RedisState(connect(config.redis_url), namespace=config.namespace)
     cluster = ClusterView(state, PrefixIndexMirror(state), random.Random())
     # No connection cap: every stream holds one upstream connection for its whole life.
     session = ClientSession(connector=TCPConnector(limit=0))
@@ -120,20 +131,25 @@ async def make_app(config: GatewayConfig) -> web.Application:
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
-                                            config.adaptive_admission, tracing))
+                                            config.adaptive_admission, tracing, shared))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
                      state: RedisState, governor: CapacityGovernor, adaptive: bool,
-                     tracing: Tracing) -> Callable[[web.Application], AsyncIterator[None]]:
+                     tracing: Tracing, shared: SharedLimits | None,
+                     ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
         if adaptive:
             governor.start()
+        if shared is not None:
+            shared.start()
         try:
             yield
         finally:
+            if shared is not None:
+                await shared.stop()  # after the drain: hands this replica's slots back
             await governor.stop()
             await cluster.stop()
             await backend.aclose()
@@ -156,7 +172,7 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
         shown = f"[{host}]" if ":" in host else host

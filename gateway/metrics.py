@@ -18,6 +18,10 @@
     pdserve_gateway_queue_depth{tier}, pdserve_gateway_running{tier}   gauges, read at scrape
     pdserve_gateway_workers{role}                 gauge: routable workers
     pdserve_gateway_redis_connected               gauge: 1 while registry polls succeed
+    pdserve_gateway_limits_shared                 gauge: 1 while admission limits are held in
+                                                  Redis for every replica, 0 on the 1/N
+                                                  local fallback (gateway/shared_limits.py)
+    pdserve_gateway_replicas                      gauge: replicas sharing the limits (the N)
 
 Recording is a few dict operations; nothing here does I/O. One instance per gateway
 (owned by the app), so tests get fresh counters.

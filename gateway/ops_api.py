@@ -146,6 +146,9 @@ async def handle_ready(request: web.Request) -> web.Response:
     ready = num_decode > 0 and not draining and startup.is_open
     body = {"ready": ready, "decode_workers": num_decode, "draining": draining,
             "redis_connected": cluster.redis_connected, **startup.status()}
+    shared = request.app[GATE].shared
+    if shared is not None:
+        body["admission_limits"] = shared.status()
     return web.json_response(body, status=200 if ready else 503)
 
 
@@ -173,6 +176,13 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
                counts.get(role, 0))
     yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
            int(cluster.redis_connected))
+    shared = app[GATE].shared
+    if shared is not None:
+        yield ("pdserve_gateway_limits_shared", "1 while admission limits are shared in "
+               "Redis by every gateway replica, 0 while this replica admits 1/N of each "
+               "limit on its own (Redis unreachable).", "", int(shared.mode == "shared"))
+        yield ("pdserve_gateway_replicas", "Gateway replicas sharing the limits (the N of "
+               "the 1/N fallback).", "", shared.num_replicas)
 
 
 async def handle_admin_role(request: web.Request) -> web.Response:
