@@ -1,7 +1,9 @@
 """A whole cluster on this machine, kept up: Redis, workers and the gateway as children.
 
     start():  Redis (unless a URL is given) → the CUDA MPS daemon (when given one:
-              launcher/mps.py) → the workers → the gateway (its port fixed)
+              launcher/mps.py) → the workers → the gateway (its port fixed), or N gateway
+              replicas sharing that port (SO_REUSEPORT: the kernel spreads connections)
+              and their admission limits (in Redis: gateway/shared_limits.py)
     wait_ready(): until /ready answers and every worker started here is listed ready
     supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
               a worker with a new process (new epoch), the gateway and Redis on their ports
@@ -59,7 +61,10 @@ class LocalCluster:
     def __init__(self, workers: list[WorkerSpec], common_args: list[str], gateway_args: list[str],
                  gateway_url: str, log_dir: Path, redis_url: str | None,
                  say: Callable[[str], None], policy: RestartPolicy = RestartPolicy(),
-                 drain_timeout_s: float = 30.0, mps: MpsDaemon | None = None) -> None:
+                 drain_timeout_s: float = 30.0, mps: MpsDaemon | None = None,
+                 num_gateways: int = 1) -> None:
+        if num_gateways < 1:
+            raise ValueError("num_gateways must be >= 1")
         self.worker_specs = workers
         self.common_args = common_args
         self.gateway_args = gateway_args
@@ -75,7 +80,8 @@ class LocalCluster:
         self.token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(16)
         self.failure: str | None = None
         self.workers: list[Child] = []
-        self.gateway: Child | None = None
+        self.num_gateways = num_gateways
+        self.gateways: list[Child] = []
         self._redis_failures = 0
         self._redis_started_at = 0.0
         self._redis_restart_at: float | None = None
@@ -103,10 +109,14 @@ class LocalCluster:
             self.workers.append(self.supervisor.start(
                 f"{spec.label} worker {index}", worker_argv(spec, base, common),
                 env={**self._env, **spec.env}))
-        self.gateway = self.supervisor.start(
-            "gateway", [*base, "gateway", "--redis-url", self.redis_url, *self.gateway_args,
-                        "--drain-timeout-s", str(self.drain_timeout_s)],
-            env=self._env, essential=True)
+        gateway = [*base, "gateway", "--redis-url", self.redis_url, *self.gateway_args,
+                   "--drain-timeout-s", str(self.drain_timeout_s)]
+        if self.num_gateways > 1:
+            gateway += ["--reuse-port", "--replicas", str(self.num_gateways)]
+        for index in range(self.num_gateways):
+            name = "gateway" if self.num_gateways == 1 else f"gateway {index}"
+            self.gateways.append(self.supervisor.start(name, gateway, env=self._env,
+                                                       essential=True))
 
     # ---------------------------------------------------------------- readiness
 
@@ -205,9 +215,9 @@ class LocalCluster:
 
     def stop(self) -> None:
         try:
-            if self.gateway is not None:
+            if self.gateways:
                 # Streams get the drain timeout, the rest of its shutdown a few seconds.
-                self.supervisor.stop([self.gateway], timeout_s=self.drain_timeout_s + 10.0)
+                self.supervisor.stop(self.gateways, timeout_s=self.drain_timeout_s + 10.0)
             self.supervisor.stop(self.workers, timeout_s=40.0)  # workers drain what is left
         finally:
             if self.mps is not None:  # after the workers: the daemon waits for its clients

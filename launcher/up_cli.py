@@ -3,7 +3,8 @@
     Redis-protocol server (unless --redis-url)  →  a CUDA MPS daemon when several workers
     share a GPU (launcher/mps.py)  →  the workers: --prefill N prefill workers and --decode
     M decode workers, or --workers K decode-worker processes with --roles R1,R2,...
-    (--colocated --workers K is --roles colocated)  →  the gateway on --port  →  progress
+    (--colocated --workers K is --roles colocated)  →  the gateway on --port (--gateways
+    N: N replicas sharing the port and their limits)  →  progress
     until /ready answers 200 and every worker has registered  →  the URL and a curl
     example  →  supervise (restart what exits) until Ctrl-C / SIGTERM  →  stop: the gateway
     (it drains its streams), the workers, the MPS daemon, Redis.
@@ -29,20 +30,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
-    from launcher.mps import GpuShare, MpsDaemon, MpsWorker
 
 from common.contract.log_format import LOG_FORMATS
 from common.contract.option_env import env_default, env_flag
 from common.contract.protocol import Role
-
-# A worker `up` starts: (the subcommand's kind, its --role or None for prefill-worker).
-WorkerKind = tuple[str, str | None]
+from launcher.mps_plan import WorkerKind
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,6 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "prefill,decode); at least one must decode")
     opt("--workers", type=int, help="how many workers with --roles or --colocated (default: "
                                    "as many as --roles lists, else 2)")
+    opt("--gateways", "1", type=int,
+        help="gateway replicas, all on --port (SO_REUSEPORT: the kernel spreads connections "
+             "among them); they share tier limits and key rates through Redis (default 1)")
     opt("--redis-url", help="use this Redis instead of starting one")
     opt("--tiers", help="tiers TOML file for the gateway")
     opt("--device", "auto", help="auto (CUDA GPUs round-robin when present, else cpu), cpu, "
@@ -102,6 +102,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from launcher.local_cluster import LocalCluster, WorkerSpec
     from launcher.mps import MpsError, parse_sm_share
+    from launcher.mps_plan import mps_setup, plan_mps
     from launcher.redis_server import RedisServerError, free_port
 
     try:
@@ -112,15 +113,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.drain_timeout_s < 0:
         return _fail("--drain-timeout-s must be >= 0")
+    if args.gateways < 1:
+        return _fail("--gateways must be >= 1")
     devices = _devices(args.device, len(roles))
     names = worker_names(roles)
     try:
-        mps_plan = None if args.no_mps else _plan_mps(roles, names, devices, sm_share)
+        mps_plan = None if args.no_mps else plan_mps(roles, names, devices, sm_share)
     except ValueError as exc:
         return _fail(str(exc))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mps = None if mps_plan is None else _mps_setup(mps_plan, log_dir)
+    mps = None if mps_plan is None else mps_setup(mps_plan, log_dir)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                                 for c in (common, gateway_args))
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
                            drain_timeout_s=args.drain_timeout_s,
-                           mps=None if mps is None else mps.daemon)
+                           mps=None if mps is None else mps.daemon, num_gateways=args.gateways)
 
     stopping = False
 
@@ -167,8 +170,9 @@ def run(args: argparse.Namespace) -> int:
             _say(line)
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
+        gateways = "the gateway" if args.gateways == 1 else f"{args.gateways} gateways"
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
-             f"({threads} thread(s){kv}) and the gateway; logs in {log_dir}")
+             f"({threads} thread(s){kv}) and {gateways}; logs in {log_dir}")
         failure = _wait_ready(cluster, args.ready_timeout_s, lambda: stopping)
         if failure is not None:
             if not stopping:
@@ -264,60 +268,6 @@ def worker_names(kinds: Sequence[WorkerKind]) -> list[str]:
         names.append(f"{label}-{counts.get(label, 0)}")
         counts[label] = counts.get(label, 0) + 1
     return names
-
-
-@dataclass(frozen=True, slots=True)
-class _MpsPlan:
-    binary: str  # nvidia-cuda-mps-control
-    shares: list[GpuShare]  # the shared GPUs
-    workers: list[MpsWorker]  # by worker position
-
-
-@dataclass(frozen=True, slots=True)
-class _MpsSetup:
-    daemon: MpsDaemon
-    worker_envs: list[dict[str, str]]  # by worker position
-    lines: list[str]  # one per shared GPU, for the operator
-
-
-def _plan_mps(kinds: Sequence[WorkerKind], names: Sequence[str], devices: Sequence[str],
-              sm_share: dict[str, int]) -> _MpsPlan | None:
-    """What MPS is to do, when some GPU has several workers and nvidia-cuda-mps-control is
-    on PATH; else None. Raises ValueError when --sm-share does not fit the workers."""
-    from launcher.mps import MpsWorker, find_control_binary, gpu_index, plan_gpu_shares
-
-    if not any(gpu_index(device) is not None for device in devices):
-        return None
-    binary = find_control_binary(os.environ.get("PATH"))
-    if binary is None:
-        return None
-    workers = [MpsWorker(name, role or kind, device)
-               for (kind, role), name, device in zip(kinds, names, devices)]
-    shares = plan_gpu_shares(workers, sm_share)
-    return _MpsPlan(binary, shares, workers) if shares else None
-
-
-def _mps_setup(plan: _MpsPlan, log_dir: Path) -> _MpsSetup:
-    """The daemon (not started yet), each worker's environment, the lines to print; asks
-    nvidia-smi for each shared GPU's memory (without it: no memory limit, and the line
-    says why)."""
-    from launcher.mps import (VISIBLE_DEVICES_ENV, MpsDaemon, MpsError, describe, mps_root,
-                              query_total_memory_mib, smi_device_id, worker_envs)
-
-    daemon = MpsDaemon(plan.binary, mps_root(log_dir))
-    visible = os.environ.get(VISIBLE_DEVICES_ENV)
-    totals: dict[int, int] = {}
-    lines = []
-    for share in plan.shares:
-        problem = None
-        try:
-            totals[share.gpu_index] = query_total_memory_mib(
-                smi_device_id(share.gpu_index, visible))
-        except MpsError as exc:
-            problem = str(exc)
-        lines.append(describe(share, plan.workers, totals.get(share.gpu_index), problem))
-    envs = worker_envs(len(plan.workers), plan.shares, daemon.env, totals, visible)
-    return _MpsSetup(daemon, envs, lines)
 
 
 def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], bool]
