@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
                           resolved_compose)
@@ -48,6 +50,18 @@ def test_only_the_gateway_port_is_published(cluster: dict) -> None:
     # Fixed names would stop `--scale`.
     for name in WORKERS:
         assert "container_name" not in services[name]
+
+
+def test_the_gateway_scales_like_the_pools() -> None:
+    result = compose_config(("docker-compose.yml",), {"PDSERVE_INTERNAL_TOKEN": "t",
+                                                        "GATEWAY_REPLICAS": "3"})
+    assert result.returncode == 0, result.stderr
+    gateway = json.loads(result.stdout)["services"]["gateway"]
+    assert gateway["deploy"]["replicas"] == 3
+    assert gateway["environment"]["PDSERVE_REPLICAS"] == "3"  # the 1/N fallback's N
+    assert "container_name" not in gateway
+    (port,) = gateway["ports"]
+    assert port["published"] == "8000-8007"  # one host port per replica
 
 
 def test_start_order_is_gated_on_health(cluster: dict) -> None:

@@ -159,10 +159,26 @@ def test_gpu_overlay_requests_one_gpu_per_worker(rendered) -> None:
 
 def test_autoscalers_target_the_pools_on_an_exported_metric(rendered) -> None:
     hpas = [d for d in rendered["overlays/autoscale"] if d["kind"] == "HorizontalPodAutoscaler"]
-    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == set(WORKERS)
-    for hpa in hpas:
+    pools = [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] in WORKERS]
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in pools} == set(WORKERS)
+    for hpa in pools:
         for metric in hpa["spec"]["metrics"]:
             assert metric["pods"]["metric"]["name"] in exported_metric_names()
+    # The gateway scales on CPU, which needs a CPU request to be a utilisation of.
+    (gateway_hpa,) = [h for h in hpas if h not in pools]
+    assert gateway_hpa["spec"]["scaleTargetRef"]["name"] == "pdserve-gateway"
+    assert gateway_hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    (gateway,) = by_name(rendered["overlays/autoscale"], "Deployment", "pdserve-gateway")[
+        "spec"]["template"]["spec"]["containers"]
+    assert gateway["resources"]["requests"]["cpu"]
+
+
+def test_gateway_replicas_know_how_many_they_are(rendered) -> None:
+    deployment = by_name(rendered["base"], "Deployment", "pdserve-gateway")
+    (gateway,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert deployment["spec"]["replicas"] >= 2
+    assert env["PDSERVE_REPLICAS"] == str(deployment["spec"]["replicas"])
 
 
 def test_external_redis_overlay_drops_the_in_cluster_redis(rendered) -> None:
