@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import ClientSession, TCPConnector, web
+from redis.asyncio import Redis
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.redis_state import RedisState, connect
+from common.contract.redis_state import RedisState, connect, connect_bounded
 from common.contract.tracing import Tracing, start_tracing
 from gateway import cluster_page, startup
 from gateway.admission import AdmissionController
@@ -100,9 +101,13 @@ async def make_app(config: GatewayConfig) -> web.Application:
                              vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes),
         body_timeout_s=config.body_timeout_s)
     state = RedisState(connect(config.redis_url), namespace=config.namespace)
-    shared = (SharedLimits(LimitStore(state.client, config.namespace), time.monotonic,
+    # Its own few connections: a burst of admissions queues for them (within the store's
+    # deadline) instead of opening one connection per request.
+    limits_client = (connect_bounded(config.redis_url, max_connections=16, wait_s=0.25)
+                     if config.shared_limits else None)
+    shared = (SharedLimits(LimitStore(limits_client, config.namespace), time.monotonic,
                            replicas_hint=config.replicas_hint)
-              if config.shared_limits else None)
+              if limits_client is not None else None)
     gate = AdmissionGate(
         AdmissionController(tuple(tiers.tiers.values()), max_running_total=config.max_running,
                             max_queued_total=config.max_queued, clock=time.monotonic),
@@ -131,13 +136,15 @@ async def make_app(config: GatewayConfig) -> web.Application:
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
-                                            config.adaptive_admission, tracing, shared))
+                                            config.adaptive_admission, tracing, shared,
+                                            limits_client))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
                      state: RedisState, governor: CapacityGovernor, adaptive: bool,
                      tracing: Tracing, shared: SharedLimits | None,
+                     limits_client: Redis | None,
                      ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
@@ -150,6 +157,8 @@ def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: Clie
         finally:
             if shared is not None:
                 await shared.stop()  # after the drain: hands this replica's slots back
+            if limits_client is not None:
+                await limits_client.aclose()
             await governor.stop()
             await cluster.stop()
             await backend.aclose()
