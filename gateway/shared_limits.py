@@ -18,6 +18,13 @@ there are any, and every `sync_period_s` renews this replica's leases (`lease_s`
 own entry in the gateway list, which says how many replicas are live. A replica that dies
 frees its slots when their leases lapse.
 
+Solo fast path: while this replica is the only one live in Redis and was started as the
+only one (`replicas_hint` 1, the default of a single gateway), its own admission
+controller already enforces every limit exactly, so `acquire` and `charge` decide locally
+without a round trip; the slots it holds are still published by the sync, so a replica
+that joins counts them. Error: until this replica's next sync sees the newcomer (one
+period), both admit on their own.
+
 Fallback: while Redis is unreachable (or slower than `op_timeout_s`), each replica admits
 up to 1/N of every limit on its own (`fallback_limit`: N = the replicas last seen live,
 at least `replicas_hint`), so the cluster stays within the limits instead of admitting
@@ -54,6 +61,7 @@ MAX_PENDING_RELEASES = 10_000  # releases kept for a Redis that is away
 
 class LimitMode(enum.StrEnum):
     SHARED = "shared"  # limits held in Redis, across every replica
+    SOLO = "solo"  # the only replica: its own limits are the cluster's (slots published)
     LOCAL = "local"  # Redis unreachable: this replica alone, 1/N of each limit
 
 
@@ -102,8 +110,18 @@ class SharedLimits:
         """The N of the fallback's 1/N."""
         return max(self.replicas_hint, self.num_replicas_seen)
 
+    @property
+    def solo(self) -> bool:
+        """The solo fast path is in force (see the module docstring)."""
+        return (self.mode is LimitMode.SHARED and self.replicas_hint == 1
+                and self.num_replicas_seen == 1)
+
+    @property
+    def effective_mode(self) -> LimitMode:
+        return LimitMode.SOLO if self.solo else self.mode
+
     def status(self) -> dict[str, object]:
-        return {"mode": self.mode.value, "replicas": self.num_replicas,
+        return {"mode": self.effective_mode.value, "replicas": self.num_replicas,
                 "gateway_id": self.gateway_id}
 
     # ------------------------------------------------------------ slots
@@ -114,6 +132,10 @@ class SharedLimits:
         exactly once), else why not. Gives up at the tier's wait limit."""
         if request_id in self._held:
             raise ValueError(f"request {request_id} already holds a slot")
+        if self.solo:
+            self._held[request_id] = tier.name
+            self._num_held[tier.name] += 1
+            return None
         member = f"{self.gateway_id}/{request_id}"
         deadline = self._clock() + tier.wait_limit_ms / 1000.0
         held = False
@@ -176,6 +198,8 @@ class SharedLimits:
 
     async def charge(self, key_id: str, num_tokens: int, tokens_per_min: int) -> float | None:
         """Charge a key for a request; None when allowed, else seconds until it fits."""
+        if self.solo:
+            return self._local_tokens.try_consume(key_id, num_tokens, tokens_per_min)
         if self.mode is LimitMode.SHARED:
             try:
                 return await self._store.charge(key_id, num_tokens, tokens_per_min)
@@ -187,7 +211,9 @@ class SharedLimits:
     def refund(self, key_id: str, num_tokens: int, tokens_per_min: int) -> None:
         if num_tokens <= 0:
             return
-        if self.mode is LimitMode.SHARED:
+        if self.solo:
+            self._local_tokens.refund(key_id, num_tokens, tokens_per_min)
+        elif self.mode is LimitMode.SHARED:
             self._refunds.append((key_id, num_tokens, tokens_per_min))
             self._wake.set()
         else:

@@ -32,7 +32,7 @@ class Replicas:
         self.namespace = f"sl{uuid.uuid4().hex[:8]}"
         self.clients = [connect(url) for _ in range(num)]
         self.limits = [SharedLimits(LimitStore(c, self.namespace, op_timeout_s=op_timeout_s),
-                                    time.monotonic, replicas_hint=1, sync_period_s=0.2)
+                                    time.monotonic, replicas_hint=num, sync_period_s=0.2)
                        for c in self.clients]
 
     async def start(self) -> None:
@@ -175,6 +175,37 @@ async def test_replicas_fall_back_to_their_share_without_redis_and_recover() -> 
                 limits.release(rid)
         finally:
             await replicas.close()
+
+
+async def test_a_lone_replica_decides_locally_and_a_newcomer_sees_its_slots(redis_url: str
+                                                                         ) -> None:
+    alone = Replicas(redis_url, num=1)
+    await alone.start()
+    (a,) = alone.limits
+    try:
+        await asyncio.wait_for(_until(lambda: a.status()["mode"], "solo"), 3.0)
+        spec = tier(max_running=2, max_queued=0)
+        assert await a.acquire("r1", spec, 100, 1.0) is None
+        assert await a.acquire("r2", spec, 100, 1.0) is None
+        # Published by the next renewal, so that a replica joining counts them.
+        await asyncio.wait_for(_until(lambda: _num_running(alone, "standard"), 2), 2.0)
+        other = SharedLimits(LimitStore(alone.clients[0], alone.namespace), time.monotonic,
+                             replicas_hint=1, sync_period_s=0.2)
+        other.start()
+        try:
+            await asyncio.wait_for(_until(lambda: a.status()["mode"], "shared"), 3.0)
+            await asyncio.wait_for(_until(lambda: other.status()["mode"], "shared"), 3.0)
+            refused = await other.acquire("r3", spec, 100, 1.0)
+            assert isinstance(refused, SlotRefused)
+            a.release("r1")
+            await asyncio.wait_for(_until(lambda: _num_running(alone, "standard"), 1), 2.0)
+            assert await other.acquire("r4", spec, 100, 1.0) is None
+            other.release("r4")
+        finally:
+            await other.stop()
+        a.release("r2")
+    finally:
+        await alone.close()
 
 
 async def _num_running(replicas: Replicas, tier_name: str) -> int:
