@@ -17,6 +17,9 @@ order, then [DONE] (no event merged, dropped or reordered).
 
 `--tracing off on` measures the gateway with traces off and on (exported over OTLP/HTTP
 to a sink in this process that counts the bytes it receives), side by side;
+`--limits solo shared` measures the admission limits' two paths: solo (one gateway
+deciding locally, the default) and shared (`--replicas 2`: a Redis script per admission,
+as every replica of several pays);
 `--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
 run from DIR with this interpreter, as the row "baseline".
 
@@ -175,7 +178,8 @@ class SpanSink:
 
 
 def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
-                 otlp_url: str | None = None, tree: Path = REPO) -> list[dict]:
+                 otlp_url: str | None = None, tree: Path = REPO,
+                 extra: tuple[str, ...] = ()) -> list[dict]:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
                             "--namespace", namespace, "--num-tokens", str(args.num_tokens),
@@ -185,7 +189,8 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
     gateway, url = spawn(["launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
                           "--log-level", "warning",
-                          *(["--otlp-endpoint", otlp_url] if otlp_url else [])], "listening on",
+                          *(["--otlp-endpoint", otlp_url] if otlp_url else []), *extra],
+                         "listening on",
                          cwd=tree)
     try:
         deadline = time.monotonic() + 20
@@ -274,6 +279,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
     parser.add_argument("--tracing", nargs="+", choices=("off", "on"), default=["off"],
                         help="measure with traces off, on (to a local OTLP sink), or both")
+    parser.add_argument("--limits", nargs="+", choices=("solo", "shared"), default=["solo"],
+                        help="admission limits: solo (one gateway, decided locally) and/or "
+                             "shared (--replicas 2: one Redis script per admission)")
     parser.add_argument("--baseline", type=Path,
                         help="also measure the gateway of this checkout (traces off)")
     parser.add_argument("--peers", nargs="*", choices=("proxy", "vllm-router"), default=None,
@@ -293,13 +301,14 @@ def main() -> None:
     sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
         for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
-            configs = [(t, REPO) for t in args.tracing]
-            configs += [("baseline", args.baseline)] if args.baseline else []
-            for tracing, tree in configs:
-                otlp = sink.url if sink is not None and tracing == "on" else None
-                for row in run_scenario(redis.url, interval, args, otlp, tree):
-                    print_row(f"pdserve, tracing {tracing}" if tracing != "baseline"
-                              else "pdserve baseline", label, row)
+            configs = [(f"pdserve, tracing {t}, limits {lim}", REPO, t == "on",
+                        ("--replicas", "2") if lim == "shared" else ())
+                       for t in args.tracing for lim in args.limits]
+            configs += [("pdserve baseline", args.baseline, False, ())] if args.baseline else []
+            for name, tree, traced, extra in configs:
+                otlp = sink.url if sink is not None and traced else None
+                for row in run_scenario(redis.url, interval, args, otlp, tree, extra):
+                    print_row(name, label, row)
             for peer in args.peers:
                 for row in run_peer(peer, interval, args):
                     print_row(peer, label, row)
