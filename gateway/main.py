@@ -31,7 +31,7 @@ from aiohttp import ClientSession, TCPConnector, web
 from redis.asyncio import Redis
 
 from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.redis_state import RedisState, connect, connect_bounded
+from common.contract.redis_state import RedisState, connect
 from common.contract.tracing import Tracing, start_tracing
 from gateway import cluster_page, startup
 from gateway.admission import AdmissionController
@@ -40,7 +40,7 @@ from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWi
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import DRAIN, ApiSettings, create_app
-from gateway.limit_store import LimitStore
+from gateway.limit_store import LimitStore, connect_bounded
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import read_model_info
 from gateway.ops_api import install

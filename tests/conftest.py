@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from hf_reference import HFReference
 
 from launcher.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_workers() -> Iterator[None]:
+    """Every worker the tests start (directly or through `pdserve up`, which passes its
+    environment on) computes in float32, the precision of the transformers reference the
+    answers are compared with exactly. Left to `--dtype auto`, a CPU with native bf16
+    (AVX-512 BF16, AMX) would run bfloat16, whose greedy answers legitimately differ."""
+    previous = os.environ.get("PDSERVE_DTYPE")
+    os.environ["PDSERVE_DTYPE"] = "float32"
+    yield
+    if previous is None:
+        os.environ.pop("PDSERVE_DTYPE", None)
+    else:
+        os.environ["PDSERVE_DTYPE"] = previous
 
 
 @pytest.fixture(scope="session")
