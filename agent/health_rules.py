@@ -1,0 +1,184 @@
+"""What the operations agent concludes about a worker: detection rules as pure functions.
+
+Each rule reads a window of samples (what the agent saw of one worker at each tick, oldest
+first) and returns a `Detection` with its evidence, or None. Nothing here does I/O or
+reads a clock: `now_s` is passed in, so the rules are tested with hand-written windows.
+
+    dead         the process is gone, or its registry lease is about to lapse (heartbeats
+                 stopped: a killed, frozen or partitioned worker) — act before it expires
+    hung         alive and leased, but no engine step for `hung_after_s` while it has
+                 running requests, or its control API missed its deadline that long
+    slow         its step time is `slow_factor` x the median of its role's peers
+    leaked_kv    KV blocks held with nothing running or waiting for `leak_after_s`
+    error_spike  at least `error_rate` of its requests failed over the window
+
+Invariants: a rule only compares samples of one epoch (a restarted worker starts clean);
+a window of fewer than two samples of the current epoch proves nothing but `dead`.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class Rule(enum.StrEnum):
+    DEAD = "dead"
+    HUNG = "hung"
+    SLOW = "slow"
+    LEAKED_KV = "leaked_kv"
+    ERROR_SPIKE = "error_spike"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One worker as the agent saw it at one tick."""
+
+    at_s: float  # the agent's monotonic clock when it read this
+    worker_id: str
+    epoch: int
+    role: str
+    lease_left_s: float | None  # None: no lease in the registry any more
+    process_alive: bool | None  # None: not known (the worker runs on another host)
+    control_ok: bool  # its control API answered within the deadline
+    num_steps: int = 0  # engine steps of this epoch so far
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    step_time_s: float | None = None  # recent mean engine step time; None: no steps yet
+    num_requests: int = 0  # requests this epoch has ended, in all
+    num_failed: int = 0  # of those, failed ones
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    lease_margin_s: float = 1.0  # "about to lapse": less than this left
+    hung_after_s: float = 3.0
+    slow_factor: float = 3.0
+    slow_min_step_s: float = 0.005  # faster than this is never "slow", whatever the peers
+    leak_after_s: float = 30.0  # longer than a transfer's stage deadline
+    error_rate: float = 0.5
+    error_min_requests: int = 10
+
+    def __post_init__(self) -> None:
+        if min(self.lease_margin_s, self.hung_after_s, self.leak_after_s) <= 0:
+            raise ValueError("thresholds in seconds must be > 0")
+        if self.slow_factor <= 1:
+            raise ValueError("slow_factor must be > 1")
+        if not 0 < self.error_rate <= 1:
+            raise ValueError("error_rate must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    worker_id: str
+    epoch: int
+    rule: Rule
+    evidence: str  # what was seen, for the audit log
+
+
+def current_epoch(window: Sequence[WorkerSample]) -> list[WorkerSample]:
+    """The samples of the latest epoch in the window, oldest first."""
+    if not window:
+        return []
+    epoch = window[-1].epoch
+    return [s for s in window if s.epoch == epoch]
+
+
+def dead(window: Sequence[WorkerSample], t: Thresholds) -> Detection | None:
+    if not window:
+        return None
+    last = window[-1]
+    if last.process_alive is False:
+        return Detection(last.worker_id, last.epoch, Rule.DEAD, "its process is gone")
+    if last.lease_left_s is None:
+        return Detection(last.worker_id, last.epoch, Rule.DEAD, "its registry lease lapsed")
+    if last.lease_left_s < t.lease_margin_s:
+        return Detection(last.worker_id, last.epoch, Rule.DEAD,
+                         f"its lease has {last.lease_left_s:.2f} s left: heartbeats stopped")
+    return None
+
+
+def hung(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detection | None:
+    samples = [s for s in current_epoch(window) if s.at_s >= now_s - t.hung_after_s]
+    if len(samples) < 2 or samples[-1].at_s - samples[0].at_s < 0.8 * t.hung_after_s:
+        return None
+    last = samples[-1]
+    if all(not s.control_ok for s in samples):
+        return Detection(last.worker_id, last.epoch, Rule.HUNG,
+                         f"its control API missed every deadline for {t.hung_after_s:g} s")
+    busy = all(s.num_running > 0 for s in samples)
+    if busy and samples[0].num_steps == last.num_steps:
+        return Detection(last.worker_id, last.epoch, Rule.HUNG,
+                         f"no engine step for {last.at_s - samples[0].at_s:.1f} s with "
+                         f"{last.num_running} running request(s)")
+    return None
+
+
+def slow(windows: Mapping[str, Sequence[WorkerSample]], t: Thresholds) -> list[Detection]:
+    """Workers whose latest step time is an outlier among the workers of their role."""
+    latest = [w[-1] for w in windows.values() if w and w[-1].step_time_s is not None]
+    found = []
+    for sample in latest:
+        peers = [p.step_time_s for p in latest
+                 if p.role == sample.role and p.worker_id != sample.worker_id
+                 and p.step_time_s is not None]
+        if not peers:
+            continue  # nobody to compare with: one worker of a role is never "slow"
+        median = statistics.median(peers)
+        step = sample.step_time_s
+        assert step is not None
+        if step >= t.slow_min_step_s and step > t.slow_factor * median:
+            found.append(Detection(sample.worker_id, sample.epoch, Rule.SLOW,
+                                   f"step {step * 1000:.1f} ms vs its peers' median "
+                                   f"{median * 1000:.1f} ms"))
+    return found
+
+
+def leaked_kv(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detection | None:
+    samples = current_epoch(window)
+    idle_holding = []
+    for sample in reversed(samples):
+        if sample.num_kv_blocks_used > 0 and sample.num_running == 0 and sample.num_waiting == 0:
+            idle_holding.append(sample)
+        else:
+            break
+    if not idle_holding or now_s - idle_holding[-1].at_s < t.leak_after_s:
+        return None
+    last = samples[-1]
+    return Detection(last.worker_id, last.epoch, Rule.LEAKED_KV,
+                     f"{last.num_kv_blocks_used} KV block(s) held with nothing running for "
+                     f"{now_s - idle_holding[-1].at_s:.0f} s")
+
+
+def error_spike(window: Sequence[WorkerSample], t: Thresholds) -> Detection | None:
+    samples = current_epoch(window)
+    if len(samples) < 2:
+        return None
+    first, last = samples[0], samples[-1]
+    num_requests = last.num_requests - first.num_requests
+    num_failed = last.num_failed - first.num_failed
+    if num_requests < t.error_min_requests or num_failed < t.error_rate * num_requests:
+        return None
+    return Detection(last.worker_id, last.epoch, Rule.ERROR_SPIKE,
+                     f"{num_failed} of its last {num_requests} requests failed")
+
+
+def detect(windows: Mapping[str, Sequence[WorkerSample]], now_s: float,
+           t: Thresholds) -> list[Detection]:
+    """Every rule over every worker; at most one detection per worker, the gravest first
+    (dead, hung, error spike, slow, leaked KV)."""
+    by_worker: dict[str, Detection] = {}
+    for worker_id, window in windows.items():
+        for found in (dead(window, t), hung(window, now_s, t), error_spike(window, t)):
+            if found is not None:
+                by_worker.setdefault(worker_id, found)
+    for found in slow(windows, t):
+        by_worker.setdefault(found.worker_id, found)
+    for worker_id, window in windows.items():
+        leak = leaked_kv(window, now_s, t)
+        if leak is not None:
+            by_worker.setdefault(worker_id, leak)
+    return sorted(by_worker.values(), key=lambda d: d.worker_id)

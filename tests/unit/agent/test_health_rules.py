@@ -1,0 +1,111 @@
+"""The agent's detection rules on hand-written windows of samples (agent/health_rules.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.health_rules import (Rule, Thresholds, WorkerSample, dead, detect, error_spike, hung,
+                                leaked_kv, slow)
+
+T = Thresholds(lease_margin_s=1.0, hung_after_s=3.0, slow_factor=3.0, leak_after_s=30.0,
+               error_rate=0.5, error_min_requests=10)
+
+
+def sample(at_s: float, worker_id: str = "d-0", epoch: int = 1, role: str = "decode",
+           **fields) -> WorkerSample:
+    base = dict(lease_left_s=2.5, process_alive=True, control_ok=True)
+    base.update(fields)
+    return WorkerSample(at_s=at_s, worker_id=worker_id, epoch=epoch, role=role, **base)
+
+
+def test_dead_when_the_process_is_gone_or_the_lease_is_about_to_lapse() -> None:
+    assert dead([sample(0.0)], T) is None
+    assert dead([sample(0.0, lease_left_s=1.01)], T) is None
+    found = dead([sample(0.0), sample(1.0, lease_left_s=0.99)], T)
+    assert found is not None and found.rule is Rule.DEAD and "0.99 s left" in found.evidence
+    assert dead([sample(0.0, process_alive=False)], T).evidence == "its process is gone"
+    assert dead([sample(0.0, lease_left_s=None)], T).evidence == "its registry lease lapsed"
+    assert dead([], T) is None
+
+
+def test_hung_needs_the_whole_window_busy_without_a_step() -> None:
+    stuck = [sample(float(t), num_running=2, num_steps=40) for t in range(5)]
+    found = hung(stuck, 4.0, T)
+    assert found is not None and found.rule is Rule.HUNG and "2 running" in found.evidence
+    # One step in the window: alive.
+    moving = stuck[:-1] + [sample(4.0, num_running=2, num_steps=41)]
+    assert hung(moving, 4.0, T) is None
+    # Idle (nothing running): no steps expected.
+    idle = [sample(float(t), num_running=0, num_steps=40) for t in range(5)]
+    assert hung(idle, 4.0, T) is None
+    # Too short a window proves nothing.
+    assert hung(stuck[-2:], 4.0, T) is None
+
+
+def test_hung_when_the_control_api_misses_every_deadline() -> None:
+    window = [sample(float(t), control_ok=False) for t in range(5)]
+    assert hung(window, 4.0, T).evidence.startswith("its control API missed")
+    window[-2] = sample(3.0, control_ok=True)
+    assert hung(window, 4.0, T) is None
+
+
+def test_a_restart_starts_a_clean_window() -> None:
+    old = [sample(float(t), epoch=1, num_running=1, num_steps=5) for t in range(4)]
+    new = [sample(4.0, epoch=2, num_running=1, num_steps=0)]
+    assert hung(old + new, 4.0, T) is None
+
+
+def test_slow_is_an_outlier_against_its_role_only() -> None:
+    windows = {
+        "d-0": [sample(0.0, "d-0", step_time_s=0.020)],
+        "d-1": [sample(0.0, "d-1", step_time_s=0.022)],
+        "d-2": [sample(0.0, "d-2", step_time_s=0.070)],
+        "p-0": [sample(0.0, "p-0", role="prefill", step_time_s=0.500)],  # no peers: never slow
+    }
+    found = slow(windows, T)
+    assert [(d.worker_id, d.rule) for d in found] == [("d-2", Rule.SLOW)]
+    assert "70.0 ms" in found[0].evidence and "21.0 ms" in found[0].evidence
+    windows["d-2"] = [sample(0.0, "d-2", step_time_s=0.060)]  # < 3 x 21 ms: not an outlier
+    assert slow(windows, T) == []
+
+
+def test_fast_steps_are_never_slow() -> None:
+    windows = {"a": [sample(0.0, "a", step_time_s=0.0001)],
+               "b": [sample(0.0, "b", step_time_s=0.004)]}
+    assert slow(windows, T) == []
+
+
+def test_leaked_kv_is_blocks_held_with_nothing_to_hold_them_for_long() -> None:
+    window = [sample(float(t), num_kv_blocks_used=3) for t in range(0, 40, 5)]
+    found = leaked_kv(window, 40.0, T)
+    assert found is not None and "3 KV block(s)" in found.evidence
+    assert leaked_kv(window, 25.0, T) is None  # not yet leak_after_s
+    busy = window[:-1] + [sample(35.0, num_kv_blocks_used=3, num_waiting=1)]
+    assert leaked_kv(busy, 40.0, T) is None
+
+
+def test_error_spike_counts_the_window_not_the_lifetime() -> None:
+    window = [sample(0.0, num_requests=100, num_failed=90),
+              sample(5.0, num_requests=110, num_failed=91)]
+    assert error_spike(window, T) is None  # 1 of the last 10 failed
+    window.append(sample(10.0, num_requests=120, num_failed=101))
+    found = error_spike(window, T)
+    assert found is not None and found.evidence == "11 of its last 20 requests failed"
+    few = [sample(0.0), sample(5.0, num_requests=4, num_failed=4)]
+    assert error_spike(few, T) is None  # under error_min_requests
+
+
+def test_detect_reports_the_gravest_finding_once_per_worker() -> None:
+    windows = {
+        "d-0": [sample(0.0, "d-0", lease_left_s=0.5, step_time_s=0.5)],
+        "d-1": [sample(0.0, "d-1", step_time_s=0.01)],
+        "d-2": [sample(0.0, "d-2", step_time_s=0.01)],
+    }
+    assert [(d.worker_id, d.rule) for d in detect(windows, 0.0, T)] == [("d-0", Rule.DEAD)]
+
+
+@pytest.mark.parametrize("bad", [dict(hung_after_s=0), dict(slow_factor=1.0),
+                                 dict(error_rate=0.0), dict(error_rate=1.5)])
+def test_thresholds_refuse_nonsense(bad) -> None:
+    with pytest.raises(ValueError):
+        Thresholds(**bad)
