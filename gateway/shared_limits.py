@@ -14,7 +14,7 @@ what one would.
     tokens: charge() in Redis (or the local fallback); refund() batched by the sync task
 
 The sync task (one per replica, `start`/`stop`) sends releases and refunds as soon as
-there are any, and every `sync_period_s` renews this replica's leases (`lease_s`) and its
+there are any (a lone replica's releases wait for the next renewal), and every `sync_period_s` renews this replica's leases (`lease_s`) and its
 own entry in the gateway list, which says how many replicas are live. A replica that dies
 frees its slots when their leases lapse.
 
@@ -292,7 +292,8 @@ class SharedLimits:
         self._released.append((tier, member))
         if len(self._released) > MAX_PENDING_RELEASES:
             del self._released[:len(self._released) - MAX_PENDING_RELEASES]
-        self._wake.set()
+        if not self.solo:  # alone, nobody waits for it: it goes with the next renewal
+            self._wake.set()
 
     def _fall_back(self, exc: BaseException) -> None:
         if self.mode is LimitMode.SHARED:
