@@ -107,7 +107,6 @@ class AdmissionGate:
         meanwhile and gives it back when refused or cancelled."""
         if self._shared is None:
             return
-        refused = None
         try:
             refused = await self._shared.acquire(request_id, tier,
                                                  self._controller.max_running_total,

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from common.contract.redis_state import ScriptArg
 
@@ -135,19 +133,6 @@ for _ = 1, n do
 end
 return redis.call('ZCOUNT', KEYS[1], now, '+inf')
 """
-
-
-def connect_bounded(url: str, max_connections: int, wait_s: float,
-                    connect_timeout_s: float = 1.0, socket_timeout_s: float = 5.0
-                    ) -> aioredis.Redis:
-    """Like `connect`, with at most `max_connections` open: a caller past them waits up to
-    `wait_s` for one (then ConnectionError) instead of failing at once, so a burst of
-    concurrent calls queues briefly rather than opening a connection each."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=wait_s,
-        socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-        retry=Retry(NoBackoff(), 0), decode_responses=False)
-    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 @dataclass(frozen=True, slots=True)

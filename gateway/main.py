@@ -40,7 +40,7 @@ from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWi
 from gateway.cluster import ClusterView
 from gateway.handoff import UpstreamTimeouts
 from gateway.http_api import DRAIN, ApiSettings, create_app
-from gateway.limit_store import LimitStore, connect_bounded
+from gateway.limit_store import LimitStore
 from gateway.metrics import GatewayMetrics
 from gateway.model_files import read_model_info
 from gateway.ops_api import install
@@ -106,7 +106,7 @@ async def make_app(config: GatewayConfig) -> web.Application:
     state = RedisState(connect(config.redis_url), namespace=config.namespace)
     # Its own few connections: a burst of admissions queues for them (within the store's
     # deadline) instead of opening one connection per request.
-    limits_client = (connect_bounded(config.redis_url, max_connections=16, wait_s=0.25)
+    limits_client = (connect(config.redis_url, max_connections=16, wait_s=0.25)
                      if config.shared_limits else None)
     shared = (SharedLimits(LimitStore(limits_client, config.namespace), time.monotonic,
                            replicas_hint=config.replicas_hint)

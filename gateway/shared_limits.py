@@ -14,9 +14,10 @@ what one would.
     tokens: charge() in Redis (or the local fallback); refund() batched by the sync task
 
 The sync task (one per replica, `start`/`stop`) sends releases and refunds as soon as
-there are any (a lone replica's releases wait for the next renewal), and every `sync_period_s` renews this replica's leases (`lease_s`) and its
-own entry in the gateway list, which says how many replicas are live. A replica that dies
-frees its slots when their leases lapse.
+there are any (a lone replica's releases wait for the next renewal), and every
+`sync_period_s` renews this replica's leases (`lease_s`) and its own entry in the gateway
+list, which says how many replicas are live. A replica that dies frees its slots when
+their leases lapse.
 
 Solo fast path: while this replica is the only one live in Redis and was started as the
 only one (`replicas_hint` 1, the default of a single gateway), its own admission
@@ -34,8 +35,9 @@ if new) and shared admission resumes. Error while switching: slots admitted on t
 fallback count in Redis from the next sync, so the cluster can exceed a limit by at most
 what the replicas admitted locally, until those requests end.
 
-Invariants (`check_invariants`): `_held` and `_num_held` agree per tier; a request id is
-held at most once; nothing here waits on Redis without a deadline.
+Invariants (`check_invariants`): a request id is held at most once (`_held` is keyed by
+it); waiting counts are never negative; the releases kept for Redis are bounded; nothing
+here waits on Redis without a deadline.
 """
 
 from __future__ import annotations
@@ -95,9 +97,7 @@ class SharedLimits:
         self._sync_period_s = sync_period_s
         self._poll_s = poll_s
         self.mode = LimitMode.SHARED
-        self.num_fallbacks = 0  # times this replica fell back to local limits
         self._held: dict[str, str] = {}  # request id -> tier
-        self._num_held: Counter[str] = Counter()
         self._num_waiting: Counter[str] = Counter()  # waiting for a slot, by tier
         self._released: list[tuple[str, str]] = []  # (tier, member) to drop in Redis
         self._refunds: list[tuple[str, int, int]] = []
@@ -116,12 +116,9 @@ class SharedLimits:
         return (self.mode is LimitMode.SHARED and self.replicas_hint == 1
                 and self.num_replicas_seen == 1)
 
-    @property
-    def effective_mode(self) -> LimitMode:
-        return LimitMode.SOLO if self.solo else self.mode
-
     def status(self) -> dict[str, object]:
-        return {"mode": self.effective_mode.value, "replicas": self.num_replicas,
+        mode = LimitMode.SOLO if self.solo else self.mode
+        return {"mode": mode.value, "replicas": self.num_replicas,
                 "gateway_id": self.gateway_id}
 
     # ------------------------------------------------------------ slots
@@ -134,7 +131,6 @@ class SharedLimits:
             raise ValueError(f"request {request_id} already holds a slot")
         if self.solo:
             self._held[request_id] = tier.name
-            self._num_held[tier.name] += 1
             return None
         member = f"{self.gateway_id}/{request_id}"
         deadline = self._clock() + tier.wait_limit_ms / 1000.0
@@ -147,7 +143,6 @@ class SharedLimits:
                 if answer is True:
                     held = True
                     self._held[request_id] = tier.name
-                    self._num_held[tier.name] += 1
                     return None
                 if answer is False:
                     return SlotRefused("tier_queue_full", self._retry_after_s(tier, mean_service_s))
@@ -165,7 +160,6 @@ class SharedLimits:
 
     def release(self, request_id: str) -> None:
         tier = self._held.pop(request_id)  # KeyError: released twice, or never held
-        self._num_held[tier] -= 1
         self._queue_release(tier, f"{self.gateway_id}/{request_id}")
 
     async def _try_acquire(self, member: str, tier: TierSpec, max_running_total: int,
@@ -181,9 +175,10 @@ class SharedLimits:
                 self._fall_back(exc)
             else:
                 return {1: True, -1: False}.get(answer.state), answer.num_ahead
-        num_running_total = sum(self._num_held.values())
-        if (self._num_held[tier.name] < fallback_limit(tier.max_running, self.num_replicas)
-                and num_running_total < fallback_limit(max_running_total, self.num_replicas)):
+        # The fallback (rare): counted from what this replica holds.
+        num_in_tier = sum(1 for held_tier in self._held.values() if held_tier == tier.name)
+        if (num_in_tier < fallback_limit(tier.max_running, self.num_replicas)
+                and len(self._held) < fallback_limit(max_running_total, self.num_replicas)):
             return True, 0
         num_ahead = self._num_waiting[tier.name] - 1
         if num_ahead >= fallback_limit(tier.max_queued, self.num_replicas):
@@ -198,27 +193,26 @@ class SharedLimits:
 
     async def charge(self, key_id: str, num_tokens: int, tokens_per_min: int) -> float | None:
         """Charge a key for a request; None when allowed, else seconds until it fits."""
-        if self.solo:
-            return self._local_tokens.try_consume(key_id, num_tokens, tokens_per_min)
-        if self.mode is LimitMode.SHARED:
+        if self.mode is LimitMode.SHARED and not self.solo:
             try:
                 return await self._store.charge(key_id, num_tokens, tokens_per_min)
             except REDIS_FAILURES as exc:
                 self._fall_back(exc)
-        share = max(1, tokens_per_min // self.num_replicas)
-        return self._local_tokens.try_consume(key_id, num_tokens, share)
+        return self._local_tokens.try_consume(key_id, num_tokens,
+                                              self._local_rate(tokens_per_min))
 
     def refund(self, key_id: str, num_tokens: int, tokens_per_min: int) -> None:
         if num_tokens <= 0:
             return
-        if self.solo:
-            self._local_tokens.refund(key_id, num_tokens, tokens_per_min)
-        elif self.mode is LimitMode.SHARED:
+        if self.mode is LimitMode.SHARED and not self.solo:
             self._refunds.append((key_id, num_tokens, tokens_per_min))
             self._wake.set()
         else:
-            share = max(1, tokens_per_min // self.num_replicas)
-            self._local_tokens.refund(key_id, num_tokens, share)
+            self._local_tokens.refund(key_id, num_tokens, self._local_rate(tokens_per_min))
+
+    def _local_rate(self, tokens_per_min: int) -> int:
+        """The rate of the local buckets: all of it alone (solo), 1/N on the fallback."""
+        return tokens_per_min if self.solo else max(1, tokens_per_min // self.num_replicas)
 
     # ------------------------------------------------------------ the sync task
 
@@ -298,14 +292,10 @@ class SharedLimits:
     def _fall_back(self, exc: BaseException) -> None:
         if self.mode is LimitMode.SHARED:
             self.mode = LimitMode.LOCAL
-            self.num_fallbacks += 1
             log.warning("Redis unreachable or slow (%s): each of the %d gateway replica(s) "
                         "now admits 1/%d of every limit on its own until it is back",
                         type(exc).__name__, self.num_replicas, self.num_replicas)
 
     def check_invariants(self) -> None:
-        counted = Counter(self._held.values())
-        for tier, num in self._num_held.items():
-            assert counted[tier] == num, f"{tier}: {num} held counted, {counted[tier]} listed"
         assert all(n >= 0 for n in self._num_waiting.values()), "negative waiting count"
         assert len(self._released) <= MAX_PENDING_RELEASES

@@ -175,11 +175,18 @@ async def stop_task(task: asyncio.Task[None], client: aioredis.Redis, timeout_s:
     return bool(done)
 
 
-def connect(url: str, connect_timeout_s: float = 1.0, socket_timeout_s: float = 5.0) -> aioredis.Redis:
-    """A client without hidden retries: callers own retry policy and deadlines."""
-    return aioredis.Redis.from_url(
-        url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+def connect(url: str, connect_timeout_s: float = 1.0, socket_timeout_s: float = 5.0,
+            max_connections: int | None = None, wait_s: float = 0.25) -> aioredis.Redis:
+    """A client without hidden retries: callers own retry policy and deadlines. With
+    `max_connections`, a burst queues up to `wait_s` for one (then ConnectionError)."""
+    options: dict[str, Any] = dict(
+        socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 0), decode_responses=False)
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                    timeout=wait_s, **options)
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 def stream_id_key(stream_id: StreamId) -> tuple[int, int]:
