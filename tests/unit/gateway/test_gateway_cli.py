@@ -17,6 +17,7 @@ BASE = ["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0"]
     (["--expect-workers", "-3"], "--expect-workers must be >= 0"),
     (["--worker-wait-s", "-0.5"], "--worker-wait-s must be >= 0"),
     (["--max-attempts", "0"], "--max-attempts"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
 ])
 def test_out_of_range_values_exit_2_naming_the_option(args, message, capsys) -> None:
     assert main(BASE + args) == 2
@@ -28,6 +29,8 @@ def test_out_of_range_values_exit_2_naming_the_option(args, message, capsys) -> 
     (["--kv-wait-s", "soon"], "--kv-wait-s"),
     (["--expect-workers", "2.5"], "--expect-workers"),
     (["--admission", "loose"], "--admission"),
+    (["--shared-limits", "maybe"], "--shared-limits"),
+    (["--replicas", "two"], "--replicas"),
 ])
 def test_values_of_the_wrong_type_are_usage_errors(args, option, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.cli import main
 from launcher.local_cluster import WorkerSpec, worker_argv
 from launcher.up_cli import worker_names, worker_roles
 
@@ -100,3 +101,8 @@ def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():
     assert cpu_kv_cache_mb(1, 64 << 30) == 4096
     assert cpu_kv_cache_mb(4, 2 << 30) == 256
     assert cpu_kv_cache_mb(2, None) == 256
+
+
+def test_up_refuses_zero_gateways_before_starting_anything(capsys) -> None:
+    assert main(["up", "--gateways", "0"]) == 1
+    assert "--gateways must be >= 1" in capsys.readouterr().err
