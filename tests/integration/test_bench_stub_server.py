@@ -203,16 +203,20 @@ def test_goodput_search_finds_the_capacity_knee(stub, tmp_path):
     assert any(not p.passed for p in report.points)   # the curve shows the knee
     assert all(p.passed for p in report.points if p.rate_rps <= 16.0), curve
     for point in report.points:
-        # Each run sent exactly the simulated arrivals, and met the SLO for as many as the
-        # simulation does with 0-20 ms of overhead (one request of slack either way).
+        # Each run sent exactly the simulated arrivals, and met the SLO for no more than the
+        # simulation does with no overhead (one request of slack). Below 90% of capacity it
+        # also met it for at least as many as with 20 ms of overhead; nearer capacity every
+        # millisecond a slot is held longer queues the rest, so a loaded machine can fall
+        # below any fixed overhead model there and only the upper bound is a fact.
         num_sent, best = _simulated(point.rate_rps, 1.5, 0.0)
         _, worst = _simulated(point.rate_rps, 1.5, 0.020)
         assert point.report.overall.num_requests == num_sent, point.rate_rps
         attainment = point.attainment_by_tier["interactive"]
         # In whole requests: as fractions, "one below the worst" can miss by a rounding.
         num_met = round(attainment * num_sent)
-        assert round(worst * num_sent) - 1 <= num_met <= round(best * num_sent) + 1, \
-            (point.rate_rps, attainment, worst, best)
+        assert num_met <= round(best * num_sent) + 1, (point.rate_rps, attainment, best)
+        if point.rate_rps * 0.140 < 4 * 0.9:
+            assert round(worst * num_sent) - 1 <= num_met, (point.rate_rps, attainment, worst)
 
 
 def test_cli_end_to_end_writes_json_and_plots(stub, tmp_path):
