@@ -1,7 +1,9 @@
 """From detections to actions, within the guard rails: a pure policy.
 
     detection ─┬─ dead, hung ──────────────> eject, then restart
-               ├─ error_spike, slow ───────> eject (restart after probation fails)
+               ├─ error_spike, slow ───────> eject; a second strike in the same epoch
+               │                              (found bad again after its probation):
+               │                              eject, then restart
                └─ leaked_kv ───────────────> reclaim (nothing ejected)
 
 Guard rails, all checked here:
@@ -22,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent.health_rules import Detection, Rule
 
@@ -55,6 +57,7 @@ class PoolState:
     roles: Mapping[str, str]  # worker id -> role
     ejected: frozenset[str]  # worker ids out of routing now
     last_action_s: Mapping[tuple[str, int], float]  # (worker, epoch) -> when last acted on
+    strikes: Mapping[tuple[str, int], int] = field(default_factory=dict)  # ejections so far
 
 
 _ACTIONS = {Rule.DEAD: ActionKind.EJECT_AND_RESTART, Rule.HUNG: ActionKind.EJECT_AND_RESTART,
@@ -92,6 +95,8 @@ def plan_actions(detections: Sequence[Detection], state: PoolState, now_s: float
                                         f"{cooldown_s:g} s)"))
             continue
         kind = _ACTIONS[detection.rule]
+        if kind is ActionKind.EJECT and state.strikes.get((worker, epoch), 0) >= 1:
+            kind = ActionKind.EJECT_AND_RESTART
         if kind is not ActionKind.RECLAIM_KV and worker not in state.ejected:
             role = state.roles.get(worker, "")
             limit = max_ejected(pool_sizes[role], max_eject_fraction)

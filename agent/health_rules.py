@@ -4,8 +4,9 @@ Each rule reads a window of samples (what the agent saw of one worker at each ti
 first) and returns a `Detection` with its evidence, or None. Nothing here does I/O or
 reads a clock: `now_s` is passed in, so the rules are tested with hand-written windows.
 
-    dead         the process is gone, or its registry lease is about to lapse (heartbeats
-                 stopped: a killed, frozen or partitioned worker) — act before it expires
+    dead         the process is gone, or its registry lease is about to lapse while its
+                 control API does not answer either (heartbeats stopped: a killed, frozen
+                 or partitioned worker) — act before it expires
     hung         alive and leased, but no engine step for `hung_after_s` while it has
                  running requests, or its control API missed its deadline that long
     slow         its step time is `slow_factor` x the median of its role's peers
@@ -95,7 +96,9 @@ def dead(window: Sequence[WorkerSample], t: Thresholds) -> Detection | None:
         return Detection(last.worker_id, last.epoch, Rule.DEAD, "its process is gone")
     if last.lease_left_s is None:
         return Detection(last.worker_id, last.epoch, Rule.DEAD, "its registry lease lapsed")
-    if last.lease_left_s < t.lease_margin_s:
+    if last.lease_left_s < t.lease_margin_s and not last.control_ok:
+        # (A worker that still answers its control API is alive: its heartbeat is late,
+        # Redis is slow, and the lease will be renewed; the gateway drops it if not.)
         return Detection(last.worker_id, last.epoch, Rule.DEAD,
                          f"its lease has {last.lease_left_s:.2f} s left: heartbeats stopped")
     return None

@@ -35,6 +35,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from aiohttp import web
 
+from common.contract.agent_protocol import ReclaimRequest
 from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
@@ -83,6 +84,8 @@ class AnyRoleWorker:
         decode = traced_decode(self.tracing, self.decode)
         app.router.add_post("/internal/decode", stream_handler(DecodeRequest, decode))
         app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
+        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest,
+                                                                 self.decode_half.reclaim))
         app.router.add_post("/internal/role", message_handler(RoleChangeRequest,
                                                               self.change_role))
 

@@ -55,6 +55,7 @@ class Reservation:
     num_prefix_blocks_held: int  # leading blocks already holding this prompt's KV here
     num_receive_blocks: int  # blocks after those that the prefill side writes
     deadline: float  # loop.time(): freed if no DecodeRequest joins by then
+    created_at: float = 0.0  # loop.time() when reserved (the agent reclaims old ones)
     state: ReservationState = ReservationState.RECEIVING
     handle: RecvHandle | None = None
     attached: bool = False  # a DecodeRequest is waiting on it
@@ -95,6 +96,11 @@ class ReservationTable:
 
     def live(self) -> Sequence[Reservation]:
         return list(self._live.values())
+
+    def unjoined(self, created_before: float) -> list[Reservation]:
+        """Live reservations made before `created_before` that no decode request joined."""
+        return [r for r in self._live.values()
+                if not r.attached and r.created_at < created_before]
 
     def tombstone(self, request_id: str) -> tuple[EndReason, str] | None:
         return self._tombstones.get(request_id)

@@ -1,7 +1,8 @@
 """Decode worker: reserve -> receive KV -> join the decode batch -> stream tokens.
 
-Handles POST /internal/reserve, /internal/decode and /internal/abort (common/contract/protocol.py
-messages over common/contract/control_server.py). The engine runs in its own thread (EngineThread).
+Handles POST /internal/reserve, /internal/decode, /internal/abort (common/contract/protocol.py
+messages over common/contract/control_server.py) and the operations agent's /internal/reclaim
+(common/contract/agent_protocol.py). The engine runs in its own thread (EngineThread).
 
 The handoff as this worker sees it (disaggregated request):
 
@@ -42,6 +43,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 
 from aiohttp import web
 
+from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
 from common.contract.control_server import message_handler, stream_handler
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
@@ -102,6 +104,7 @@ class DecodeWorker:
         app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self.reserve))
         app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self.decode))
         app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
+        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest, self.reclaim))
 
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
@@ -165,7 +168,7 @@ class DecodeWorker:
         loop = asyncio.get_running_loop()
         timeout_s = request.timeout_ms / 1000
         reservation = Reservation(rid, list(request.prompt_token_ids), list(held.block_ids),
-                                  num_held, num_receive, loop.time() + timeout_s)
+                                  num_held, num_receive, loop.time() + timeout_s, loop.time())
         self.table.add(reservation)
         if num_receive:
             # expect() must precede the sender's announcement: do it before answering.
@@ -180,6 +183,19 @@ class DecodeWorker:
                                         block_ids=list(held.block_ids),
                                         num_prefix_blocks_held=num_held)
         return ReserveResponse(request_id=rid, destination=destination, block_size=block_size)
+
+    async def reclaim(self, request: ReclaimRequest) -> Message:
+        """Free reservations no decode request joined for `older_than_ms` (leaked: the
+        gateway that made them is gone); the KV receiver's cancel runs first, as always."""
+        old = self.table.unjoined(asyncio.get_running_loop().time() - request.older_than_ms / 1000)
+        for reservation in old:
+            self.metrics.handoff_failures.inc(reason="reservation_reclaimed")
+            await self._drop(reservation, EndReason.EXPIRED,
+                             "reclaimed by the operations agent: no decode request joined")
+        if old:
+            log.warning("reclaimed %d reservation(s) older than %d ms", len(old),
+                        request.older_than_ms)
+        return ReclaimResponse(num_reclaimed=len(old), request_ids=[r.request_id for r in old])
 
     def _refusal(self, engine: EngineThread, request: ReserveRequest) -> str:
         load = engine.load
@@ -364,16 +380,8 @@ class DecodeWorker:
         return found
 
     @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
-    @property
     def stream_ids(self) -> tuple[str, ...]:
         return tuple(self._streams)
-
-    @property
-    def num_reservations(self) -> int:
-        return len(self.table)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

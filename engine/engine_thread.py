@@ -115,6 +115,7 @@ class EngineThread:
         self.load = engine_load(engine)
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
+        self.fault_step_delay_s = 0.0  # fault injection only (/internal/fault): a slow worker
         # Fixed at construction, so the loop may read them without a command.
         self._block_size = engine.config.block_size
         self._max_num_batched_tokens = engine.config.max_num_batched_tokens
@@ -257,6 +258,8 @@ class EngineThread:
                 if engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = engine.step()
+                    if self.fault_step_delay_s:
+                        time.sleep(self.fault_step_delay_s)
                     self._post(outputs, time.perf_counter() - started)
                     continue
                 if ran_commands:

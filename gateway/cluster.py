@@ -21,8 +21,12 @@ nothing until it registers with a new epoch or the mark lapses, without waiting 
 lease to expire; a worker that failed one request is excluded from that request's later
 plans (`plan(..., exclude=...)`).
 
+The operations agent's ejections (common/contract/agent_state.py) are read with every
+poll: an ejected worker (at its live epoch, entry not lapsed) is routed nothing new, and
+its streams already running go on. When that read fails the last list stays in use.
+
 Invariants: every worker in `snapshot()` is live (lease held at the last poll), not
-draining, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
+draining, not ejected, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
 lists only holders at their live epoch.
 """
 
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from common.contract.agent_state import AgentState, Ejection, active_ejections, now_unix_ms
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.protocol import LoadReport, WorkerInfo
 from common.contract.redis_state import REDIS_FAILURES, RedisState, raise_if_cancelling, stop_task
@@ -56,6 +61,7 @@ class WorkerEntry:
     info: WorkerInfo | None  # None: registered, lease lapsed, not yet purged
     worker_id: str
     load: LoadReport | None
+    ejection: Ejection | None = None  # set while the agent keeps it out of routing
 
 
 class ClusterView:
@@ -63,6 +69,8 @@ class ClusterView:
                  poll_period_s: float = 0.25, purge_period_s: float = 5.0,
                  vanish_grace_s: float = 8.0) -> None:
         self.state = state
+        self.agent_state = AgentState(state)
+        self.ejected: dict[str, Ejection] = {}  # as last read; filtered by active_ejections
         self.mirror = mirror
         self.rng = rng
         self.poll_period_s = poll_period_s
@@ -143,7 +151,9 @@ class ClusterView:
 
     def entries(self) -> list[WorkerEntry]:
         ids = sorted(set(self.registered_ids) | set(self.workers))
-        return [WorkerEntry(self.workers.get(w), w, self.loads.get(w)) for w in ids]
+        out = active_ejections(self.ejected, self._live_epochs, now_unix_ms())
+        return [WorkerEntry(self.workers.get(w), w, self.loads.get(w),
+                            self.ejected[w] if w in out else None) for w in ids]
 
     def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool | None,
              exclude: Mapping[str, int] | None = None,
@@ -200,6 +210,10 @@ class ClusterView:
         """Read the registry and loads once and rebuild the snapshot."""
         registry = await self.state.read_registry()
         workers, loads = registry.workers, registry.loads
+        try:
+            self.ejected = await self.agent_state.read_ejected()
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)  # the registry answered: route on, with the last list
         now = time.monotonic()
         if workers:
             self._last_seen_workers_at = now
@@ -215,7 +229,8 @@ class ClusterView:
             return
         self.workers, self.loads, self.registered_ids = workers, loads, registry.registered_ids
         self._live_epochs = {w.worker_id: w.epoch for w in workers.values()}
-        self._snapshot = build_snapshot(workers, loads)
+        out = active_ejections(self.ejected, self._live_epochs, now_unix_ms())
+        self._snapshot = build_snapshot(workers, loads, out)
         self.redis_connected = True
         self.last_poll_monotonic = time.monotonic()
 
@@ -252,16 +267,20 @@ class ClusterView:
             info = self.workers.get(view.worker_id)
             if info is None or info.draining:
                 raise AssertionError(f"{view.worker_id} routable but not live or draining")
+            if view.worker_id in active_ejections(self.ejected, self._live_epochs,
+                                                  now_unix_ms() - 1000):
+                raise AssertionError(f"{view.worker_id} routable but ejected")
 
 
-def build_snapshot(workers: dict[str, WorkerInfo],
-                   loads: dict[str, LoadReport]) -> ClusterSnapshot:
-    """The routable workers (live, not draining) with their last load; pure."""
+def build_snapshot(workers: dict[str, WorkerInfo], loads: dict[str, LoadReport],
+                   ejected: frozenset[str] = frozenset()) -> ClusterSnapshot:
+    """The routable workers (live, not draining, not in `ejected`) with their last load;
+    pure."""
     views = []
     block_sizes = set()
     for worker_id in sorted(workers):
         info = workers[worker_id]
-        if info.draining:
+        if info.draining or worker_id in ejected:
             continue
         report = loads.get(worker_id)
         load = report.load if report is not None else WorkerLoad()

@@ -8,11 +8,15 @@
     /admin/workers   {"workers": [{"id", "role", "pid", "epoch", "control_url", "state",
                                    "load": {"num_running", "num_waiting", "kv_blocks_used",
                                             "kv_blocks_total"}}]}
-                     state: "ready" | "draining" | "expired" (lease lapsed, not yet purged);
+                     state: "ready" | "draining" | "ejected" (the operations agent keeps
+                     it out of routing: "ejection" says why) | "expired" (lease lapsed,
+                     not yet purged);
                      needs an admin key when keys are configured (401/403 otherwise), or
                      the cluster's internal token.
     POST /admin/workers/{id}/role   {"role", "drain_timeout_s"}: change a worker's role
                      (gateway/role_admin.py); admin key or the internal token as above.
+    /admin/agent/events?limit=N   {"events": [...]}: the operations agent's last N
+                     decisions (default 100, at most 1000), newest first; admin key.
     /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
                       "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
                      its invariants checked on the spot (null: all hold); admin key as above.
@@ -35,10 +39,12 @@ from collections.abc import Iterator
 import msgspec
 from aiohttp import web
 
+from common.contract.agent_state import AgentEvent, Ejection
 from common.contract.protocol import Role
+from common.contract.redis_state import REDIS_FAILURES, raise_if_cancelling
 from common.contract.worker_load import StepModel, WorkerLoad
 from gateway.cluster import ClusterView, WorkerEntry
-from gateway.errors import ApiError
+from gateway.errors import ApiError, invalid_request
 from gateway.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.metrics import GatewayMetrics
 from gateway.refusals import RefusalLog
@@ -59,6 +65,7 @@ FINISHED = frozenset({SloOutcome.MET, SloOutcome.MISSED_TTFT, SloOutcome.MISSED_
                       SloOutcome.MISSED_BOTH})
 log = logging.getLogger(__name__)
 
+MAX_AGENT_EVENTS = 1000
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 
 
@@ -75,6 +82,7 @@ class WorkerRow(msgspec.Struct):
     sm_share_percent: int | None = None  # CUDA MPS share of the GPU's SMs (None: no MPS)
     step_model: StepModel | None = None  # the fitted step time the router predicts with
     kv_send_bytes_per_s: float | None = None
+    ejection: Ejection | None = None
 
 
 class WorkerList(msgspec.Struct):
@@ -91,6 +99,7 @@ def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/admin/workers", handle_admin_workers)
     app.router.add_get("/admin/state", handle_admin_state)
+    app.router.add_get("/admin/agent/events", handle_agent_events)
     app.router.add_post("/admin/workers/{worker_id}/role", handle_admin_role)
 
 
@@ -202,6 +211,25 @@ async def handle_admin_workers(request: web.Request) -> web.Response:
                         content_type="application/json")
 
 
+class AgentEvents(msgspec.Struct):
+    events: list[AgentEvent]
+
+
+async def handle_agent_events(request: web.Request) -> web.Response:
+    require_admin(request, request.app[TIERS])
+    raw = request.query.get("limit", "100")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_AGENT_EVENTS:
+        raise invalid_request(f"limit must be an integer in [1, {MAX_AGENT_EVENTS}]",
+                              param="limit")
+    try:
+        events = await request.app[CLUSTER].agent_state.recent_events(int(raw))
+    except REDIS_FAILURES as exc:
+        raise_if_cancelling(exc)
+        raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None
+    return web.Response(body=msgspec.json.encode(AgentEvents(events=events)),
+                        content_type="application/json")
+
+
 class GatewayState(msgspec.Struct):
     num_active: int  # generations in progress upstream
     num_background_tasks: int  # aborts still being sent
@@ -246,7 +274,8 @@ def require_admin(request: web.Request, tiers: TierConfig) -> None:
 
 def worker_row(entry: WorkerEntry) -> WorkerRow:
     info, load = entry.info, entry.load
-    state = "expired" if info is None else "draining" if info.draining else "ready"
+    state = "expired" if info is None else "draining" if info.draining else \
+        "ejected" if entry.ejection is not None else "ready"
     return WorkerRow(
         id=entry.worker_id, role=info.role.value if info else None,
         pid=(info.pid or None) if info else None, epoch=info.epoch if info else None,
@@ -255,7 +284,8 @@ def worker_row(entry: WorkerEntry) -> WorkerRow:
         device=info.device if info else None,
         sm_share_percent=(info.sm_share_percent or None) if info else None,
         step_model=load.load.step_model if load else None,
-        kv_send_bytes_per_s=(load.load.kv_send_bytes_per_s or None) if load else None)
+        kv_send_bytes_per_s=(load.load.kv_send_bytes_per_s or None) if load else None,
+        ejection=entry.ejection)
 
 
 def _load_fields(load: WorkerLoad) -> dict[str, float]:

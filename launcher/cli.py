@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from agent import cli as agent_cli
 from benchmarks.bench import cli as bench_cli
 from engine import generate_cli
 from gateway import cli as gateway_cli
@@ -24,6 +25,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     worker_cli.add_prefill_parser,
     worker_cli.add_decode_parser,
     gateway_cli.add_parser,
+    agent_cli.add_parser,
     up_cli.add_parser,
 )
 

@@ -3,13 +3,14 @@
     start():  Redis (unless a URL is given) → the CUDA MPS daemon (when given one:
               launcher/mps.py) → the workers → the gateway (its port fixed), or N gateway
               replicas sharing that port (SO_REUSEPORT: the kernel spreads connections)
-              and their admission limits (in Redis: gateway/shared_limits.py)
+              and their admission limits (in Redis: gateway/shared_limits.py) → the
+              operations agent (agent/: it SIGKILLs a bad worker, supervise() restarts it)
     wait_ready(): until /ready answers and every worker started here is listed ready
     supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
               a worker with a new process (new epoch), the gateway and Redis on their ports
-    stop():   the gateway first (SIGTERM: it stops accepting, lets streams finish within its
-              drain timeout, ends the rest with an error event and [DONE]), then the
-              workers (they drain and deregister), then the MPS daemon, then Redis
+    stop():   the agent first (so nothing restarts what is stopping), then the gateway
+              (SIGTERM: it stops accepting, lets streams finish within its drain timeout,
+              ends the rest with an error event and [DONE]), then the workers (they drain and deregister), then the MPS daemon, then Redis
 
 Every child gets the cluster's internal token in its environment (PDSERVE_INTERNAL_TOKEN,
 never on a command line), so the workers' control APIs answer only this cluster: the one
@@ -62,7 +63,9 @@ class LocalCluster:
                  gateway_url: str, log_dir: Path, redis_url: str | None,
                  say: Callable[[str], None], policy: RestartPolicy = RestartPolicy(),
                  drain_timeout_s: float = 30.0, mps: MpsDaemon | None = None,
-                 num_gateways: int = 1) -> None:
+                 num_gateways: int = 1, agent_args: list[str] | None = None) -> None:
+        """`agent_args`: the operations agent's options (it is started after the gateway
+        and restarted like a worker); None: no agent."""
         if num_gateways < 1:
             raise ValueError("num_gateways must be >= 1")
         self.worker_specs = workers
@@ -82,6 +85,8 @@ class LocalCluster:
         self.workers: list[Child] = []
         self.num_gateways = num_gateways
         self.gateways: list[Child] = []
+        self.agent_args = agent_args
+        self.agent: Child | None = None
         self._redis_failures = 0
         self._redis_started_at = 0.0
         self._redis_restart_at: float | None = None
@@ -117,6 +122,10 @@ class LocalCluster:
             name = "gateway" if self.num_gateways == 1 else f"gateway {index}"
             self.gateways.append(self.supervisor.start(name, gateway, env=self._env,
                                                        essential=True))
+        if self.agent_args is not None:
+            self.agent = self.supervisor.start(
+                "agent", [*base, "agent", "--redis-url", self.redis_url, *self.agent_args],
+                env=self._env)
 
     # ---------------------------------------------------------------- readiness
 
@@ -215,6 +224,8 @@ class LocalCluster:
 
     def stop(self) -> None:
         try:
+            if self.agent is not None:  # first: nothing may restart what is being stopped
+                self.supervisor.stop([self.agent], timeout_s=10.0)
             if self.gateways:
                 # Streams get the drain timeout, the rest of its shutdown a few seconds.
                 self.supervisor.stop(self.gateways, timeout_s=self.drain_timeout_s + 10.0)

@@ -69,6 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--gateways", "1", type=int,
         help="gateway replicas, all on --port (SO_REUSEPORT: the kernel spreads connections "
              "among them); they share tier limits and key rates through Redis (default 1)")
+    p.add_argument("--no-agent", action="store_true", default=env_flag(env, "--no-agent"),
+                   help="do not start the operations agent (by default it ejects, restarts "
+                        "and re-admits bad workers and rebalances roles; its options come "
+                        "from their PDSERVE_* variables, its decisions go to "
+                        "LOG_DIR/agent-audit.jsonl: docs/operations.md)")
     opt("--redis-url", help="use this Redis instead of starting one")
     opt("--tiers", help="tiers TOML file for the gateway")
     opt("--device", "auto", help="auto (CUDA GPUs round-robin when present, else cpu), cpu, "
@@ -150,9 +155,14 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp_endpoint:  # else the children read OTEL_EXPORTER_OTLP_ENDPOINT themselves
         common, gateway_args = (c + ["--otlp-endpoint", args.otlp_endpoint]
                                 for c in (common, gateway_args))
+    agent_args = None if args.no_agent else [
+        "--namespace", args.namespace, "--restart", "local", "--host", "127.0.0.1",
+        "--port", "0", "--log-level", args.log_level, "--log-format", args.log_format,
+        "--audit-log", str(log_dir / "agent-audit.jsonl")]
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
                            drain_timeout_s=args.drain_timeout_s,
-                           mps=None if mps is None else mps.daemon, num_gateways=args.gateways)
+                           mps=None if mps is None else mps.daemon, num_gateways=args.gateways,
+                           agent_args=agent_args)
 
     stopping = False
 
@@ -171,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
         gateways = "the gateway" if args.gateways == 1 else f"{args.gateways} gateways"
+        gateways += "" if args.no_agent else " and the operations agent"
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
              f"({threads} thread(s){kv}) and {gateways}; logs in {log_dir}")
         failure = _wait_ready(cluster, args.ready_timeout_s, lambda: stopping)

@@ -43,6 +43,7 @@ from redis.backoff import NoBackoff
 
 from common.contract.protocol import (WORKER_ID_PATTERN, LoadReport, MessageDecoder,
                                       PrefixIndexEvent, WorkerInfo, encode)
+from common.contract.redis_scripts import APPLY_INDEX, HEARTBEAT, PURGE, SNAPSHOT
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
 ScriptArg = bytes | str | int | float  # what a Lua script's ARGV takes
@@ -63,92 +64,14 @@ class Registry(msgspec.Struct, frozen=True, kw_only=True):
     registered_ids: list[str]  # registered and not yet purged, live or with a lapsed lease
     workers: dict[str, WorkerInfo]  # holding a live lease, by id
     loads: dict[str, LoadReport]  # of live workers, at their live epoch
+    # ms left on each registered worker's lease (0: lapsed); read only when asked for
+    lease_left_ms: dict[str, int] = {}
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True):
     generation: str  # "" when no index write happened since Redis started
     last_event_id: StreamId
     holdings: dict[str, tuple[int, list[int]]]  # worker id -> (epoch, hashes)
-
-
-# KEYS: epoch, info, load, workers. ARGV: worker id, epoch, info, load ("" keeps it), ttl ms.
-# Returns -1 when fenced, else 1 if the lease existed before, 0 if it was (re)created.
-_HEARTBEAT = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local mine = tonumber(ARGV[2])
-if cur > mine then return -1 end
-if cur < mine then redis.call('SET', KEYS[1], mine) end
-local existed = redis.call('EXISTS', KEYS[2])
-redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[5])
-if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5]) end
-redis.call('SADD', KEYS[4], ARGV[1])
-return existed
-"""
-
-# KEYS: epoch, prefixes, prefix_epoch, events, generation, workers.
-# ARGV: worker id, epoch, reset, n_inserted, n_evicted, event, maxlen, prefix-key prefix,
-#       generation candidate, inserted hashes..., evicted hashes...
-# Returns the event's stream id, or -1 when fenced.
-_APPLY_INDEX = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local mine = tonumber(ARGV[2])
-if cur > mine then return -1 end
-if cur < mine then redis.call('SET', KEYS[1], mine) end
-redis.call('SET', KEYS[5], ARGV[9], 'NX')
-redis.call('SADD', KEYS[6], ARGV[1])
-local pfx = ARGV[8]
-local held_epoch = tonumber(redis.call('GET', KEYS[3]) or '-1')
-if ARGV[3] == '1' or held_epoch ~= mine then
-  for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do redis.call('HDEL', pfx .. h, ARGV[1]) end
-  redis.call('DEL', KEYS[2])
-  redis.call('SET', KEYS[3], mine)
-end
-local ni = tonumber(ARGV[4])
-local ne = tonumber(ARGV[5])
-for i = 1, ne do
-  local h = ARGV[9 + ni + i]
-  redis.call('HDEL', pfx .. h, ARGV[1])
-  redis.call('SREM', KEYS[2], h)
-end
-for i = 1, ni do
-  local h = ARGV[9 + i]
-  redis.call('HSET', pfx .. h, ARGV[1], mine)
-  redis.call('SADD', KEYS[2], h)
-end
-return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[6])
-"""
-
-# KEYS: epoch, info, load, prefixes, prefix_epoch, workers, events.
-# ARGV: worker id, epoch, mode ('deregister' | 'expired'), event, maxlen, prefix-key prefix.
-# Returns 1 when purged, 0 when the worker is alive (mode 'expired'), -1 on epoch mismatch.
-_PURGE = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-if ARGV[3] == 'expired' and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-if cur ~= tonumber(ARGV[2]) then return -1 end
-local pfx = ARGV[6]
-for _, h in ipairs(redis.call('SMEMBERS', KEYS[4])) do redis.call('HDEL', pfx .. h, ARGV[1]) end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-redis.call('SREM', KEYS[6], ARGV[1])
-redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[4])
-return 1
-"""
-
-# KEYS: workers, events, generation. ARGV: worker-key prefix.
-# Atomic, so the holdings are exactly the state after the returned stream id.
-_SNAPSHOT = """
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local out = {redis.call('GET', KEYS[3]) or '', '0-0'}
-if #last > 0 then out[2] = last[1][1] end
-for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local e = redis.call('GET', ARGV[1] .. w .. ':prefix_epoch')
-  if e then
-    table.insert(out, w)
-    table.insert(out, e)
-    table.insert(out, redis.call('SMEMBERS', ARGV[1] .. w .. ':prefixes'))
-  end
-end
-return out
-"""
 
 
 def raise_if_cancelling(exc: BaseException) -> None:
@@ -203,10 +126,10 @@ class RedisState:
         self.ns = namespace
         self.op_timeout_s = op_timeout_s
         self.stream_maxlen = stream_maxlen
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._apply_index = client.register_script(_APPLY_INDEX)
-        self._purge = client.register_script(_PURGE)
-        self._snapshot = client.register_script(_SNAPSHOT)
+        self._heartbeat = client.register_script(HEARTBEAT)
+        self._apply_index = client.register_script(APPLY_INDEX)
+        self._purge = client.register_script(PURGE)
+        self._snapshot = client.register_script(SNAPSHOT)
         self._info_decoder: MessageDecoder[WorkerInfo] = MessageDecoder(WorkerInfo)
         self._load_decoder: MessageDecoder[LoadReport] = MessageDecoder(LoadReport)
         self._event_decoder: MessageDecoder[PrefixIndexEvent] = MessageDecoder(PrefixIndexEvent)
@@ -222,6 +145,10 @@ class RedisState:
         if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
             raise ValueError(f"invalid worker id {worker_id!r}: must match {WORKER_ID_PATTERN}")
         return f"{self.ns}:worker:{worker_id}:{field}"
+
+    def epoch_key(self, worker_id: str) -> str:
+        """The epoch counter's key, for scripts of other modules that fence by epoch."""
+        return self._worker_key(worker_id, "epoch")
 
     @property
     def _workers_key(self) -> str:
@@ -239,14 +166,14 @@ class RedisState:
     def _generation_key(self) -> str:
         return f"{self.ns}:index_generation"
 
-    def _deadline(self, timeout_s: float | None) -> asyncio.Timeout:
+    def deadline(self, timeout_s: float | None) -> asyncio.Timeout:
         return asyncio.timeout(self.op_timeout_s if timeout_s is None else timeout_s)
 
     # ---------------------------------------------------------------- registry and load
 
     async def next_epoch(self, worker_id: str, timeout_s: float | None = None) -> int:
         """Called exactly once per worker start; the returned epoch fences older starts."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             return int(await self.client.incr(self._worker_key(worker_id, "epoch")))
 
     async def heartbeat(self, info: WorkerInfo, load: LoadReport | None, lease_ttl_ms: int,
@@ -257,7 +184,7 @@ class RedisState:
                 self._worker_key(wid, "load"), self._workers_key]
         args: list[ScriptArg] = [wid, info.epoch, encode(info), encode(load) if load is not None else b"",
                 lease_ttl_ms]
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             result = int(await self._heartbeat(keys=keys, args=args))
         if result < 0:
             raise StaleEpochError(f"worker {wid} epoch {info.epoch} was superseded")
@@ -269,7 +196,7 @@ class RedisState:
 
     async def purge_expired_worker(self, worker_id: str, timeout_s: float | None = None) -> bool:
         """Drop the index entries of a worker whose lease expired; False if it is alive."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             epoch = int(await self.client.get(self._worker_key(worker_id, "epoch")) or 0)
         return await self._purge_worker(worker_id, epoch, "expired", timeout_s) == 1
 
@@ -280,12 +207,12 @@ class RedisState:
         keys += [self._workers_key, self.events_key]
         event = PrefixIndexEvent(worker_id=worker_id, epoch=epoch, reset=True)
         args: list[ScriptArg] = [worker_id, epoch, mode, encode(event), self.stream_maxlen, self._prefix_key_prefix]
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             return int(await self._purge(keys=keys, args=args))
 
     async def list_worker_ids(self, timeout_s: float | None = None) -> list[str]:
         """Every registered id, live or with a lapsed lease not yet purged."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             return sorted(_text(m) for m in await self.client.smembers(self._workers_key))
 
     async def list_workers(self, timeout_s: float | None = None) -> dict[str, WorkerInfo]:
@@ -296,14 +223,19 @@ class RedisState:
         """Latest load of each live worker; loads of an older epoch are left out."""
         return (await self.read_registry(timeout_s)).loads
 
-    async def read_registry(self, timeout_s: float | None = None) -> Registry:
-        """The whole registry in two round trips: the id set, then every info and load."""
-        async with self._deadline(timeout_s):
+    async def read_registry(self, timeout_s: float | None = None,
+                            with_leases: bool = False) -> Registry:
+        """The whole registry in two round trips: the id set, then every info and load (and,
+        `with_leases`, what each lease has left)."""
+        async with self.deadline(timeout_s):
             ids = sorted(_text(m) for m in await self.client.smembers(self._workers_key))
             if not ids:
                 return Registry(registered_ids=[], workers={}, loads={})
-            blobs = await self.client.mget([self._worker_key(w, f) for f in ("info", "load")
-                                            for w in ids])
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.mget([self._worker_key(w, f) for f in ("info", "load") for w in ids])
+                for w in ids if with_leases else ():
+                    pipe.pttl(self._worker_key(w, "info"))
+                blobs, *ttls = await pipe.execute()
         infos = [self._info_decoder.decode(_blob(b)) for b in blobs[:len(ids)] if b is not None]
         workers = {w.worker_id: w for w in infos}
         loads = {}
@@ -313,7 +245,8 @@ class RedisState:
                 live = workers.get(report.worker_id)
                 if live is not None and live.epoch == report.epoch:
                     loads[report.worker_id] = report
-        return Registry(registered_ids=ids, workers=workers, loads=loads)
+        leases = {w: max(0, int(ttl)) for w, ttl in zip(ids, ttls)}
+        return Registry(registered_ids=ids, workers=workers, loads=loads, lease_left_ms=leases)
 
     # ---------------------------------------------------------------- prefix index
 
@@ -329,7 +262,7 @@ class RedisState:
                               self._prefix_key_prefix, self._generation_candidate]
         args += event.inserted
         args += event.evicted
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             result = await self._apply_index(keys=keys, args=args)
         if isinstance(result, int):
             raise StaleEpochError(f"worker {wid} epoch {event.epoch} was superseded")
@@ -338,7 +271,7 @@ class RedisState:
     async def query_prefix_holders(self, hashes: Sequence[int],
                                    timeout_s: float | None = None) -> list[dict[str, int]]:
         """For each hash, worker id -> epoch as stored (callers filter by live epochs)."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             async with self.client.pipeline(transaction=False) as pipe:
                 for h in hashes:
                     pipe.hgetall(f"{self._prefix_key_prefix}{h}")
@@ -346,7 +279,7 @@ class RedisState:
         return [{k.decode(): int(v) for k, v in row.items()} for row in rows]
 
     async def snapshot_index(self, timeout_s: float | None = None) -> IndexSnapshot:
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             out = await self._snapshot(keys=[self._workers_key, self.events_key,
                                              self._generation_key],
                                        args=[f"{self.ns}:worker:"])
@@ -355,12 +288,12 @@ class RedisState:
         return IndexSnapshot(_text(out[0]), _text(out[1]), holdings)
 
     async def index_generation(self, timeout_s: float | None = None) -> str:
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             return _text(await self.client.get(self._generation_key) or b"")
 
     async def first_event_id(self, timeout_s: float | None = None) -> StreamId | None:
         """Oldest event still in the stream (older ones were trimmed), None when empty."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             rows = await self.client.xrange(self.events_key, "-", "+", count=1)
         return _text(rows[0][0] or b"") if rows else None
 
@@ -381,7 +314,7 @@ class RedisState:
 
     async def trim_events(self, max_len: int, timeout_s: float | None = None) -> None:
         """Exact trim; for tests and operators (writers trim approximately on their own)."""
-        async with self._deadline(timeout_s):
+        async with self.deadline(timeout_s):
             await self.client.xtrim(self.events_key, maxlen=max_len, approximate=False)
 
 

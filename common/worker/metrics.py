@@ -28,6 +28,10 @@ class WorkerMetrics:
                                              "requests that produced a token per step",
                                              BATCH_BUCKETS)
         self.step_seconds = registry.histogram("pdserve_step_seconds", "engine step time")
+        # Steps that only decoded: comparable across workers whatever their prompt mix (the
+        # operations agent's "slow" rule reads these).
+        self.decode_step_seconds = registry.histogram(
+            "pdserve_decode_step_seconds", "engine step time of steps without prefill")
         self.kv_blocks_used = registry.gauge("pdserve_kv_blocks_used",
                                              "KV blocks referenced by requests/reservations")
         self.kv_blocks_total = registry.gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
@@ -77,6 +81,8 @@ class WorkerMetrics:
         if report.step_s <= 0.0:
             return  # a command, not a step
         self.step_seconds.observe(report.step_s)
+        if report.shape.prefill_tokens == 0 and report.shape.decode_seqs > 0:
+            self.decode_step_seconds.observe(report.step_s)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
         prefill_tokens = decode_tokens = 0

@@ -29,9 +29,12 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from common.contract.control_server import ControlServer, make_app
+from common.contract.agent_protocol import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV,
+                                           ExitRequest, ExitResponse, FaultRequest,
+                                           FaultResponse)
+from common.contract.control_server import ControlServer, make_app, message_handler
 from common.contract.metrics import MetricsRegistry
-from common.contract.protocol import Role, WorkerInfo
+from common.contract.protocol import Message, Role, WorkerInfo
 from common.contract.redis_state import RedisState, connect
 from common.contract.tracing import NO_TRACING, Tracing
 from common.contract.worker_load import WorkerLoad
@@ -112,6 +115,10 @@ class WorkerRuntime:
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/internal/state", self._state)
+        self.app.router.add_post("/internal/exit", message_handler(ExitRequest, self._exit))
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":
+            self.app.router.add_post("/internal/fault", message_handler(FaultRequest,
+                                                                        self._fault))
 
     @property
     def epoch(self) -> int:
@@ -242,6 +249,20 @@ class WorkerRuntime:
         if self.publisher is not None:
             body["redis_connected"] = self.publisher.connected
         return web.json_response(body)
+
+    async def _exit(self, request: ExitRequest) -> Message:
+        """The operations agent restarts this worker (its orchestrator starts a new one)."""
+        log.warning("%s: exiting at once to be restarted (%s)", self.worker_id,
+                    request.reason or "no reason given")
+        asyncio.get_running_loop().call_later(0.1, os._exit, EXIT_CODE_RESTART)
+        return ExitResponse(pid=os.getpid())
+
+    async def _fault(self, request: FaultRequest) -> Message:
+        if self.engine_thread is not None:
+            self.engine_thread.fault_step_delay_s = request.step_delay_ms / 1000
+        log.warning("%s: fault injection: every engine step sleeps %d ms more",
+                    self.worker_id, request.step_delay_ms)
+        return FaultResponse(step_delay_ms=request.step_delay_ms)
 
     async def _check_invariants(self) -> str | None:
         assert self.engine_thread is not None and self._worker is not None

@@ -21,8 +21,10 @@ def sample(at_s: float, worker_id: str = "d-0", epoch: int = 1, role: str = "dec
 def test_dead_when_the_process_is_gone_or_the_lease_is_about_to_lapse() -> None:
     assert dead([sample(0.0)], T) is None
     assert dead([sample(0.0, lease_left_s=1.01)], T) is None
-    found = dead([sample(0.0), sample(1.0, lease_left_s=0.99)], T)
+    found = dead([sample(0.0), sample(1.0, lease_left_s=0.99, control_ok=False)], T)
     assert found is not None and found.rule is Rule.DEAD and "0.99 s left" in found.evidence
+    # A late heartbeat of a worker that still answers is not death.
+    assert dead([sample(0.0), sample(1.0, lease_left_s=0.99)], T) is None
     assert dead([sample(0.0, process_alive=False)], T).evidence == "its process is gone"
     assert dead([sample(0.0, lease_left_s=None)], T).evidence == "its registry lease lapsed"
     assert dead([], T) is None
@@ -97,7 +99,7 @@ def test_error_spike_counts_the_window_not_the_lifetime() -> None:
 
 def test_detect_reports_the_gravest_finding_once_per_worker() -> None:
     windows = {
-        "d-0": [sample(0.0, "d-0", lease_left_s=0.5, step_time_s=0.5)],
+        "d-0": [sample(0.0, "d-0", lease_left_s=0.5, control_ok=False, step_time_s=0.5)],
         "d-1": [sample(0.0, "d-1", step_time_s=0.01)],
         "d-2": [sample(0.0, "d-2", step_time_s=0.01)],
     }

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import posixpath
+from types import ModuleType
 
 import pytest
 from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
                           resolved_compose)
 
+from common.contract.option_env import INTERNAL_TOKEN_ENV
+
 pytestmark = pytest.mark.timeout(120)
-PDSERVE_SERVICES = ("prefill", "decode", "gateway")
+PDSERVE_SERVICES = ("prefill", "decode", "gateway", "agent")
 WORKERS = ("prefill", "decode")
+# Variables a subcommand reads by name rather than through an option: `pdserve agent` takes
+# the internal token from the environment only (agent/main.py), never as a flag.
+ENV_ONLY = {"agent": {INTERNAL_TOKEN_ENV}}
+
+
+def option_env(service: str, env: dict[str, str]) -> dict[str, str]:
+    """The service's variables that must each map to an option of its subcommand."""
+    return {k: v for k, v in env.items() if k not in ENV_ONLY.get(service, set())}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +58,10 @@ def test_only_the_gateway_port_is_published(cluster: dict) -> None:
     services = cluster["services"]
     assert [p["target"] for p in services["gateway"]["ports"]] == [8000]
     assert services["gateway"]["ports"][0]["host_ip"] == "127.0.0.1"
-    for name in WORKERS + ("redis",):
+    for name in WORKERS + ("redis", "agent"):
         assert not services[name].get("ports"), f"{name} publishes a port"
-    # Fixed names would stop `--scale`.
-    for name in WORKERS:
+    # Fixed names would stop `--scale` (`--scale agent=0` turns the agent off).
+    for name in WORKERS + ("agent",):
         assert "container_name" not in services[name]
 
 
@@ -73,6 +86,12 @@ def test_start_order_is_gated_on_health(cluster: dict) -> None:
     for name in ("redis",) + WORKERS:
         assert gateway_deps[name]["condition"] == "service_healthy", name
     assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    # The agent needs only Redis; nothing waits on it, and it serves no /ready.
+    assert set(services["agent"]["depends_on"]) == {"redis"}
+    assert services["agent"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["agent"]["healthcheck"]["test"] == ["CMD", "pdserve-healthcheck",
+                                                        "/health"]
+    assert "agent" not in services["gateway"]["depends_on"]
 
 
 def test_workers_get_time_to_drain(cluster: dict) -> None:
@@ -92,7 +111,8 @@ def test_tiers_file_is_mounted_where_the_gateway_reads_it(cluster: dict) -> None
 
 
 def test_monitoring_is_an_opt_in_profile() -> None:
-    assert set(resolved_compose()["services"]) == {"redis", "prefill", "decode", "gateway"}
+    assert set(resolved_compose()["services"]) == {"redis", "prefill", "decode", "gateway",
+                                                   "agent"}
     with_monitoring = resolved_compose(profiles=("monitoring",))["services"]
     assert {"prometheus", "grafana"} <= set(with_monitoring)
     grafana_sources = {v["source"] for v in with_monitoring["grafana"]["volumes"]}
@@ -102,14 +122,16 @@ def test_monitoring_is_an_opt_in_profile() -> None:
 @pytest.mark.parametrize("service", PDSERVE_SERVICES)
 def test_service_runs_a_real_subcommand_with_real_options(cluster: dict, service: str) -> None:
     spec = cluster["services"][service]
-    assert invocation_errors(f"compose {service}", spec["command"], spec["environment"]) == []
+    assert invocation_errors(f"compose {service}", spec["command"],
+                             option_env(service, spec["environment"])) == []
 
 
 @pytest.mark.parametrize("service", PDSERVE_SERVICES)
 def test_service_environment_reaches_the_parser(cluster: dict, service: str) -> None:
     """Every PDSERVE_* variable of the service lands in the option it is meant for."""
     spec = cluster["services"][service]
-    invocation_errors(f"compose {service}", spec["command"], spec["environment"])  # may skip
+    invocation_errors(f"compose {service}", spec["command"],
+                      option_env(service, spec["environment"]))  # fails on a missing subcommand
     namespace = parsed_namespace(spec["command"], spec["environment"])
     for name, value in spec["environment"].items():
         dest = name.removeprefix("PDSERVE_").lower()
@@ -125,6 +147,52 @@ def _same(parsed: object, text: str) -> bool:
         return float(parsed) == float(text)  # "30" -> 30.0
     except (TypeError, ValueError):
         return False
+
+
+def healthcheck_module() -> ModuleType:
+    """deploy/docker/healthcheck.py, the image's `pdserve-healthcheck` (not a package)."""
+    spec = importlib.util.spec_from_file_location("pdserve_healthcheck",
+                                                  DEPLOY / "docker" / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agent_restarts_workers_through_their_orchestrator(cluster: dict) -> None:
+    """Compose has neither a supervisor the agent could signal nor a Kubernetes API: the
+    agent asks a worker to exit, and the workers' `restart: unless-stopped` starts it again."""
+    services = cluster["services"]
+    agent = services["agent"]
+    namespace = parsed_namespace(agent["command"], agent["environment"])
+    assert namespace["command"] == "agent" and namespace["restart"] == "exit"
+    assert not namespace["dry_run"]
+    for name in WORKERS + ("agent",):
+        assert services[name]["restart"] == "unless-stopped", name
+    assert agent["image"] == services["gateway"]["image"]
+    assert agent["environment"][INTERNAL_TOKEN_ENV] == "test-token"
+    assert agent["environment"]["PDSERVE_REDIS_URL"] == \
+        services["gateway"]["environment"]["PDSERVE_REDIS_URL"]
+
+
+def test_agent_healthcheck_asks_the_port_the_agent_serves(cluster: dict) -> None:
+    agent = cluster["services"]["agent"]
+    namespace = parsed_namespace(agent["command"], agent["environment"])
+    # What pdserve-healthcheck computes from the same variables, inside the container.
+    url = healthcheck_module().base_url(agent["environment"])
+    assert url == f"http://127.0.0.1:{namespace['port']}"
+    assert namespace["port"] == 8300 and namespace["host"] == "0.0.0.0"
+
+
+def test_agent_audit_log_lives_on_a_named_volume(cluster: dict) -> None:
+    agent = cluster["services"]["agent"]
+    audit_log = agent["environment"]["PDSERVE_AUDIT_LOG"]
+    assert parsed_namespace(agent["command"], agent["environment"])["audit_log"] == audit_log
+    mounts = {v["target"]: v for v in agent["volumes"]}
+    mount = mounts[posixpath.dirname(audit_log)]
+    # A named volume outlives `docker compose down` (without -v) and a recreated container.
+    assert mount["type"] == "volume"
+    assert mount["source"] in cluster["volumes"]
+    assert not mount.get("read_only")
 
 
 def test_gpu_override_gives_each_pool_its_own_gpu(gpu_cluster: dict) -> None:
@@ -143,4 +211,5 @@ def test_gpu_override_gives_each_pool_its_own_gpu(gpu_cluster: dict) -> None:
 @pytest.mark.parametrize("service", WORKERS)
 def test_gpu_services_still_run_real_options(gpu_cluster: dict, service: str) -> None:
     spec = gpu_cluster["services"][service]
-    assert invocation_errors(f"gpu compose {service}", spec["command"], spec["environment"]) == []
+    assert invocation_errors(f"gpu compose {service}", spec["command"],
+                             option_env(service, spec["environment"])) == []

@@ -98,7 +98,7 @@ def test_prometheus_scrapes_every_component_where_it_listens() -> None:
         for dns in job.get("dns_sd_configs", []):
             for name in dns["names"]:
                 scraped[name] = dns["port"]
-    for name in ("gateway", "prefill", "decode"):
+    for name in ("gateway", "prefill", "decode", "agent"):
         assert scraped[name] == int(services[name]["environment"]["PDSERVE_PORT"]), name
     # Workers' /metrics may demand the internal token: Prometheus reads it from its secret.
     monitoring = resolved_compose(profiles=("monitoring",))
@@ -157,6 +157,23 @@ def test_image_copies_every_package_the_project_installs(name: str) -> None:
               if command.cmd == "COPY" and not any(f.startswith("--from") for f in command.flags)
               for source in command.value[:-1]}
     assert packages <= copied, f"{name} does not copy {sorted(packages - copied)}"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_image_gives_its_user_the_agent_audit_log_directory(name: str) -> None:
+    """Docker fills a new named volume from the image's directory at the mount point,
+    ownership included; with no such directory the volume's root belongs to root."""
+    audit_log = resolved_compose()["services"]["agent"]["environment"]["PDSERVE_AUDIT_LOG"]
+    directory = os.path.dirname(audit_log)
+    commands = parsed_dockerfile(name)
+    final_from = [c for c in commands if c.cmd == "FROM"][-1]
+    final = [c for c in commands if c.start_line > final_from.start_line]
+    uid = [c.value[0] for c in final if c.cmd == "USER"][-1].split(":")[0]
+    # The RUN that names the directory also names its owner: the uid, or the user's name.
+    owners = [c.value[0].replace(directory, "") for c in final
+              if c.cmd == "RUN" and directory in c.value[0]]
+    assert any(re.search(rf"\b({uid}|pdserve)\b", rest) for rest in owners), \
+        f"{name}: no RUN in the final stage creates {directory} for uid {uid}"
 
 
 def test_cpu_image_bakes_in_the_default_model_the_engine_looks_for() -> None:

@@ -12,10 +12,16 @@ import yaml
 from deploy_tools import (DEPLOY, exported_metric_names, invocation_errors, kubectl,
                           kubernetes_validate, run)
 
+from common.contract.option_env import INTERNAL_TOKEN_ENV
+
 pytestmark = pytest.mark.timeout(180)
 KUSTOMIZE = DEPLOY / "kubernetes"
 TREES = ("base", "overlays/gpu", "overlays/autoscale", "overlays/external-redis")
 WORKERS = ("pdserve-prefill", "pdserve-decode")
+AGENT = "pdserve-agent"
+# Variables a subcommand reads by name rather than through an option: `pdserve agent` takes
+# the internal token from the environment only (agent/main.py), never as a flag.
+ENV_ONLY = {"agent": {INTERNAL_TOKEN_ENV}}
 
 
 def render(tree: str) -> str:
@@ -67,6 +73,85 @@ def test_pools_are_separate_deployments_and_the_gateway_has_a_service(rendered) 
         # Distinct selectors: scaling one pool never adopts the other's pods.
         assert by_name(base, "Deployment", name)["spec"]["selector"] != \
             gateway["spec"]["selector"]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_every_tree_runs_one_agent_that_restarts_by_deleting_pods(rendered, tree: str) -> None:
+    docs = rendered[tree]
+    agent = by_name(docs, "Deployment", AGENT)
+    # One agent acts at a time (its leader lease): a rolling update would briefly run two.
+    assert agent["spec"]["replicas"] == 1
+    assert agent["spec"]["strategy"] == {"type": "Recreate"}
+    pod = agent["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:3] == ["agent", "--restart", "kubernetes"]
+    assert container["image"] == by_name(docs, "Deployment", "pdserve-gateway")["spec"][
+        "template"]["spec"]["containers"][0]["image"]
+    # The Redis URL (external-redis patches it) comes from the same ConfigMap as everyone's.
+    assert {"configMapRef": {"name": "pdserve-config"}} in container["envFrom"]
+    config = by_name(docs, "ConfigMap", "pdserve-config")["data"]
+    env = {e["name"]: e for e in container["env"]}
+    assert "PDSERVE_REDIS_URL" not in env and config["PDSERVE_REDIS_URL"]
+    assert env[INTERNAL_TOKEN_ENV]["valueFrom"]["secretKeyRef"] == {
+        "name": "pdserve-secrets", "key": "internal-token"}
+    assert env["PDSERVE_HOST"]["value"] == "0.0.0.0"
+    port = int(env["PDSERVE_PORT"]["value"])
+    assert port == 8300
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port}
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind]["httpGet"] == {"path": "/health", "port": "http"}, kind
+    annotations = agent["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["memory"]
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_agent_may_only_get_list_and_delete_pods_of_its_namespace(rendered, tree: str) -> None:
+    docs = rendered[tree]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["name"] == AGENT
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "delete"]}]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": AGENT}
+    # No namespace on the subject: the binding's own namespace, wherever it is applied.
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": AGENT}]
+    account = by_name(docs, "ServiceAccount", AGENT)
+    assert account["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_only_the_agent_pod_holds_a_service_account_token(rendered, tree: str) -> None:
+    """The agent's token may delete pods: no other pod mounts one, and the agent's pod
+    mounts its own account's (the Kubernetes restarter reads it from the standard path)."""
+    for deployment in [d for d in rendered[tree] if d["kind"] == "Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        if deployment["metadata"]["name"] == AGENT:
+            assert pod["serviceAccountName"] == AGENT
+            assert pod["automountServiceAccountToken"] is True
+        else:
+            assert pod.get("serviceAccountName", "default") == "default"
+            assert pod["automountServiceAccountToken"] is False, deployment["metadata"]["name"]
+
+
+def test_autoscalers_leave_the_agent_alone(rendered) -> None:
+    hpas = [d for d in rendered["overlays/autoscale"] if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpas and AGENT not in {h["spec"]["scaleTargetRef"]["name"] for h in hpas}
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_workers_are_named_by_their_pod_so_the_agent_can_delete_it(rendered, name: str) -> None:
+    (container,) = by_name(rendered["base"], "Deployment", name)["spec"]["template"]["spec"][
+        "containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PDSERVE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 @pytest.mark.parametrize("name", WORKERS + ("pdserve-gateway",))
@@ -130,6 +215,8 @@ def test_containers_run_real_subcommands_with_real_options(rendered, tree: str) 
             continue
         env = dict(config)
         env.update({e["name"]: e.get("value", "") for e in container["env"]})
+        for name in ENV_ONLY.get(container["args"][0], ()):
+            env.pop(name, None)
         errors += invocation_errors(f"{tree} {deployment['metadata']['name']}",
                                     container["args"], env)
     assert errors == []

@@ -1,0 +1,108 @@
+"""Every action the agent takes on the cluster, behind one interface.
+
+    eject(worker, epoch, rule, reason)   the registry's ejection list (the gateway routes
+                                         nothing new there from its next poll, 0.25 s);
+                                         renewing is the same call; fenced by epoch
+    readmit(worker, epoch)               drop that ejection (a newer one stays)
+    forget(worker ids)                   drop ejections of epochs that were replaced
+    restart(info, reason)                agent/restarters.py, by deployment kind
+    reclaim(info, older_than_s)          POST /internal/reclaim: leaked reservations
+    switch_role(info, role)              POST /internal/role: drain, then a new epoch
+
+Each is idempotent (ejecting an ejected worker renews it; restarting a worker that is gone
+reports so; reclaiming twice frees nothing more) and has a deadline; failures raise
+ActionError with a one-line reason for the audit log. Rate limits and the guard rails are
+the caller's (agent/guard_rails.py and the control loop): this module only acts.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import aiohttp
+
+from agent.restarters import Restarter, RestartError
+from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
+from common.contract.agent_state import AgentState, Ejection, now_unix_ms
+from common.contract.control_client import ControlClient
+from common.contract.control_errors import ControlError
+from common.contract.protocol import (Message, Role, RoleChangeRequest, RoleChangeResponse,
+                                      WorkerInfo)
+from common.contract.redis_state import REDIS_FAILURES, StaleEpochError, raise_if_cancelling
+
+R = TypeVar("R", bound=Message)
+
+
+class ActionError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the worker's HTTP status, when it answered
+
+
+class Actuator:
+    def __init__(self, agent_state: AgentState, restarter: Restarter,
+                 session: aiohttp.ClientSession, token: str | None,
+                 eject_hold_s: float = 300.0, control_timeout_s: float = 5.0) -> None:
+        self.agent_state = agent_state
+        self.restarter = restarter
+        self.session = session
+        self.token = token
+        self.eject_hold_s = eject_hold_s
+        self.control_timeout_s = control_timeout_s
+
+    async def eject(self, worker_id: str, epoch: int, rule: str, reason: str) -> None:
+        now = now_unix_ms()
+        entry = Ejection(worker_id=worker_id, epoch=epoch, rule=rule, reason=reason[:1000],
+                         at_unix_ms=now, until_unix_ms=now + int(self.eject_hold_s * 1000))
+        try:
+            await self.agent_state.eject(entry)
+        except StaleEpochError as exc:
+            raise ActionError(str(exc)) from None
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            raise ActionError(f"Redis did not take the ejection: {exc!r}") from None
+
+    async def readmit(self, worker_id: str, epoch: int) -> bool:
+        try:
+            return await self.agent_state.readmit(worker_id, epoch)
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            raise ActionError(f"Redis did not take the re-admission: {exc!r}") from None
+
+    async def forget(self, worker_ids: list[str]) -> None:
+        try:
+            await self.agent_state.forget(worker_ids)
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            raise ActionError(f"Redis did not drop the ejections: {exc!r}") from None
+
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        try:
+            return await self.restarter.restart(info, reason)
+        except RestartError as exc:
+            raise ActionError(str(exc)) from None
+
+    async def reclaim(self, info: WorkerInfo, older_than_s: float) -> int:
+        request = ReclaimRequest(older_than_ms=max(1000, int(older_than_s * 1000)))
+        answer = await self._call(info, "/internal/reclaim", request, ReclaimResponse,
+                                  self.control_timeout_s)
+        return answer.num_reclaimed
+
+    async def switch_role(self, info: WorkerInfo, role: str, drain_timeout_s: float) -> int:
+        """The worker's new epoch once it serves its new role."""
+        try:
+            change = RoleChangeRequest(role=Role(role),
+                                       drain_timeout_ms=max(1, int(drain_timeout_s * 1000)))
+        except ValueError:
+            raise ActionError(f"unknown role {role!r}") from None
+        answer = await self._call(info, "/internal/role", change, RoleChangeResponse,
+                                  drain_timeout_s + self.control_timeout_s + 5.0)
+        return answer.epoch
+
+    async def _call(self, info: WorkerInfo, path: str, message: Message,
+                    answer_type: type[R], timeout_s: float) -> R:
+        client = ControlClient(info.control_url, self.token, self.session)
+        try:
+            return await client.call(path, message, answer_type, timeout_s=timeout_s)
+        except ControlError as exc:
+            raise ActionError(f"{path} on {info.worker_id}: {exc}", exc.status) from None

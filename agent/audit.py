@@ -1,0 +1,83 @@
+"""The agent's audit trail: every decision, where an operator can find it.
+
+Each `AgentEvent` (what was seen, which rule fired, what was done, the outcome) goes to:
+  * the JSON-lines file given with --audit-log (appended, flushed per event);
+  * the Redis stream `{ns}:agent_events`, which the gateway serves as GET /admin/agent/events
+    (best effort: with Redis down the file and the counters still get it);
+  * Prometheus counters on the agent's /metrics: pdserve_agent_decisions_total{rule,
+    action,outcome} with outcome done | dry_run | held | failed;
+  * one log line (and, with `echo`, one JSON line there).
+A decision held for the same reason as the last time it was seen (same worker, epoch, rule
+and action) is recorded once, not at every tick: the log says when something changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import IO
+
+import msgspec
+
+from common.contract.agent_state import AgentEvent, AgentState
+from common.contract.metrics import MetricsRegistry
+from common.contract.redis_state import REDIS_FAILURES, raise_if_cancelling
+
+log = logging.getLogger(__name__)
+
+
+def outcome_kind(outcome: str) -> str:
+    """done | dry_run | held | failed: the counter label of an event's outcome."""
+    head = outcome.split(":", 1)[0]
+    return head if head in ("done", "dry_run", "held", "failed") else "done"
+
+
+class Audit:
+    def __init__(self, agent_state: AgentState, metrics: MetricsRegistry,
+                 path: Path | None = None, echo: IO[str] | None = None) -> None:
+        self.agent_state = agent_state
+        self.echo = echo  # also write each event here as a JSON line (`--once`: stdout)
+        self.decisions = metrics.counter("pdserve_agent_decisions_total",
+                                         "the agent's decisions, by rule, action and outcome",
+                                         ("rule", "action", "outcome"))
+        self.path = path
+        self._file: IO[bytes] | None = None
+        self._last_held: dict[tuple[str, int, str, str], str] = {}
+        self.num_redis_failures = 0
+
+    def open(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    async def record(self, event: AgentEvent) -> bool:
+        """Record one decision; False when it repeats the last held one (not recorded)."""
+        kind = outcome_kind(event.outcome)
+        key = (event.worker_id, event.epoch, event.rule, event.action)
+        if kind == "held":
+            if self._last_held.get(key) == event.outcome:
+                return False
+            self._last_held[key] = event.outcome
+        else:
+            self._last_held.pop(key, None)
+        self.decisions.inc(rule=event.rule, action=event.action, outcome=kind)
+        level = logging.WARNING if kind in ("done", "failed") else logging.INFO
+        log.log(level, "%s %s (epoch %d): %s -> %s: %s", event.rule, event.worker_id,
+                event.epoch, event.evidence, event.action, event.outcome)
+        line = msgspec.json.encode(event)
+        if self._file is not None:
+            self._file.write(line + b"\n")
+            self._file.flush()
+        if self.echo is not None:
+            print(line.decode(), file=self.echo, flush=True)
+        try:
+            await self.agent_state.record(event)
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            self.num_redis_failures += 1
+        return True

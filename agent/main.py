@@ -1,0 +1,179 @@
+"""`pdserve agent` process: wiring only (the loop itself is agent/control_loop.py).
+
+    config_from_args ─▶ run_agent: uvloop ─▶ serve():
+        Redis client + RedisState + AgentState, one aiohttp session, the metrics registry,
+        GET /health and /metrics on --host:--port ─▶ Observer, Actuator (with the restarter
+        of --restart), Audit (--audit-log) ─▶ ControlLoop.adopt() (ejections a previous
+        agent left) ─▶ tick every --period-s until SIGTERM/SIGINT (--once: a few ticks in
+        dry-run, the decisions printed on stdout, then exit)
+        ─▶ stop: the role-change task, the leader lease (resigned), the audit file, the
+           session, Redis and the HTTP runner, each within a deadline.
+
+A tick that fails on Redis (unreachable, slow) is counted and logged once per outage; the
+agent acts on nothing until Redis answers again (it never acts on a stale view).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from agent.actuator import Actuator
+from agent.audit import Audit
+from agent.control_loop import AgentConfig, ControlLoop
+from agent.health_rules import Thresholds
+from agent.observer import Observer
+from agent.rebalance import RebalanceConfig
+from agent.restarters import RestartMode, make_restarter
+from common.contract.agent_state import AgentState
+from common.contract.metrics import MetricsRegistry
+from common.contract.option_env import INTERNAL_TOKEN_ENV
+from common.contract.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
+
+log = logging.getLogger(__name__)
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """The loop's configuration; ValueError with the option's name when one is nonsense."""
+    for name in ("period_s", "control_timeout_s", "eject_hold_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.error_min_requests < 1:
+        raise ValueError("--error-min-requests must be >= 1")
+    thresholds = Thresholds(lease_margin_s=args.lease_margin_s, hung_after_s=args.hung_after_s,
+                            slow_factor=args.slow_factor, leak_after_s=args.leak_after_s,
+                            error_rate=args.error_rate,
+                            error_min_requests=args.error_min_requests)
+    if not 0 < args.max_eject_fraction <= 1:
+        raise ValueError("--max-eject-fraction must be in (0, 1]")
+    return AgentConfig(period_s=args.period_s, window_s=max(30.0, 4 * args.hung_after_s),
+                       thresholds=thresholds, max_eject_fraction=args.max_eject_fraction,
+                       cooldown_s=args.cooldown_s, probation_s=args.probation_s,
+                       dry_run=args.dry_run or args.once,
+                       rebalance=RebalanceConfig() if args.rebalance == "on" else None,
+                       rebalance_period_s=args.rebalance_period_s,
+                       role_drain_timeout_s=args.role_drain_timeout_s)
+
+
+def run_agent(args: argparse.Namespace, config: AgentConfig) -> int:
+    import uvloop
+
+    return uvloop.run(serve(args, config))
+
+
+async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+    metrics = MetricsRegistry()
+    state = RedisState(connect(args.redis_url), args.namespace)
+    agent_state = AgentState(state)
+    session = aiohttp.ClientSession()
+    audit = Audit(agent_state, metrics, Path(args.audit_log) if args.audit_log else None,
+                  echo=sys.stdout if args.once else None)
+    runner: web.AppRunner | None = None
+    loop_ = None
+    try:
+        audit.open()
+        restarter = make_restarter(RestartMode(args.restart), session, token,
+                                   args.kube_namespace)
+        actuator = Actuator(agent_state, restarter, session, token,
+                            eject_hold_s=args.eject_hold_s)
+        observer = Observer(state, session, token, control_timeout_s=args.control_timeout_s)
+        loop_ = ControlLoop(observer, actuator, audit, config, metrics)
+        if args.once:
+            return await _once(loop_, config)
+        runner = await _start_http(metrics, args.host, args.port)
+        await _run(loop_, config)
+        return 0
+    finally:
+        if loop_ is not None:
+            await loop_.stop()
+            if loop_.is_leader and not config.dry_run:
+                try:
+                    await agent_state.resign(loop_.agent_id, timeout_s=1.0)
+                except REDIS_FAILURES:
+                    pass  # the lease lapses by itself
+        audit.close()
+        await session.close()
+        await state.aclose()
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def _start_http(metrics: MetricsRegistry, host: str, port: int) -> web.AppRunner:
+    app = web.Application(client_max_size=4096)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def render(request: web.Request) -> web.Response:
+        return web.Response(text=metrics.render(), content_type="text/plain")
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", render)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0]
+    print(f"pdserve agent: /metrics on http://{bound[0]}:{bound[1]}", file=sys.stderr,
+          flush=True)
+    return runner
+
+
+async def _run(loop_: ControlLoop, config: AgentConfig) -> None:
+    stop = asyncio.Event()
+    running = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        running.add_signal_handler(signum, stop.set)
+    adopted = False
+    failing = False
+    next_at = time.monotonic()
+    while not stop.is_set():
+        try:
+            if not adopted:
+                await loop_.adopt()
+                adopted = True
+            await loop_.tick()
+            if failing:
+                log.info("Redis answers again: acting on the cluster")
+            failing = False
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            loop_.ticks.inc(result="redis_failed")
+            if not failing:
+                log.warning("Redis unreachable (%r): acting on nothing until it answers", exc)
+            failing = True
+        next_at = max(next_at + config.period_s, time.monotonic())
+        try:
+            async with asyncio.timeout(max(0.0, next_at - time.monotonic())):
+                await stop.wait()
+        except TimeoutError:
+            pass
+
+
+async def _once(loop_: ControlLoop, config: AgentConfig) -> int:
+    """A few ticks (enough for the windowed rules), decisions printed as they are made."""
+    num_ticks = max(2, math.ceil(config.thresholds.hung_after_s / config.period_s) + 1)
+    for index in range(num_ticks):
+        try:
+            await loop_.tick()
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            print(f"pdserve agent: Redis unreachable: {exc}", file=sys.stderr)
+            return 1
+        if index + 1 < num_ticks:
+            await asyncio.sleep(config.period_s)
+    registry = loop_.observer.registry
+    print(f"pdserve agent: {len(registry.workers)} live worker(s), "
+          f"{len(loop_.ejected)} ejected; nothing was done (--once)", file=sys.stderr)
+    return 0

@@ -1,0 +1,175 @@
+"""What the agent sees of each worker at one tick: the registry (lease, load) and the
+worker's own /metrics, turned into `WorkerSample`s for the detection rules.
+
+Per tick, for every registered worker: one registry read for all (with each lease's time
+left), then one GET /metrics per live worker under `control_timeout_s` (a frozen or hung
+worker misses it: `control_ok` False), and, for a worker on this host (its control URL is
+a loopback address), whether its process still exists (/proc: not a zombie, and its
+command line names its worker id, so a reused pid is not mistaken for it).
+
+Step time is the mean over the decode-only steps since the previous scrape of the same
+epoch (the `pdserve_decode_step_seconds` histogram's sum and count: a step that also
+prefilled takes longer for its prompt, not because the worker is slow), kept for
+`step_memory_s` when no such step ran since, so a worker that just went idle still
+compares with its peers. A worker that never decodes (a prefill worker) has no step time
+and so is never "slow".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from agent.health_rules import WorkerSample
+from common.contract.metrics import parse_samples
+from common.contract.protocol import WorkerInfo
+from common.contract.redis_state import RedisState, Registry
+
+MAX_METRICS_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """The few series of a worker's /metrics the rules read."""
+
+    step_sum_s: float
+    num_steps: int
+    decode_sum_s: float  # steps that only decoded (the "slow" rule compares these)
+    num_decode_steps: int
+    num_requests: int
+    num_failed: int
+
+
+def parse_scrape(text: str) -> Scrape:
+    """Pure: the series out of a Prometheus exposition (absent ones read as 0)."""
+    samples = parse_samples(text)
+    num_requests = num_failed = 0
+    for name, value in samples.items():
+        if name.startswith("pdserve_requests_total{"):
+            num_requests += int(value)
+            if 'outcome="error"' in name:
+                num_failed += int(value)
+    return Scrape(step_sum_s=samples.get("pdserve_step_seconds_sum", 0.0),
+                  num_steps=int(samples.get("pdserve_step_seconds_count", 0)),
+                  decode_sum_s=samples.get("pdserve_decode_step_seconds_sum", 0.0),
+                  num_decode_steps=int(samples.get("pdserve_decode_step_seconds_count", 0)),
+                  num_requests=num_requests, num_failed=num_failed)
+
+
+def is_local(info: WorkerInfo) -> bool:
+    """Does the worker run on this host (its control API is on a loopback address)?"""
+    host = urlsplit(info.control_url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def process_alive(pid: int, worker_id: str, proc: Path = Path("/proc")) -> bool:
+    """Is `pid` a live (not zombie) process whose command line names `worker_id`?"""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+        cmdline = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    state = stat.rpartition(")")[2].split()[0]
+    return state not in ("Z", "X") and worker_id.encode() in cmdline.split(b"\0")
+
+
+@dataclass(slots=True)
+class _StepMemory:
+    epoch: int
+    scrape: Scrape
+    step_time_s: float | None
+    at_s: float
+
+
+class Observer:
+    def __init__(self, state: RedisState, session: aiohttp.ClientSession, token: str | None,
+                 control_timeout_s: float = 1.0, step_memory_s: float = 10.0) -> None:
+        self.state = state
+        self.session = session
+        self.token = token
+        self.control_timeout_s = control_timeout_s
+        self.step_memory_s = step_memory_s
+        self.registry = Registry(registered_ids=[], workers={}, loads={})
+        self._memory: dict[str, _StepMemory] = {}
+
+    async def observe(self) -> list[WorkerSample]:
+        """One sample per registered worker (raises what the registry read raises)."""
+        self.registry = registry = await self.state.read_registry(with_leases=True)
+        now = time.monotonic()
+        infos = list(registry.workers.values())
+        scrapes = await asyncio.gather(*(self._scrape(info) for info in infos))
+        samples = [self._sample(info, scrape, registry, now) for info, scrape in zip(infos, scrapes)]
+        gone = set(registry.registered_ids) - set(registry.workers)
+        for worker_id in sorted(gone):  # lease lapsed, not purged yet
+            memory = self._memory.get(worker_id)
+            samples.append(WorkerSample(at_s=now, worker_id=worker_id,
+                                        epoch=memory.epoch if memory else 0, role="",
+                                        lease_left_s=None, process_alive=None,
+                                        control_ok=False))
+        for worker_id in set(self._memory) - set(registry.registered_ids):
+            del self._memory[worker_id]
+        return samples
+
+    async def _scrape(self, info: WorkerInfo) -> Scrape | None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            async with asyncio.timeout(self.control_timeout_s):
+                async with self.session.get(info.control_url + "/metrics",
+                                            headers=headers) as response:
+                    if response.status != 200:
+                        return None
+                    body = await response.content.read(MAX_METRICS_BYTES)
+            return parse_scrape(body.decode(errors="replace"))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+
+    def _sample(self, info: WorkerInfo, scrape: Scrape | None, registry: Registry,
+                now: float) -> WorkerSample:
+        report = registry.loads.get(info.worker_id)
+        load = report.load if report is not None else None
+        lease_ms = registry.lease_left_ms.get(info.worker_id)
+        alive = process_alive(info.pid, info.worker_id) if info.pid and is_local(info) else None
+        memory = self._memory.get(info.worker_id)
+        known = scrape or (memory.scrape if memory and memory.epoch == info.epoch else None)
+        step_time = self._step_time(info, scrape, now)
+        return WorkerSample(
+            at_s=now, worker_id=info.worker_id, epoch=info.epoch, role=info.role.value,
+            lease_left_s=None if not lease_ms else lease_ms / 1000, process_alive=alive,
+            control_ok=scrape is not None,
+            num_steps=known.num_steps if known else (load.num_steps if load else 0),
+            num_running=load.num_running if load else 0,
+            num_waiting=load.num_waiting if load else 0,
+            num_kv_blocks_used=load.num_kv_blocks_used if load else 0,
+            step_time_s=step_time,
+            num_requests=known.num_requests if known else 0,
+            num_failed=known.num_failed if known else 0)
+
+    def _step_time(self, info: WorkerInfo, scrape: Scrape | None, now: float) -> float | None:
+        memory = self._memory.get(info.worker_id)
+        if memory is not None and memory.epoch != info.epoch:
+            memory = None  # a new incarnation starts clean
+        if scrape is None:
+            return memory.step_time_s if memory else None
+        step_time = None
+        if memory is not None:
+            num_steps = scrape.num_decode_steps - memory.scrape.num_decode_steps
+            if num_steps > 0:
+                step_time = (scrape.decode_sum_s - memory.scrape.decode_sum_s) / num_steps
+            elif now - memory.at_s < self.step_memory_s:
+                step_time = memory.step_time_s
+                self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, step_time,
+                                                           memory.at_s)
+                return step_time
+        self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, step_time, now)
+        return step_time

@@ -1,0 +1,178 @@
+"""How the agent restarts a worker process, one way per kind of deployment.
+
+    local       the worker runs on this host under a supervisor (`pdserve up`): SIGKILL its
+                process group; the supervisor starts it again (a new process, a new
+                epoch). Works on a frozen (SIGSTOP) or hung process too. Refused unless
+                /proc shows a live process whose command line names the worker id, so a
+                reused pid is never hit.
+    exit        ask the worker to exit (POST /internal/exit): its orchestrator (compose
+                `restart: unless-stopped`, systemd) starts it again. A frozen worker cannot
+                answer: the call fails, the ejection stays, and an operator must act.
+    kubernetes  delete the worker's pod through the Kubernetes API (the worker id is the
+                pod name; the pod's service-account token and CA); its Deployment starts a
+                new one. Only a pod labelled as a worker (app.kubernetes.io/component
+                prefill or decode) is deleted: a registry entry naming another pod (the
+                gateway's, Redis's) is refused. Deleted with no grace period: the worker is
+                frozen, hung or failing, and its streams move elsewhere anyway.
+    auto        local for workers whose control API is on a loopback address, else exit.
+    none        never restart: eject only.
+
+Every restarter returns what happened as one line for the audit log, or raises
+RestartError with why it could not.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import ssl
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import quote
+
+import aiohttp
+
+from agent.observer import is_local, process_alive
+from common.contract.agent_protocol import ExitRequest, ExitResponse
+from common.contract.control_client import ControlClient
+from common.contract.control_errors import ControlError
+from common.contract.protocol import WorkerInfo
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+WORKER_COMPONENTS = frozenset({"prefill", "decode"})  # the pools' pod labels (deploy/)
+
+
+class RestartError(RuntimeError):
+    pass
+
+
+class RestartMode(enum.StrEnum):
+    AUTO = "auto"
+    LOCAL = "local"
+    EXIT = "exit"
+    KUBERNETES = "kubernetes"
+    NONE = "none"
+
+
+class Restarter(Protocol):
+    async def restart(self, info: WorkerInfo, reason: str) -> str: ...
+
+
+class LocalRestarter:
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        if not info.pid:
+            raise RestartError("the worker did not register its pid")
+        if not process_alive(info.pid, info.worker_id):
+            return f"pid {info.pid} is gone already: its supervisor restarts it"
+        try:
+            group = os.getpgid(info.pid)
+            if group == info.pid:  # its own process group (how `pdserve up` starts workers)
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(info.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return f"pid {info.pid} exited meanwhile: its supervisor restarts it"
+        except PermissionError as exc:
+            raise RestartError(f"may not signal pid {info.pid}: {exc}") from None
+        return f"killed pid {info.pid} (SIGKILL): its supervisor restarts it"
+
+
+class ExitRestarter:
+    def __init__(self, session: aiohttp.ClientSession, token: str | None,
+                 timeout_s: float = 2.0) -> None:
+        self.session = session
+        self.token = token
+        self.timeout_s = timeout_s
+
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        client = ControlClient(info.control_url, self.token, self.session)
+        try:
+            answer = await client.call("/internal/exit", ExitRequest(reason=reason[:1000]),
+                                       ExitResponse, timeout_s=self.timeout_s)
+        except ControlError as exc:
+            raise RestartError(f"the worker did not take the exit request: {exc}") from None
+        return f"pid {answer.pid} exits: its orchestrator restarts it"
+
+
+class KubernetesRestarter:
+    def __init__(self, session: aiohttp.ClientSession, namespace: str | None = None,
+                 timeout_s: float = 5.0, account: Path = SERVICE_ACCOUNT) -> None:
+        self.session = session
+        self.timeout_s = timeout_s
+        self.account = account
+        self.namespace = namespace
+
+    def _api(self) -> tuple[str, str, ssl.SSLContext, str]:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        try:
+            token = (self.account / "token").read_text().strip()
+            namespace = self.namespace or (self.account / "namespace").read_text().strip()
+            context = ssl.create_default_context(cafile=str(self.account / "ca.crt"))
+        except (OSError, ssl.SSLError) as exc:
+            raise RestartError(f"no Kubernetes service account here: {exc}") from None
+        if not host:
+            raise RestartError("KUBERNETES_SERVICE_HOST is not set: not in a pod")
+        return f"https://{host}:{port}", token, context, namespace
+
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        base, token, context, namespace = self._api()
+        url = (f"{base}/api/v1/namespaces/{quote(namespace, safe='')}/pods/"
+               f"{quote(info.worker_id, safe='')}")
+        headers = {"Authorization": f"Bearer {token}"}
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self.session.get(url, ssl=context, headers=headers,
+                                        timeout=timeout) as response:
+                if response.status == 404:
+                    return f"pod {namespace}/{info.worker_id} is gone already"
+                if response.status >= 300:
+                    raise RestartError(f"reading pod {namespace}/{info.worker_id}: HTTP "
+                                       f"{response.status}")
+                pod = await response.json(content_type=None)
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            component = labels.get("app.kubernetes.io/component")
+            if component not in WORKER_COMPONENTS:
+                raise RestartError(f"pod {namespace}/{info.worker_id} is not a worker "
+                                   f"(component {component!r}): not deleted")
+            async with self.session.delete(
+                    url, params={"gracePeriodSeconds": "0"}, ssl=context, headers=headers,
+                    timeout=timeout) as response:
+                if response.status == 404:
+                    return f"pod {namespace}/{info.worker_id} is gone already"
+                if response.status >= 300:
+                    detail = (await response.content.read(500)).decode(errors="replace")
+                    raise RestartError(f"deleting pod {namespace}/{info.worker_id}: HTTP "
+                                       f"{response.status}: {detail}")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise RestartError(f"the Kubernetes API did not answer: {exc!r}") from None
+        return f"deleted pod {namespace}/{info.worker_id}: its Deployment starts another"
+
+
+class NoRestarter:
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        raise RestartError("restarts are off (--restart none): ejected only")
+
+
+class AutoRestarter:
+    def __init__(self, local: Restarter, remote: Restarter) -> None:
+        self.local = local
+        self.remote = remote
+
+    async def restart(self, info: WorkerInfo, reason: str) -> str:
+        chosen = self.local if is_local(info) else self.remote
+        return await chosen.restart(info, reason)
+
+
+def make_restarter(mode: RestartMode, session: aiohttp.ClientSession, token: str | None,
+                   kube_namespace: str | None = None) -> Restarter:
+    if mode is RestartMode.LOCAL:
+        return LocalRestarter()
+    if mode is RestartMode.EXIT:
+        return ExitRestarter(session, token)
+    if mode is RestartMode.KUBERNETES:
+        return KubernetesRestarter(session, kube_namespace)
+    if mode is RestartMode.NONE:
+        return NoRestarter()
+    return AutoRestarter(LocalRestarter(), ExitRestarter(session, token))

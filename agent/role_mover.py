@@ -1,0 +1,90 @@
+"""Rebalancing in the agent: the pools' signals over time, and at most one role change at
+a time, decided by agent/rebalance.py's pure policy and carried out through the actuator.
+
+Every tick `observe()` appends one `PoolSignals` (the history the policy reads); every
+`period_s` `maybe_move()` asks the policy for a move and, if there is one, starts the role
+change as an owned task (a drain takes seconds and must not stall the health checks). A
+worker whose process cannot change role (404 on /internal/role: an older build) is
+remembered per epoch and never chosen again. Invariant: at most one role-change task
+exists; stop() cancels and awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
+
+from agent.actuator import ActionError, Actuator
+from agent.rebalance import (PoolSignals, RebalanceConfig, RoleMove, RoleView, plan_rebalance,
+                             pool_signals)
+from common.contract.protocol import WorkerInfo
+from common.contract.redis_state import Registry
+from common.contract.worker_load import WorkerLoad
+
+# (worker id, epoch, rule, evidence, action, outcome) -> recorded in the audit trail
+Recorder = Callable[[str, int, str, str, str, str], Awaitable[None]]
+
+
+class RoleMover:
+    def __init__(self, actuator: Actuator, record: Recorder, config: RebalanceConfig,
+                 period_s: float, drain_timeout_s: float, dry_run: bool) -> None:
+        self.actuator = actuator
+        self.record = record
+        self.config = config
+        self.period_s = period_s
+        self.drain_timeout_s = drain_timeout_s
+        self.dry_run = dry_run
+        self.history: deque[PoolSignals] = deque()
+        self.last_move_s: float | None = None
+        self.unswitchable: set[tuple[str, int]] = set()
+        self._last_decision_s: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def views(self, registry: Registry, out: Collection[str]) -> list[RoleView]:
+        return [RoleView(worker_id=w, epoch=i.epoch, role=i.role.value,
+                         load=registry.loads[w].load if w in registry.loads else WorkerLoad(),
+                         switchable=(w, i.epoch) not in self.unswitchable,
+                         ejected=w in out or i.draining)
+                for w, i in sorted(registry.workers.items())]
+
+    async def tick(self, registry: Registry, out: Collection[str], now: float,
+                   window_s: float) -> None:
+        views = self.views(registry, out)
+        self.history.append(pool_signals(views, now))
+        keep_s = max(window_s, 2 * self.config.sustain_s)
+        while self.history and self.history[0].at_s < now - keep_s:
+            self.history.popleft()
+        if self._last_decision_s is not None and now - self._last_decision_s < self.period_s:
+            return
+        if self._task is not None and not self._task.done():
+            return  # one role change at a time
+        self._last_decision_s = now
+        move = plan_rebalance(list(self.history), views, self.last_move_s, now, self.config)
+        if move is None:
+            return
+        self.last_move_s = now
+        action = f"{move.from_role}->{move.to_role}"
+        await self.record(move.worker_id, move.epoch, "rebalance", move.reason, action,
+                          "dry_run" if self.dry_run else "started")
+        if not self.dry_run:
+            self._task = asyncio.create_task(self._switch(registry.workers[move.worker_id],
+                                                          move),
+                                             name=f"role-change-{move.worker_id}")
+
+    async def _switch(self, info: WorkerInfo, move: RoleMove) -> None:
+        action = f"{move.from_role}->{move.to_role}"
+        try:
+            epoch = await self.actuator.switch_role(info, move.to_role, self.drain_timeout_s)
+            outcome = f"done: serving as {move.to_role} in epoch {epoch}"
+        except ActionError as exc:
+            if exc.status == 404:  # a build without role changes
+                self.unswitchable.add((info.worker_id, info.epoch))
+            outcome = f"failed: {exc}"
+        await self.record(info.worker_id, info.epoch, "rebalance", move.reason, action, outcome)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

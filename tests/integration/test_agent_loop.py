@@ -1,0 +1,255 @@
+"""The agent's control loop against a real Redis server and stub workers: real publishers
+(leases, epochs, loads), real HTTP control APIs serving /metrics, /internal/reclaim,
+/internal/exit and /internal/role, and a real process per worker for the local restarter
+to kill. The ticks are driven by the test, so every step of a recovery is checked."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from agent.actuator import Actuator
+from agent.audit import Audit
+from agent.control_loop import AgentConfig, ControlLoop
+from agent.health_rules import Thresholds
+from agent.observer import Observer
+from agent.restarters import LocalRestarter
+from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
+from common.contract.agent_state import AgentState
+from common.contract.control_server import ControlServer, make_app, message_handler
+from common.contract.metrics import MetricsRegistry
+from common.contract.protocol import Message, Role, WorkerInfo
+from common.contract.redis_state import RedisState, connect
+from common.contract.worker_load import WorkerLoad
+from common.worker.publisher import WorkerPublisher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+THRESHOLDS = Thresholds(lease_margin_s=0.6, hung_after_s=1.0, leak_after_s=1.0,
+                        error_min_requests=4)
+
+
+@dataclass
+class StubWorker:
+    """One worker as the agent sees it: a registry entry, a control API, a process."""
+
+    worker_id: str
+    role: Role
+    step_s: float = 0.02  # what its decode steps take, as its /metrics tell
+    num_errors_per_scrape: int = 0
+    answering: bool = True
+    load: WorkerLoad = field(default_factory=lambda: WorkerLoad(num_kv_blocks_total=64))
+    num_reclaims: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    publisher: WorkerPublisher | None = None
+    server: ControlServer | None = None
+    _steps: int = 0
+    _step_sum: float = 0.0
+    _requests: int = 0
+    _errors: int = 0
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.answering:
+            await asyncio.sleep(5)  # frozen: past the agent's deadline
+        self._steps += 5
+        self._step_sum += 5 * self.step_s
+        self._requests += 5
+        self._errors += self.num_errors_per_scrape
+        return web.Response(text=f"pdserve_decode_step_seconds_sum {self._step_sum}\n"
+                                 f"pdserve_decode_step_seconds_count {self._steps}\n"
+                                 f"pdserve_step_seconds_count {self._steps}\n"
+                                 f'pdserve_requests_total{{outcome="stop"}} {self._requests}\n'
+                                 f'pdserve_requests_total{{outcome="error"}} {self._errors}\n')
+
+    async def reclaim(self, request: ReclaimRequest) -> Message:
+        self.num_reclaims += 1
+        self.load = msgspec.structs.replace(self.load, num_kv_blocks_used=0)
+        return ReclaimResponse(num_reclaimed=1, request_ids=["leaked"])
+
+
+@pytest.fixture
+async def cluster(redis_url: str) -> AsyncIterator[tuple[RedisState, list[StubWorker]]]:
+    state = RedisState(connect(redis_url), namespace=f"t{uuid.uuid4().hex[:8]}")
+    workers = [StubWorker("prefill-0", Role.PREFILL), StubWorker("decode-0", Role.DECODE),
+               StubWorker("decode-1", Role.DECODE), StubWorker("decode-2", Role.DECODE)]
+    for worker in workers:
+        await start(state, worker)
+    yield state, workers
+    for worker in workers:
+        await stop(worker)
+    await state.aclose()
+
+
+async def start(state: RedisState, worker: StubWorker) -> None:
+    """Start (or restart) the worker: a new process and a new epoch."""
+    worker.process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "--worker-id", worker.worker_id],
+        start_new_session=True)
+    if worker.server is None:
+        app = make_app(None)
+        app.router.add_get("/metrics", worker.metrics)
+        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest,
+                                                                 worker.reclaim))
+        worker.server = ControlServer(app)
+        url = await worker.server.start()
+    else:
+        url = worker.publisher.info.control_url  # type: ignore[union-attr]
+    info = WorkerInfo(worker_id=worker.worker_id, role=worker.role, model="tiny",
+                      control_url=url, num_kv_blocks=64, block_size=16, pid=worker.process.pid)
+    worker.publisher = WorkerPublisher(state, info, lambda: worker.load, period_s=0.1,
+                                       lease_ttl_s=1.0)
+    await worker.publisher.start()
+
+
+async def stop(worker: StubWorker) -> None:
+    if worker.publisher is not None:
+        await worker.publisher.stop()
+    if worker.process is not None and worker.process.poll() is None:
+        worker.process.kill()
+        worker.process.wait()
+    if worker.server is not None:
+        await worker.server.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def make_loop(state: RedisState, session: aiohttp.ClientSession, **config) -> ControlLoop:
+    agent_state = AgentState(state)
+    metrics = MetricsRegistry()
+    defaults = dict(period_s=0.2, window_s=5.0, thresholds=THRESHOLDS, cooldown_s=1.0,
+                    probation_s=1.0, rebalance=None)
+    return ControlLoop(Observer(state, session, None, control_timeout_s=0.3),
+                       Actuator(agent_state, LocalRestarter(), session, None),
+                       Audit(agent_state, metrics), AgentConfig(**{**defaults, **config}),
+                       metrics)
+
+
+async def run_until(loop: ControlLoop, predicate, timeout_s: float) -> list:
+    """Tick every 0.2 s until predicate(events so far) holds; returns the events."""
+    seen: list = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            await loop.tick()
+            seen = await loop.actuator.agent_state.recent_events(1000)
+            if predicate(list(reversed(seen))):
+                return list(reversed(seen))
+            await asyncio.sleep(0.2)
+
+
+def acted(events: list, worker_id: str, action: str) -> list:
+    return [e for e in events if e.worker_id == worker_id and e.action == action]
+
+
+async def test_a_frozen_worker_is_ejected_killed_and_its_new_epoch_readmitted(
+        cluster, session) -> None:
+    state, workers = cluster
+    frozen = workers[1]
+    loop = make_loop(state, session)
+    await loop.tick()
+    assert await loop.actuator.agent_state.read_ejected() == {}
+    old_epoch = frozen.publisher.epoch
+    frozen.answering = False
+    await frozen.publisher.stop(deregister=False)  # heartbeats stop; the lease runs down
+    events = await run_until(loop, lambda ev: acted(ev, frozen.worker_id, "eject+restart"), 5)
+    found = acted(events, frozen.worker_id, "eject+restart")[0]
+    assert found.epoch == old_epoch and found.rule in ("dead", "hung")
+    assert "killed pid" in found.outcome
+    assert frozen.process.wait(5) is not None  # the local restarter's SIGKILL
+    ejected = await loop.actuator.agent_state.read_ejected()
+    assert ejected[frozen.worker_id].epoch == old_epoch
+    for _ in range(8):  # its lease lapses meanwhile (it stays registered, unpurged)
+        await loop.tick()
+        await asyncio.sleep(0.2)
+    assert frozen.worker_id not in loop.observer.registry.workers
+    assert frozen.worker_id in loop.observer.registry.registered_ids
+    # Its supervisor starts it again: a new process, a new epoch, on probation first.
+    frozen.answering = True
+    await start(state, frozen)
+    events = await run_until(loop, lambda ev: acted(ev, frozen.worker_id, "recovered"), 5)
+    assert acted(events, frozen.worker_id, "recovered")[0].epoch == frozen.publisher.epoch
+    assert (await loop.actuator.agent_state.read_ejected())[frozen.worker_id].rule == \
+        "probation"
+    events = await run_until(loop, lambda ev: acted(ev, frozen.worker_id, "readmit"), 8)
+    assert await loop.actuator.agent_state.read_ejected() == {}
+    # Nobody else was touched.
+    assert {e.worker_id for e in events} == {frozen.worker_id}
+
+
+async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, session) -> None:
+    state, workers = cluster
+    slow = workers[2]
+    slow.step_s = 0.3  # 15x its peers' decode steps
+    loop = make_loop(state, session)
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
+    assert acted(events, slow.worker_id, "eject")[0].rule == "slow"
+    # On probation for 1 s, then back in; still slow: the second strike restarts it.
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject+restart"), 10)
+    assert acted(events, slow.worker_id, "readmit")
+    assert slow.process.wait(5) is not None
+    assert {e.worker_id for e in events if e.action.startswith("eject")} == {slow.worker_id}
+    assert loop.audit.decisions.value(rule="slow", action="eject", outcome="done") == 1
+
+
+async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, session) -> None:
+    state, workers = cluster
+    for worker in workers[1:]:  # every decode worker fails every request
+        worker.num_errors_per_scrape = 5
+    loop = make_loop(state, session, max_eject_fraction=0.5)
+    events = await run_until(loop, lambda ev: any(e.action == "hold" for e in ev), 5)
+    ejected = {e.worker_id for e in events if e.action == "eject"}
+    assert len(ejected) == 1  # of 3 decode workers, at most int(3 * 0.5) = 1 out
+    held = [e for e in events if e.action == "hold"]
+    assert held and all("out already" in e.outcome for e in held)
+    assert len(await loop.actuator.agent_state.read_ejected()) == 1
+
+
+async def test_a_leak_is_reclaimed_without_ejecting(cluster, session) -> None:
+    state, workers = cluster
+    leaky = workers[3]
+    leaky.load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
+    loop = make_loop(state, session)
+    events = await run_until(loop, lambda ev: acted(ev, leaky.worker_id, "reclaim"), 5)
+    assert acted(events, leaky.worker_id, "reclaim")[0].outcome == \
+        "done: 1 reservation(s) freed"
+    assert leaky.num_reclaims == 1
+    assert await loop.actuator.agent_state.read_ejected() == {}
+
+
+async def test_a_dry_run_decides_but_touches_nothing(cluster, session) -> None:
+    state, workers = cluster
+    workers[1].answering = False
+    await workers[1].publisher.stop(deregister=False)
+    loop = make_loop(state, session, dry_run=True)
+    events = await run_until(loop, lambda ev: acted(ev, workers[1].worker_id,
+                                                    "eject+restart"), 5)
+    assert acted(events, workers[1].worker_id, "eject+restart")[0].outcome == "dry_run"
+    assert workers[1].process.poll() is None  # not killed
+    assert await loop.actuator.agent_state.read_ejected() == {}
+
+
+async def test_only_the_leader_acts(cluster, session) -> None:
+    state, workers = cluster
+    first, second = make_loop(state, session), make_loop(state, session)
+    await first.tick()
+    await second.tick()
+    assert first.is_leader and not second.is_leader
+    workers[3].load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
+    for _ in range(10):
+        await second.tick()
+        await asyncio.sleep(0.2)
+    assert workers[3].num_reclaims == 0  # the standby saw the leak and did nothing
+    await run_until(first, lambda ev: acted(ev, workers[3].worker_id, "reclaim"), 5)
+    assert workers[3].num_reclaims == 1
