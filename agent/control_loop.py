@@ -20,8 +20,8 @@ A restarted worker's new epoch is held out of routing for its probation only whe
 role has another routable worker (else it is admitted at once: an ejection must never
 leave a pool empty). Only the agent holding the leader lease in Redis acts; the others
 observe. With `dry_run` every decision is recorded with outcome "dry_run" and nothing is
-done (nor is the lease taken). Invariants: every action on (worker, epoch) is at most once per `cooldown_s`
-(guard_rails); the agent's own ejections (`ejected`) are all of live-or-lapsed epochs it
+done (nor is the lease taken). Invariants: an action of one kind on one (worker, epoch)
+runs at most once per `cooldown_s` (guard_rails); the agent's own ejections (`ejected`) are all of live-or-lapsed epochs it
 saw, and each is renewed in Redis before it lapses; at most one role change runs at a
 time, as an owned task that stop() cancels.
 """
@@ -97,7 +97,7 @@ class ControlLoop:
         self.ejected: dict[str, Ejected] = {}
         self.restarting: dict[str, tuple[int, float]] = {}  # worker -> (old epoch, when)
         self.strikes: dict[tuple[str, int], int] = {}
-        self.last_action_s: dict[tuple[str, int], float] = {}
+        self.last_action_s: dict[tuple[str, int, ActionKind], float] = {}
         self.mover = None if config.rebalance is None else RoleMover(
             actuator, self._record_one, config.rebalance, config.rebalance_period_s,
             config.role_drain_timeout_s, config.dry_run)
@@ -197,7 +197,7 @@ class ControlLoop:
         events = [self._event(h.detection.worker_id, h.detection.epoch, h.detection.rule.value,
                               h.detection.evidence, "hold", f"held: {h.reason}") for h in held]
         for action in actions:
-            self.last_action_s[(action.worker_id, action.epoch)] = now
+            self.last_action_s[(action.worker_id, action.epoch, action.kind)] = now
             events.append(await self._do(action.kind, action.because, now))
         return await self._record(events)
 

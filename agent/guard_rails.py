@@ -13,7 +13,8 @@ Guard rails, all checked here:
     at least one when the pool has two or more): "better to eject wrongly than to miss a
     bad node", but never a whole pool. A dead worker is out whatever the agent does, so it
     is always restarted, and it counts against the limit for the others;
-  * never repeat an action on the same (worker, epoch) within `cooldown_s` (idempotent:
+  * never repeat an action of one kind on the same (worker, epoch) within `cooldown_s`
+    (a reclaim does not hold back an ejection, nor the reverse; idempotent:
     the executor may be told twice, it acts once).
 Nothing here does I/O; the caller passes the registry's epochs, pool sizes, what is already
 ejected and when each action last ran.
@@ -56,7 +57,8 @@ class PoolState:
     epochs: Mapping[str, int]  # worker id -> its newest epoch in the registry
     roles: Mapping[str, str]  # worker id -> role
     ejected: frozenset[str]  # worker ids out of routing now
-    last_action_s: Mapping[tuple[str, int], float]  # (worker, epoch) -> when last acted on
+    # (worker, epoch, action kind) -> when last done
+    last_action_s: Mapping[tuple[str, int, ActionKind], float]
     strikes: Mapping[tuple[str, int], int] = field(default_factory=dict)  # ejections so far
 
 
@@ -89,14 +91,14 @@ def plan_actions(detections: Sequence[Detection], state: PoolState, now_s: float
         if newest is not None and newest > epoch:
             held.append(Held(detection, f"epoch {epoch} was replaced by epoch {newest}"))
             continue
-        last = state.last_action_s.get((worker, epoch))
+        kind = _ACTIONS[detection.rule]
+        if kind is ActionKind.EJECT and state.strikes.get((worker, epoch), 0) >= 1:
+            kind = ActionKind.EJECT_AND_RESTART
+        last = state.last_action_s.get((worker, epoch, kind))
         if last is not None and now_s - last < cooldown_s:
             held.append(Held(detection, f"acted on {now_s - last:.1f} s ago (cooldown "
                                         f"{cooldown_s:g} s)"))
             continue
-        kind = _ACTIONS[detection.rule]
-        if kind is ActionKind.EJECT and state.strikes.get((worker, epoch), 0) >= 1:
-            kind = ActionKind.EJECT_AND_RESTART
         if kind is not ActionKind.RECLAIM_KV and worker not in state.ejected:
             role = state.roles.get(worker, "")
             limit = max_ejected(pool_sizes[role], max_eject_fraction)

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -43,19 +44,35 @@ from common.contract.redis_state import REDIS_FAILURES, RedisState, connect, rai
 log = logging.getLogger(__name__)
 
 
+# option -> (the check on its value, what the message says it must be)
+_CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "--period-s": (lambda v: 0 < v <= 60, "in (0, 60]"),
+    "--control-timeout-s": (lambda v: 0 < v <= 60, "in (0, 60]"),
+    "--lease-margin-s": (lambda v: v > 0, "> 0"),
+    "--hung-after-s": (lambda v: v > 0, "> 0"),
+    "--slow-factor": (lambda v: v > 1, "> 1"),
+    "--leak-after-s": (lambda v: 1 <= v <= 3600, "in [1, 3600]"),
+    "--error-rate": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "--error-min-requests": (lambda v: v >= 1, ">= 1"),
+    "--max-eject-fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "--cooldown-s": (lambda v: v > 0, "> 0"),
+    "--probation-s": (lambda v: v > 0, "> 0"),
+    "--eject-hold-s": (lambda v: v >= 10, ">= 10"),
+    "--rebalance-period-s": (lambda v: v > 0, "> 0"),
+    "--role-drain-timeout-s": (lambda v: 0 < v <= 3600, "in (0, 3600]"),
+}
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
-    """The loop's configuration; ValueError with the option's name when one is nonsense."""
-    for name in ("period_s", "control_timeout_s", "eject_hold_s"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    if args.error_min_requests < 1:
-        raise ValueError("--error-min-requests must be >= 1")
+    """The loop's configuration; ValueError naming the option when a value is nonsense."""
+    for option, (ok, must) in _CHECKS.items():
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        if not ok(value):
+            raise ValueError(f"{option} must be {must}, got {value:g}")
     thresholds = Thresholds(lease_margin_s=args.lease_margin_s, hung_after_s=args.hung_after_s,
                             slow_factor=args.slow_factor, leak_after_s=args.leak_after_s,
                             error_rate=args.error_rate,
                             error_min_requests=args.error_min_requests)
-    if not 0 < args.max_eject_fraction <= 1:
-        raise ValueError("--max-eject-fraction must be in (0, 1]")
     return AgentConfig(period_s=args.period_s, window_s=max(30.0, 4 * args.hung_after_s),
                        thresholds=thresholds, max_eject_fraction=args.max_eject_fraction,
                        cooldown_s=args.cooldown_s, probation_s=args.probation_s,

@@ -253,3 +253,24 @@ async def test_only_the_leader_acts(cluster, session) -> None:
     assert workers[3].num_reclaims == 0  # the standby saw the leak and did nothing
     await run_until(first, lambda ev: acted(ev, workers[3].worker_id, "reclaim"), 5)
     assert workers[3].num_reclaims == 1
+
+
+async def test_once_prints_what_it_would_do_and_does_nothing(cluster, session,
+                                                             redis_url: str) -> None:
+    state, workers = cluster
+    workers[3].load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
+    workers[1].answering = False
+    await workers[1].publisher.stop(deregister=False)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "launcher.cli", "agent", "--once", "--redis-url", redis_url,
+        "--namespace", state.ns, "--period-s", "0.5", "--hung-after-s", "2",
+        "--leak-after-s", "1", "--control-timeout-s", "0.3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    decided = [msgspec.json.decode(line) for line in out.splitlines()]
+    assert {(d["worker_id"], d["action"], d["outcome"]) for d in decided} >= {
+        ("decode-0", "eject+restart", "dry_run"), ("decode-2", "reclaim", "dry_run")}
+    assert "nothing was done (--once)" in err.decode()
+    assert workers[3].num_reclaims == 0 and workers[1].process.poll() is None
+    assert await AgentState(state).read_ejected() == {}

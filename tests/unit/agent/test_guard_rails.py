@@ -57,7 +57,8 @@ def test_a_dead_worker_is_restarted_past_the_limit() -> None:
 
 def test_a_stale_epoch_or_a_recent_action_is_held() -> None:
     s = state(FOUR_DECODERS, epochs={**{w: 1 for w in FOUR_DECODERS}, "d-0": 2},
-              last={("d-1", 1): 95.0})
+              last={("d-1", 1, ActionKind.EJECT_AND_RESTART): 95.0,
+                    ("d-2", 1, ActionKind.RECLAIM_KV): 99.0})
     actions, held = plan_actions([found("d-0", Rule.HUNG, epoch=1), found("d-1", Rule.HUNG)],
                                  s, 100.0, cooldown_s=10.0)
     assert actions == []
@@ -65,6 +66,9 @@ def test_a_stale_epoch_or_a_recent_action_is_held() -> None:
                                         "acted on 5.0 s ago (cooldown 10 s)"]
     actions, _ = plan_actions([found("d-1", Rule.HUNG)], s, 106.0, cooldown_s=10.0)
     assert [a.worker_id for a in actions] == ["d-1"]
+    # The cooldown is per kind of action: a reclaim just done does not hold an ejection.
+    actions, held = plan_actions([found("d-2", Rule.SLOW)], s, 100.0, cooldown_s=10.0)
+    assert [a.kind for a in actions] == [ActionKind.EJECT] and held == []
 
 
 @pytest.mark.parametrize("size, fraction, expected", [
@@ -76,3 +80,13 @@ def test_max_ejected(size: int, fraction: float, expected: int) -> None:
 def test_a_fraction_outside_its_range_is_refused() -> None:
     with pytest.raises(ValueError):
         plan_actions([], state({}), 0.0, max_eject_fraction=0.0)
+
+
+def test_a_second_strike_in_one_epoch_restarts() -> None:
+    s = state(FOUR_DECODERS)
+    again = PoolState(epochs=s.epochs, roles=s.roles, ejected=s.ejected, last_action_s={},
+                      strikes={("d-0", 1): 1})
+    actions, _ = plan_actions([found("d-0", Rule.SLOW), found("d-1", Rule.ERROR_SPIKE)],
+                              again, 0.0)
+    assert {a.worker_id: a.kind for a in actions} == {
+        "d-0": ActionKind.EJECT_AND_RESTART, "d-1": ActionKind.EJECT}

@@ -1,0 +1,210 @@
+"""The operations agent against `pdserve up` with the default model on CPU: real workers,
+real faults (SIGSTOP, SIGKILL, a slowed engine, a leaked reservation), the official
+`openai` client for the traffic, and the agent's own audit trail for the timings.
+
+One cluster (1 prefill + 2 decode workers, the agent started by `pdserve up` as by
+default) for the whole module; the tests run in order and each starts from a cluster whose
+workers are all ready. The agent's thresholds are shortened through its PDSERVE_*
+variables, and the workers serve /internal/fault (PDSERVE_FAULT_INJECTION=1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from up_process import UpProcess, pid_alive
+
+from common.contract.agent_protocol import FaultRequest, FaultResponse
+from common.contract.frames import MSGPACK_CONTENT_TYPE
+from common.contract.protocol import MessageDecoder, ReserveRequest, ReserveResponse, encode
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+AGENT_ENV = {"PDSERVE_FAULT_INJECTION": "1", "PDSERVE_PROBATION_S": "3",
+             "PDSERVE_COOLDOWN_S": "4", "PDSERVE_LEAK_AFTER_S": "5",
+             "PDSERVE_REBALANCE": "off"}
+PROMPT = "Count slowly from one to ten, in words:"
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    process = UpProcess("--prefill", "1", "--decode", "2", "--drain-timeout-s", "3",
+                        log_dir=tmp_path_factory.mktemp("agent-logs"), env=AGENT_ENV)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def complete(client: openai.OpenAI, max_tokens: int = 8) -> str:
+    answer = client.completions.create(model="default", prompt=PROMPT, max_tokens=max_tokens,
+                                       temperature=0)
+    return answer.choices[0].text
+
+
+def events(up: UpProcess) -> list[dict]:
+    """The agent's decisions, oldest first."""
+    return list(reversed(up.internal_get(f"{up.url}/admin/agent/events?limit=1000")["events"]))
+
+
+def wait_event(up: UpProcess, predicate, timeout_s: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in events(up) if predicate(e)]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no agent event: {what}\n{events(up)}\n{up.output[-3000:]}")
+
+
+def decode_workers(up: UpProcess) -> list[dict]:
+    return sorted((w for w in up.workers() if w["role"] == "decode"), key=lambda w: w["id"])
+
+
+def wait_all_ready(up: UpProcess, timeout_s: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = up.workers()
+        if len(workers) == 3 and all(w["state"] == "ready" for w in workers):
+            return workers
+        time.sleep(0.2)
+    raise AssertionError(f"workers not all ready: {up.workers()}\n{up.output[-3000:]}")
+
+
+def wait_new_epoch_ready(up: UpProcess, old: dict, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for worker in up.workers():
+            if worker["id"] == old["id"] and (worker["epoch"] or 0) > old["epoch"] \
+                    and worker["state"] == "ready":
+                return worker
+        time.sleep(0.2)
+    raise AssertionError(f"{old['id']} not back: {up.workers()}\n{up.output[-3000:]}")
+
+
+def control_call(up: UpProcess, worker: dict, path: str, message, answer_type):
+    response = httpx.post(worker["control_url"] + path, content=encode(message), timeout=10,
+                          headers={"Authorization": f"Bearer {up.token}",
+                                   "Content-Type": MSGPACK_CONTENT_TYPE})
+    assert response.status_code == 200, response.content
+    return MessageDecoder(answer_type).decode(response.content)
+
+
+class Load:
+    """Requests on `num_threads` threads until stopped; each result is (start, ok)."""
+
+    def __init__(self, client: openai.OpenAI, num_threads: int = 3, max_tokens: int = 12):
+        self.client = client
+        self.max_tokens = max_tokens
+        self.results: list[tuple[float, bool, str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True)
+                         for _ in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.time()
+            try:
+                complete(self.client, self.max_tokens)
+                self.results.append((started, True, ""))
+            except openai.OpenAIError as exc:
+                self.results.append((started, False, repr(exc)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+
+    def failures_after(self, at_unix_s: float) -> list[tuple[float, bool, str]]:
+        return [r for r in self.results if r[0] >= at_unix_s and not r[1]]
+
+
+def test_a_leaked_reservation_is_reclaimed(up) -> None:
+    wait_all_ready(up)
+    worker = decode_workers(up)[0]
+    reserved = control_call(up, worker, "/internal/reserve", ReserveRequest(
+        request_id="leaked-1", prompt_token_ids=list(range(1, 100)), timeout_ms=120_000),
+        ReserveResponse)  # ... and no decode request ever follows: the gateway "died"
+    assert reserved.destination.worker_id == worker["id"]
+    assert up.internal_get(worker["control_url"] + "/internal/state")["num_reservations"] == 1
+    event = wait_event(up, lambda e: e["action"] == "reclaim" and e["worker_id"] == worker["id"],
+                       45, "reclaim")
+    assert event["rule"] == "leaked_kv" and event["outcome"].startswith("done: 1 reservation")
+    state = up.internal_get(worker["control_url"] + "/internal/state")
+    assert state["num_reservations"] == 0 and state["num_kv_blocks_used"] == 0
+    # Reclaiming is not ejecting: the worker kept serving.
+    assert {w["id"]: w["state"] for w in up.workers()}[worker["id"]] == "ready"
+
+
+def test_a_slow_worker_is_ejected_and_its_peer_is_not(up, client) -> None:
+    slow, peer = decode_workers(up)
+    answer = control_call(up, slow, "/internal/fault", FaultRequest(step_delay_ms=300),
+                          FaultResponse)
+    assert answer.step_delay_ms == 300
+    started = time.time()
+    load = Load(client)
+    try:
+        ejected = wait_event(up, lambda e: e["worker_id"] == slow["id"] and
+                             e["action"] == "eject", 90, "the slow worker ejected")
+        assert ejected["rule"] == "slow" and ejected["epoch"] == slow["epoch"]
+        # Found slow again after its probation (the fault is still on): restarted, which
+        # clears the fault; the new epoch comes back and is re-admitted.
+        restarted = wait_event(up, lambda e: e["worker_id"] == slow["id"] and
+                               e["action"] == "eject+restart", 90, "the slow worker restarted")
+        assert restarted["epoch"] == slow["epoch"]
+        wait_new_epoch_ready(up, slow, 120)
+    finally:
+        load.stop()
+    assert not [e for e in events(up) if e["worker_id"] == peer["id"]
+                and e["action"].startswith("eject") and e["at_unix_ms"] >= started * 1000]
+    assert load.failures_after(ejected["at_unix_ms"] / 1000) == []
+    assert sum(ok for _, ok, _ in load.results) >= 5
+
+
+def test_a_frozen_decode_worker_is_ejected_restarted_and_readmitted(up, client) -> None:
+    wait_all_ready(up)
+    frozen = decode_workers(up)[0]
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        ejected = wait_event(up, lambda e: e["worker_id"] == frozen["id"] and
+                             e["epoch"] == frozen["epoch"] and e["action"] == "eject+restart",
+                             30, "the frozen worker ejected")
+    finally:
+        if pid_alive(frozen["pid"]):
+            os.kill(frozen["pid"], signal.SIGCONT)  # (the agent's SIGKILL works either way)
+    assert ejected["at_unix_ms"] / 1000 - stopped_at <= 5.0, ejected
+    assert ejected["rule"] in ("dead", "hung"), ejected
+    # The next requests go to the other decode worker and succeed.
+    assert all(complete(client) for _ in range(3))
+    back = wait_new_epoch_ready(up, frozen, 120)
+    assert back["pid"] != frozen["pid"] and not pid_alive(frozen["pid"])
+    wait_event(up, lambda e: e["worker_id"] == frozen["id"] and e["action"] == "recovered"
+               and e["epoch"] == back["epoch"], 5, "recovered as its new epoch")
+    wait_event(up, lambda e: e["worker_id"] == frozen["id"] and e["action"] == "readmit"
+               and e["epoch"] == back["epoch"], 5, "re-admitted after its probation")
+
+
+def test_a_killed_worker_is_serving_again_within_60_s(up, client) -> None:
+    wait_all_ready(up)
+    killed = decode_workers(up)[1]
+    os.kill(killed["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    ejected = wait_event(up, lambda e: e["worker_id"] == killed["id"] and
+                         e["epoch"] == killed["epoch"] and e["action"].startswith("eject"),
+                         10, "the killed worker ejected")
+    assert ejected["rule"] == "dead"
+    assert all(complete(client) for _ in range(2))  # started after the ejection: served
+    wait_new_epoch_ready(up, killed, 60 - (time.monotonic() - killed_at))
+    assert complete(client)
