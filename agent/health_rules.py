@@ -9,7 +9,10 @@ reads a clock: `now_s` is passed in, so the rules are tested with hand-written w
                  or partitioned worker) — act before it expires
     hung         alive and leased, but no engine step for `hung_after_s` while it has
                  running requests, or its control API missed its deadline that long
-    slow         its step time is `slow_factor` x the median of its role's peers
+    slow         its decode steps take `slow_factor` x what its role's peers take for the
+                 same shape: the median of the peers' fitted step models (StepModel)
+                 evaluated at its own mean batch and context; peers without a model yet
+                 count with their measured step time
     leaked_kv    KV blocks held with nothing running or waiting for `leak_after_s`
     error_spike  at least `error_rate` of its requests failed over the window
 
@@ -23,6 +26,8 @@ import enum
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from common.contract.worker_load import StepModel
 
 
 class Rule(enum.StrEnum):
@@ -48,7 +53,9 @@ class WorkerSample:
     num_running: int = 0
     num_waiting: int = 0
     num_kv_blocks_used: int = 0
-    step_time_s: float | None = None  # recent mean engine step time; None: no steps yet
+    step_time_s: float | None = None  # recent mean decode-only step time; None: none yet
+    step_shape: tuple[float, float] | None = None  # those steps' mean (batch, context tokens)
+    step_model: StepModel | None = None  # its own fitted step model (what peers are told)
     num_requests: int = 0  # requests this epoch has ended, in all
     num_failed: int = 0  # of those, failed ones
 
@@ -121,23 +128,36 @@ def hung(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detecti
 
 
 def slow(windows: Mapping[str, Sequence[WorkerSample]], t: Thresholds) -> list[Detection]:
-    """Workers whose latest step time is an outlier among the workers of their role."""
-    latest = [w[-1] for w in windows.values() if w and w[-1].step_time_s is not None]
+    """Workers whose latest decode steps are outliers among the workers of their role."""
+    latest = [w[-1] for w in windows.values() if w]
     found = []
     for sample in latest:
-        peers = [p.step_time_s for p in latest
-                 if p.role == sample.role and p.worker_id != sample.worker_id
-                 and p.step_time_s is not None]
-        if not peers:
-            continue  # nobody to compare with: one worker of a role is never "slow"
-        median = statistics.median(peers)
         step = sample.step_time_s
-        assert step is not None
-        if step >= t.slow_min_step_s and step > t.slow_factor * median:
+        if step is None:
+            continue
+        expected = [e for p in latest if p.role == sample.role and p.worker_id != sample.worker_id
+                    and (e := _expected(p, sample.step_shape)) is not None]
+        if not expected:
+            continue  # nobody to compare with: one worker of a role is never "slow"
+        reference = statistics.median(expected)
+        if step >= t.slow_min_step_s and step > t.slow_factor * reference:
             found.append(Detection(sample.worker_id, sample.epoch, Rule.SLOW,
-                                   f"step {step * 1000:.1f} ms vs its peers' median "
-                                   f"{median * 1000:.1f} ms"))
+                                   f"decode step {step * 1000:.1f} ms vs {reference * 1000:.1f}"
+                                   f" ms its peers take{_shape_text(sample.step_shape)}"))
     return found
+
+
+def _expected(peer: WorkerSample, shape: tuple[float, float] | None) -> float | None:
+    """What `peer` takes for a decode step of `shape`: its model's prediction when it has
+    one fitted from decode steps, else its own measured step time (None: neither)."""
+    model = peer.step_model
+    if shape is not None and model is not None and model.num_decode_samples > 0:
+        return model.step_s(0.0, shape[0], shape[1])
+    return peer.step_time_s
+
+
+def _shape_text(shape: tuple[float, float] | None) -> str:
+    return "" if shape is None else f" at batch {shape[0]:.1f}, context {shape[1]:.0f}"
 
 
 def leaked_kv(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detection | None:

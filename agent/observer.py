@@ -9,7 +9,9 @@ command line names its worker id, so a reused pid is not mistaken for it).
 
 Step time is the mean over the decode-only steps since the previous scrape of the same
 epoch (the `pdserve_decode_step_seconds` histogram's sum and count: a step that also
-prefilled takes longer for its prompt, not because the worker is slow), kept for
+prefilled takes longer for its prompt, not because the worker is slow), with the mean
+batch and context of those steps (so the "slow" rule can ask what the peers' fitted step
+models predict for the same shape), kept for
 `step_memory_s` when no such step ran since, so a worker that just went idle still
 compares with its peers. A worker that never decodes (a prefill worker) has no step time
 and so is never "slow".
@@ -42,6 +44,8 @@ class Scrape:
     num_steps: int
     decode_sum_s: float  # steps that only decoded (the "slow" rule compares these)
     num_decode_steps: int
+    decode_seqs: float  # their sequences and context tokens, summed
+    decode_context: float
     num_requests: int
     num_failed: int
 
@@ -59,6 +63,8 @@ def parse_scrape(text: str) -> Scrape:
                   num_steps=int(samples.get("pdserve_step_seconds_count", 0)),
                   decode_sum_s=samples.get("pdserve_decode_step_seconds_sum", 0.0),
                   num_decode_steps=int(samples.get("pdserve_decode_step_seconds_count", 0)),
+                  decode_seqs=samples.get("pdserve_decode_step_seqs_total", 0.0),
+                  decode_context=samples.get("pdserve_decode_step_context_tokens_total", 0.0),
                   num_requests=num_requests, num_failed=num_failed)
 
 
@@ -84,11 +90,20 @@ def process_alive(pid: int, worker_id: str, proc: Path = Path("/proc")) -> bool:
     return state not in ("Z", "X") and worker_id.encode() in cmdline.split(b"\0")
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSteps:
+    """The mean decode-only step since the last scrape: its time and its shape."""
+
+    step_s: float
+    seqs: float
+    context_tokens: float
+
+
 @dataclass(slots=True)
 class _StepMemory:
     epoch: int
     scrape: Scrape
-    step_time_s: float | None
+    steps: DecodeSteps | None
     at_s: float
 
 
@@ -142,7 +157,7 @@ class Observer:
         alive = process_alive(info.pid, info.worker_id) if info.pid and is_local(info) else None
         memory = self._memory.get(info.worker_id)
         known = scrape or (memory.scrape if memory and memory.epoch == info.epoch else None)
-        step_time = self._step_time(info, scrape, now)
+        steps = self._steps(info, scrape, now)
         return WorkerSample(
             at_s=now, worker_id=info.worker_id, epoch=info.epoch, role=info.role.value,
             lease_left_s=None if not lease_ms else lease_ms / 1000, process_alive=alive,
@@ -151,25 +166,29 @@ class Observer:
             num_running=load.num_running if load else 0,
             num_waiting=load.num_waiting if load else 0,
             num_kv_blocks_used=load.num_kv_blocks_used if load else 0,
-            step_time_s=step_time,
+            step_time_s=steps.step_s if steps else None,
+            step_shape=(steps.seqs, steps.context_tokens) if steps else None,
+            step_model=load.step_model if load else None,
             num_requests=known.num_requests if known else 0,
             num_failed=known.num_failed if known else 0)
 
-    def _step_time(self, info: WorkerInfo, scrape: Scrape | None, now: float) -> float | None:
+    def _steps(self, info: WorkerInfo, scrape: Scrape | None, now: float) -> DecodeSteps | None:
         memory = self._memory.get(info.worker_id)
         if memory is not None and memory.epoch != info.epoch:
             memory = None  # a new incarnation starts clean
         if scrape is None:
-            return memory.step_time_s if memory else None
-        step_time = None
+            return memory.steps if memory else None
+        steps = None
         if memory is not None:
-            num_steps = scrape.num_decode_steps - memory.scrape.num_decode_steps
+            then = memory.scrape
+            num_steps = scrape.num_decode_steps - then.num_decode_steps
             if num_steps > 0:
-                step_time = (scrape.decode_sum_s - memory.scrape.decode_sum_s) / num_steps
+                steps = DecodeSteps((scrape.decode_sum_s - then.decode_sum_s) / num_steps,
+                                    (scrape.decode_seqs - then.decode_seqs) / num_steps,
+                                    (scrape.decode_context - then.decode_context) / num_steps)
             elif now - memory.at_s < self.step_memory_s:
-                step_time = memory.step_time_s
-                self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, step_time,
+                self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, memory.steps,
                                                            memory.at_s)
-                return step_time
-        self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, step_time, now)
-        return step_time
+                return memory.steps
+        self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, steps, now)
+        return steps

@@ -32,6 +32,11 @@ class WorkerMetrics:
         # operations agent's "slow" rule reads these).
         self.decode_step_seconds = registry.histogram(
             "pdserve_decode_step_seconds", "engine step time of steps without prefill")
+        self.decode_step_seqs = registry.counter(
+            "pdserve_decode_step_seqs_total", "sequences decoded by steps without prefill")
+        self.decode_step_context = registry.counter(
+            "pdserve_decode_step_context_tokens_total",
+            "tokens attended over by steps without prefill")
         self.kv_blocks_used = registry.gauge("pdserve_kv_blocks_used",
                                              "KV blocks referenced by requests/reservations")
         self.kv_blocks_total = registry.gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
@@ -83,6 +88,8 @@ class WorkerMetrics:
         self.step_seconds.observe(report.step_s)
         if report.shape.prefill_tokens == 0 and report.shape.decode_seqs > 0:
             self.decode_step_seconds.observe(report.step_s)
+            self.decode_step_seqs.inc(report.shape.decode_seqs)
+            self.decode_step_context.inc(report.shape.context_tokens)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
         prefill_tokens = decode_tokens = 0

@@ -149,9 +149,9 @@ def test_a_leaked_reservation_is_reclaimed(up) -> None:
 
 def test_a_slow_worker_is_ejected_and_its_peer_is_not(up, client) -> None:
     slow, peer = decode_workers(up)
-    answer = control_call(up, slow, "/internal/fault", FaultRequest(step_delay_ms=300),
+    answer = control_call(up, slow, "/internal/fault", FaultRequest(step_delay_ms=500),
                           FaultResponse)
-    assert answer.step_delay_ms == 300
+    assert answer.step_delay_ms == 500
     started = time.time()
     load = Load(client)
     try:

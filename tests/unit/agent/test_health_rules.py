@@ -6,6 +6,7 @@ import pytest
 
 from agent.health_rules import (Rule, Thresholds, WorkerSample, dead, detect, error_spike, hung,
                                 leaked_kv, slow)
+from common.contract.worker_load import StepModel
 
 T = Thresholds(lease_margin_s=1.0, hung_after_s=3.0, slow_factor=3.0, leak_after_s=30.0,
                error_rate=0.5, error_min_requests=10)
@@ -69,6 +70,23 @@ def test_slow_is_an_outlier_against_its_role_only() -> None:
     assert "70.0 ms" in found[0].evidence and "21.0 ms" in found[0].evidence
     windows["d-2"] = [sample(0.0, "d-2", step_time_s=0.060)]  # < 3 x 21 ms: not an outlier
     assert slow(windows, T) == []
+
+
+def test_slow_compares_steps_of_the_same_shape_through_the_peers_models() -> None:
+    # Peers fitted ~ 10 ms + 5 ms per sequence: at batch 16 a step takes ~90 ms there.
+    model = StepModel(base_s=0.010, prefill_token_s=0.0, decode_seq_s=0.005,
+                      context_token_s=0.0, num_samples=64, num_decode_samples=64)
+    peers = {w: [sample(0.0, w, step_time_s=0.015, step_shape=(1.0, 50.0), step_model=model)]
+             for w in ("d-0", "d-1")}
+    busy = {**peers, "d-2": [sample(0.0, "d-2", step_time_s=0.095, step_shape=(16.0, 800.0))]}
+    assert slow(busy, T) == []  # 6x the peers' measured steps, but theirs are of batch 1
+    stuck = {**peers, "d-2": [sample(0.0, "d-2", step_time_s=0.400, step_shape=(16.0, 800.0))]}
+    found = slow(stuck, T)
+    assert [d.worker_id for d in found] == ["d-2"]
+    assert "90.0 ms" in found[0].evidence and "batch 16.0" in found[0].evidence
+    # An idle peer (no recent step) still counts through its model.
+    idle = {"d-0": [sample(0.0, "d-0", step_model=model)], "d-2": stuck["d-2"]}
+    assert [d.worker_id for d in slow(idle, T)] == ["d-2"]
 
 
 def test_fast_steps_are_never_slow() -> None:
