@@ -22,12 +22,14 @@ from agent.audit import Audit
 from agent.control_loop import AgentConfig, ControlLoop
 from agent.health_rules import Thresholds
 from agent.observer import Observer
+from agent.rebalance import RebalanceConfig
 from agent.restarters import LocalRestarter
 from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
 from common.contract.agent_state import AgentState
 from common.contract.control_server import ControlServer, make_app, message_handler
 from common.contract.metrics import MetricsRegistry
-from common.contract.protocol import Message, Role, WorkerInfo
+from common.contract.protocol import (Message, Role, RoleChangeRequest, RoleChangeResponse,
+                                      WorkerInfo)
 from common.contract.redis_state import RedisState, connect
 from common.contract.worker_load import WorkerLoad
 from common.worker.publisher import WorkerPublisher
@@ -49,6 +51,7 @@ class StubWorker:
     answering: bool = True
     load: WorkerLoad = field(default_factory=lambda: WorkerLoad(num_kv_blocks_total=64))
     num_reclaims: int = 0
+    role_changes: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     publisher: WorkerPublisher | None = None
     server: ControlServer | None = None
@@ -75,6 +78,11 @@ class StubWorker:
         self.load = msgspec.structs.replace(self.load, num_kv_blocks_used=0)
         return ReclaimResponse(num_reclaimed=1, request_ids=["leaked"])
 
+    async def change_role(self, request: RoleChangeRequest) -> Message:
+        self.role_changes.append(request.role.value)
+        assert self.publisher is not None
+        return RoleChangeResponse(role=request.role, epoch=self.publisher.epoch + 1)
+
 
 @pytest.fixture
 async def cluster(redis_url: str) -> AsyncIterator[tuple[RedisState, list[StubWorker]]]:
@@ -99,6 +107,8 @@ async def start(state: RedisState, worker: StubWorker) -> None:
         app.router.add_get("/metrics", worker.metrics)
         app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest,
                                                                  worker.reclaim))
+        app.router.add_post("/internal/role", message_handler(RoleChangeRequest,
+                                                              worker.change_role))
         worker.server = ControlServer(app)
         url = await worker.server.start()
     else:
@@ -274,3 +284,24 @@ async def test_once_prints_what_it_would_do_and_does_nothing(cluster, session,
     assert "nothing was done (--once)" in err.decode()
     assert workers[3].num_reclaims == 0 and workers[1].process.poll() is None
     assert await AgentState(state).read_ejected() == {}
+
+
+async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, session) -> None:
+    state, workers = cluster
+    # 10 s of prompt tokens queued on the prefill worker; the decode pool idle.
+    workers[0].load = WorkerLoad(num_queued_prefill_tokens=10_000, prefill_tokens_per_s=1000,
+                                 num_kv_blocks_total=64)
+    workers[1].load = WorkerLoad(num_running=2, num_kv_blocks_total=64)
+    loop = make_loop(state, session, rebalance=RebalanceConfig(sustain_s=0.6, cooldown_s=30),
+                     rebalance_period_s=0.2)
+    events = await run_until(loop, lambda ev: any(e.rule == "rebalance" and
+                                                  e.outcome.startswith("done") for e in ev), 5)
+    moves = [e for e in events if e.rule == "rebalance"]
+    assert [(e.worker_id, e.action) for e in moves] == [("decode-1", "decode->prefill")] * 2
+    assert moves[0].outcome == "started" and "prefill queue delay 10.0 s" in moves[0].evidence
+    assert workers[2].role_changes == ["prefill"] and workers[1].role_changes == []
+    for _ in range(5):  # the cooldown: one move, however long the queue stays
+        await loop.tick()
+        await asyncio.sleep(0.2)
+    assert sum(len(w.role_changes) for w in workers) == 1
+    await loop.stop()
