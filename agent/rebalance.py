@@ -4,8 +4,8 @@
     every period   history + views + last move ──plan_rebalance──▶ RoleMove | None
 
 Signals, over the routable workers of each pool (an ejected or draining worker counts
-nowhere; a worker of role `both` or `colocated` serves either way, so it is in neither pool
-and never a donor):
+nowhere; a worker of role `both` or `colocated` prefills and decodes itself, so it is in
+neither pool and never a donor):
 
     prefill_pressure  the prefill pool's queue delay in seconds: prompt tokens queued or
                       mid-prefill on its workers / the pool's prefill capacity. A worker's

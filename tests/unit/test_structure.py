@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 PACKAGES = ("common", "engine", "kv_transfer", "prefill_workers", "decode_workers", "gateway",
-            "benchmarks", "launcher", "deploy")
+            "benchmarks", "launcher", "deploy", "agent")
 TYPED = ("agent/", "gateway/", "prefill_workers/", "decode_workers/", "kv_transfer/",
          "common/contract/", "common/worker/")
 MAP_START, MAP_END = "<!-- folder-map -->", "<!-- /folder-map -->"
