@@ -11,7 +11,9 @@ One tick (every `period_s`, about 1 s):
 What happens to a worker the rules find bad:
 
     slow, error spike ─▶ EJECTED ──(probation_s, and healthy)──▶ readmitted
-                             └── found bad again in the same epoch ─▶ eject + restart
+                             └── found bad again in the same epoch ─▶ ejected, DRAINING
+                                 (until it runs nothing, at most role_drain_timeout_s)
+                                 ─▶ restarted
     dead, hung ────────▶ EJECTED + restarted ──(a newer epoch registers)──▶ ON PROBATION
                              ──(probation_s of passing health checks)──▶ readmitted
     leaked KV ─────────▶ its old reservations reclaimed (nothing ejected)
@@ -96,6 +98,8 @@ class ControlLoop:
         self.infos: dict[str, WorkerInfo] = {}  # last seen, so a lapsed worker can be restarted
         self.ejected: dict[str, Ejected] = {}
         self.restarting: dict[str, tuple[int, float]] = {}  # worker -> (old epoch, when)
+        # worker -> (epoch, since, evidence): ejected, restarted once it runs nothing
+        self.draining: dict[str, tuple[int, float, str]] = {}
         self.strikes: dict[tuple[str, int], int] = {}
         self.last_action_s: dict[tuple[str, int, ActionKind], float] = {}
         self.mover = None if config.rebalance is None else RoleMover(
@@ -136,6 +140,7 @@ class ControlLoop:
         self.leader.set(1 if self.is_leader else 0)
         events: list[AgentEvent] = []
         if self.is_leader:
+            events += await self._finish_drains(now)
             events += await self._follow_restarts(now)
             events += await self._act(now)
             events += await self._probation(now)
@@ -205,7 +210,7 @@ class ControlLoop:
         """The detections the agent is not handling already."""
         out = []
         for found in detections:
-            if found.worker_id in self.restarting:
+            if found.worker_id in self.restarting or found.worker_id in self.draining:
                 continue  # its restart is under way
             mine = self.ejected.get(found.worker_id)
             if mine is not None and mine.epoch == found.epoch and mine.readmit_after_s \
@@ -241,18 +246,48 @@ class ControlLoop:
         self.strikes[(worker, epoch)] = self.strikes.get((worker, epoch), 0) + 1
         readmit = None if restart else now + self.config.probation_s
         self.ejected[worker] = Ejected(epoch, rule, now, readmit, now)
-        if restart:
-            if info is None:
-                outcome.append("not restarted (no pid or control URL known)")
-            else:
-                try:
-                    outcome.append(await self.actuator.restart(info, found.evidence))
-                    self.restarting[worker] = (epoch, now)
-                except ActionError as exc:
-                    outcome.append(f"not restarted ({exc})")
+        if restart and info is None:
+            outcome.append("not restarted (no pid or control URL known)")
+        elif restart and found.rule in (Rule.SLOW, Rule.ERROR_SPIKE):
+            # Alive and answering: let what it runs finish first (it gets nothing new).
+            self.draining[worker] = (epoch, now, found.evidence)
+            outcome.append(f"draining before its restart (at most "
+                           f"{self.config.role_drain_timeout_s:g} s)")
+        elif restart:
+            assert info is not None
+            outcome.append(await self._restart(info, epoch, found.evidence, now))
         failed = any(o.startswith("not ") for o in outcome)
         return self._event(worker, epoch, rule, found.evidence, action,
                            ("failed: " if failed else "done: ") + "; ".join(outcome))
+
+    async def _restart(self, info: WorkerInfo, epoch: int, evidence: str, now: float) -> str:
+        try:
+            outcome = await self.actuator.restart(info, evidence)
+        except ActionError as exc:
+            return f"not restarted ({exc})"
+        self.restarting[info.worker_id] = (epoch, now)
+        return outcome
+
+    async def _finish_drains(self, now: float) -> list[AgentEvent]:
+        """Restart each draining worker once it runs nothing, or its drain time is up."""
+        events = []
+        for worker_id, (epoch, since, evidence) in list(self.draining.items()):
+            window = self.windows.get(worker_id)
+            last = window[-1] if window else None
+            info = self.infos.get(worker_id)
+            idle = last is not None and last.num_running == 0 and last.num_waiting == 0
+            if last is not None and last.epoch == epoch and info is not None and not idle \
+                    and now - since < self.config.role_drain_timeout_s:
+                continue
+            del self.draining[worker_id]
+            if info is None or info.epoch != epoch:
+                continue  # gone, or replaced meanwhile: nothing left to restart
+            outcome = await self._restart(info, epoch, evidence, now)
+            how = "drained" if idle else f"drain cut after {now - since:.0f} s"
+            events.append(self._event(worker_id, epoch, "restart", f"{how}; {evidence}",
+                                      "restart", ("failed: " if outcome.startswith("not ")
+                                                  else "done: ") + outcome))
+        return await self._record(events)
 
     # ---------------------------------------------------------------- recovery
 

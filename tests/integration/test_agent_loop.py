@@ -205,9 +205,13 @@ async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, sessi
     loop = make_loop(state, session)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
     assert acted(events, slow.worker_id, "eject")[0].rule == "slow"
-    # On probation for 1 s, then back in; still slow: the second strike restarts it.
-    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject+restart"), 10)
+    # On probation for 1 s, then back in; still slow: the second strike drains it (it runs
+    # nothing here, so at once) and restarts it.
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "restart"), 10)
     assert acted(events, slow.worker_id, "readmit")
+    assert "draining before its restart" in acted(events, slow.worker_id,
+                                                  "eject+restart")[0].outcome
+    assert acted(events, slow.worker_id, "restart")[0].evidence.startswith("drained; ")
     assert slow.process.wait(5) is not None
     assert {e.worker_id for e in events if e.action.startswith("eject")} == {slow.worker_id}
     assert loop.audit.decisions.value(rule="slow", action="eject", outcome="done") == 1
@@ -305,3 +309,20 @@ async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, ses
         await asyncio.sleep(0.2)
     assert sum(len(w.role_changes) for w in workers) == 1
     await loop.stop()
+
+
+async def test_a_busy_slow_worker_is_restarted_when_its_drain_time_is_up(cluster,
+                                                                         session) -> None:
+    state, workers = cluster
+    slow = workers[2]
+    slow.step_s = 0.3
+    slow.load = WorkerLoad(num_running=1, num_kv_blocks_total=64)  # never finishes
+    loop = make_loop(state, session, role_drain_timeout_s=1.5)
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject+restart"), 10)
+    drain_started = acted(events, slow.worker_id, "eject+restart")[0].at_unix_ms
+    assert slow.process.poll() is None  # still running what it has
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "restart"), 5)
+    restarted = acted(events, slow.worker_id, "restart")[0]
+    assert restarted.evidence.startswith("drain cut after")
+    assert restarted.at_unix_ms - drain_started >= 1500
+    assert slow.process.wait(5) is not None
