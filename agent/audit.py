@@ -8,12 +8,14 @@ Each `AgentEvent` (what was seen, which rule fired, what was done, the outcome) 
     action,outcome} with outcome done | dry_run | held | failed;
   * one log line (and, with `echo`, one JSON line there).
 A decision held for the same reason as the last time it was seen (same worker, epoch, rule
-and action) is recorded once, not at every tick: the log says when something changed.
+and action; the figures in the reason aside) is recorded once, not at every tick: the log
+says when something changed.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import IO
 
@@ -24,6 +26,7 @@ from common.contract.metrics import MetricsRegistry
 from common.contract.redis_state import REDIS_FAILURES, raise_if_cancelling
 
 log = logging.getLogger(__name__)
+_DIGITS = re.compile(r"\d+(\.\d+)?")
 
 
 def outcome_kind(outcome: str) -> str:
@@ -60,9 +63,10 @@ class Audit:
         kind = outcome_kind(event.outcome)
         key = (event.worker_id, event.epoch, event.rule, event.action)
         if kind == "held":
-            if self._last_held.get(key) == event.outcome:
+            reason = _DIGITS.sub("#", event.outcome)  # "acted on 2.0 s ago" repeats itself
+            if self._last_held.get(key) == reason:
                 return False
-            self._last_held[key] = event.outcome
+            self._last_held[key] = reason
         else:
             self._last_held.pop(key, None)
         self.decisions.inc(rule=event.rule, action=event.action, outcome=kind)

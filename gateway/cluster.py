@@ -67,9 +67,10 @@ class WorkerEntry:
 class ClusterView:
     def __init__(self, state: RedisState, mirror: PrefixIndexMirror, rng: random.Random,
                  poll_period_s: float = 0.25, purge_period_s: float = 5.0,
-                 vanish_grace_s: float = 8.0) -> None:
+                 vanish_grace_s: float = 8.0, agent_state: AgentState | None = None) -> None:
+        """`agent_state`: where the operations agent's ejections are read (None: none)."""
         self.state = state
-        self.agent_state = AgentState(state)
+        self.agent_state = agent_state
         self.ejected: dict[str, Ejection] = {}  # as last read; filtered by active_ejections
         self.mirror = mirror
         self.rng = rng
@@ -211,7 +212,8 @@ class ClusterView:
         registry = await self.state.read_registry()
         workers, loads = registry.workers, registry.loads
         try:
-            self.ejected = await self.agent_state.read_ejected()
+            if self.agent_state is not None:
+                self.ejected = await self.agent_state.read_ejected()
         except REDIS_FAILURES as exc:
             raise_if_cancelling(exc)  # the registry answered: route on, with the last list
         now = time.monotonic()

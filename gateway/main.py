@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from aiohttp import ClientSession, TCPConnector, web
 from redis.asyncio import Redis
 
+from common.contract.agent_state import AgentState
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
 from common.contract.tracing import Tracing, start_tracing
@@ -117,7 +118,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
         TokenRateLimiter(time.monotonic), shared)
     tokenizer = GatewayTokenizer(engine_tokenizer)
     metrics = GatewayMetrics(tiers.tiers, (o.value for o in SloOutcome))
-    cluster = ClusterView(state, PrefixIndexMirror(state), random.Random())
+    cluster = ClusterView(state, PrefixIndexMirror(state), random.Random(),
+                          agent_state=AgentState(state))
     # No connection cap: every stream holds one upstream connection for its whole life.
     session = ClientSession(connector=TCPConnector(limit=0))
     window = TtftWindow()

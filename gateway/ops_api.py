@@ -221,8 +221,11 @@ async def handle_agent_events(request: web.Request) -> web.Response:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_AGENT_EVENTS:
         raise invalid_request(f"limit must be an integer in [1, {MAX_AGENT_EVENTS}]",
                               param="limit")
+    agent_state = request.app[CLUSTER].agent_state
+    if agent_state is None:
+        raise ApiError(404, "This gateway reads no agent state.", code="not_found")
     try:
-        events = await request.app[CLUSTER].agent_state.recent_events(int(raw))
+        events = await agent_state.recent_events(int(raw))
     except REDIS_FAILURES as exc:
         raise_if_cancelling(exc)
         raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None

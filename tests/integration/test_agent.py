@@ -130,6 +130,16 @@ class Load:
         return [r for r in self.results if r[0] >= at_unix_s and not r[1]]
 
 
+def test_the_events_endpoint_refuses_bad_limits(up) -> None:
+    token = {"Authorization": f"Bearer {up.token}"}
+    for limit in ("0", "1001", "ten", "-1"):
+        response = httpx.get(f"{up.url}/admin/agent/events?limit={limit}", headers=token)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "limit"
+    assert httpx.get(f"{up.url}/admin/agent/events?limit=5", headers=token).json() == \
+        {"events": []}  # nothing decided yet on a healthy cluster
+
+
 def test_a_leaked_reservation_is_reclaimed(up) -> None:
     wait_all_ready(up)
     worker = decode_workers(up)[0]

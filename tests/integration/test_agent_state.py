@@ -70,7 +70,8 @@ async def test_an_ejection_names_one_epoch_and_a_restart_ends_it(state: RedisSta
 async def test_the_gateway_routes_nothing_to_an_ejected_epoch(state: RedisState) -> None:
     agent = AgentState(state)
     workers = [await publish(state, w) for w in ("d0", "d1")]
-    view = ClusterView(state, PrefixIndexMirror(state), random.Random(0), poll_period_s=0.05)
+    view = ClusterView(state, PrefixIndexMirror(state), random.Random(0), poll_period_s=0.05,
+                       agent_state=agent)
     await view.start()
     try:
         await view.poll()
@@ -116,3 +117,24 @@ async def test_events_come_back_newest_first(state: RedisState) -> None:
     await state.client.xadd(agent.events_key, {"e": b"garbage"})
     events = await agent.recent_events(4)
     assert [e.evidence for e in events] == ["e4", "e3", "e2"]  # the garbage one is skipped
+
+
+async def test_the_audit_records_a_held_decision_once_per_reason(state: RedisState,
+                                                                 tmp_path) -> None:
+    from agent.audit import Audit
+    from common.contract.metrics import MetricsRegistry
+
+    audit = Audit(AgentState(state), MetricsRegistry(), tmp_path / "audit.jsonl")
+    audit.open()
+
+    def event(outcome: str) -> AgentEvent:
+        return AgentEvent(at_unix_ms=1, worker_id="d0", epoch=1, rule="slow", evidence="x",
+                          action="hold", outcome=outcome)
+
+    assert await audit.record(event("held: acted on 1.0 s ago (cooldown 10 s)"))
+    assert not await audit.record(event("held: acted on 2.0 s ago (cooldown 10 s)"))
+    assert await audit.record(event("held: 1 of the 2 decode worker(s) are out already"))
+    audit.close()
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and len(await AgentState(state).recent_events(10)) == 2
+    assert audit.decisions.value(rule="slow", action="hold", outcome="held") == 2
