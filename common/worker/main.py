@@ -73,7 +73,17 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                           dtype=getattr(torch, dtype), device=options.device)
 
     def load() -> LLMEngine:
-        return build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+        engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+        if options.warms_up:
+            from engine.warm_up import warm_up
+
+            log = logging.getLogger(__name__)
+            report = warm_up(engine, lambda line: print(f"{options.worker_id}: {line}",
+                                                        file=sys.stderr, flush=True))
+            runtime.metrics.warmup_seconds.set(report.seconds)
+            log.info("warmed up in %.1f s (%d requests, %d steps)", report.seconds,
+                     report.num_requests, report.num_steps)
+        return engine
 
     try:
         return await runtime.serve(build_role(options, runtime), load)

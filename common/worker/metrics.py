@@ -70,6 +70,8 @@ class WorkerMetrics:
             "by outcome (served, timed_out: refused OVERLOADED, cancelled)", ("outcome",))
         self.kv_waiting = registry.gauge("pdserve_kv_waiting",
                                          "reservations waiting in line for free KV blocks now")
+        self.warmup_seconds = registry.gauge(
+            "pdserve_warmup_seconds", "the start-up warm-up's time (0: none ran)")
         self.role_changes = registry.counter("pdserve_role_changes_total",
                                              "role changes of this worker, by new role",
                                              ("role",))

@@ -50,6 +50,13 @@ class WorkerOptions:
     sm_share_percent: int = 0  # CUDA MPS SM share given by the launcher (0: none)
     log_format: str = "text"
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
+    warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
+
+    @property
+    def warms_up(self) -> bool:
+        """Run the warm-up before registering? auto: on CUDA devices only."""
+        return self.warm_up == "on" or (self.warm_up == "auto" and
+                                        self.device.startswith("cuda"))
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -99,6 +106,10 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
              "(faster; UCX then cannot report a dead peer, and a prefill worker killed in the "
              "middle of a copy can abort the decode worker; every worker of the cluster must "
              "agree) [env PDSERVE_KV_SHARED_MEMORY; default: off]")
+    add("--warm-up", "auto", "before registering, run every kind of step once (prefill "
+        "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
+        "compile before the first request, not during it; auto: on CUDA only",
+        choices=("auto", "on", "off"))
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "
@@ -145,7 +156,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         fault_request_prefix=getattr(args, "fault_request_prefix", ""),
         sm_share_percent=_mps_share(os.environ),
         log_format=getattr(args, "log_format", "text"),
-        otlp_endpoint=getattr(args, "otlp_endpoint", None) or None)
+        otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
+        warm_up=getattr(args, "warm_up", "auto"))
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

@@ -29,9 +29,8 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from common.contract.agent_protocol import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV,
-                                           ExitRequest, ExitResponse, FaultRequest,
-                                           FaultResponse)
+from common.contract.agent_protocol import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
+                                            ExitResponse, FaultRequest, FaultResponse)
 from common.contract.control_server import ControlServer, make_app, message_handler
 from common.contract.metrics import MetricsRegistry
 from common.contract.protocol import Message, Role, WorkerInfo

@@ -75,7 +75,9 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-@triton.jit
+# table_stride (the step's widest block table) changes from step to step: specialized
+# on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
+@triton.jit(do_not_specialize=["table_stride"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                          q_seq_stride, q_head_stride,

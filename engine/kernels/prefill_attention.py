@@ -57,7 +57,9 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-@triton.jit
+# table_stride (the step's widest block table) changes from step to step: specialized
+# on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
+@triton.jit(do_not_specialize=["table_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
                     context_lens_ptr, out_ptr, scale_log2,
                     q_token_stride, q_head_stride,

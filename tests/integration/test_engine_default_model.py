@@ -223,3 +223,22 @@ def test_a_resumed_request_continues_exactly_as_the_undisturbed_run(loaded, para
         finished.add_request("done", prompt, params, resumed_token_ids=whole)
     finished.check_invariants()
     assert not finished.has_unfinished()
+
+
+def test_a_warmed_up_engine_answers_exactly_as_a_fresh_one(loaded, expected) -> None:
+    from engine.warm_up import warm_up
+
+    engine = make_engine(loaded, max_num_batched_tokens=64, max_num_seqs=8)
+    lines: list[str] = []
+    report = warm_up(engine, lines.append)
+    assert report.num_requests >= 15 and report.num_steps > 20 and report.seconds > 0
+    assert lines[0].startswith("warming up: prefill of 1 token")
+    # Nothing held, nothing for the registry's index, nothing left in the scheduler.
+    assert engine.kv_cache.num_used_blocks == 0 and engine.kv_cache.drain_events() == []
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    results = engine.generate(encode_all(engine), GREEDY)
+    assert [r.token_ids for r in results] == [expected[p] for p in PROMPTS]
+    with pytest.raises(RuntimeError):
+        engine.add_request("busy", [1, 2, 3], GREEDY)
+        warm_up(engine)

@@ -1,0 +1,27 @@
+"""Worker options: the warm-up choice (auto: on CUDA only) and bad values refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.cli import build_parser, main
+
+
+def options(*extra: str):
+    from common.worker.options import options_from_args
+
+    args = build_parser().parse_args(["decode-worker", "--redis-url", "redis://x:1/0", *extra])
+    return options_from_args(args, "decode")
+
+
+@pytest.mark.parametrize("extra, warms", [
+    ((), False), (("--device", "cuda"), True), (("--device", "cuda:1"), True),
+    (("--device", "cuda", "--warm-up", "off"), False), (("--warm-up", "on"), True)])
+def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
+    assert options(*extra).warms_up is warms
+
+
+def test_an_unknown_warm_up_choice_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["decode-worker", "--redis-url", "redis://x:1/0", "--warm-up", "maybe"])
+    assert exit_info.value.code == 2 and "--warm-up" in capsys.readouterr().err
