@@ -64,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--slow-factor", "3.0", type=float,
         help="a step time this many times the median of the role's other workers: slow "
              "(default 3.0)")
+    opt("--slow-for-s", "10", type=float,
+        help="slow only when an outlier at every tick this long (one busy moment of a "
+             "shared host is not a slow worker) (default 10)")
     opt("--leak-after-s", "30", type=float,
         help="KV blocks held with nothing running this long: leaked, and reservations "
              "older than this are reclaimed (default 30)")

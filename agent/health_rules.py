@@ -11,8 +11,9 @@ reads a clock: `now_s` is passed in, so the rules are tested with hand-written w
                  running requests, or its control API missed its deadline that long
     slow         its decode steps take `slow_factor` x what its role's peers take for the
                  same shape: the median of the peers' fitted step models (StepModel)
-                 evaluated at its own mean batch and context; peers without a model yet
-                 count with their measured step time
+                 evaluated at its own mean batch and context (peers without a model yet
+                 count with their measured step time), at every tick for `slow_for_s`
+                 over at least `slow_min_steps` steps
     leaked_kv    KV blocks held with nothing running or waiting for `leak_after_s`
     error_spike  at least `error_rate` of its requests failed over the window
 
@@ -66,12 +67,14 @@ class Thresholds:
     hung_after_s: float = 3.0
     slow_factor: float = 3.0
     slow_min_step_s: float = 0.005  # faster than this is never "slow", whatever the peers
+    slow_for_s: float = 10.0  # an outlier at every tick this long
+    slow_min_steps: int = 5  # ... over at least this many engine steps
     leak_after_s: float = 30.0  # longer than a transfer's stage deadline
     error_rate: float = 0.5
     error_min_requests: int = 10
 
     def __post_init__(self) -> None:
-        if min(self.lease_margin_s, self.hung_after_s, self.leak_after_s) <= 0:
+        if min(self.lease_margin_s, self.hung_after_s, self.leak_after_s, self.slow_for_s) <= 0:
             raise ValueError("thresholds in seconds must be > 0")
         if self.slow_factor <= 1:
             raise ValueError("slow_factor must be > 1")
@@ -127,24 +130,56 @@ def hung(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detecti
     return None
 
 
-def slow(windows: Mapping[str, Sequence[WorkerSample]], t: Thresholds) -> list[Detection]:
-    """Workers whose latest decode steps are outliers among the workers of their role."""
-    latest = [w[-1] for w in windows.values() if w]
+def slow(windows: Mapping[str, Sequence[WorkerSample]], now_s: float,
+         t: Thresholds) -> list[Detection]:
+    """Workers whose decode steps were outliers among their role's at every tick of the
+    last `slow_for_s` that could judge them (at least three, spread over most of it), over
+    at least `slow_min_steps` engine steps: one slow burst (a host's cores busy for a
+    moment) is not a slow worker; a tick with no decode step of its own, or no peer to
+    compare with, says nothing either way."""
+    by_tick: dict[float, list[WorkerSample]] = {}
+    for window in windows.values():
+        for sample in window:
+            by_tick.setdefault(sample.at_s, []).append(sample)
     found = []
-    for sample in latest:
-        step = sample.step_time_s
-        if step is None:
+    for window in windows.values():
+        # One tick (~1 s) of slack at the old end: ticks drift, and a span must be able to
+        # reach slow_for_s back.
+        span = [s for s in current_epoch(window) if s.at_s >= now_s - t.slow_for_s - 1.0]
+        judged = [(s, v) for s in span if (v := _outlier(s, by_tick[s.at_s], t)) is not None]
+        if any(v is False for _, v in judged):
+            continue  # normal at some tick of the span
+        measured = [s for s, _ in judged]
+        if len(measured) < 3 or measured[-1].at_s - measured[0].at_s < 0.8 * t.slow_for_s:
             continue
-        expected = [e for p in latest if p.role == sample.role and p.worker_id != sample.worker_id
-                    and (e := _expected(p, sample.step_shape)) is not None]
-        if not expected:
-            continue  # nobody to compare with: one worker of a role is never "slow"
-        reference = statistics.median(expected)
-        if step >= t.slow_min_step_s and step > t.slow_factor * reference:
-            found.append(Detection(sample.worker_id, sample.epoch, Rule.SLOW,
-                                   f"decode step {step * 1000:.1f} ms vs {reference * 1000:.1f}"
-                                   f" ms its peers take{_shape_text(sample.step_shape)}"))
+        num_steps = span[-1].num_steps - span[0].num_steps
+        if num_steps < t.slow_min_steps:
+            continue
+        last, (step, reference) = judged[-1]  # type: ignore[misc]
+        found.append(Detection(last.worker_id, last.epoch, Rule.SLOW,
+                               f"decode step {step * 1000:.1f} ms vs {reference * 1000:.1f} ms "
+                               f"its peers take{_shape_text(last.step_shape)}, at all "
+                               f"{len(measured)} ticks of {last.at_s - measured[0].at_s:.0f} s "
+                               f"({num_steps} steps)"))
     return found
+
+
+def _outlier(sample: WorkerSample, tick: Sequence[WorkerSample],
+             t: Thresholds) -> tuple[float, float] | bool | None:
+    """(its step, the peers' reference) when `sample` is an outlier among the samples of
+    the same tick; False when it was measured and is not; None when the tick says nothing
+    (no fresh decode step of its own, or no peer to compare with)."""
+    step = sample.step_time_s
+    if step is None:
+        return None
+    expected = [e for p in tick if p.role == sample.role and p.worker_id != sample.worker_id
+                and (e := _expected(p, sample.step_shape)) is not None]
+    if not expected:
+        return None  # nobody to compare with: one worker of a role is never "slow"
+    reference = statistics.median(expected)
+    if step >= t.slow_min_step_s and step > t.slow_factor * reference:
+        return step, reference
+    return False
 
 
 def _expected(peer: WorkerSample, shape: tuple[float, float] | None) -> float | None:
@@ -198,7 +233,7 @@ def detect(windows: Mapping[str, Sequence[WorkerSample]], now_s: float,
         for found in (dead(window, t), hung(window, now_s, t), error_spike(window, t)):
             if found is not None:
                 by_worker.setdefault(worker_id, found)
-    for found in slow(windows, t):
+    for found in slow(windows, now_s, t):
         by_worker.setdefault(found.worker_id, found)
     for worker_id, window in windows.items():
         leak = leaked_kv(window, now_s, t)

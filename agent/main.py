@@ -51,6 +51,7 @@ _CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "--lease-margin-s": (lambda v: v > 0, "> 0"),
     "--hung-after-s": (lambda v: v > 0, "> 0"),
     "--slow-factor": (lambda v: v > 1, "> 1"),
+    "--slow-for-s": (lambda v: 0 < v <= 600, "in (0, 600]"),
     "--leak-after-s": (lambda v: 1 <= v <= 3600, "in [1, 3600]"),
     "--error-rate": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "--error-min-requests": (lambda v: v >= 1, ">= 1"),
@@ -70,10 +71,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         if not ok(value):
             raise ValueError(f"{option} must be {must}, got {value:g}")
     thresholds = Thresholds(lease_margin_s=args.lease_margin_s, hung_after_s=args.hung_after_s,
-                            slow_factor=args.slow_factor, leak_after_s=args.leak_after_s,
+                            slow_factor=args.slow_factor, slow_for_s=args.slow_for_s,
+                            leak_after_s=args.leak_after_s,
                             error_rate=args.error_rate,
                             error_min_requests=args.error_min_requests)
-    return AgentConfig(period_s=args.period_s, window_s=max(30.0, 4 * args.hung_after_s),
+    window_s = max(30.0, 4 * args.hung_after_s, 2 * args.slow_for_s)
+    return AgentConfig(period_s=args.period_s, window_s=window_s,
                        thresholds=thresholds, max_eject_fraction=args.max_eject_fraction,
                        cooldown_s=args.cooldown_s, probation_s=args.probation_s,
                        dry_run=args.dry_run or args.once,

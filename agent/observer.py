@@ -11,10 +11,9 @@ Step time is the mean over the decode-only steps since the previous scrape of th
 epoch (the `pdserve_decode_step_seconds` histogram's sum and count: a step that also
 prefilled takes longer for its prompt, not because the worker is slow), with the mean
 batch and context of those steps (so the "slow" rule can ask what the peers' fitted step
-models predict for the same shape), kept for
-`step_memory_s` when no such step ran since, so a worker that just went idle still
-compares with its peers. A worker that never decodes (a prefill worker) has no step time
-and so is never "slow".
+models predict for the same shape); None when no such step ran since (an idle worker is
+compared through its fitted model only). A worker that never decodes (a prefill worker)
+has no step time and so is never "slow".
 """
 
 from __future__ import annotations
@@ -101,20 +100,19 @@ class DecodeSteps:
 
 @dataclass(slots=True)
 class _StepMemory:
+    """The last scrape of a worker's epoch: what the next one's deltas start from."""
+
     epoch: int
     scrape: Scrape
-    steps: DecodeSteps | None
-    at_s: float
 
 
 class Observer:
     def __init__(self, state: RedisState, session: aiohttp.ClientSession, token: str | None,
-                 control_timeout_s: float = 1.0, step_memory_s: float = 10.0) -> None:
+                 control_timeout_s: float = 1.0) -> None:
         self.state = state
         self.session = session
         self.token = token
         self.control_timeout_s = control_timeout_s
-        self.step_memory_s = step_memory_s
         self.registry = Registry(registered_ids=[], workers={}, loads={})
         self._memory: dict[str, _StepMemory] = {}
 
@@ -157,7 +155,7 @@ class Observer:
         alive = process_alive(info.pid, info.worker_id) if info.pid and is_local(info) else None
         memory = self._memory.get(info.worker_id)
         known = scrape or (memory.scrape if memory and memory.epoch == info.epoch else None)
-        steps = self._steps(info, scrape, now)
+        steps = self._steps(info, scrape)
         return WorkerSample(
             at_s=now, worker_id=info.worker_id, epoch=info.epoch, role=info.role.value,
             lease_left_s=None if not lease_ms else lease_ms / 1000, process_alive=alive,
@@ -172,12 +170,12 @@ class Observer:
             num_requests=known.num_requests if known else 0,
             num_failed=known.num_failed if known else 0)
 
-    def _steps(self, info: WorkerInfo, scrape: Scrape | None, now: float) -> DecodeSteps | None:
+    def _steps(self, info: WorkerInfo, scrape: Scrape | None) -> DecodeSteps | None:
         memory = self._memory.get(info.worker_id)
         if memory is not None and memory.epoch != info.epoch:
             memory = None  # a new incarnation starts clean
         if scrape is None:
-            return memory.steps if memory else None
+            return None
         steps = None
         if memory is not None:
             then = memory.scrape
@@ -186,9 +184,5 @@ class Observer:
                 steps = DecodeSteps((scrape.decode_sum_s - then.decode_sum_s) / num_steps,
                                     (scrape.decode_seqs - then.decode_seqs) / num_steps,
                                     (scrape.decode_context - then.decode_context) / num_steps)
-            elif now - memory.at_s < self.step_memory_s:
-                self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, memory.steps,
-                                                           memory.at_s)
-                return memory.steps
-        self._memory[info.worker_id] = _StepMemory(info.epoch, scrape, steps, now)
+        self._memory[info.worker_id] = _StepMemory(info.epoch, scrape)
         return steps

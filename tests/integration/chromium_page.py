@@ -106,7 +106,9 @@ class ChromiumPage:
 
     def wait_for(self, expression: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self.evaluate(f"Boolean({expression})"):
+        # While the page loads, `document.body` may still be null: that is "not yet".
+        probe = f"(() => {{ try {{ return Boolean({expression}); }} catch (e) {{ return false; }} }})()"
+        while not self.evaluate(probe):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never satisfied {expression!r}")
             time.sleep(0.25)

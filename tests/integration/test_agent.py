@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 AGENT_ENV = {"PDSERVE_FAULT_INJECTION": "1", "PDSERVE_PROBATION_S": "3",
              "PDSERVE_COOLDOWN_S": "4", "PDSERVE_LEAK_AFTER_S": "5",
-             "PDSERVE_REBALANCE": "off"}
+             "PDSERVE_SLOW_FOR_S": "3", "PDSERVE_REBALANCE": "off"}
 PROMPT = "Count slowly from one to ten, in words:"
 
 

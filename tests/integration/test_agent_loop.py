@@ -37,7 +37,7 @@ from common.worker.publisher import WorkerPublisher
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 THRESHOLDS = Thresholds(lease_margin_s=0.6, hung_after_s=1.0, leak_after_s=1.0,
-                        error_min_requests=4)
+                        error_min_requests=4, slow_for_s=1.0, slow_min_steps=5)
 
 
 @dataclass

@@ -20,6 +20,7 @@ BASE = ["agent", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0"]
     (["--probation-s", "-1"], "--probation-s must be > 0"),
     (["--eject-hold-s", "5"], "--eject-hold-s must be >= 10"),
     (["--hung-after-s", "0"], "--hung-after-s must be > 0"),
+    (["--slow-for-s", "0"], "--slow-for-s must be in (0, 600]"),
 ])
 def test_out_of_range_values_exit_2_naming_the_option(args, message, capsys) -> None:
     assert main(BASE + args) == 2

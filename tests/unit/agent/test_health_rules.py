@@ -58,41 +58,65 @@ def test_a_restart_starts_a_clean_window() -> None:
     assert hung(old + new, 4.0, T) is None
 
 
+def ticks(worker_id: str, role: str = "decode", at: range = range(0, 11), **fields
+          ) -> list[WorkerSample]:
+    """One sample per second over `at`, 5 engine steps between two."""
+    return [sample(float(t), worker_id, role=role, num_steps=5 * t, **fields) for t in at]
+
+
 def test_slow_is_an_outlier_against_its_role_only() -> None:
     windows = {
-        "d-0": [sample(0.0, "d-0", step_time_s=0.020)],
-        "d-1": [sample(0.0, "d-1", step_time_s=0.022)],
-        "d-2": [sample(0.0, "d-2", step_time_s=0.070)],
-        "p-0": [sample(0.0, "p-0", role="prefill", step_time_s=0.500)],  # no peers: never slow
+        "d-0": ticks("d-0", step_time_s=0.020),
+        "d-1": ticks("d-1", step_time_s=0.022),
+        "d-2": ticks("d-2", step_time_s=0.070),
+        "p-0": ticks("p-0", role="prefill", step_time_s=0.500),  # no peers: never slow
     }
-    found = slow(windows, T)
+    found = slow(windows, 10.0, T)
     assert [(d.worker_id, d.rule) for d in found] == [("d-2", Rule.SLOW)]
     assert "70.0 ms" in found[0].evidence and "21.0 ms" in found[0].evidence
-    windows["d-2"] = [sample(0.0, "d-2", step_time_s=0.060)]  # < 3 x 21 ms: not an outlier
-    assert slow(windows, T) == []
+    assert "at all 11 ticks of 10 s (50 steps)" in found[0].evidence
+    windows["d-2"] = ticks("d-2", step_time_s=0.060)  # < 3 x 21 ms: not an outlier
+    assert slow(windows, 10.0, T) == []
+
+
+def test_slow_needs_every_tick_of_its_span_and_enough_steps() -> None:
+    peers = {w: ticks(w, step_time_s=0.020) for w in ("d-0", "d-1")}
+    burst = ticks("d-2", step_time_s=0.200)
+    burst[4] = sample(4.0, "d-2", num_steps=20, step_time_s=0.021)  # one normal tick
+    assert slow({**peers, "d-2": burst}, 10.0, T) == []
+    idle = [sample(float(t), "d-2", num_steps=7, step_time_s=0.2) for t in range(11)]
+    assert slow({**peers, "d-2": idle}, 10.0, T) == []  # no steps: nothing measured
+    short = ticks("d-2", at=range(5, 11), step_time_s=0.2)  # 5 s of a 10 s span
+    assert slow({**peers, "d-2": short}, 10.0, T) == []
+    # A tick whose steps all prefilled measures nothing, and breaks nothing.
+    missing = ticks("d-2", step_time_s=0.2)
+    missing[3] = sample(3.0, "d-2", num_steps=15)
+    assert [d.worker_id for d in slow({**peers, "d-2": missing}, 10.0, T)] == ["d-2"]
+    sparse = [sample(float(t), "d-2", num_steps=5 * t, step_time_s=0.2 if t in (0, 10) else None)
+              for t in range(11)]
+    assert slow({**peers, "d-2": sparse}, 10.0, T) == []  # two measurements prove nothing
 
 
 def test_slow_compares_steps_of_the_same_shape_through_the_peers_models() -> None:
     # Peers fitted ~ 10 ms + 5 ms per sequence: at batch 16 a step takes ~90 ms there.
     model = StepModel(base_s=0.010, prefill_token_s=0.0, decode_seq_s=0.005,
                       context_token_s=0.0, num_samples=64, num_decode_samples=64)
-    peers = {w: [sample(0.0, w, step_time_s=0.015, step_shape=(1.0, 50.0), step_model=model)]
+    peers = {w: ticks(w, step_time_s=0.015, step_shape=(1.0, 50.0), step_model=model)
              for w in ("d-0", "d-1")}
-    busy = {**peers, "d-2": [sample(0.0, "d-2", step_time_s=0.095, step_shape=(16.0, 800.0))]}
-    assert slow(busy, T) == []  # 6x the peers' measured steps, but theirs are of batch 1
-    stuck = {**peers, "d-2": [sample(0.0, "d-2", step_time_s=0.400, step_shape=(16.0, 800.0))]}
-    found = slow(stuck, T)
+    busy = {**peers, "d-2": ticks("d-2", step_time_s=0.095, step_shape=(16.0, 800.0))}
+    assert slow(busy, 10.0, T) == []  # 6x the peers' measured steps, but theirs are batch 1
+    stuck = {**peers, "d-2": ticks("d-2", step_time_s=0.400, step_shape=(16.0, 800.0))}
+    found = slow(stuck, 10.0, T)
     assert [d.worker_id for d in found] == ["d-2"]
     assert "90.0 ms" in found[0].evidence and "batch 16.0" in found[0].evidence
     # An idle peer (no recent step) still counts through its model.
-    idle = {"d-0": [sample(0.0, "d-0", step_model=model)], "d-2": stuck["d-2"]}
-    assert [d.worker_id for d in slow(idle, T)] == ["d-2"]
+    idle = {"d-0": ticks("d-0", step_model=model), "d-2": stuck["d-2"]}
+    assert [d.worker_id for d in slow(idle, 10.0, T)] == ["d-2"]
 
 
 def test_fast_steps_are_never_slow() -> None:
-    windows = {"a": [sample(0.0, "a", step_time_s=0.0001)],
-               "b": [sample(0.0, "b", step_time_s=0.004)]}
-    assert slow(windows, T) == []
+    windows = {"a": ticks("a", step_time_s=0.0001), "b": ticks("b", step_time_s=0.004)}
+    assert slow(windows, 10.0, T) == []
 
 
 def test_leaked_kv_is_blocks_held_with_nothing_to_hold_them_for_long() -> None:
@@ -124,7 +148,7 @@ def test_detect_reports_the_gravest_finding_once_per_worker() -> None:
     assert [(d.worker_id, d.rule) for d in detect(windows, 0.0, T)] == [("d-0", Rule.DEAD)]
 
 
-@pytest.mark.parametrize("bad", [dict(hung_after_s=0), dict(slow_factor=1.0),
+@pytest.mark.parametrize("bad", [dict(hung_after_s=0), dict(slow_factor=1.0), dict(slow_for_s=0),
                                  dict(error_rate=0.0), dict(error_rate=1.5)])
 def test_thresholds_refuse_nonsense(bad) -> None:
     with pytest.raises(ValueError):

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from agent.rebalance import (PoolSignals, RebalanceConfig, RoleView, plan_rebalance,
-                             pool_signals, sustained_span)
+from agent.rebalance import (PoolSignals, RebalanceConfig, RoleView, plan_rebalance, pool_signals,
+                             sustained_span)
 from common.contract.worker_load import StepModel, WorkerLoad
 
 CFG = RebalanceConfig()  # prefill 2 s / 0.5 s, decode 85 % / 50 %, sustain 20 s, cooldown 60 s
