@@ -4,7 +4,6 @@
                                          nothing new there from its next poll, 0.25 s);
                                          renewing is the same call; fenced by epoch
     readmit(worker, epoch)               drop that ejection (a newer one stays)
-    forget(worker ids)                   drop ejections of epochs that were replaced
     restart(info, reason)                agent/restarters.py, by deployment kind
     reclaim(info, older_than_s)          POST /internal/reclaim: leaked reservations
     switch_role(info, role)              POST /internal/role: drain, then a new epoch
@@ -17,6 +16,8 @@ the caller's (agent/guard_rails.py and the control loop): this module only acts.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import aiohttp
@@ -39,6 +40,16 @@ class ActionError(RuntimeError):
         self.status = status  # the worker's HTTP status, when it answered
 
 
+@contextlib.asynccontextmanager
+async def _redis(what: str) -> AsyncIterator[None]:
+    """A Redis failure inside becomes an ActionError naming `what` did not go through."""
+    try:
+        yield
+    except REDIS_FAILURES as exc:
+        raise_if_cancelling(exc)
+        raise ActionError(f"Redis did not take {what}: {exc!r}") from None
+
+
 class Actuator:
     def __init__(self, agent_state: AgentState, restarter: Restarter,
                  session: aiohttp.ClientSession, token: str | None,
@@ -54,27 +65,15 @@ class Actuator:
         now = now_unix_ms()
         entry = Ejection(worker_id=worker_id, epoch=epoch, rule=rule, reason=reason[:1000],
                          at_unix_ms=now, until_unix_ms=now + int(self.eject_hold_s * 1000))
-        try:
-            await self.agent_state.eject(entry)
-        except StaleEpochError as exc:
-            raise ActionError(str(exc)) from None
-        except REDIS_FAILURES as exc:
-            raise_if_cancelling(exc)
-            raise ActionError(f"Redis did not take the ejection: {exc!r}") from None
+        async with _redis("the ejection"):
+            try:
+                await self.agent_state.eject(entry)
+            except StaleEpochError as exc:
+                raise ActionError(str(exc)) from None
 
     async def readmit(self, worker_id: str, epoch: int) -> bool:
-        try:
+        async with _redis("the re-admission"):
             return await self.agent_state.readmit(worker_id, epoch)
-        except REDIS_FAILURES as exc:
-            raise_if_cancelling(exc)
-            raise ActionError(f"Redis did not take the re-admission: {exc!r}") from None
-
-    async def forget(self, worker_ids: list[str]) -> None:
-        try:
-            await self.agent_state.forget(worker_ids)
-        except REDIS_FAILURES as exc:
-            raise_if_cancelling(exc)
-            raise ActionError(f"Redis did not drop the ejections: {exc!r}") from None
 
     async def restart(self, info: WorkerInfo, reason: str) -> str:
         try:

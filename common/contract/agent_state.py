@@ -158,12 +158,6 @@ class AgentState:
             out[entry.worker_id] = entry
         return out
 
-    async def forget(self, worker_ids: list[str], timeout_s: float | None = None) -> None:
-        """Drop entries outright (the agent's clean-up of superseded epochs)."""
-        if worker_ids:
-            async with self.state.deadline(timeout_s):
-                await self.state.client.hdel(self.ejected_key, *worker_ids)
-
     async def record(self, event: AgentEvent, timeout_s: float | None = None) -> None:
         async with self.state.deadline(timeout_s):
             await self.state.client.xadd(self.events_key, {"e": msgspec.json.encode(event)},
