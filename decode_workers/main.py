@@ -50,13 +50,14 @@ def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
         from kv_transfer.backend import make_sender as make
         return make(storage, options.kv_transport, host=options.host,
                     token=options.internal_token or "", ucx_worker=ucx_worker(),
-                    ucx_shared_memory=options.kv_shared_memory)
+                    ucx_shared_memory=options.kv_shared_memory, mapping=options.kv_mapping)
 
     async def make_receiver(storage: KVStorage) -> KVReceiver:
         from kv_transfer.backend import make_receiver as make
         return await make(storage, options.kv_transport, host=options.host,
                           token=options.internal_token or "", ucx_worker=ucx_worker(),
-                          ucx_shared_memory=options.kv_shared_memory)
+                          ucx_shared_memory=options.kv_shared_memory,
+                          mapping=options.kv_mapping)
 
     prefill = PrefillWorker(runtime.metrics, make_sender,
                             transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,

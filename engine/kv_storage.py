@@ -7,9 +7,19 @@ Layout (row-major), the contract `kv_transfer/` relies on:
 so one block of one layer's K (or V) is one contiguous run of `block_bytes` bytes, and
 blocks with adjacent ids are adjacent in memory. Lifecycle: allocated once at start-up,
 never resized or moved while the process lives (peers may hold its address).
+
+Host pools live in an anonymous shared-memory file (a Linux memfd, `HostPoolFile`), so a
+KV peer on the same host can map the very same pages and copy blocks straight into them
+(kv_transfer/pool_mapping.py); CUDA pools are shared through CUDA IPC instead. Where memfd
+is missing (not Linux) the host pool is ordinary memory and cannot be mapped.
 """
 
 from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import weakref
 
 import msgspec
 import torch
@@ -59,15 +69,49 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return "; ".join(diffs) or None
 
 
+class HostPoolFile:
+    """Zeroed host memory in a memfd named `name`, mapped once; `fd` stays open (a peer
+    opens it as /proc/PID/fd/FD) until this object is collected."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.name = f"pdserve-kv-{secrets.token_hex(8)}"
+        self.num_bytes = num_bytes
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, num_bytes)
+            self._map = mmap.mmap(self.fd, num_bytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        weakref.finalize(self, os.close, self.fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+def _host_pool_file(num_bytes: int) -> HostPoolFile | None:
+    if num_bytes == 0 or not hasattr(os, "memfd_create"):
+        return None
+    try:
+        return HostPoolFile(num_bytes)
+    except OSError:  # e.g. a seccomp profile without memfd_create: ordinary memory
+        return None
+
+
 class KVStorage:
     """Owns the KV tensor; says nothing about which blocks are in use (see block_pool)."""
 
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         dtype = {v: k for k, v in DTYPE_NAMES.items()}[layout.dtype]
         self.layout = layout
-        self.kv = torch.zeros(
-            layout.num_layers, 2, layout.num_blocks, layout.block_size,
-            layout.num_kv_heads, layout.head_dim, dtype=dtype, device=device)
+        shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size,
+                 layout.num_kv_heads, layout.head_dim)
+        self.host_file: HostPoolFile | None = None
+        if torch.device(device).type == "cpu":
+            num_bytes = layout.num_layers * 2 * layout.layer_kv_bytes
+            self.host_file = _host_pool_file(num_bytes)
+        if self.host_file is not None:
+            self.kv = self.host_file.tensor.view(dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int,

@@ -1,6 +1,9 @@
 """Choosing a data plane: `make_receiver` / `make_sender` for "ucx", "tcp" or "auto".
 
 "auto" takes UCX when `ucxx` imports and says in the log when it falls back to TCP. The
+data plane carries the bytes only where the peers cannot map each other's pools: with
+`mapping` on (the default) a sender on the receiver's host copies straight into the
+receiver's pool (pool_mapping.py, mapped_copy.py) and the plane stays idle. The
 UCX objects of one process share one `UcxWorker` (pass it to both if a process sends and
 receives); ucxx progresses one worker per event loop.
 """
@@ -17,7 +20,8 @@ from typing import TYPE_CHECKING
 from engine.kv_storage import KVStorage
 from kv_transfer.packing import PackingLimits
 from kv_transfer.receiver import ReceivePlane, TransferReceiver
-from kv_transfer.sender import SendPlane, TransferSender
+from kv_transfer.outbound import SendPlane
+from kv_transfer.sender import TransferSender
 from kv_transfer.staging import StagingPool
 
 if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
@@ -75,14 +79,15 @@ def resolve_backend(name: str) -> str:
 
 async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",
                         port: int = 0, token: str = "", ucx_worker: UcxWorker | None = None,
-                        abort_timeout_s: float = 1.0,
-                        ucx_shared_memory: bool = False) -> TransferReceiver:
+                        abort_timeout_s: float = 1.0, ucx_shared_memory: bool = False,
+                        mapping: bool = True) -> TransferReceiver:
     """A started receiver; its `address` is what senders connect to.
 
     `ucx_shared_memory` (when `ucx_worker` is not given) selects UCX's shared-memory and
     cuda_ipc transports, which need UCX endpoint error handling off: faster on one host, but
     a sender killed in the middle of a copy can make UCX abort *this* process. Off by
     default: a dying prefill worker must never take a decode worker with it.
+    `mapping`: offer senders on this host to map the pool (the Welcome's export).
     """
     name = resolve_backend(backend)
     limits = PackingLimits.for_device(storage.kv.is_cuda)
@@ -98,7 +103,7 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
         from kv_transfer.tcp import TcpReceivePlane
         plane = TcpReceivePlane(storage.kv, staging)
     receiver = TransferReceiver(storage, plane, host=host, port=port, token=token,
-                                abort_timeout_s=abort_timeout_s)
+                                abort_timeout_s=abort_timeout_s, export=mapping)
     await receiver.start()
     return receiver
 
@@ -114,10 +119,11 @@ def make_sender(storage: KVStorage, backend: str = "auto", *, host: str = "127.0
                 token: str = "",
                 ucx_worker: UcxWorker | None = None, abort_timeout_s: float = 1.0,
                 ucx_shared_memory: bool = False,
-                limits: PackingLimits | None = None) -> TransferSender:
+                limits: PackingLimits | None = None, mapping: bool = True) -> TransferSender:
     """A sender; `ucx_shared_memory` as for `make_receiver` (both peers must agree).
 
-    `limits`: staging budget and when to pack (packing.py); default per device."""
+    `limits`: staging budget and when to pack (packing.py); default per device.
+    `mapping`: map a receiver's pool when it offers it and it can be mapped here."""
     name = resolve_backend(backend)
     plane: SendPlane
     if name == "ucx":
@@ -128,4 +134,4 @@ def make_sender(storage: KVStorage, backend: str = "auto", *, host: str = "127.0
         from kv_transfer.tcp import TcpSendPlane
         plane = TcpSendPlane()
     return TransferSender(storage, plane, token=token, abort_timeout_s=abort_timeout_s,
-                          limits=limits)
+                          limits=limits, map_pools=mapping)

@@ -38,6 +38,7 @@ class InboundTransfer:
         self.session: object | None = None  # the control connection it was announced on
         self.num_landed = 0
         self.num_releases = 0
+        self.mapped = False  # the sender writes the blocks itself (no data messages)
         self.timer: asyncio.TimerHandle | None = None
         self.peer_drained: asyncio.Event = asyncio.Event()  # the sender's Abort arrived
         self._release = release
@@ -62,10 +63,21 @@ class InboundTransfer:
     def num_messages(self) -> int:
         return self.plan.num_messages if self.plan is not None else 0
 
-    def accept(self, plan: TransferPlan | PackedPlan, transfer_seq: int, session: object) -> None:
+    def accept(self, plan: TransferPlan | PackedPlan, transfer_seq: int, session: object,
+               mapped: bool = False) -> None:
         assert self.state is TransferState.PENDING
         self.plan, self.transfer_seq, self.session = plan, transfer_seq, session
+        self.mapped = mapped
         self.state = TransferState.IN_FLIGHT
+
+    def all_landed(self) -> bool:
+        """Mapped transfers: the sender says every block is written (Written); True when
+        this completed the transfer."""
+        if self.state is not TransferState.IN_FLIGHT or not self.mapped:
+            return False
+        self.num_landed = self.num_messages
+        self._done()
+        return True
 
     def message_landed(self) -> bool:
         """Count one landed message; True when this completed the transfer."""
@@ -74,10 +86,13 @@ class InboundTransfer:
         self.num_landed += 1
         if self.num_landed < self.num_messages:
             return False
+        self._done()
+        return True
+
+    def _done(self) -> None:
         self.state = TransferState.DONE
         self._cancel_timer()
         self._terminal.set()
-        return True
 
     def begin_failure(self, error: KVTransferError) -> bool:
         """Enter FAILED/CANCELLED; False when already terminal (the first failure wins)."""

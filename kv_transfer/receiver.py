@@ -11,6 +11,13 @@ one -> DONE, Landed sent to the sender. On deadline, cancel(), or sender Abort/d
     Abort back (<= abort_timeout_s; it drains its in-flight sends first) --> plane.flush()
     (no byte can land any more) --> release(dst_block_ids) once --> waiter raises
 
+Mapped transfers (the sender mapped this pool from the Welcome's export, pool_mapping.py;
+`export_pool` off: never): Announce(mapped) -> Accepted with nothing posted on the plane;
+the sender copies the blocks itself and sends Written -> DONE, Landed. There is nothing to
+flush: the sender answers an Abort only after its copies finished (outbound.py). A mapped
+sender whose connection is lost may still have a GPU copy in flight for a moment while its
+process is torn down, so its CUDA transfers are released `mapped_loss_grace_s` later.
+
 A sender that does not answer an Abort within abort_timeout_s has its session closed, which
 fails its other transfers with PeerLost: a peer that ignores aborts cannot be trusted to
 stop writing. A dead sender is seen as its session's TCP connection closing (the kernel
@@ -36,8 +43,9 @@ from kv_transfer.inbound import InboundHandle, InboundTransfer, OnFailed, OnLand
 from kv_transfer.interface import ReleaseBlocks, TransferState
 from kv_transfer.layout import TransferPlan
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
-                                  Hello, Landed, Refused, Rejected, Welcome)
+                                  Hello, Landed, Refused, Rejected, Welcome, Written)
 from kv_transfer.packing import PackedPlan
+from kv_transfer.pool_mapping import export_pool
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +65,11 @@ class ReceivePlane(Protocol):
 
 class TransferReceiver:
     def __init__(self, storage: KVStorage, plane: ReceivePlane, *, host: str = "127.0.0.1",
-                 port: int = 0, token: str = "", abort_timeout_s: float = 1.0) -> None:
+                 port: int = 0, token: str = "", abort_timeout_s: float = 1.0,
+                 export: bool = True, mapped_loss_grace_s: float = 0.5) -> None:
         self.storage = storage
+        self.export = export
+        self.mapped_loss_grace_s = mapped_loss_grace_s if storage.kv.is_cuda else 0.0
         self.layout = storage.layout
         self.plane = plane
         self.epoch = secrets.token_hex(8)  # changes on restart: senders rebuild endpoints
@@ -167,7 +178,10 @@ class TransferReceiver:
                                     transfer.request_id)
                         session.close()
                         self._on_lost(session, None)
-            if transfer.plan is not None:
+            if transfer.mapped:
+                if not transfer.peer_drained.is_set():  # the sender may be dying mid-copy
+                    await asyncio.sleep(self.mapped_loss_grace_s)
+            elif transfer.plan is not None:
                 await self.plane.flush(transfer)
         finally:
             if transfer.transfer_seq is not None:
@@ -183,6 +197,10 @@ class TransferReceiver:
             return self._on_hello(conn, message)
         if isinstance(message, Announce):
             self._on_announce(conn, message)
+        elif isinstance(message, Written):
+            transfer = self._expected.get(message.request_id)
+            if transfer is not None and transfer.session is conn and transfer.all_landed():
+                self._done(transfer)
         elif isinstance(message, Abort):
             transfer = self._expected.get(message.request_id)
             if transfer is None or transfer.session is not conn:
@@ -211,7 +229,8 @@ class TransferReceiver:
         self._welcomed.add(conn)
         self._session_transfers[conn] = set()
         conn.send_message(Welcome(layout=self.layout, epoch=self.epoch,
-                                  ucx_address=self.plane.ucx_address()))
+                                  ucx_address=self.plane.ucx_address(),
+                                  export=export_pool(self.storage) if self.export else None))
 
     def _on_announce(self, conn: FrameConnection, message: Announce) -> None:
         spec = message.spec
@@ -221,6 +240,8 @@ class TransferReceiver:
             reason = "not expected (expect() must precede the announcement)"
         elif spec.dst_block_ids != transfer.dst_block_ids or spec.layers != transfer.layers:
             reason = "destination blocks or layers differ from the expected ones"
+        elif message.mapped and not self.export:
+            reason = "this receiver's pool is not exported for mapped transfers"
         if reason is None:
             try:
                 plan = (TransferPlan(self.layout, spec) if message.packing is None
@@ -231,21 +252,26 @@ class TransferReceiver:
             conn.send_message(Rejected(request_id=spec.request_id, reason=reason or "unknown"))
             return
         seq = next(self._seq)
-        transfer.accept(plan, seq, conn)
+        transfer.accept(plan, seq, conn, mapped=message.mapped)
         self._by_seq[seq] = transfer
         self._session_transfers[conn].add(transfer)
         # Receives are posted before Accepted leaves, so no byte can arrive unexpected.
-        self.plane.post(transfer, self._on_landed, self._on_data_failed)
+        if not message.mapped:
+            self.plane.post(transfer, self._on_landed, self._on_data_failed)
         conn.send_message(Accepted(request_id=spec.request_id, transfer_seq=seq))
 
     def _on_landed(self, transfer: InboundTransfer) -> None:
         if transfer.message_landed():
-            self._by_seq.pop(transfer.seq, None)
-            self._expected.pop(transfer.request_id, None)
-            session = transfer.session
-            if isinstance(session, FrameConnection):
-                self._session_transfers.get(session, set()).discard(transfer)
-                session.send_message(Landed(request_id=transfer.request_id))
+            self._done(transfer)
+
+    def _done(self, transfer: InboundTransfer) -> None:
+        """Forget a DONE transfer and tell its sender."""
+        self._by_seq.pop(transfer.seq, None)
+        self._expected.pop(transfer.request_id, None)
+        session = transfer.session
+        if isinstance(session, FrameConnection):
+            self._session_transfers.get(session, set()).discard(transfer)
+            session.send_message(Landed(request_id=transfer.request_id))
 
     def _on_data_failed(self, transfer: InboundTransfer, exc: Exception) -> None:
         self.fail(transfer, PeerLost(f"transfer {transfer.request_id}: data plane: {exc}"),

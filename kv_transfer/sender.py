@@ -10,7 +10,13 @@ LayoutMismatch before any data moves) -> cached -> lost (peer closed or died: ev
 transfer on it fails with PeerLost, the entry and its endpoint are dropped; the next start()
 connects afresh and learns the peer's new epoch and worker address).
 
-Lifecycle of a transfer: see interface.py. A packed transfer (packing.py; always on CUDA,
+Mapped links: when the receiver's Welcome carries a pool export and this sender may map it
+(`map_pools`, same host: pool_mapping.py), the link holds the receiver's pool, every
+transfer on it is announced as mapped and copied by this process (outbound.py), and no
+data-plane state is made for the peer. A pool that cannot be mapped is said once in the
+log per peer, and the link uses the data plane.
+
+Lifecycle of a transfer: see interface.py and outbound.py. A packed transfer (packing.py; always on CUDA,
 on the host for small runs) has one ordered pump task: as layer groups complete it takes
 a staging slot (bounded pool, FIFO, waits bounded by the deadline), gathers the group's
 blocks into it, synchronizes the CUDA stream (UCX reads the slot on its own streams), sends
@@ -31,7 +37,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Coroutine
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,174 +46,23 @@ from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, Trans
                                 TransferRejected, TransferTimeout)
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferSpec, TransferState
-from kv_transfer.layout import Message, PoolBytes, TransferPlan, check_layouts, pool_bytes, tag_for
+from kv_transfer.layout import TransferPlan, check_layouts, pool_bytes, tag_for
+from kv_transfer.mapped_copy import CopyContext, MappedCopy
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
                                   Hello, Landed, Refused, Rejected, Welcome)
+from kv_transfer.outbound import OutboundTransfer, PeerLink, SendPlane
 from kv_transfer.packing import (PackedMessage, PackedPlan, PackingLimits, block_index,
                                  choose_packing, gather, wait_device)
+from kv_transfer.pool_mapping import MappingUnavailable, open_pool
 from kv_transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
 
-class PeerLink:
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.conn: FrameConnection | None = None
-        self.welcome: asyncio.Future[Welcome | Refused] = \
-            asyncio.get_running_loop().create_future()
-        self.epoch: str | None = None
-        self.data: Any = None  # the plane's per-peer state (a UCX endpoint)
-        self.transfers: dict[str, OutboundTransfer] = {}
-        self.accepts: dict[str, asyncio.Future[Accepted | Rejected]] = {}
-        self.lost = False
-        self.torn_down = False  # _on_lost ran (it runs once per link)
-
-
-class SendPlane(Protocol):
-    async def connect(self, link: PeerLink, welcome: Welcome) -> None: ...
-    async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
-                   src: PoolBytes, transfer: "OutboundTransfer") -> None: ...
-    async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:
-        """Send one packed message; returns once `staged` may be reused."""
-    reuses_staging: bool  # False: each packed message needs its own buffer (TCP)
-    def disconnect(self, link: PeerLink) -> None: ...
-    async def close(self) -> None: ...
-
-
-class OutboundTransfer:
-    def __init__(self, sender: "TransferSender", link: PeerLink,
-                 plan: TransferPlan | PackedPlan, transfer_seq: int, deadline: float) -> None:
-        self.spec = plan.spec
-        self.plan = plan
-        self.transfer_seq = transfer_seq
-        self.deadline = deadline
-        self.state = TransferState.IN_FLIGHT
-        self.stopped = False  # checked by the plane before posting each message
-        self._sender, self._link = sender, link
-        self.link = link
-        self.src_index: Any = None  # packed: the source block ids as a device tensor
-        self._sent_layers: set[int] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._outcome: KVTransferError | None = None
-        self._terminal = asyncio.Event()
-        self._next_group = 0  # packed: the next layer group the pump sends
-        self._pump: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_at(
-            deadline, self.fail, TransferTimeout(
-                f"transfer {self.spec.request_id}: not confirmed by the deadline"))
-
-    def send_layer(self, layer: int) -> None:
-        if layer in self._sent_layers:
-            raise ValueError(f"transfer {self.spec.request_id}: layer {layer} sent twice")
-        if isinstance(self.plan, PackedPlan):
-            self.plan.group_of(layer)  # raises on a layer outside the spec
-            self._sent_layers.add(layer)
-            if self.state is TransferState.IN_FLIGHT and self._pump is None \
-                    and self._group_ready(self._next_group):
-                self._pump = asyncio.get_running_loop().create_task(self._run_pump())
-                self._tasks.add(self._pump)
-                self._pump.add_done_callback(self._send_done)
-            return
-        messages = self.plan.layer_messages(layer)
-        self._sent_layers.add(layer)
-        if self.state is not TransferState.IN_FLIGHT:
-            return  # the failure is reported by finish()
-        task = asyncio.get_running_loop().create_task(self._sender.plane.send(
-            self._link, self.transfer_seq, messages, self._sender.src, self))
-        self._tasks.add(task)
-        task.add_done_callback(self._send_done)
-
-    def _group_ready(self, group: int) -> bool:
-        plan = self.plan
-        assert isinstance(plan, PackedPlan)  # only packed transfers have groups
-        return group < len(plan.groups) and all(
-            layer in self._sent_layers for layer in plan.group_layers(group))
-
-    async def _run_pump(self) -> None:
-        """Send ready layer groups in order; exits when the next group is not ready yet."""
-        try:
-            plan = self.plan
-            assert isinstance(plan, PackedPlan)
-            while not self.stopped and self._group_ready(self._next_group):
-                for m in plan.group_messages(self._next_group):
-                    if self.stopped:
-                        return
-                    await self._sender.send_packed(self, m)
-                self._next_group += 1
-        finally:
-            self._pump = None
-
-    def _send_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.fail(PeerLost(f"transfer {self.spec.request_id}: send failed: "
-                               f"{task.exception()!r}"))
-
-    async def finish(self) -> None:
-        if len(self._sent_layers) != len(self.spec.layers) and not self.state.is_terminal:
-            await self.cancel("finish() before every layer was sent")
-            raise ValueError(f"transfer {self.spec.request_id}: layers "
-                             f"{sorted(set(self.spec.layers) - self._sent_layers)} not sent")
-        await self._terminal.wait()  # the deadline timer bounds this wait
-        if self._outcome is not None:
-            raise self._outcome
-
-    async def cancel(self, reason: str) -> None:
-        self.fail(TransferCancelled(f"transfer {self.spec.request_id} cancelled by sender: "
-                                    f"{reason}"))
-        await self._terminal.wait()
-
-    @property
-    def num_tasks(self) -> int:
-        return len(self._tasks)
-
-    # -- driven by the sender ----------------------------------------------------------------
-    def landed(self) -> None:
-        if self.state is TransferState.IN_FLIGHT:
-            self.state = TransferState.DONE
-            self._timer.cancel()  # else the loop holds this transfer until the deadline
-            self._settle(None)
-
-    def fail(self, error: KVTransferError, peer_aborted: bool = False) -> None:
-        """Stop, drain, tell the receiver (unless its link is gone), then wake finish()."""
-        if self.state.is_terminal:
-            return
-        self.state = (TransferState.CANCELLED if isinstance(error, TransferCancelled)
-                      else TransferState.FAILED)
-        self.stopped = True
-        self._outcome = error
-        self._timer.cancel()
-        self._sender.own(self._drain_and_abort(str(error)))
-
-    def link_lost(self, error: PeerLost) -> None:
-        for task in self._tasks:
-            task.cancel()  # sends to a dead peer may never complete
-        if not self.state.is_terminal:
-            self.state, self.stopped, self._outcome = TransferState.FAILED, True, error
-            self._timer.cancel()
-        self._settle(self._outcome)
-
-    async def _drain_and_abort(self, reason: str) -> None:
-        if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=self._sender.abort_timeout_s)
-            if pending:
-                log.warning("transfer %s: sends did not drain; closing the link",
-                            self.spec.request_id)
-                self._sender.drop_link(self._link, "sends did not drain")
-        if self._link.conn is not None and not self._link.lost:
-            self._link.conn.send_message(Abort(request_id=self.spec.request_id, reason=reason))
-        self._settle(self._outcome)
-
-    def _settle(self, outcome: KVTransferError | None) -> None:
-        self._outcome = outcome
-        self._link.transfers.pop(self.spec.request_id, None)
-        self._terminal.set()
-
-
 class TransferSender:
     def __init__(self, storage: KVStorage, plane: SendPlane, *, token: str = "",
-                 abort_timeout_s: float = 1.0, limits: PackingLimits | None = None) -> None:
+                 abort_timeout_s: float = 1.0, limits: PackingLimits | None = None,
+                 map_pools: bool = True) -> None:
         self.layout = storage.layout
         self.kv = storage.kv
         self.src = pool_bytes(storage.kv)
@@ -221,6 +76,9 @@ class TransferSender:
         self._links: dict[str, PeerLink] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.map_pools = map_pools
+        self._copies: CopyContext | None = None  # made with the first mapped link
+        self._unmappable: set[str] = set()  # peers whose pool we said we cannot map
 
     def own(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -240,23 +98,26 @@ class TransferSender:
                     timeout_s: float) -> OutboundTransfer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        packing = choose_packing(self.layout, spec, slot_bytes=self.limits.slot_bytes,
-                                 min_message_bytes=self.limits.min_message_bytes,
-                                 pack_below_run_bytes=self.limits.pack_below_run_bytes)
-        plan = (TransferPlan(self.layout, spec) if packing is None
-                else PackedPlan(self.layout, spec, packing))
+        spec.validate(self.layout.num_layers)
         try:
             link = await asyncio.wait_for(self._link(peer_address), timeout_s)
         except TimeoutError:
             raise TransferTimeout(f"transfer {spec.request_id}: no handshake with "
                                   f"{peer_address} within {timeout_s:.3f}s") from None
+        packing = None if link.mapped is not None else choose_packing(
+            self.layout, spec, slot_bytes=self.limits.slot_bytes,
+            min_message_bytes=self.limits.min_message_bytes,
+            pack_below_run_bytes=self.limits.pack_below_run_bytes)
+        plan = (TransferPlan(self.layout, spec) if packing is None
+                else PackedPlan(self.layout, spec, packing))
         rid = spec.request_id
         if rid in link.transfers or rid in link.accepts:
             raise ValueError(f"transfer {rid} to {peer_address} already started")
         reply_future: asyncio.Future[Accepted | Rejected] = loop.create_future()
         link.accepts[rid] = reply_future
         assert link.conn is not None  # a cached link is connected
-        link.conn.send_message(Announce(spec=spec, packing=packing))
+        link.conn.send_message(Announce(spec=spec, packing=packing,
+                                        mapped=link.mapped is not None))
         try:
             reply = await asyncio.wait_for(reply_future, max(deadline - loop.time(), 0))
         except TimeoutError:
@@ -266,7 +127,11 @@ class TransferSender:
             link.accepts.pop(rid, None)
         if isinstance(reply, Rejected):
             raise TransferRejected(f"transfer {rid} rejected by {peer_address}: {reply.reason}")
-        transfer = OutboundTransfer(self, link, plan, reply.transfer_seq, deadline)
+        copy = None
+        if link.mapped is not None:
+            assert self._copies is not None  # made when the link was mapped
+            copy = MappedCopy(spec, self.kv, link.mapped.tensor, self._copies)
+        transfer = OutboundTransfer(self, link, plan, reply.transfer_seq, deadline, copy)
         link.transfers[rid] = transfer
         return transfer
 
@@ -330,13 +195,44 @@ class TransferSender:
                 raise error(f"KV receiver {address} refused us: {reply.reason}")
             check_layouts(self.layout, reply.layout, address)
             link.epoch = reply.epoch
-            await self.plane.connect(link, reply)
+            self._map(link, reply)
+            if link.mapped is None:
+                await self.plane.connect(link, reply)
         except BaseException:
             conn.close()
             link.lost = True
+            self._unmap(link)
             raise
         self._links[address] = link
         return link
+
+    def _map(self, link: PeerLink, welcome: Welcome) -> None:
+        """Map the receiver's pool into `link` when it was exported and can be mapped here."""
+        if not self.map_pools or welcome.export is None:
+            return
+        try:
+            link.mapped = open_pool(welcome.export, welcome.layout, self.kv)
+        except MappingUnavailable as exc:
+            if link.address not in self._unmappable:
+                self._unmappable.add(link.address)
+                log.info("KV receiver %s: its pool cannot be mapped here (%s); using the "
+                         "data plane", link.address, exc)
+            return
+        if self._copies is None:
+            executor = (None if self.kv.is_cuda else
+                        ThreadPoolExecutor(1, thread_name_prefix="kv-copy"))
+            self._copies = CopyContext(self.kv.device, executor)
+
+    def _unmap(self, link: PeerLink) -> None:
+        if link.mapped is not None:
+            if self._copies is not None:
+                self._copies.synchronize()  # no copy may still write into the mapping
+            link.mapped.close()
+            link.mapped = None
+
+    @property
+    def num_mapped(self) -> int:
+        return sum(1 for link in self._links.values() if link.mapped is not None)
 
     def _on_message(self, link: PeerLink, message: ControlMessage) -> None:
         if isinstance(message, (Welcome, Refused)):
@@ -374,7 +270,10 @@ class TransferSender:
         for transfer in list(link.transfers.values()):
             transfer.link_lost(PeerLost(f"transfer {transfer.spec.request_id}: receiver "
                                         f"{link.address} lost ({exc})"))
-        self.plane.disconnect(link)
+        if link.mapped is not None:
+            self._unmap(link)
+        else:
+            self.plane.disconnect(link)
 
     def drop_link(self, link: PeerLink, reason: str) -> None:
         log.warning("dropping KV link to %s: %s", link.address, reason)
@@ -390,6 +289,8 @@ class TransferSender:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.abort_timeout_s)
         await self.plane.close()
+        if self._copies is not None and self._copies.executor is not None:
+            self._copies.executor.shutdown(wait=True)
 
     def check_invariants(self) -> None:
         for link in self._links.values():

@@ -51,6 +51,7 @@ class WorkerOptions:
     log_format: str = "text"
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
+    kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
 
     @property
     def warms_up(self) -> bool:
@@ -106,6 +107,10 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
              "(faster; UCX then cannot report a dead peer, and a prefill worker killed in the "
              "middle of a copy can abort the decode worker; every worker of the cluster must "
              "agree) [env PDSERVE_KV_SHARED_MEMORY; default: off]")
+    add("--kv-mapping", "on", "between workers of one host, the prefill worker copies KV "
+        "straight into the decode worker's pool, mapped from its memfd (host) or by CUDA IPC "
+        "(GPU), in one pass and with no data messages; off: always through --kv-transport "
+        "(every worker of the cluster should agree)", choices=("on", "off"))
     add("--warm-up", "auto", "before registering, run every kind of step once (prefill "
         "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
         "compile before the first request, not during it; auto: on CUDA only",
@@ -157,7 +162,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         sm_share_percent=_mps_share(os.environ),
         log_format=getattr(args, "log_format", "text"),
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
-        warm_up=getattr(args, "warm_up", "auto"))
+        warm_up=getattr(args, "warm_up", "auto"),
+        kv_mapping=getattr(args, "kv_mapping", "on") == "on")
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

@@ -1,4 +1,8 @@
-"""KV transfer between real processes on loopback, for the UCX and TCP backends.
+"""KV transfer between real processes on loopback: the UCX and TCP data planes, and mapped
+transfers (the sender copies into the receiver's pool, mapped from its memfd on the host or
+by CUDA IPC on a GPU; the data plane idle).
+
+KV_TEST_DEVICE=cuda runs the peers' pools on the GPU (use with `-k mapped` on a GPU host).
 
 This file is also the peer program: `python test_kv_transfer_processes.py ROLE CONFIG_JSON`
 runs a receiver or a sender and reports one JSON line per event on stdout. The sender's
@@ -22,7 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = dict(dtype="bfloat16", num_layers=4, num_blocks=64, block_size=16,
               num_kv_heads=2, head_dim=32)
 BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
+    __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed")),
+    "mapped"]
+DEVICE = os.environ.get("KV_TEST_DEVICE", "cpu")
+
+
+def _plane(cfg: dict) -> tuple[str, bool]:
+    """(data plane backend, mapping on) of a peer's config."""
+    return ("tcp", True) if cfg["backend"] == "mapped" else (cfg["backend"], False)
 
 
 # ---------------------------------------------------------------------------- peer program
@@ -34,7 +45,7 @@ def _pool(layout_fields: dict, seed: int | None):
     import torch
 
     from engine.kv_storage import KVLayout, KVStorage
-    storage = KVStorage(KVLayout(**layout_fields))
+    storage = KVStorage(KVLayout(**layout_fields), DEVICE)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         storage.kv.view(torch.int16).copy_(
@@ -63,8 +74,9 @@ async def _run_receiver(cfg: dict) -> None:
 
     from kv_transfer.backend import make_receiver
     storage = _pool(cfg.get("layout", LAYOUT), None)
-    receiver = await make_receiver(storage, cfg["backend"], token=cfg.get("token", ""),
-                                   abort_timeout_s=0.5)
+    backend, mapping = _plane(cfg)
+    receiver = await make_receiver(storage, backend, token=cfg.get("token", ""),
+                                   abort_timeout_s=0.5, mapping=mapping)
     _emit(event="address", address=receiver.address)
     transfers = cfg["transfers"]
     releases: dict[str, int] = {}
@@ -142,8 +154,9 @@ async def _run_sender(cfg: dict) -> None:
     if cfg.get("unpacked"):  # one zero-copy message per run, whatever the run size
         limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
                                min_message_bytes=0, pack_below_run_bytes=0)
-    sender = make_sender(storage, cfg["backend"], token=cfg.get("token", ""),
-                         abort_timeout_s=0.5, limits=limits)
+    backend, mapping = _plane(cfg)
+    sender = make_sender(storage, backend, token=cfg.get("token", ""),
+                         abort_timeout_s=0.5, limits=limits, mapping=mapping)
     if cfg.get("loop"):
         n, src, dst = cfg["loop"]["count"], cfg["loop"]["src"], cfg["loop"]["dst"]
         for i in range(n):
@@ -155,7 +168,7 @@ async def _run_sender(cfg: dict) -> None:
             await handle.finish()
             if i + 1 in (100, n):
                 _emit(event="checkpoint", i=i + 1, **_resources(), num_links=sender.num_links,
-                      num_sender_tasks=sender.num_tasks,
+                      num_sender_tasks=sender.num_tasks, num_mapped=sender.num_mapped,
                       num_endpoints=getattr(sender.plane, "num_endpoints", 0))
         await sender.close()
         return
@@ -178,7 +191,7 @@ async def _run_sender(cfg: dict) -> None:
         except Exception as exc:
             outcome = type(exc).__name__
         _emit(event="done", request_id=t["request_id"], outcome=outcome,
-              elapsed_s=time.monotonic() - started)
+              elapsed_s=time.monotonic() - started, mapped=sender.num_mapped)
     await _gate(cfg)
     await asyncio.gather(*(one(t) for t in cfg["transfers"]))
     await sender.close()
@@ -252,7 +265,8 @@ def test_layers_sent_as_they_finish_land_bitwise(backend, unpacked):
     receiver, (sender,) = start_pair(backend, dict(transfers=[t], token="s3cret"),
                                      [dict(seed=11, transfers=[t], token="s3cret",
                                            unpacked=unpacked)])
-    assert sender.next_event("done")["outcome"] == "ok"
+    sent = sender.next_event("done")
+    assert sent["outcome"] == "ok" and sent["mapped"] == (1 if backend == "mapped" else 0)
     done = receiver.next_event("done")
     assert done["outcome"] == "ok" and done["bitwise"] and done["releases"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0
@@ -343,6 +357,7 @@ def test_a_thousand_transfers_leave_no_growth(backend):
         assert b["rss_kb"] < a["rss_kb"] + 8 * 1024, (a, b)
     assert s1000["num_links"] == 1 and s1000["num_sender_tasks"] == 0
     assert s1000["num_endpoints"] == (1 if backend == "ucx" else 0)
+    assert s1000["num_mapped"] == (1 if backend == "mapped" else 0)
     assert r1000["num_sessions"] == 1
     assert stats["num_expected"] == 0 and stats["num_posted"] == 0 and stats["num_tasks"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0

@@ -1,0 +1,85 @@
+"""The copies of one mapped transfer: the sender writes the receiver's blocks itself.
+
+With the receiver's pool mapped (pool_mapping.py), a layer range moves in one pass: on CUDA
+one kernel (engine/kernels/block_copy.py) queued on the sender's copy stream, then an event
+polled from the event loop (no stream synchronize, no thread); on the host one strided
+copy per block run, on the sender's copy thread so the event loop never waits on a memcpy.
+
+    copy(layers)  ─ CUDA: kernel on `stream`, event recorded ─ poll event ─▶ returns
+                  └ host: copy_runs on the copy thread ─────────────────────▶ returns
+
+Precondition (that of SendHandle.send_layer): the source layers are written, and on CUDA
+their producing stream synchronized, so the copy stream needs no wait. `copy` returns only
+once no byte of that call can still be written: the sender's drain (outbound.py) and the
+receiver's release rely on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+
+import torch
+
+from engine.kernels.block_copy import copy_blocks_triton
+from kv_transfer.interface import TransferSpec
+from kv_transfer.layout import BlockRun, plan_runs
+
+# Polling a CUDA event: every loop iteration for the first SPIN_S, then every POLL_S.
+SPIN_S = 0.0005
+POLL_S = 0.0005
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[BlockRun], layers: range) -> None:
+    """Host path: one strided copy per run of blocks, over all `layers` (synchronous)."""
+    l0, l1 = layers.start, layers.stop
+    for run in runs:
+        dst[l0:l1, :, run.dst_start:run.dst_start + run.num_blocks].copy_(
+            src[l0:l1, :, run.src_start:run.src_start + run.num_blocks])
+
+
+class CopyContext:
+    """One per sender: the CUDA copy stream, or the host copy thread."""
+
+    def __init__(self, device: torch.device, executor: Executor | None) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.executor = executor
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far finished (before unmapping a pool)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class MappedCopy:
+    def __init__(self, spec: TransferSpec, src: torch.Tensor, dst: torch.Tensor,
+                 context: CopyContext) -> None:
+        self.spec, self.src, self.dst, self.context = spec, src, dst, context
+        if context.stream is not None:
+            self.src_ids = torch.tensor(spec.src_block_ids, dtype=torch.int32,
+                                        device=src.device)
+            self.dst_ids = torch.tensor(spec.dst_block_ids, dtype=torch.int32,
+                                        device=src.device)
+        else:
+            self.runs = plan_runs(spec.src_block_ids, spec.dst_block_ids)
+
+    async def copy(self, layers: range) -> None:
+        stream = self.context.stream
+        if stream is None:
+            await asyncio.get_running_loop().run_in_executor(
+                self.context.executor, copy_runs, self.src, self.dst, self.runs, layers)
+            return
+        with torch.cuda.device(self.src.device), torch.cuda.stream(stream):
+            copy_blocks_triton(self.src, self.dst, self.src_ids, self.dst_ids, layers)
+            done = torch.cuda.Event()
+            done.record(stream)
+        await wait_event(done)
+
+
+async def wait_event(event: torch.cuda.Event) -> None:
+    """Return once `event` completed, without blocking the event loop."""
+    spin_until = time.monotonic() + SPIN_S
+    while not event.query():
+        await asyncio.sleep(0 if time.monotonic() < spin_until else POLL_S)
