@@ -8,6 +8,10 @@ For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head
   ucx_per_run  the same with packing off: one zero-copy message per (layer, K|V, run)
   tcp      this backend over TCP
   tcp_per_run  the same with packing off
+  mapped   this backend with the receiver's pool mapped by the sender (CUDA IPC on a GPU,
+           the pool's memfd on the host): one-pass copies, no data messages; timed like ucx
+  mapped_data  the same, timed from the first send_layer (the announce round trip, which
+           a prefill worker can start before its prompt is computed, left out)
   raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
   raw_tcp  a uvloop TCP stream into a preallocated buffer (BufferedProtocol)
   copy     one copy in one process (numpy on CPU, device-to-device torch copy on CUDA)
@@ -66,8 +70,14 @@ def _filled(num_bytes: int, device: str):
     return buffer
 
 
-async def _pipe_recv(conn) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+async def _pipe_recv(conn, peer=None) -> Any:
+    """The next message on `conn`; raises if the `peer` process died before sending it."""
+    def recv() -> Any:
+        while peer is not None and not conn.poll(0.5):
+            if not peer.is_alive():
+                raise RuntimeError(f"the receiver process exited ({peer.exitcode})")
+        return conn.recv()
+    return await asyncio.get_running_loop().run_in_executor(None, recv)
 
 
 def receiver_main(mode: str, device: str, num_blocks: int, transports: str | None, conn):
@@ -75,26 +85,35 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
     uvloop.run(_receiver_loop(mode, device, num_blocks, transports, conn))
 
 
+def _backend(mode: str, device: str) -> tuple[str, bool]:
+    """(data plane, mapping on) of a backend mode; mapped GPU pools keep UCX as their
+    (idle) data plane, since the TCP plane takes host pools only."""
+    if mode.startswith("mapped") or mode == "check_mapped":
+        return ("ucx" if device == "cuda" else "tcp"), True
+    return ("ucx" if mode == "check" else mode.split("_")[0]), False
+
+
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
-    if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check"):
+    if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check", "check_mapped",
+                "mapped", "mapped_data"):
         import torch
 
         from kv_transfer.backend import make_receiver
-        worker, backend = None, mode.split("_")[0] if mode != "check" else "ucx"
+        worker, (backend, mapping) = None, _backend(mode, device)
         if backend == "ucx":
             from kv_transfer.ucx import UcxWorker
             worker = UcxWorker(transports=transports)
         storage = _storage(num_blocks, device, None)
-        receiver = await make_receiver(storage, backend, ucx_worker=worker)
+        receiver = await make_receiver(storage, backend, ucx_worker=worker, mapping=mapping)
         conn.send(receiver.address)
         while (job := await _pipe_recv(conn)) is not None:
-            if mode == "check":  # re-poisoned per job: what it does not write must stay so
+            if mode.startswith("check"):  # re-poisoned per job: what is not written stays so
                 storage.kv.view(torch.int16).fill_(POISON)
             handle = receiver.expect(job["request_id"], job["dst"], range(job["layers"]),
                                      lambda ids: None, 60.0)
             conn.send("ready")
             await handle.wait()
-            if mode == "check":
+            if mode.startswith("check"):
                 conn.send(_check_pool(storage.kv, job))
         await receiver.close()
     elif mode == "raw_ucx":
@@ -149,47 +168,55 @@ def _pattern(num_elements: int):
         .to(torch.int16)
 
 
-async def _check(args) -> dict:
-    """One transfer of fragmented, non-contiguous blocks between two processes (UCX)."""
+async def _check(args, mode: str) -> dict:
+    """Transfers of fragmented, non-contiguous blocks between two processes: over UCX
+    (mode "check") or mapped ("check_mapped")."""
     import torch
 
     from kv_transfer.backend import make_sender
     from kv_transfer.interface import TransferSpec
-    from kv_transfer.ucx import UcxWorker
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     pool_blocks, num_layers = 96, LAYOUT["num_layers"]
-    proc = ctx.Process(target=receiver_main, args=("check", args.device, pool_blocks,
+    proc = ctx.Process(target=receiver_main, args=(mode, args.device, pool_blocks,
                                                    args.transports, child))
     proc.start()
     try:
-        address = await _pipe_recv(parent)
+        address = await _pipe_recv(parent, proc)
         storage = _storage(pool_blocks, args.device, None)
         storage.kv.view(torch.int16).copy_(_pattern(storage.kv.numel()).view(storage.kv.shape))
-        sender = make_sender(storage, "ucx", ucx_worker=UcxWorker(transports=args.transports))
+        backend, mapping = _backend(mode, args.device)
+        worker = None
+        if backend == "ucx":
+            from kv_transfer.ucx import UcxWorker
+            worker = UcxWorker(transports=args.transports)
+        sender = make_sender(storage, backend, ucx_worker=worker, mapping=mapping)
         src = [3, 4, 5, 17, 40, 41, 9, 60, 61, 62, 63, 2]
         dst = [70, 71, 72, 8, 50, 51, 33, 10, 11, 12, 13, 90]
         results = []
         for i, layers in enumerate((num_layers, 1)):  # every layer; then one (a small message)
             job = dict(request_id=f"check{i}", src=src, dst=dst, layers=layers)
             parent.send(job)
-            await _pipe_recv(parent)
+            await _pipe_recv(parent, proc)
             handle = await sender.start(address, TransferSpec(
                 request_id=job["request_id"], src_block_ids=src, dst_block_ids=dst,
                 layer_begin=0, layer_end=layers), 60.0)
             for layer in reversed(range(layers)):  # any order is allowed
                 handle.send_layer(layer)
             await handle.finish()
-            results.append(dict(await _pipe_recv(parent), packing=str(handle.plan.packing)
-                                if hasattr(handle.plan, "packing") else None))
+            results.append(dict(await _pipe_recv(parent, proc), packing=str(handle.plan.packing)
+                                if hasattr(handle.plan, "packing") else None,
+                                mapped=handle.mapped))
         await sender.close()
         parent.send(None)
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    ok = all(r["bitwise_equal"] and r["poison_untouched"] for r in results)
-    return dict(device=args.device, transports=args.transports, ok=ok, transfers=results)
+    ok = all(r["bitwise_equal"] and r["poison_untouched"] and
+             r["mapped"] == (mode == "check_mapped") for r in results)
+    return dict(mode=mode, device=args.device, transports=args.transports, ok=ok,
+                transfers=results)
 
 
 def _check_pool(kv, job: dict) -> dict:
@@ -214,15 +241,15 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     proc = ctx.Process(target=receiver_main, args=(mode, device, pool_blocks,
                                                    args.transports, child))
     proc.start()
-    address = await _pipe_recv(parent)
+    address = await _pipe_recv(parent, proc)
     num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
     times = []
     try:
-        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run"):
+        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "mapped", "mapped_data"):
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
             from kv_transfer.packing import PackingLimits
-            worker, backend = None, mode.split("_")[0]
+            worker, (backend, mapping) = None, _backend(mode, device)
             if backend == "ucx":
                 from kv_transfer.ucx import UcxWorker
                 worker = UcxWorker(transports=args.transports)
@@ -231,18 +258,23 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
                 limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
                                        min_message_bytes=0, pack_below_run_bytes=0)
             sender = make_sender(_storage(pool_blocks, device, 0), backend, ucx_worker=worker,
-                                 limits=limits)
+                                 limits=limits, mapping=mapping)
             runs = [list(range(s, s + args.run_blocks))
                     for s in range(num_blocks, 2 * num_blocks, args.run_blocks)]
             for i in range(args.warmup + args.repeats):
                 random.shuffle(runs)
                 dst = [b for run in runs for b in run][:num_blocks]
                 parent.send(dict(request_id=f"r{i}", dst=dst, layers=num_layers))
-                await _pipe_recv(parent)
+                await _pipe_recv(parent, proc)
                 started = time.perf_counter()
                 spec = TransferSpec(request_id=f"r{i}", src_block_ids=list(range(num_blocks)),
                                     dst_block_ids=dst, layer_begin=0, layer_end=num_layers)
                 handle = await sender.start(address, spec, 60.0)
+                if handle.mapped != mapping:
+                    raise RuntimeError(f"{mode}: the transfer was {'' if handle.mapped else 'not '}"
+                                       "mapped")
+                if mode == "mapped_data":
+                    started = time.perf_counter()
                 for layer in range(num_layers):
                     handle.send_layer(layer)
                 await handle.finish()
@@ -255,7 +287,7 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
             src = _filled(num_bytes, device)
             for i in range(args.warmup + args.repeats):
                 parent.send(num_bytes)
-                await _pipe_recv(parent)
+                await _pipe_recv(parent, proc)
                 started = time.perf_counter()
                 await endpoint.send(src, tag=i + 1, force_tag=True)
                 times.append(time.perf_counter() - started)
@@ -265,11 +297,11 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
             src = memoryview(_filled(num_bytes, "cpu"))
             for i in range(args.warmup + args.repeats):
                 parent.send(num_bytes)
-                await _pipe_recv(parent)
+                await _pipe_recv(parent, proc)
                 started = time.perf_counter()
                 writer.write(src)
                 await writer.drain()
-                await _pipe_recv(parent)
+                await _pipe_recv(parent, proc)
                 times.append(time.perf_counter() - started)
             writer.close()
         parent.send(None)
@@ -301,25 +333,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--modes", default=None,
-                        help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,raw_ucx,raw_tcp,"
-                             "copy (default: all that apply to the device)")
+                        help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,"
+                             "raw_ucx,raw_tcp,copy (default: all that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--check", action="store_true",
-                        help="only check correctness (bitwise, poison untouched); exit 1 if not")
+                        help="only check correctness (bitwise, poison untouched), over UCX and "
+                             "mapped; exit 1 if either fails")
     args = parser.parse_args(argv)
     if args.check:
-        result = asyncio.run(_check(args))
+        checks = [asyncio.run(_check(args, mode)) for mode in ("check", "check_mapped")]
+        result = dict(ok=all(c["ok"] for c in checks), checks=checks)
         print(json.dumps(result, indent=1))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         return 0 if result["ok"] else 1
-    default = ("ucx,ucx_per_run,raw_ucx,copy" if args.device == "cuda"
-               else "ucx,ucx_per_run,tcp,tcp_per_run,raw_ucx,raw_tcp,copy")
+    default = ("ucx,mapped,mapped_data,raw_ucx,copy" if args.device == "cuda"
+               else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,raw_ucx,raw_tcp,copy")
     modes = (args.modes or default).split(",")
     rows = []
     print(f"{'size':>9} " + " ".join(f"{m:>8}" for m in modes) + "   (GB/s)")

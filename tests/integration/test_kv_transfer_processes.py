@@ -32,8 +32,11 @@ DEVICE = os.environ.get("KV_TEST_DEVICE", "cpu")
 
 
 def _plane(cfg: dict) -> tuple[str, bool]:
-    """(data plane backend, mapping on) of a peer's config."""
-    return ("tcp", True) if cfg["backend"] == "mapped" else (cfg["backend"], False)
+    """(data plane backend, mapping on) of a peer's config; the TCP plane takes host pools
+    only, so mapped GPU peers keep UCX as their (idle) data plane."""
+    if cfg["backend"] == "mapped":
+        return ("ucx" if DEVICE == "cuda" else "tcp"), True
+    return cfg["backend"], False
 
 
 # ---------------------------------------------------------------------------- peer program
@@ -200,7 +203,8 @@ async def _run_sender(cfg: dict) -> None:
 # ---------------------------------------------------------------------------- test harness
 class Peer:
     def __init__(self, role: str, cfg: dict) -> None:
-        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PYTHONPATH=str(ROOT))
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PYTHONPATH=path)
         self.proc = subprocess.Popen([sys.executable, __file__, role, json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=ROOT)
