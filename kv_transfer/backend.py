@@ -18,9 +18,9 @@ import struct
 from typing import TYPE_CHECKING
 
 from engine.kv_storage import KVStorage
+from kv_transfer.outbound import SendPlane
 from kv_transfer.packing import PackingLimits
 from kv_transfer.receiver import ReceivePlane, TransferReceiver
-from kv_transfer.outbound import SendPlane
 from kv_transfer.sender import TransferSender
 from kv_transfer.staging import StagingPool
 

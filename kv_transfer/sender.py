@@ -42,8 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.kv_storage import KVStorage
-from kv_transfer.errors import (KVTransferError, LayoutMismatch, PeerLost, TransferCancelled,
-                                TransferRejected, TransferTimeout)
+from kv_transfer.errors import (LayoutMismatch, PeerLost, TransferCancelled, TransferRejected,
+                                TransferTimeout)
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferSpec, TransferState
 from kv_transfer.layout import TransferPlan, check_layouts, pool_bytes, tag_for

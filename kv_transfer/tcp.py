@@ -32,8 +32,8 @@ from kv_transfer.inbound import InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import TransferState
 from kv_transfer.layout import Message, PoolBytes, pool_bytes, split_tag, tag_for
 from kv_transfer.messages import Welcome
-from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
 from kv_transfer.outbound import OutboundTransfer, PeerLink
+from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
 from kv_transfer.staging import StagingPool
 
 

@@ -61,8 +61,8 @@ from kv_transfer.inbound import InboundTransfer, OnFailed, OnLanded
 from kv_transfer.interface import TransferState
 from kv_transfer.layout import Message, PoolBytes, pool_bytes, tag_for
 from kv_transfer.messages import Welcome
-from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
 from kv_transfer.outbound import OutboundTransfer, PeerLink
+from kv_transfer.packing import PackedPlan, block_index, scatter, wait_device
 from kv_transfer.staging import StagingPool
 from kv_transfer.ucx_progress import BlockingProgress
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.kernels.block_copy import copy_blocks_reference, copy_blocks_triton
-from kv_transfer.mapped_copy import copy_runs
 from kv_transfer.layout import plan_runs
+from kv_transfer.mapped_copy import copy_runs
 
 
 def _pool(num_layers: int, num_blocks: int, device: torch.device, dtype: torch.dtype,
