@@ -86,6 +86,10 @@ class SendHandle(Protocol):
     @property
     def state(self) -> TransferState: ...
 
+    @property
+    def mapped(self) -> bool:
+        """True when this process copies into the receiver's mapped pool (no data plane)."""
+
     def send_layer(self, layer: int) -> None:
         """Start moving `layer` (its K and V for every block); returns without waiting.
 

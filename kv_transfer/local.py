@@ -88,6 +88,10 @@ class LocalSendHandle:
         self._cancelled: TransferCancelled | None = None
 
     @property
+    def mapped(self) -> bool:
+        return False  # copies between pools of one process, not through a mapping
+
+    @property
     def state(self) -> TransferState:
         return TransferState.CANCELLED if self._cancelled else self._inbound.state
 

@@ -224,6 +224,8 @@ class PrefillWorker:
         num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
         self.metrics.record_kv_sent(num_bytes, time.perf_counter() - started)
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
+        self.metrics.kv_transfers.inc(direction="sent",
+                                      path="mapped" if handle.mapped else "data_plane")
         return _transfer_result(spec, destination, TransferStatus.DONE,
                                 num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 

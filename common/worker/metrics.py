@@ -53,6 +53,10 @@ class WorkerMetrics:
         self.kv_transfer_blocks = registry.counter(
             "pdserve_kv_transfer_blocks_total", "KV blocks moved by completed transfers",
             ("direction",))
+        self.kv_transfers = registry.counter(
+            "pdserve_kv_transfers_total", "completed KV transfers, by how the bytes moved "
+            "(mapped: copied into the receiver's mapped pool; data_plane: UCX or TCP)",
+            ("direction", "path"))
         self.kv_transfer_seconds = registry.histogram(
             "pdserve_kv_transfer_seconds", "duration of completed KV transfers",
             label_names=("direction",))

@@ -136,15 +136,18 @@ def cluster(tmp_path_factory) -> Cluster:
     redis = RedisServer()
     redis.start()
     pair = ["--max-num-batched-tokens", "64"]  # chunked prefill of the long prompt
+    # The ucx pair maps each other's pools (--kv-mapping on, the default: one host), so its
+    # KV moves by mapped copies; the tcp pair keeps every byte on the TCP data plane.
     workers = {
         "p-ucx": Worker("p-ucx", ["prefill-worker", "--kv-transport", "ucx", *pair],
                         logs / "p-ucx.log"),
         "d-ucx": Worker("d-ucx", ["decode-worker", "--kv-transport", "ucx"], logs / "d-ucx.log"),
-        "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp",
+        "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp", "--kv-mapping", "off",
                                   "--fault-transfer-delay-ms", str(LAYER_DELAY_MS),
                                   "--fault-request-prefix", "fault-"],
                         logs / "p-tcp.log"),
-        "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp"], logs / "d-tcp.log"),
+        "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp", "--kv-mapping", "off"],
+                        logs / "d-tcp.log"),
     }
     for w in workers.values():
         w.start(redis.url)
@@ -276,6 +279,9 @@ def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str
             assert result.prefill_error is None and result.decode_error is None, result
             assert result.transfer.status is TransferStatus.DONE
             assert result.tokens == cluster.reference[name], name
+        path = "mapped" if backend == "ucx" else "data_plane"  # see the cluster fixture
+        samples = await metrics(p)
+        assert samples.get(f'pdserve_kv_transfers_total{{direction="sent",path="{path}"}}', 0) >= 2
         await wait_no_blocks_held(p, 2.0)
         await wait_no_blocks_held(d, 2.0)
 
