@@ -219,6 +219,8 @@ class Peer:
             line = self.proc.stdout.readline()  # the peer's own deadlines bound this read
             if not line:
                 raise AssertionError(f"peer exited ({self.proc.wait()}) before {event!r}")
+            if not line.startswith("{"):
+                continue  # UCX writes its own log lines (e.g. a refused connect) to stdout
             message = json.loads(line)
             if message["event"] == event:
                 return message
