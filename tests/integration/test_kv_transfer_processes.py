@@ -143,6 +143,20 @@ async def _receive_loop(receiver, loop_cfg: dict) -> None:
                   num_sessions=receiver.num_sessions, num_receiver_tasks=receiver.num_tasks)
 
 
+async def _start_when_expected(sender, peer: str, spec):
+    """start(), asked again (bounded) while the receiver's loop has not expected `spec` yet:
+    the loop expects 8 transfers ahead, and on a loaded host its task may lag behind."""
+    from kv_transfer.errors import TransferRejected
+    for _ in range(200):
+        try:
+            return await sender.start(peer, spec, 30.0)
+        except TransferRejected as exc:
+            if "not expected" not in str(exc):
+                raise
+            await asyncio.sleep(0.01)
+    return await sender.start(peer, spec, 30.0)
+
+
 async def _run_sender(cfg: dict) -> None:
     from kv_transfer.backend import make_sender
     from kv_transfer.interface import TransferSpec
@@ -165,7 +179,7 @@ async def _run_sender(cfg: dict) -> None:
         for i in range(n):
             spec = TransferSpec(request_id=f"loop-{i}", src_block_ids=src, dst_block_ids=dst,
                                 layer_begin=0, layer_end=4)
-            handle = await sender.start(cfg["peer"], spec, 30.0)
+            handle = await _start_when_expected(sender, cfg["peer"], spec)
             for layer in range(4):
                 handle.send_layer(layer)
             await handle.finish()
