@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from common.contract.control_server import (ControlServer, RequestRejected, make_app,
-                                            message_handler, stream_handler)
+from common.contract.control_server import (ControlServer, RequestRejected, add_call,
+                                            add_stream, make_app)
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, FinishReason, PrefillRequest, PrefillResult,
                                       ReserveRequest, ReserveResponse, Role, TokenFrame,
@@ -89,10 +89,10 @@ class StubWorker:
 
     async def start(self) -> str:
         app = make_app(token=None)
-        app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self._reserve))
-        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, self._prefill))
-        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self._decode))
-        app.router.add_post("/internal/abort", message_handler(AbortRequest, self._abort))
+        add_call(app, "/internal/reserve", ReserveRequest, self._reserve)
+        add_stream(app, "/internal/prefill", PrefillRequest, self._prefill)
+        add_stream(app, "/internal/decode", DecodeRequest, self._decode)
+        add_call(app, "/internal/abort", AbortRequest, self._abort)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._health)
         app.router.add_get("/internal/state", self._state)

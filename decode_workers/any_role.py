@@ -36,7 +36,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest
-from common.contract.control_server import message_handler, stream_handler
+from common.contract.control_server import add_call, add_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                       RoleChangeRequest, RoleChangeResponse)
@@ -79,15 +79,13 @@ class AnyRoleWorker:
 
     def add_routes(self, app: web.Application) -> None:
         prefill = traced_prefill(self.tracing, self.prefill, self.kv_backend)
-        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, prefill))
-        app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self.reserve))
+        add_stream(app, "/internal/prefill", PrefillRequest, prefill)
+        add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
         decode = traced_decode(self.tracing, self.decode)
-        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, decode))
-        app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
-        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest,
-                                                                 self.decode_half.reclaim))
-        app.router.add_post("/internal/role", message_handler(RoleChangeRequest,
-                                                              self.change_role))
+        add_stream(app, "/internal/decode", DecodeRequest, decode)
+        add_call(app, "/internal/abort", AbortRequest, self.abort)
+        add_call(app, "/internal/reclaim", ReclaimRequest, self.decode_half.reclaim)
+        add_call(app, "/internal/role", RoleChangeRequest, self.change_role)
 
     async def attach(self, engine: EngineThread) -> None:
         self._engine = engine

@@ -44,7 +44,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
-from common.contract.control_server import message_handler, stream_handler
+from common.contract.control_server import add_call, add_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame)
@@ -101,10 +101,10 @@ class DecodeWorker:
         return None if self.receiver is None else self.receiver.address
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/internal/reserve", message_handler(ReserveRequest, self.reserve))
-        app.router.add_post("/internal/decode", stream_handler(DecodeRequest, self.decode))
-        app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
-        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest, self.reclaim))
+        add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
+        add_stream(app, "/internal/decode", DecodeRequest, self.decode)
+        add_call(app, "/internal/abort", AbortRequest, self.abort)
+        add_call(app, "/internal/reclaim", ReclaimRequest, self.reclaim)
 
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from common.contract.control_server import message_handler, stream_handler
+from common.contract.control_server import add_call, add_stream
 from common.contract.finish_reason import FinishReason
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode,
                                       Message, PrefillRequest, PrefillResult, TransferResult,
@@ -90,8 +90,8 @@ class PrefillWorker:
         return None  # a sender only
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/internal/prefill", stream_handler(PrefillRequest, self.prefill))
-        app.router.add_post("/internal/abort", message_handler(AbortRequest, self.abort))
+        add_stream(app, "/internal/prefill", PrefillRequest, self.prefill)
+        add_call(app, "/internal/abort", AbortRequest, self.abort)
 
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine

@@ -1,11 +1,14 @@
 """The internal control plane, client side: one worker's control API as typed calls.
 
-    call(path, message, response type, timeout)    POST one message, one answer back
-    stream(path, message, frame type, timeouts)    POST one message, a stream of frames back
+    call(path, message, response type, timeout)     one message, one answer back
+    open_stream(path, message, frames, timeouts)    one message, its answer's frames in batches
+    stream(path, message, frame type, timeouts)     the same, frame by frame
 
-Both send protocol envelopes (common/contract/protocol.py); a stream is read by the one
-frame reader, `common/contract/frames.py`'s `stream_frame_batches`, and yielded frame by
-frame. Errors: an ErrorFrame answer raises `RemoteError`; a refused connection, a cut
+Given a `ChannelPool`, a client sends over the worker's channel (one persistent connection
+per worker, common/contract/channel_client.py) and over HTTP only to a worker that has
+none; without one, each call is a POST and a stream is read by the one frame reader,
+`common/contract/frames.py`'s `stream_frame_batches`. Both send protocol envelopes
+(common/contract/protocol.py). Errors: an ErrorFrame answer raises `RemoteError`; a refused connection, a cut
 stream or an undecodable answer raise `ControlError`; a missed deadline raises
 `FrameDeadlineError` (control_errors.py).
 
@@ -21,18 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Generic, TypeVar
 
 import aiohttp
 from aiohttp import ClientSession, ClientTimeout
 
+from common.contract.channel_client import ChannelPool, ChannelStream
 from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
 from common.contract.frames import MSGPACK_CONTENT_TYPE, FrameBatchDecoder, stream_frame_batches
 from common.contract.protocol import (MAX_MESSAGE_BYTES, ErrorFrame, Message, MessageDecoder,
                                       ProtocolError, encode)
 
 R = TypeVar("R", bound=Message)
+F = TypeVar("F", bound=Message)
 
 
 class ControlClient:
@@ -40,8 +45,10 @@ class ControlClient:
 
     def __init__(self, base_url: str, token: str | None = None,
                  session: ClientSession | None = None,
-                 max_frame_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_frame_bytes: int = MAX_MESSAGE_BYTES,
+                 channels: ChannelPool | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.channels = channels
         self.max_frame_bytes = max_frame_bytes
         self._token = token
         self._headers = {"Content-Type": MSGPACK_CONTENT_TYPE}
@@ -69,7 +76,21 @@ class ControlClient:
 
     async def call(self, path: str, message: Message, response_type: type[R],
                    timeout_s: float) -> R:
-        """POST one message, return the decoded answer; an ErrorFrame raises RemoteError."""
+        """Send one message, return the decoded answer; an ErrorFrame raises RemoteError."""
+        if self.channels is not None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    channel = await self.channels.get(self.base_url)
+                    if channel is not None:
+                        answers: list[Message] = []
+                        async for batch in channel.open(message, self._frames(response_type),
+                                                        timeout_s, timeout_s):
+                            answers += batch
+                        if len(answers) != 1 or not isinstance(answers[0], response_type):
+                            raise ControlError(f"{path}: {len(answers)} answers to one call")
+                        return answers[0]
+            except TimeoutError as exc:
+                raise FrameDeadlineError(f"{path}: no answer within {timeout_s} s") from exc
         decoder: MessageDecoder[R | ErrorFrame] = MessageDecoder(ErrorFrame | response_type,
                                                                  self.max_frame_bytes)
         try:
@@ -100,19 +121,87 @@ class ControlClient:
         RemoteError). Wrap in contextlib.aclosing() when leaving the loop early: closing
         the generator drops the connection, which the worker sees as an abort.
         """
-        frames = self._frame_decoders.get(frame_type)
-        if frame_type not in self._frame_decoders:
-            frames = self._frame_decoders[frame_type] = FrameBatchDecoder(
-                frame_type, self.max_frame_bytes)
-        assert frames is not None
-        batches = stream_frame_batches(self._get_session(), self.base_url + path, message,
-                                       frames, first_frame_timeout_s, frame_timeout_s,
-                                       self._token)
+        batches: FrameStream[Message] = self.open_stream(
+            path, message, self._frames(frame_type), first_frame_timeout_s, frame_timeout_s)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 for frame in batch:
                     yield frame
 
+    def open_stream(self, path: str, message: Message, frames: FrameBatchDecoder[F],
+                    first_frame_timeout_s: float, frame_timeout_s: float) -> FrameStream[F]:
+        """The answer's frames in batches (read lazily: nothing is sent before the first
+        `anext`); `aclose()` before the end aborts the request on the worker."""
+        return FrameStream(self, path, message, frames, first_frame_timeout_s, frame_timeout_s)
+
+    def _frames(self, frame_type: object) -> FrameBatchDecoder[Message]:
+        frames = self._frame_decoders.get(frame_type)
+        if frames is None:
+            frames = self._frame_decoders[frame_type] = FrameBatchDecoder(
+                frame_type, self.max_frame_bytes)
+        return frames
+
     def check_invariants(self) -> None:
         if self._closed:
             assert self._session is None, "a closed control client still holds its session"
+
+
+class FrameStream(Generic[F]):
+    """One stream answer's frames in batches, over the worker's channel where it has one,
+    else over HTTP. Opened by the first `anext` (so a connect error surfaces there, as a
+    refused POST does); `listen` takes effect on a channel only (it returns False on HTTP,
+    where every frame is pulled)."""
+
+    def __init__(self, client: ControlClient, path: str, message: Message,
+                 frames: FrameBatchDecoder[F], first_frame_timeout_s: float,
+                 frame_timeout_s: float) -> None:
+        self._client = client
+        self._path = path
+        self._message = message
+        self._frames = frames
+        self._first_frame_timeout_s = first_frame_timeout_s
+        self._frame_timeout_s = frame_timeout_s
+        self._inner: ChannelStream[F] | AsyncGenerator[list[F], None] | None = None
+        self._listener: Callable[[F], bool] | None = None
+        self._closed = False
+
+    def listen(self, listener: Callable[[F], bool] | None) -> bool:
+        self._listener = listener
+        inner = self._inner
+        if isinstance(inner, ChannelStream):
+            return inner.listen(listener)
+        return inner is None and self._client.channels is not None
+
+    def __aiter__(self) -> FrameStream[F]:
+        return self
+
+    async def __anext__(self) -> list[F]:
+        inner = self._inner
+        if inner is None:
+            inner = self._inner = await self._open()
+        return await inner.__anext__()
+
+    async def _open(self) -> ChannelStream[F] | AsyncGenerator[list[F], None]:
+        if self._closed:
+            raise StopAsyncIteration
+        client, timeout_s = self._client, self._first_frame_timeout_s
+        if client.channels is not None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    channel = await client.channels.get(client.base_url)
+            except TimeoutError as exc:
+                raise FrameDeadlineError(f"{client.base_url}: no channel within "
+                                         f"{timeout_s} s") from exc
+            if channel is not None:
+                stream = channel.open(self._message, self._frames, timeout_s,
+                                      self._frame_timeout_s)
+                stream.listen(self._listener)
+                return stream
+        return stream_frame_batches(client._get_session(), client.base_url + self._path,
+                                    self._message, self._frames, timeout_s,
+                                    self._frame_timeout_s, client._token)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._inner is not None:
+            await self._inner.aclose()

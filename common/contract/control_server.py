@@ -19,6 +19,10 @@ Lifecycle of a stream answer: request decoded → headers sent → one frame per
 producer yields → end of body; or the peer goes away / a write times out → the producer is
 closed (`aclose`) → gone.
 
+The same port serves gateways' channels (common/contract/channel_server.py): one connection
+per gateway carrying many requests, to the handlers registered with `add_call` and
+`add_stream`, under the same token, size limits and deadlines.
+
 Invariants (`ControlServer.check_invariants`): a stream answer is in `open_streams` exactly
 while its handler runs, and its producer is closed exactly once when it leaves.
 """
@@ -26,22 +30,26 @@ while its handler runs, and its producer is closed exactly once when it leaves.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from common.contract.channel_server import ChannelSite
+from common.contract.control_app import (CHANNEL_ROUTES, DEFAULT_MAX_BODY_BYTES, ERROR_STATUS,
+                                         LIMITS, ChannelRoutes, ControlLimits, RequestRejected,
+                                         name_request, token_matches)
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
-from common.contract.log_format import REQUEST_ID, TRACE_ID
 from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
                                       ProtocolVersionError, encode)
 
-DEFAULT_MAX_BODY_BYTES = 16 << 20
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ERROR_STATUS", "LIMITS", "ControlLimits", "ControlServer",
+           "InsecureBindError", "RequestRejected", "add_call", "add_stream", "check_bind",
+           "error_response", "is_loopback", "make_app", "message_handler", "message_response",
+           "read_message", "stream_handler"]
 
 M = TypeVar("M", bound=Message)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -49,19 +57,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class InsecureBindError(ValueError):
     pass
-
-
-@dataclass(slots=True)
-class ControlLimits:
-    """What one control app accepts; shared by its handlers through the app."""
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    body_timeout_s: float = 10.0
-    write_timeout_s: float = 30.0
-    open_streams: set[int] = field(default_factory=set)  # ids of running stream answers
-
-
-LIMITS = web.AppKey("control_limits", ControlLimits)
 
 
 def is_loopback(host: str) -> bool:
@@ -86,25 +81,6 @@ def error_response(code: ErrorCode, message: str, status: int,
     return web.Response(status=status, body=encode(frame), content_type=MSGPACK_CONTENT_TYPE)
 
 
-# The HTTP status an ErrorFrame answer goes out with.
-ERROR_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400, ErrorCode.PROTOCOL_VERSION: 400, ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.UNKNOWN_REQUEST: 404, ErrorCode.STALE_EPOCH: 409, ErrorCode.TOO_LARGE: 413,
-    ErrorCode.OVERLOADED: 503, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ABORTED: 499,
-    ErrorCode.TRANSFER_FAILED: 502, ErrorCode.PEER_LOST: 502, ErrorCode.INTERNAL: 500,
-}
-
-
-class RequestRejected(Exception):
-    """Raised inside a handler to answer with an ErrorFrame (see error_middleware)."""
-
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None,
-                 status: int | None = None) -> None:
-        super().__init__(message)
-        self.frame = ErrorFrame(request_id=request_id, code=code, message=message)
-        self.status = ERROR_STATUS[code] if status is None else status
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every rejection leaves as an ErrorFrame; aiohttp's own 413 would carry plain text."""
@@ -122,14 +98,12 @@ PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 def token_middleware(token: str) -> Middleware:
-    expected = f"Bearer {token}".encode()
-
     @web.middleware
     async def check_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in PROBE_PATHS and request.method == "GET":
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):  # constant time: no token oracle
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme != "Bearer" or not token_matches(given, token):
             return error_response(ErrorCode.UNAUTHORIZED, "missing or wrong internal token", 401)
         return await handler(request)
 
@@ -142,7 +116,32 @@ def make_app(token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     middlewares.append(error_middleware)
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[LIMITS] = ControlLimits(max_body_bytes, body_timeout_s, write_timeout_s)
+    app[CHANNEL_ROUTES] = ChannelRoutes()
     return app
+
+
+def add_call(app: web.Application, path: str, request_type: type[M],
+             handle: Callable[[M], Awaitable[Message]]) -> None:
+    """POST `path` (and the channel, for `request_type`) answers with what `handle` returns."""
+    app.router.add_post(path, message_handler(request_type, handle))
+
+    async def call(message: Message) -> Message:
+        assert isinstance(message, request_type)  # the channel decoded it by its type
+        return await handle(message)
+
+    app[CHANNEL_ROUTES].add(request_type, call=call)
+
+
+def add_stream(app: web.Application, path: str, request_type: type[M],
+               produce: Callable[[M], AsyncGenerator[Message, None]]) -> None:
+    """POST `path` (and the channel, for `request_type`) streams what `produce` yields."""
+    app.router.add_post(path, stream_handler(request_type, produce))
+
+    def stream(message: Message) -> AsyncGenerator[Message, None]:
+        assert isinstance(message, request_type)
+        return produce(message)
+
+    app[CHANNEL_ROUTES].add(request_type, stream=stream)
 
 
 async def read_message(request: web.Request, decoder: MessageDecoder[M]) -> M:
@@ -162,17 +161,6 @@ async def read_message(request: web.Request, decoder: MessageDecoder[M]) -> M:
         raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
 
 
-def _name_request(message: object) -> None:
-    """Log lines of this handler's task carry the message's request and trace ids
-    (log_format.py)."""
-    request_id = getattr(message, "request_id", None)
-    if isinstance(request_id, str):
-        REQUEST_ID.set(request_id)
-    traceparent = getattr(message, "traceparent", None)
-    if isinstance(traceparent, str):  # validated by the message's schema
-        TRACE_ID.set(traceparent.split("-")[1])
-
-
 def message_response(message: Message, status: int = 200) -> web.Response:
     return web.Response(status=status, body=encode(message), content_type=MSGPACK_CONTENT_TYPE)
 
@@ -183,7 +171,7 @@ def message_handler(request_type: type[M], handle: Callable[[M], Awaitable[Messa
 
     async def handler(request: web.Request) -> web.StreamResponse:
         message = await read_message(request, decoder)
-        _name_request(message)
+        name_request(message)
         reply = await handle(message)
         status = ERROR_STATUS[reply.code] if isinstance(reply, ErrorFrame) else 200
         return message_response(reply, status)
@@ -203,7 +191,7 @@ def stream_handler(request_type: type[M],
 
     async def handler(request: web.Request) -> web.StreamResponse:
         message = await read_message(request, decoder)
-        _name_request(message)
+        name_request(message)
         limits = request.app[LIMITS]
         response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
         response.enable_chunked_encoding()
@@ -234,8 +222,10 @@ class ControlServer:
         self.host = host
         self.requested_port = port
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.token = token
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._site: ChannelSite | None = None
 
     @property
     def url(self) -> str:
@@ -254,18 +244,30 @@ class ControlServer:
         runner = web.AppRunner(self.app, shutdown_timeout=self.shutdown_timeout_s,
                                access_log=None, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.requested_port)
+        # One port for both: HTTP, and gateways' channels (common/contract/channel_server.py).
+        site = ChannelSite(runner, self.host, self.requested_port, self.app[CHANNEL_ROUTES],
+                           self.app[LIMITS], self.token)
         await site.start()
-        self._runner = runner
-        self.port = runner.addresses[0][1]
+        self._runner, self._site = runner, site
+        self.port = site.bound_port
         return self.url
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._site.channels) if self._site is not None else 0
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None
+        site, self._site = self._site, None
+        if site is not None:
+            await site.close_channels(self.shutdown_timeout_s)
         if runner is not None:
             await runner.cleanup()
 
     def check_invariants(self) -> None:
+        if self._site is not None:
+            for channel in self._site.channels:
+                channel.check_invariants()
         if self._runner is None:
             assert self.num_open_streams == 0, \
                 f"{self.num_open_streams} stream answers outlived the server"

@@ -148,7 +148,7 @@ class FrameBatchDecoder(Generic[F]):
             if len(data) - _HEADER_SIZE > self.max_frame_bytes:
                 raise ControlError(f"frame of {len(data) - _HEADER_SIZE} bytes exceeds "
                                    f"{self.max_frame_bytes}")
-            return [self._decode(data[_HEADER_SIZE:])]
+            return [self.decode_one(data[_HEADER_SIZE:])]
         frames: list[F | ErrorFrame] = []
         view = memoryview(data)
         pos, size = 0, len(data)
@@ -159,7 +159,7 @@ class FrameBatchDecoder(Generic[F]):
             end = pos + _HEADER_SIZE + length
             if end > size:
                 break
-            frames.append(self._decode(view[pos + _HEADER_SIZE:end]))
+            frames.append(self.decode_one(view[pos + _HEADER_SIZE:end]))
             pos = end
         self._tail = data[pos:] if pos < size else b""
         return frames
@@ -168,7 +168,8 @@ class FrameBatchDecoder(Generic[F]):
         """A non-stream answer's body (one envelope, no length prefix)."""
         return self._precise.decode(body)
 
-    def _decode(self, body: bytes | memoryview) -> F | ErrorFrame:
+    def decode_one(self, body: bytes | memoryview) -> F | ErrorFrame:
+        """One frame's body (its envelope), however it was delimited."""
         try:
             version, message = self._fast.decode(body)
         except (msgspec.DecodeError, ValueError):

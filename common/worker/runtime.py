@@ -31,7 +31,7 @@ from aiohttp import web
 
 from common.contract.agent_protocol import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
                                             ExitResponse, FaultRequest, FaultResponse)
-from common.contract.control_server import ControlServer, make_app, message_handler
+from common.contract.control_server import ControlServer, add_call, make_app
 from common.contract.metrics import MetricsRegistry
 from common.contract.protocol import Message, Role, WorkerInfo
 from common.contract.redis_state import RedisState, connect
@@ -114,10 +114,9 @@ class WorkerRuntime:
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/internal/state", self._state)
-        self.app.router.add_post("/internal/exit", message_handler(ExitRequest, self._exit))
+        add_call(self.app, "/internal/exit", ExitRequest, self._exit)
         if os.environ.get(FAULT_INJECTION_ENV) == "1":
-            self.app.router.add_post("/internal/fault", message_handler(FaultRequest,
-                                                                        self._fault))
+            add_call(self.app, "/internal/fault", FaultRequest, self._fault)
 
     @property
     def epoch(self) -> int:
