@@ -16,6 +16,11 @@ Contract of `generate`:
 A backend may also offer `generate_batches` (`BatchingBackend`): the same deltas, in the
 same order, grouped into non-empty lists of whatever arrived together, so the HTTP layer
 writes one batch with one socket write. `delta_batches` picks it when it is there.
+
+A streamed request may carry a `DeltaSink` (gateway/fast_lane.py): while it `accepts()`,
+the backend may hand it deltas that end nothing (no finish reason) instead of yielding
+them, from wherever they arrive (a socket's read callback), and they reach the client at
+once; every delta still goes out exactly once, in order, by one way or the other.
 """
 
 from __future__ import annotations
@@ -54,6 +59,20 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when requested
 
 
+class DeltaSink(Protocol):
+    """A streamed answer's direct way to its client (see the module docstring)."""
+
+    def accepts(self) -> bool:
+        """True when deltas pushed now reach the client at once, after every delta the
+        backend yielded before: the consumer waits for the next batch and the client keeps
+        up. Side-effect free."""
+        ...
+
+    def push(self, deltas: list[TokenDelta]) -> None:
+        """Deliver `deltas` (none with a finish reason); only right after `accepts()`."""
+        ...
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     model: str
@@ -63,6 +82,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     local_prefill: bool | None  # the tier's override (gateway/tiers.py); None: the router decides
     key_id: str | None = None
     trace: RouteObserver | None = None  # told each plan and failure (gateway/request_trace.py)
+    sink: DeltaSink | None = None  # a streamed answer's direct way to the client
 
 
 class RouteObserver(Protocol):

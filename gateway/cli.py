@@ -71,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="gateway replicas this one is part of; while Redis is unreachable each admits "
              "1/N of every limit on its own, N being the larger of this and the replicas "
              "last seen live in Redis (default 1)")
+    opt("--worker-channel", "on", choices=("on", "off"),
+        help="on: one persistent connection to each worker carries all of this gateway's "
+             "requests to it (on the worker's control port; HTTP for a worker without "
+             "one); off: one HTTP request per worker call and stream (default on)")
     p.add_argument("--reuse-port", action="store_true", default=env_flag(env, "--reuse-port"),
                    help="listen with SO_REUSEPORT, so several replicas share --port and the "
                         "kernel spreads connections among them (`pdserve up --gateways N`)")
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
         internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None,
         shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
-        reuse_port=args.reuse_port)
+        reuse_port=args.reuse_port, worker_channel=args.worker_channel == "on")
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

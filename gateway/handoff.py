@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import ClientError
 
-from common.contract.control_client import ControlClient
+from common.contract.control_client import ControlClient, FrameBatches
 from common.contract.control_errors import ControlError
 from common.contract.protocol import Message, TokenFrame, TransferResult, TransferStatus
 from gateway.backend import GenerationRequest
@@ -99,8 +99,7 @@ class Generation:
             self.request.trace.failed(failure, time.monotonic())
 
 
-async def prepend(first: asyncio.Task[list[TokenFrame]],
-                  rest: AsyncGenerator[list[TokenFrame], None]
+async def prepend(first: asyncio.Task[list[TokenFrame]], rest: FrameBatches[TokenFrame]
                   ) -> AsyncGenerator[list[TokenFrame], None]:
     """`first`'s batch (a task already reading `rest`), then the rest of `rest`."""
     try:

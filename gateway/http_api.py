@@ -40,6 +40,7 @@ from gateway.backend import (CompletionBackend, ContextLimited, GenerationReques
 from gateway.drain import Drain
 from gateway.errors import (ApiError, body_too_large, internal_error, invalid_request,
                             method_not_allowed, model_not_found, overloaded, route_not_found)
+from gateway.fast_lane import FastLane
 from gateway.openai_api import ModelCard, ModelList
 from gateway.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                      build_sampling_params, parse_chat, parse_completion)
@@ -194,22 +195,23 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         sampling.max_tokens)
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
+    slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
+    lane = FastLane(slo_timing) if validated.stream else None
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
         sampling=sampling, tier=tier.name, key_id=key_id,
-        local_prefill=decision.local_prefill, trace=trace)
+        local_prefill=decision.local_prefill, trace=trace, sink=lane)
     gate = app[GATE]
-    slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
     trace.admitted(time.monotonic())
     num_generated = 0
     try:
         batches = timed_batches(delta_batches(app[BACKEND], generation), slo_timing)
-        if validated.stream:
+        if lane is not None:
             timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
                                   settings.keepalive_s)
             response, num_generated = await stream_answer(request, validated, generation,
-                                                          batches, timing, app[DRAIN])
+                                                          batches, timing, app[DRAIN], lane)
         else:
             response, num_generated = await json_answer(validated, generation, batches)
         return response

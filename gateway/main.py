@@ -9,7 +9,7 @@
              → runner.cleanup() runs the cleanup_ctx below.
 
 Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
-session, the Redis client, the cluster view (its poll task and the mirror's task) and the
+session, the worker channels (opened on first use), the Redis client, the cluster view (its poll task and the mirror's task) and the
 concurrency governor (gateway/capacity.py) start;
 the shared-limits sync (gateway/shared_limits.py) starts last; on shutdown they stop in
 reverse order (the sync hands this replica's slots back first) and every pending abort
@@ -31,6 +31,7 @@ from aiohttp import ClientSession, TCPConnector, web
 from redis.asyncio import Redis
 
 from common.contract.agent_state import AgentState
+from common.contract.channel_client import ChannelPool
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
 from common.contract.tracing import Tracing, start_tracing
@@ -87,6 +88,7 @@ class GatewayConfig:
     shared_limits: bool = True
     replicas_hint: int = 1
     reuse_port: bool = False  # SO_REUSEPORT: several replicas listen on one port
+    worker_channel: bool = True  # workers reached over their channels (else HTTP per call)
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -122,10 +124,11 @@ async def make_app(config: GatewayConfig) -> web.Application:
                           agent_state=AgentState(state))
     # No connection cap: every stream holds one upstream connection for its whole life.
     session = ClientSession(connector=TCPConnector(limit=0))
+    channels = ChannelPool(config.internal_token) if config.worker_channel else None
     window = TtftWindow()
     backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
                             internal_token=config.internal_token, timeouts=config.timeouts,
-                            limits=config.retry_limits, ttft_window=window)
+                            limits=config.retry_limits, ttft_window=window, channels=channels)
     controller = gate.controller
     governor = CapacityGovernor(
         window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},
@@ -140,14 +143,14 @@ async def make_app(config: GatewayConfig) -> web.Application:
     install(app, cluster, backend, metrics)
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
-    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, state, governor,
-                                            config.adaptive_admission, tracing, shared,
-                                            limits_client))
+    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, channels, state,
+                                            governor, config.adaptive_admission, tracing,
+                                            shared, limits_client))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
-                     state: RedisState, governor: CapacityGovernor, adaptive: bool,
+                     channels: ChannelPool | None, state: RedisState, governor: CapacityGovernor, adaptive: bool,
                      tracing: Tracing, shared: SharedLimits | None,
                      limits_client: Redis | None,
                      ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -167,6 +170,8 @@ def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: Clie
             await governor.stop()
             await cluster.stop()
             await backend.aclose()
+            if channels is not None:
+                await channels.aclose()
             await session.close()
             await state.aclose()
             await tracing.shutdown()  # exports the spans still queued

@@ -185,6 +185,11 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
                counts.get(role, 0))
     yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
            int(cluster.redis_connected))
+    channels = app[UPSTREAM].channels
+    if channels is not None:
+        yield ("pdserve_gateway_worker_channels", "Open channels to workers (one persistent "
+               "connection each, carrying every request to that worker).", "",
+               channels.num_channels)
     shared = app[GATE].shared
     if shared is not None:
         yield ("pdserve_gateway_limits_shared", "1 while admission limits are shared in "

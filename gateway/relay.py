@@ -11,7 +11,7 @@ ids the client already has, in order.
     TokenFrame(t4, finish) ──▶ frames()      ──▶ delta t4 + finish   token_ids = [t1 .. t4]
 
 Exactly once: a token reaches `token_ids` exactly when its delta is returned for the
-client, and a resuming worker is told those ids, so it neither repeats nor skips one; at
+client (or pushed to it: `offer`), and a resuming worker is told those ids, so it neither repeats nor skips one; at
 the finish, the worker's usage (which counts the resumed tokens too) must equal
 len(token_ids), else `num_splice_mismatches` grows (and the mismatch is logged).
 
@@ -30,7 +30,7 @@ from common.contract.finish_reason import FinishReason
 from common.contract.protocol import PrefillResult, TokenFrame
 from common.contract.protocol import TokenLogprob as WireLogprob
 from common.contract.sampling_params import SamplingParams
-from gateway.backend import TokenDelta, TokenLogprob
+from gateway.backend import DeltaSink, TokenDelta, TokenLogprob
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_tokenizer import GatewayTokenizer
 
@@ -122,6 +122,17 @@ class TokenRelay:
                 self.finished = True
                 return deltas, StreamEnd.FINISHED
         return deltas, StreamEnd.OPEN
+
+    def offer(self, frame: TokenFrame, worker_id: str, sink: DeltaSink) -> bool:
+        """A frame that ends nothing straight to the client, when the sink takes it now
+        (the listener of a decode stream, gateway/fast_lane.py); False: it is pulled."""
+        if frame.finish_reason is not None or frame.logprobs or not frame.token_ids \
+                or not sink.accepts():
+            return False
+        deltas, _ = self.frames((frame,), worker_id)
+        sink.push(deltas)
+        self._metrics.num_fast_lane_tokens += len(frame.token_ids)
+        return True
 
     def _logprobs(self, wire: Sequence[WireLogprob | None]) -> tuple[TokenLogprob, ...]:
         text = self._tokenizer.token_text

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from common.contract.finish_reason import FinishReason
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
@@ -30,6 +30,7 @@ from gateway.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, cha
                                    completion_logprobs)
 from gateway.drain import Drain
 from gateway.errors import ApiError, overloaded
+from gateway.fast_lane import FastLane
 from gateway.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
                                 CompletionChoice, CompletionResponse, Usage)
 from gateway.request_parsing import Endpoint, ValidatedRequest
@@ -116,8 +117,11 @@ async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[
 async def stream_answer(request: web.Request, validated: ValidatedRequest,
                         generation: GenerationRequest,
                         batches: AsyncGenerator[list[TokenDelta], None], timing: StreamTiming,
-                        drain: Drain) -> tuple[web.StreamResponse, int]:
+                        drain: Drain, lane: FastLane) -> tuple[web.StreamResponse, int]:
     """One SSE event per token; all the events of one batch leave in one write.
+
+    While it waits for the next batch, `lane` (the request's `sink`, gateway/fast_lane.py)
+    lets the backend write plain tokens itself, as they arrive; the batches bring the rest.
 
     aiohttp's `write` awaits the transport only past 64 KiB buffered, so a client that
     keeps up costs no suspension per batch; one that lags makes us wait here, and the
@@ -138,6 +142,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
     write_timeout_s = timing.write_timeout_s
     response = request[SENT_RESPONSE] = web.StreamResponse(headers=SSE_HEADERS)
     events: list[bytes] = []
+    lane_opened = False
     try:
         try:
             batch = await _first_batch_or_keepalive(request, response, batches, timing)
@@ -164,8 +169,13 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
             await _write(request, response,
                          events[0] if len(events) == 1 else b"".join(events), write_timeout_s)
             events.clear()
+            if not lane_opened:  # the headers and the first events are out
+                lane_opened = True
+                lane.open(request.transport, encoder.text,
+                          response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked")
             try:
-                batch = await anext(batches)
+                with lane.waiting():
+                    batch = await anext(batches)
             except StopAsyncIteration:
                 break
             except BackendUnavailable as exc:
@@ -175,7 +185,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 events.append(encode_event(refusal.body_bytes()))
                 break
         if validated.include_usage:
-            events.append(encoder.usage(_usage(generation, num_generated)))
+            events.append(encoder.usage(_usage(generation, num_generated + lane.num_tokens)))
         events.append(DONE_EVENT)
         # With the end-of-body chunk: the last events, [DONE] and the end in one write.
         await _write(request, response, b"".join(events), write_timeout_s, eof=True)
@@ -189,13 +199,14 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
         # The gateway is stopping: end the stream properly, never silently.
         events.append(encode_event(shutting_down().body_bytes()))
         if validated.include_usage:
-            events.append(encoder.usage(_usage(generation, num_generated)))
+            events.append(encoder.usage(_usage(generation, num_generated + lane.num_tokens)))
         events.append(DONE_EVENT)
         with contextlib.suppress(ConnectionResetError):
             await _write(request, response, b"".join(events), write_timeout_s, eof=True)
     finally:
+        lane.close()
         await batches.aclose()
-    return response, num_generated
+    return response, num_generated + lane.num_tokens
 
 
 async def _first_batch_or_keepalive(request: web.Request, response: web.StreamResponse,

@@ -53,6 +53,18 @@ class RequestTiming:
     finished: bool = False  # a finish reason reached the gateway
     finish_reason: str | None = None  # as the client sees it (stop, length)
 
+    def observe(self, batch: list[TokenDelta], now: float) -> None:
+        """A batch of deltas reached the client at `now`."""
+        for delta in batch:
+            if delta.num_tokens:
+                if self.first_token_s is None:
+                    self.first_token_s = now
+                self.last_token_s = now
+                self.num_tokens += delta.num_tokens
+            if delta.finish_reason is not None:
+                self.finished = True
+                self.finish_reason = delta.finish_reason.value
+
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrived_s
@@ -90,16 +102,7 @@ async def timed_batches(batches: AsyncGenerator[list[TokenDelta], None], timing:
     """`batches`, unchanged, noting in `timing` when tokens arrive and whether one finishes."""
     try:
         async for batch in batches:
-            now = clock()
-            for delta in batch:
-                if delta.num_tokens:
-                    if timing.first_token_s is None:
-                        timing.first_token_s = now
-                    timing.last_token_s = now
-                    timing.num_tokens += delta.num_tokens
-                if delta.finish_reason is not None:
-                    timing.finished = True
-                    timing.finish_reason = delta.finish_reason.value
+            timing.observe(batch, clock())
             yield batch
     finally:
         await batches.aclose()

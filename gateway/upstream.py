@@ -53,9 +53,10 @@ from collections.abc import AsyncGenerator
 from aiohttp import ClientError, ClientSession
 
 from common.contract.block_hashes import block_hashes
-from common.contract.control_client import ControlClient
+from common.contract.channel_client import ChannelPool
+from common.contract.control_client import ControlClient, FrameBatches, FrameStream
 from common.contract.control_errors import ControlError
-from common.contract.frames import FrameBatchDecoder, stream_frame_batches
+from common.contract.frames import FrameBatchDecoder
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
                                       DecodeResponseFrame, PrefillRequest, PrefillResponseFrame,
                                       PrefillResult, ReserveRequest, ReserveResponse, TokenFrame)
@@ -85,8 +86,12 @@ class WorkerBackend:
                  tiers: TierConfig, metrics: GatewayMetrics, internal_token: str | None = None,
                  timeouts: UpstreamTimeouts = UpstreamTimeouts(),
                  limits: RetryLimits = RetryLimits(),
-                 ttft_window: TtftWindow | None = None) -> None:
+                 ttft_window: TtftWindow | None = None,
+                 channels: ChannelPool | None = None) -> None:
+        """`channels`: reach workers over their channels (one connection each, shared by
+        every request); None: one HTTP request per call and stream."""
         self.cluster = cluster
+        self.channels = channels
         self.tokenizer = tokenizer
         self.session = session
         self.tiers = tiers
@@ -238,15 +243,14 @@ class WorkerBackend:
             timeout_ms=self.timeouts.request_ms,
             resume_token_ids=list(generation.relay.token_ids), traceparent=generation.traceparent)
         # Returned, not wrapped: one generator level less per relayed batch.
-        return self._relay(generation.relay, self._decode_stream(decode_id, attempt, message),
-                           attempt, decode_id)
+        stream = self._decode_stream(decode_id, attempt, message)
+        return self._relay(generation, stream, attempt, decode_id, stream)
 
     def _decode_stream(self, decode_id: str, attempt: Attempt,
-                       message: DecodeRequest) -> AsyncGenerator[list[TokenFrame], None]:
+                       message: DecodeRequest) -> FrameStream[TokenFrame]:
         client = self._client(decode_id, attempt, Phase.DECODE)
-        return stream_frame_batches(self.session, client.base_url + "/internal/decode",
-                                    message, self._decode_frames, self.timeouts.first_token_s,
-                                    self.timeouts.frame_s, token=self.internal_token)
+        return client.open_stream("/internal/decode", message, self._decode_frames,
+                                  self.timeouts.first_token_s, self.timeouts.frame_s)
 
     async def _disaggregated(self, generation: Generation, attempt: Attempt, prefill_id: str
                              ) -> AsyncGenerator[list[TokenDelta], None]:
@@ -269,7 +273,7 @@ class WorkerBackend:
             PrefillResponseFrame, t.first_token_s, t.first_token_s)
         watcher: asyncio.Task[None] | None = None
         next_frame: asyncio.Task[list[TokenFrame]] | None = None
-        decode_frames: AsyncGenerator[list[TokenFrame], None] | None = None
+        decode_frames: FrameStream[TokenFrame] | None = None
         try:
             try:
                 first = await anext(prefill_frames)
@@ -299,7 +303,8 @@ class WorkerBackend:
                                                          self._abort_legs))
             yield [first_delta]
             frame_task, next_frame = next_frame, None
-            relayed = self._relay(relay, prepend(frame_task, decode_frames), attempt, decode_id)
+            relayed = self._relay(generation, prepend(frame_task, decode_frames), attempt,
+                                  decode_id, decode_frames)
             async with contextlib.aclosing(relayed):
                 async for batch in relayed:
                     yield batch
@@ -313,12 +318,19 @@ class WorkerBackend:
             if watcher is None:  # else the watcher owned (and closed) the prefill stream
                 await prefill_frames.aclose()
 
-    async def _relay(self, relay: TokenRelay, batches: AsyncGenerator[list[TokenFrame], None],
-                     attempt: Attempt, worker_id: str) -> AsyncGenerator[list[TokenDelta], None]:
+    async def _relay(self, generation: Generation, batches: FrameBatches[TokenFrame],
+                     attempt: Attempt, worker_id: str, stream: FrameStream[TokenFrame]
+                     ) -> AsyncGenerator[list[TokenDelta], None]:
         """D's frame batches as delta batches (never empty); closes `batches` when done.
+        Where the request has a sink, `stream` (under `batches`) offers it each plain
+        token as it is read (TokenRelay.offer); the rest comes through `batches`.
 
         A failure of D (or of the transfer into it, which the watcher saw first) raises
         LegFailed after the tokens before it were yielded."""
+        relay, sink = generation.relay, generation.request.sink
+        if sink is not None:
+            offer = relay.offer
+            stream.listen(lambda frame: offer(frame, worker_id, sink))
         try:
             async with contextlib.aclosing(batches):
                 async for frames in batches:
@@ -370,7 +382,8 @@ class WorkerBackend:
             raise LegFailed(worker_id, phase, FailureKind.UNREACHABLE, "left the cluster")
         client = self._clients.get(info.control_url)
         if client is None:
-            client = ControlClient(info.control_url, self.internal_token, self.session)
+            client = ControlClient(info.control_url, self.internal_token, self.session,
+                                   channels=self.channels)
             self._clients[info.control_url] = client
         attempt.legs[worker_id] = client
         return client

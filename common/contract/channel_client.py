@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 from urllib.parse import urlsplit
 
 from common.contract.channel_wire import (CONNECTION_STREAM_ID, MAGIC, MAX_STREAM_ID, ChannelHello,
@@ -255,8 +255,8 @@ class Channel(asyncio.Protocol):
     # ---------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if not self._welcome.done() and not self._splitter.has_partial_frame \

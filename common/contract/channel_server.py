@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from typing import cast
 
 from aiohttp import web
 
@@ -80,8 +81,8 @@ class ServerChannel(asyncio.Protocol):
     # ---------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self._transport = cast(asyncio.Transport, transport)
         self._incomplete = self._loop.call_later(self._limits.body_timeout_s, self._too_slow)
 
     def data_received(self, data: bytes) -> None:
@@ -287,9 +288,10 @@ class PortSniffer(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self._transport = cast(asyncio.Transport, transport)
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s,
+                                                            self._transport.abort)
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer + data

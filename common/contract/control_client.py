@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
-from typing import Generic, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import ClientSession, ClientTimeout
@@ -38,6 +38,16 @@ from common.contract.protocol import (MAX_MESSAGE_BYTES, ErrorFrame, Message, Me
 
 R = TypeVar("R", bound=Message)
 F = TypeVar("F", bound=Message)
+
+
+class FrameBatches(Protocol[F]):
+    """Batches of a stream answer's frames: `FrameStream`, or any async generator of them."""
+
+    def __aiter__(self) -> AsyncIterator[list[F]]: ...
+
+    def __anext__(self) -> Awaitable[list[F]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ControlClient:

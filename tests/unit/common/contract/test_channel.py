@@ -31,6 +31,17 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 TOKEN = "channel-token"
 
 
+@pytest.fixture(params=["asyncio", ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """Both loops: pdserve's processes run on uvloop, whose transports differ."""
+    return request.param
+
+
+def needs_manual_clock() -> None:
+    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        pytest.skip("the manual clock replaces asyncio's own loop's time()")
+
+
 class Worker:
     """Canned answers: `max_tokens` frames, a finish; prompt [0] stalls, [1] fails mid-way."""
 
@@ -189,6 +200,7 @@ async def test_closing_a_stream_early_closes_the_producer_on_the_worker(
 async def test_stalled_stream_misses_its_deadline_and_the_worker_drops_it(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     worker, server = served
+    needs_manual_clock()
     channel = await pool.get(server.url)
     assert channel is not None
     with ManualClock() as clock:
@@ -320,6 +332,7 @@ async def test_garbage_and_oversized_frames_close_only_that_channel(
 
 async def test_a_frame_that_never_completes_closes_the_channel(
         served: tuple[Worker, ControlServer]) -> None:
+    needs_manual_clock()
     _, server = served
     reader, writer = await raw_channel(server)
     writer.write(struct.pack(">II", 100, 1) + b"partial")
