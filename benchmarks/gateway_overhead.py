@@ -20,6 +20,9 @@ to a sink in this process that counts the bytes it receives), side by side;
 `--limits solo shared` measures the admission limits' two paths: solo (one gateway
 deciding locally, the default) and shared (`--replicas 2`: a Redis script per admission,
 as every replica of several pays);
+`--channel on off` measures the gateway with its worker channels (one connection per
+worker, tokens written from its read callback: gateway/fast_lane.py) and without (one
+HTTP request per stream), side by side;
 `--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
 run from DIR with this interpreter, as the row "baseline".
 
@@ -183,12 +186,14 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
                             "--namespace", namespace, "--num-tokens", str(args.num_tokens),
-                            "--token-interval-ms", str(interval_ms)], "listening on")
+                            "--token-interval-ms", str(interval_ms),
+                            "--tokenizer-model", args.tokenizer_model], "listening on")
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as tiers:
         tiers.write(TIERS)
     gateway, url = spawn(["launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
                           "--namespace", namespace, "--tiers", tiers.name,
-                          "--log-level", "warning",
+                          "--log-level", "warning", "--model-name", "default",
+                          "--tokenizer-model", args.tokenizer_model,
                           *(["--otlp-endpoint", otlp_url] if otlp_url else []), *extra],
                          "listening on",
                          cwd=tree)
@@ -282,6 +287,12 @@ def main() -> None:
     parser.add_argument("--limits", nargs="+", choices=("solo", "shared"), default=["solo"],
                         help="admission limits: solo (one gateway, decided locally) and/or "
                              "shared (--replicas 2: one Redis script per admission)")
+    parser.add_argument("--tokenizer-model", default="default",
+                        help='the model whose tokenizer the gateway and the stub use: "default" '
+                             "(the packaged GGUF) or a model path, e.g. an HF tokenizer folder")
+    parser.add_argument("--channel", nargs="+", choices=("on", "off"), default=["on"],
+                        help="the gateway's worker channels: on (one connection per worker, "
+                             "the fast lane; the default) and/or off (HTTP per request)")
     parser.add_argument("--baseline", type=Path,
                         help="also measure the gateway of this checkout (traces off)")
     parser.add_argument("--peers", nargs="*", choices=("proxy", "vllm-router"), default=None,
@@ -301,9 +312,10 @@ def main() -> None:
     sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
         for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
-            configs = [(f"pdserve, tracing {t}, limits {lim}", REPO, t == "on",
-                        ("--replicas", "2") if lim == "shared" else ())
-                       for t in args.tracing for lim in args.limits]
+            configs = [(f"pdserve, tracing {t}, limits {lim}, channel {ch}", REPO, t == "on",
+                        (*(("--replicas", "2") if lim == "shared" else ()),
+                         "--worker-channel", ch))
+                       for t in args.tracing for lim in args.limits for ch in args.channel]
             configs += [("pdserve baseline", args.baseline, False, ())] if args.baseline else []
             for name, tree, traced, extra in configs:
                 otlp = sink.url if sink is not None and traced else None

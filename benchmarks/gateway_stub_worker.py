@@ -223,7 +223,7 @@ def word_reply(tokenizer, text: str) -> list[tuple[int, str]]:
 async def _main(args: argparse.Namespace) -> None:
     from gateway.model_files import read_model_info
 
-    _, tokenizer = read_model_info("default")
+    _, tokenizer = read_model_info(args.tokenizer_model)
     words = " ".join(["word"] * args.num_tokens)
     stub = StubWorker(args.redis_url, Role(args.role), args.worker_id or
                       f"stub-{args.role}-{os.getpid()}", word_reply(tokenizer, words),
@@ -246,6 +246,8 @@ def main() -> None:
     parser.add_argument("--namespace", default="pdserve")
     parser.add_argument("--num-tokens", type=int, default=64)
     parser.add_argument("--token-interval-ms", type=float, default=0.0)
+    parser.add_argument("--tokenizer-model", default="default",
+                        help="whose tokenizer spells the reply: \"default\" or a model path")
     import uvloop
 
     uvloop.run(_main(parser.parse_args()))

@@ -15,7 +15,7 @@ Contract of `generate`:
 
 A backend may also offer `generate_batches` (`BatchingBackend`): the same deltas, in the
 same order, grouped into non-empty lists of whatever arrived together, so the HTTP layer
-writes one batch with one socket write. `delta_batches` picks it when it is there.
+writes one batch with one socket write. `BackendCalls.of` picks it when it is there.
 
 A streamed request may carry a `DeltaSink` (gateway/fast_lane.py): while it `accepts()`,
 the backend may hand it deltas that end nothing (no finish reason) instead of yielding
@@ -25,7 +25,8 @@ once; every delta still goes out exactly once, in order, by one way or the other
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -112,11 +113,28 @@ class BatchingBackend(Protocol):
         ...
 
 
-def delta_batches(backend: CompletionBackend, request: GenerationRequest
-                  ) -> AsyncGenerator[list[TokenDelta], None]:
-    if isinstance(backend, BatchingBackend):
-        return backend.generate_batches(request)
-    return _one_per_batch(backend.generate(request))
+@dataclass(frozen=True, slots=True)
+class BackendCalls:
+    """What the HTTP layer calls on a backend, resolved once: a runtime Protocol check
+    costs about 12 us, too much to repeat per request."""
+
+    batches: Callable[[GenerationRequest], AsyncGenerator[list[TokenDelta], None]]
+    context_limit: Callable[[], int | None]  # see ContextLimited
+
+    @classmethod
+    def of(cls, backend: CompletionBackend) -> BackendCalls:
+        batches: Callable[[GenerationRequest], AsyncGenerator[list[TokenDelta], None]]
+        if isinstance(backend, BatchingBackend):
+            batches = backend.generate_batches
+        else:
+            def batches(request: GenerationRequest) -> AsyncGenerator[list[TokenDelta], None]:
+                return _one_per_batch(backend.generate(request))
+        limit = backend.context_limit if isinstance(backend, ContextLimited) else _no_limit
+        return cls(batches, limit)
+
+
+def _no_limit() -> int | None:
+    return None
 
 
 async def _one_per_batch(deltas: AsyncGenerator[TokenDelta, None]

@@ -35,8 +35,7 @@ from aiohttp import web
 from common.contract.log_format import REQUEST_ID, TRACE_ID
 from common.contract.tracing import NO_TRACING, Tracing
 from gateway.admission_gate import AdmissionGate
-from gateway.backend import (CompletionBackend, ContextLimited, GenerationRequest, PromptTokenizer,
-                             delta_batches)
+from gateway.backend import BackendCalls, CompletionBackend, GenerationRequest, PromptTokenizer
 from gateway.drain import Drain
 from gateway.errors import (ApiError, body_too_large, internal_error, invalid_request,
                             method_not_allowed, model_not_found, overloaded, route_not_found)
@@ -69,6 +68,7 @@ class ApiSettings:
 SETTINGS = web.AppKey("settings", ApiSettings)
 TIERS = web.AppKey("tiers", TierConfig)
 BACKEND = web.AppKey("backend", CompletionBackend)
+CALLS = web.AppKey("backend_calls", BackendCalls)
 TOKENIZE = web.AppKey("tokenize_pool", TokenizePool)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 DRAIN = web.AppKey("drain", Drain)
@@ -83,6 +83,7 @@ def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBack
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.limits.max_body_bytes)
     app[SETTINGS], app[TIERS], app[BACKEND] = settings, tiers, backend
+    app[CALLS] = BackendCalls.of(backend)
     app[GATE], app[DRAIN], app[TRACING] = gate, drain or Drain(), tracing
     pool = app[TOKENIZE] = TokenizePool(tokenizer)
 
@@ -181,7 +182,8 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         log.info("ignoring unknown request fields: %s", ", ".join(validated.unknown_fields))
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
-    limits = _context_limits(settings.limits, app[BACKEND])
+    calls = app[CALLS]
+    limits = _context_limits(settings.limits, calls.context_limit())
     prompt_ids = await _tokenize(app[TOKENIZE], validated, limits)
     sampling = build_sampling_params(validated, len(prompt_ids), limits)
     decision = classify(caller, len(prompt_ids))
@@ -206,7 +208,7 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     trace.admitted(time.monotonic())
     num_generated = 0
     try:
-        batches = timed_batches(delta_batches(app[BACKEND], generation), slo_timing)
+        batches = timed_batches(calls.batches(generation), slo_timing)
         if lane is not None:
             timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
                                   settings.keepalive_s)
@@ -220,9 +222,8 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         gate.leave(request_id, tier, key_id, sampling.max_tokens - num_generated)
 
 
-def _context_limits(limits: RequestLimits, backend: CompletionBackend) -> RequestLimits:
+def _context_limits(limits: RequestLimits, capacity: int | None) -> RequestLimits:
     """The limits with the context capped to what the backend's KV cache can hold."""
-    capacity = backend.context_limit() if isinstance(backend, ContextLimited) else None
     if capacity is None or capacity >= limits.max_model_len:
         return limits
     return dataclasses.replace(limits, max_model_len=max(2, capacity), limited_by_kv_cache=True)
@@ -245,6 +246,12 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
     length = request.content_length
     if length is not None and length > limit_bytes:
         raise body_too_large(limit_bytes)
+    content = request.content
+    if content.is_eof():  # all of it came with the headers (most requests): nothing to wait for
+        body = content.read_nowait()
+        if len(body) > limit_bytes:
+            raise body_too_large(limit_bytes)
+        return body
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):

@@ -214,23 +214,44 @@ async def _first_batch_or_keepalive(request: web.Request, response: web.StreamRe
                                     timing: StreamTiming) -> list[TokenDelta]:
     """The first batch; past `first_byte_s` without it, the headers and keep-alive blank
     lines go out while it is awaited (raises ApiError for a backend that fails or gives
-    nothing)."""
-    first = asyncio.ensure_future(_first_batch(batches))
+    nothing).
+
+    The wait is this task's own (no task per request for the common case of a first token
+    within `first_byte_s`); a timer starts the keep-alives in a task of their own, stopped
+    before this returns. A keep-alive that finds the client gone (or not reading within
+    `write_timeout_s`) closes the connection, and the server cancels this handler (the
+    gateway's runner cancels the handler of a lost connection, as aiohttp's test server
+    does), which closes `batches`: the work upstream stops."""
+    loop = asyncio.get_running_loop()
+    keepalives: asyncio.Task[None] | None = None
+
+    def start_keepalives() -> None:
+        nonlocal keepalives
+        keepalives = loop.create_task(_keep_alive(request, response, timing))
+
+    timer = loop.call_later(timing.first_byte_s, start_keepalives)
     try:
-        timeout_s = timing.first_byte_s
-        while True:
-            done, _ = await asyncio.wait({first}, timeout=timeout_s)
-            if done:
-                return first.result()
-            if not response.prepared:
-                await response.prepare(request)
-            await _write(request, response, KEEPALIVE, timing.write_timeout_s)
-            timeout_s = timing.keepalive_s
+        return await _first_batch(batches)
     finally:
-        if not first.done():
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await first
+        timer.cancel()
+        if keepalives is not None:
+            keepalives.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keepalives
+
+
+async def _keep_alive(request: web.Request, response: web.StreamResponse,
+                      timing: StreamTiming) -> None:
+    try:
+        if not response.prepared:
+            await response.prepare(request)
+        while True:
+            await _write(request, response, KEEPALIVE, timing.write_timeout_s)
+            await asyncio.sleep(timing.keepalive_s)
+    except ConnectionResetError as exc:
+        log.info("client went away while its first token was awaited: %s", exc)
+        if request.transport is not None:
+            request.transport.close()
 
 
 async def json_answer(validated: ValidatedRequest, generation: GenerationRequest,

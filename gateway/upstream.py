@@ -34,12 +34,12 @@ lease lapses. After `RetryLimits.max_attempts` attempts the failure reaches the 
 Lifecycle of one generation: planned → attempt running (its legs added as they are called)
 → finished (D's finish_reason), or failed → legs aborted → next attempt or give up; or the
 client goes away (generator closed, task cancelled) → the current attempt's legs aborted.
-Aborts are sent from tasks this backend owns, so a cancelled handler cannot stop them
-half-way; `aclose()` cancels what is left. Worker messages carry the request's traceparent.
+Aborts are sent from tasks this backend's `WorkerClients` owns (gateway/worker_clients.py),
+so a cancelled handler cannot stop them half-way; `aclose()` cancels what is left. Worker
+messages carry the request's traceparent.
 Invariants (`check_invariants`): every generation in progress is in `_active` under its id,
 its relay's invariants hold, its legs use this backend's clients; an attempt that did not
-finish has sent an abort to every worker in its `legs` (emptied when they are sent); every
-abort task is in `_background` until it ends.
+finish has sent an abort to every worker in its `legs` (emptied when they are sent).
 """
 
 from __future__ import annotations
@@ -50,16 +50,15 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
-from aiohttp import ClientError, ClientSession
+from aiohttp import ClientSession
 
 from common.contract.block_hashes import block_hashes
 from common.contract.channel_client import ChannelPool
 from common.contract.control_client import ControlClient, FrameBatches, FrameStream
-from common.contract.control_errors import ControlError
 from common.contract.frames import FrameBatchDecoder
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
-                                      DecodeResponseFrame, PrefillRequest, PrefillResponseFrame,
-                                      PrefillResult, ReserveRequest, ReserveResponse, TokenFrame)
+from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, PrefillRequest,
+                                      PrefillResponseFrame, PrefillResult, ReserveRequest,
+                                      ReserveResponse, TokenFrame)
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.capacity import TtftWindow
 from gateway.cluster import ClusterView
@@ -73,12 +72,11 @@ from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, cl
                                   should_retry)
 from gateway.router import NoWorkers
 from gateway.tiers import TierConfig
+from gateway.worker_clients import CALL_FAILURES, WorkerClients
 
 log = logging.getLogger(__name__)
 
 WORKER_WAIT_POLL_S = 0.2
-# What a failing worker call looks like from here; anything else is a bug and propagates.
-CALL_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
 
 
 class WorkerBackend:
@@ -100,21 +98,15 @@ class WorkerBackend:
         self.timeouts = timeouts
         self.limits = limits
         self.ttft_window = ttft_window or TtftWindow()  # feeds the concurrency limit
-        self.num_aborts_sent = 0
-        self._clients: dict[str, ControlClient] = {}
+        self.clients = WorkerClients(session, internal_token, channels, timeouts.abort_s)
         self._decode_frames: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(
             DecodeResponseFrame)  # fresh() per stream
-        self._background: set[asyncio.Task[None]] = set()
         self._active: dict[str, Generation] = {}  # generations in progress, by request id
         self._strictest_tpot_s = min(t.tpot_ms for t in tiers.tiers.values()) / 1000
 
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded), then cancel what is left."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=self.timeouts.abort_s)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.clients.aclose()
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         async with contextlib.aclosing(self.generate_batches(request)) as batches:
@@ -359,20 +351,18 @@ class WorkerBackend:
 
     @property
     def num_background_tasks(self) -> int:
-        return len(self._background)
+        return self.clients.num_background_tasks
 
     def check_invariants(self) -> None:
-        clients = set(map(id, self._clients.values()))
         for rid, generation in self._active.items():
             assert generation.request.request_id == rid, f"{rid} tracked under another id"
             generation.relay.check_invariants()
             for attempt in generation.attempts:
                 for worker_id, client in attempt.legs.items():
-                    assert id(client) in clients, f"{rid}: leg {worker_id} has a foreign client"
+                    assert self.clients.owns(client), f"{rid}: leg {worker_id} has a foreign client"
             for attempt in generation.attempts[:-1]:
                 assert not attempt.legs, f"{attempt.request_id} ended without its aborts"
-        for task in self._background:
-            assert not task.done(), "a finished abort task is still listed"
+        self.clients.check_invariants()
 
     # ---------------------------------------------------------------- helpers
 
@@ -380,11 +370,7 @@ class WorkerBackend:
         info = self.cluster.workers.get(worker_id)
         if info is None:
             raise LegFailed(worker_id, phase, FailureKind.UNREACHABLE, "left the cluster")
-        client = self._clients.get(info.control_url)
-        if client is None:
-            client = ControlClient(info.control_url, self.internal_token, self.session,
-                                   channels=self.channels)
-            self._clients[info.control_url] = client
+        client = self.clients.get(info.control_url)
         attempt.legs[worker_id] = client
         return client
 
@@ -395,18 +381,4 @@ class WorkerBackend:
 
     def _abort_legs(self, attempt: Attempt) -> None:
         legs, attempt.legs = attempt.legs, {}
-        for worker_id, client in legs.items():
-            task = asyncio.get_running_loop().create_task(
-                self._send_abort(client, worker_id, attempt.request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _send_abort(self, client: ControlClient, worker_id: str, request_id: str) -> None:
-        self.num_aborts_sent += 1
-        try:
-            await client.call("/internal/abort", AbortRequest(request_id=request_id,
-                                                              reason="gateway"),
-                              AbortResponse, self.timeouts.abort_s)
-        except CALL_FAILURES as exc:
-            # The worker's own deadlines free the request when it cannot hear us.
-            log.info("abort of %s on %s failed: %s", request_id, worker_id, exc)
+        self.clients.abort(legs, attempt.request_id)

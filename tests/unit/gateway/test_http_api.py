@@ -206,6 +206,30 @@ def test_a_slow_first_token_keeps_the_stream_alive_for_a_client_that_strips_chun
     assert SseDecoder().feed(b"".join(chunks))[-1] == b"[DONE]"
 
 
+def test_a_client_gone_while_its_first_token_is_awaited_stops_the_backend(harness_factory):
+    """A keep-alive that finds the client gone ends the wait for the first token: the
+    backend's generation is closed (its work stopped) although no token ever came."""
+    gate = asyncio.Event()
+    h = harness_factory(backend=ScriptedBackend(gate=gate), first_byte_s=0.01,
+                        keepalive_s=0.01)
+
+    async def hang_up() -> None:
+        reader, writer = await asyncio.open_connection(h.server.host, h.server.port)
+        body = json.dumps({**GOOD_COMPLETION, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.transport.abort()  # gone, with keep-alives still to come
+        for _ in range(500):
+            if h.backend.num_closed:
+                break
+            await asyncio.sleep(0.01)
+
+    h.loop.run_until_complete(hang_up())
+    assert h.backend.num_closed == 1 and h.backend.num_finished == 0
+    assert not gate.is_set()
+
+
 def test_non_streamed_completion_with_token_ids_and_logprobs(harness_factory):
     h = harness_factory()
     status, _, raw = h.call("POST", "/v1/completions", data=json.dumps(
