@@ -282,6 +282,9 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=64)
     parser.add_argument("--interval-ms", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
+    parser.add_argument("--pacings", nargs="+", choices=("back-to-back", "paced"),
+                        default=["back-to-back", "paced"],
+                        help="tokens back to back, and/or paced --interval-ms apart")
     parser.add_argument("--tracing", nargs="+", choices=("off", "on"), default=["off"],
                         help="measure with traces off, on (to a local OTLP sink), or both")
     parser.add_argument("--limits", nargs="+", choices=("solo", "shared"), default=["solo"],
@@ -311,7 +314,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     sink = SpanSink() if "on" in args.tracing else None
     with RedisServer() as redis:
-        for label, interval in (("back-to-back", 0.0), (f"{args.interval_ms:g} ms", args.interval_ms)):
+        pacings = {"back-to-back": ("back-to-back", 0.0),
+                   "paced": (f"{args.interval_ms:g} ms", args.interval_ms)}
+        for label, interval in (pacings[p] for p in args.pacings):
             configs = [(f"pdserve, tracing {t}, limits {lim}, channel {ch}", REPO, t == "on",
                         (*(("--replicas", "2") if lim == "shared" else ()),
                          "--worker-channel", ch))
