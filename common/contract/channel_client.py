@@ -339,7 +339,10 @@ class ChannelPool:
     def ready(self, url: str) -> Channel | None:
         """The open channel to `url`, if there is one now (no wait)."""
         channel = self._channels.get(url)
-        return channel if channel is not None and not channel.closed else None
+        if channel is not None and channel.closed:
+            del self._channels[url]  # lost: the next get() connects again
+            return None
+        return channel
 
     async def get(self, url: str) -> Channel | None:
         """The channel to `url`, connecting when needed; None: use HTTP for this worker.
@@ -348,8 +351,10 @@ class ChannelPool:
         if channel is not None:
             return channel
         retry_at = self._http_only.get(url)
-        if retry_at is not None and time.monotonic() < retry_at:
-            return None
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                return None
+            del self._http_only[url]
         task = self._connecting.get(url)
         if task is None:
             task = asyncio.get_running_loop().create_task(

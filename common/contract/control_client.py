@@ -195,13 +195,16 @@ class FrameStream(Generic[F]):
         if self._closed:
             raise StopAsyncIteration
         client, timeout_s = self._client, self._first_frame_timeout_s
-        if client.channels is not None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    channel = await client.channels.get(client.base_url)
-            except TimeoutError as exc:
-                raise FrameDeadlineError(f"{client.base_url}: no channel within "
-                                         f"{timeout_s} s") from exc
+        channels = client.channels
+        if channels is not None:
+            channel = channels.ready(client.base_url)  # the usual case: no wait
+            if channel is None:
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        channel = await channels.get(client.base_url)
+                except TimeoutError as exc:
+                    raise FrameDeadlineError(f"{client.base_url}: no channel within "
+                                             f"{timeout_s} s") from exc
             if channel is not None:
                 stream = channel.open(self._message, self._frames, timeout_s,
                                       self._frame_timeout_s)
