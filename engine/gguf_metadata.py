@@ -1,11 +1,17 @@
-"""A GGUF file's metadata header, read without touching tensor data (and without torch).
+"""A GGUF file's header: its metadata, and where each tensor lies, read without touching
+tensor data (and without torch).
 
-The header is parsed directly and the reader stops where the tensor table starts, so it
-costs a fraction of a second even for large files: the gateway uses it to tokenize without
-loading weights, and the tokenizer is built from the same record the weight loader uses.
+The header is parsed directly, so it costs a fraction of a second even for large files
+(gguf's own GGUFReader builds a numpy view per token of the vocabulary: about ten seconds
+for a 49k-token model). The gateway reads the metadata alone to tokenize without loading
+weights (`read_gguf_metadata` stops where the tensor table starts); the weight loader
+(engine/gguf_reader.py) reads the tensor table too (`read_gguf_header`).
 
     magic "GGUF" | version (u32, >= 2) | num_tensors (u64) | num_keys (u64) | keys...
     key: string (u64 length + UTF-8) | value type (u32) | value
+    tensor: name (string) | num_dims (u32) | dims (u64 each, innermost first) |
+            ggml type (u32) | offset (u64, from the data section's start)
+    data section: at the first multiple of general.alignment (32) after the table
 """
 
 from __future__ import annotations
@@ -41,8 +47,30 @@ class GGUFTokenizerData:
     model: str | None = None  # tokenizer.ggml.model, e.g. "gpt2" (byte-level BPE) or "llama"
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    dims: tuple[int, ...]  # innermost first, as GGUF lists them
+    ggml_type: int
+    offset: int  # bytes from the start of the file
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    meta: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]  # in file order
+
+
 def read_gguf_metadata(path: Path) -> dict[str, Any]:
     """Every metadata key of a GGUF (v2/v3) file; arrays become lists."""
+    return _read(path, with_tensors=False).meta
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The metadata and the tensor table (tensor offsets made absolute)."""
+    return _read(path, with_tensors=True)
+
+
+def _read(path: Path, with_tensors: bool) -> GGUFHeader:
     try:
         with open(path, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
@@ -50,15 +78,29 @@ def read_gguf_metadata(path: Path) -> dict[str, Any]:
             (version,) = struct.unpack("<I", f.read(4))
             if version < 2:
                 raise ModelLoadError(f"{path}: GGUF version {version} is not supported")
-            _num_tensors, num_keys = struct.unpack("<QQ", f.read(16))
+            num_tensors, num_keys = struct.unpack("<QQ", f.read(16))
             meta = {}
             for _ in range(num_keys):
                 key = _read_string(f)
                 (value_type,) = struct.unpack("<I", f.read(4))
                 meta[key] = _read_value(f, value_type, path)
-            return meta
+            if not with_tensors:
+                return GGUFHeader(meta, {})
+            table = []
+            for _ in range(num_tensors):
+                name = _read_string(f)
+                (num_dims,) = struct.unpack("<I", f.read(4))
+                dims = struct.unpack(f"<{num_dims}Q", f.read(8 * num_dims))
+                ggml_type, offset = struct.unpack("<IQ", f.read(12))
+                table.append((name, dims, ggml_type, offset))
+            alignment = int(meta.get("general.alignment", 32))
+            start = -(-f.tell() // alignment) * alignment
+            tensors = {name: GGUFTensorInfo(tuple(dims), ggml_type, start + offset)
+                       for name, dims, ggml_type, offset in table}
+            return GGUFHeader(meta, tensors)
     except (OSError, struct.error, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
+        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or damaged "
+                             f"header: {exc})") from exc
 
 
 def tokenizer_data(meta: dict[str, Any], path: Path) -> GGUFTokenizerData:

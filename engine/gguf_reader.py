@@ -15,6 +15,8 @@ i.e. `w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`. `unpermute_rows` applies th
 
 from __future__ import annotations
 
+import math
+import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf_metadata import GGUFTokenizerData, read_gguf_tokenizer_data
+from engine.gguf_metadata import (GGUFTensorInfo, GGUFTokenizerData, read_gguf_header,
+                                  tokenizer_data)
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,35 +67,31 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file of a `llama` architecture model."""
+    """One GGUF file of a `llama` architecture model: its header parsed here
+    (engine/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # heavy import, only when a GGUF is loaded
-
         self.path = path
         if not path.is_file():
             raise ModelLoadError(f"{path}: file not found")
-        try:
-            self._reader = GGUFReader(str(path))
-        except (ValueError, OSError, IndexError, KeyError) as exc:
-            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
-        self._fields = self._reader.fields
+        header = read_gguf_header(path)
+        self._meta = header.meta
         arch = self._get("general.architecture")
         if arch != "llama":
             raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                                  f"(supported: llama)")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = header.tensors
         if "rope_freqs.weight" in self._tensors:
             raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) "
                                  f"are unsupported")
 
     def _get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
-        field = self._fields.get(key)
-        if field is None:
+        value = self._meta.get(key)
+        if value is None:
             if required:
                 raise ModelLoadError(f"{self.path}: metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
     def config(self) -> ModelConfig:
         hidden = int(self._get("llama.embedding_length", required=True))
@@ -100,8 +99,8 @@ class GGUFCheckpoint:
         scaling = self._get("llama.rope.scaling.type")
         if scaling not in (None, "none"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling type {scaling!r}")
-        tokens = self._fields.get("tokenizer.ggml.tokens")
-        vocab = self._get("llama.vocab_size", len(tokens.data) if tokens is not None else None)
+        tokens = self._meta.get("tokenizer.ggml.tokens")
+        vocab = self._get("llama.vocab_size", len(tokens) if tokens is not None else None)
         if vocab is None:
             raise ModelLoadError(f"{self.path}: neither llama.vocab_size nor a token list")
         bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
@@ -127,30 +126,34 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{self.path}: {exc}") from None
 
     def tokenizer_data(self) -> GGUFTokenizerData:
-        return read_gguf_tokenizer_data(self.path)
+        return tokenizer_data(self._meta, self.path)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> torch shape of every tensor; GGUF tensors without one keep their name."""
         # GGUF lists dimensions innermost first; torch lists them outermost first.
-        return {hf_name(name) or name: tuple(int(d) for d in reversed(t.shape))
+        return {hf_name(name) or name: tuple(reversed(t.dims))
                 for name, t in self._tensors.items()}
 
     def iter_tensors(self, names: set[str], config: ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF name, float32 tensor) for the requested names, Q/K rows unpermuted."""
+        from gguf.constants import GGMLQuantizationType  # heavy import: only to load weights
         from gguf.quants import dequantize
 
+        with open(self.path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         for gguf_name, t in self._tensors.items():
             name = hf_name(gguf_name)
             if name not in names:
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape))
+            shape = tuple(reversed(t.dims))
             try:
-                weight = dequantize(t.data, t.tensor_type).reshape(shape)
+                qtype = GGMLQuantizationType(t.ggml_type)
+                weight = dequantize(_raw(data, t, qtype, self.path), qtype).reshape(shape)
             except (NotImplementedError, ValueError) as exc:
                 raise ModelLoadError(f"{self.path}: cannot dequantize {gguf_name} "
-                                     f"({t.tensor_type.name}): {exc}") from None
+                                     f"(type {t.ggml_type}): {exc}") from None
             if name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rows(weight, config.num_heads)
             elif name.endswith("self_attn.k_proj.weight"):
@@ -159,3 +162,25 @@ class GGUFCheckpoint:
             if not weight.flags.writeable:
                 weight = weight.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+
+
+def _raw(data: mmap.mmap, tensor: GGUFTensorInfo, qtype: Any, path: Path) -> np.ndarray:
+    """A tensor's bytes as `gguf.quants.dequantize` takes them: F32 and F16 as their numbers,
+    any other type as rows of bytes (the innermost dimension in whole blocks)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    inner = tensor.dims[0] if tensor.dims else 1
+    if inner % block:
+        raise ValueError(f"{inner} elements are not whole blocks of {block}")
+    outer = tuple(reversed(tensor.dims[1:]))
+    row_bytes = inner // block * block_bytes
+    num_bytes = row_bytes * math.prod(outer)
+    if tensor.offset + num_bytes > len(data):
+        raise ModelLoadError(f"{path}: tensor data runs past the end of the file (truncated?)")
+    raw = np.frombuffer(data, dtype=np.uint8, count=num_bytes, offset=tensor.offset)
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(*outer, inner)
+    if qtype == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(*outer, inner)
+    return raw.reshape(*outer, row_bytes)
