@@ -30,8 +30,14 @@ carries what the kernels read, one row per chunk,
     cu_seqlens_q         query_start as an int32 tensor
     slot_mapping[t]      as above; a negative slot is a padding token (never written)
 
-A step whose chunks are all single tokens runs the decode kernel (split-K over the context),
-any other step the chunked-prefill kernel, which also serves the decode rows it contains.
+A step whose chunks are all single tokens runs the decode kernel (split-K over the context).
+A mixed step runs both when its decode rows carry enough context (`split_mixed_step`): the
+scheduler puts the decodes first, so its leading single-token chunks go to the decode
+kernel and the rest to the chunked-prefill kernel (which would give each decode row a whole
+tile of query rows and no split over its context):
+
+    token rows  [0, num_decode_chunks)        decode kernel   (one row per chunk)
+                [num_decode_chunks, T)        prefill kernel  (cu_seqlens_prefill)
 """
 
 from __future__ import annotations
@@ -56,7 +62,11 @@ class KernelAttentionMetadata:
     context_lens: torch.Tensor  # [num_chunks] int32: end_pos of each chunk (0 for padding)
     cu_seqlens_q: torch.Tensor  # [num_chunks + 1] int32: query_start
     max_query_len: int  # longest chunk of the step (a host int: no device sync)
-    num_decode_splits: int  # split-K factor of the decode kernel (used when max_query_len==1)
+    num_decode_splits: int  # split-K factor of the decode kernel's rows
+    # A mixed step: its leading single-token chunks (the decode kernel's rows) and the
+    # query starts of the rest, from 0 (the prefill kernel's); 0 and None otherwise.
+    num_decode_chunks: int = 0
+    cu_seqlens_prefill: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -70,6 +80,19 @@ class KernelAttentionMetadata:
         return cls(slot_mapping=slot_mapping, block_tables=block_tables,
                    context_lens=context_lens, cu_seqlens_q=context_lens[:0],
                    max_query_len=1, num_decode_splits=num_decode_splits)
+
+
+# Decode rows x their longest context below which a mixed step keeps them in the prefill
+# kernel: a second launch costs more than it saves. On an H200 at Llama-3-8B attention
+# shapes (benchmarks/mixed_step.py), 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at
+# 2048 and 64 at 512 (32k) took 0.21 vs 0.37 and 0.13 vs 0.39.
+MIXED_SPLIT_MIN_CONTEXT_TOKENS = 16 * 1024
+
+
+def split_mixed_step(num_decode_rows: int, max_decode_context: int,
+                     min_tokens: int = MIXED_SPLIT_MIN_CONTEXT_TOKENS) -> bool:
+    """Pure policy: do a mixed step's leading decode rows get the decode kernel?"""
+    return num_decode_rows * max_decode_context >= min_tokens
 
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
@@ -134,12 +157,15 @@ class AttentionMetadata:
     @classmethod
     def from_schedule(cls, schedule: ScheduleOutput, block_size: int,
                       device: torch.device | str = "cpu", use_kernels: bool | None = None,
-                      num_kv_heads: int = 1) -> "AttentionMetadata":
+                      num_kv_heads: int = 1,
+                      mixed_split_min_tokens: int = MIXED_SPLIT_MIN_CONTEXT_TOKENS
+                      ) -> "AttentionMetadata":
         """Builds the metadata; raises ValueError when a block table is too short.
 
         `use_kernels`: None picks the Triton path on CUDA (see `kernels_available`); True
         forces it (Triton's interpreter runs it on CPU tensors in tests). `num_kv_heads`
-        only informs the decode kernel's split-K choice."""
+        only informs the decode kernel's split-K choice; `mixed_split_min_tokens`, the
+        kernel path's choice for a mixed step (`split_mixed_step`)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         query_start = [0]
@@ -165,7 +191,8 @@ class AttentionMetadata:
             use_kernels = kernels_available(device)
         if use_kernels:
             return dataclasses.replace(meta_without_groups, kernels=_build_kernel_metadata(
-                schedule, meta_without_groups.slot_mapping, num_kv_heads, device))
+                schedule, meta_without_groups.slot_mapping, num_kv_heads, device,
+                mixed_split_min_tokens))
         decode = [i for i, c in enumerate(schedule.chunks) if len(c.token_ids) == 1]
         groups: list[AttentionGroup | CausalChunk] = []
         if decode:
@@ -191,7 +218,8 @@ def _chunk_slots(table: tuple[int, ...], start: int, end: int, block_size: int) 
 
 
 def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
-                           num_kv_heads: int, device: torch.device | str) -> KernelAttentionMetadata:
+                           num_kv_heads: int, device: torch.device | str,
+                           mixed_split_min_tokens: int) -> KernelAttentionMetadata:
     chunks = schedule.chunks
     width = max(len(c.block_ids) for c in chunks)
     tables = np.zeros((len(chunks), width), dtype=np.int32)
@@ -201,10 +229,15 @@ def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
     for chunk in chunks:
         query_start.append(query_start[-1] + len(chunk.token_ids))
     max_query_len = max(len(c.token_ids) for c in chunks)
-    max_context = max(c.end_pos for c in chunks)
     device = torch.device(device)
-    splits = (choose_decode_splits(len(chunks), num_kv_heads, max_context, device)
-              if max_query_len == 1 else 1)
+    num_decodes = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+    splits = 1
+    mixed = False
+    if num_decodes:
+        max_decode_context = max(c.end_pos for c in chunks[:num_decodes])
+        splits = choose_decode_splits(num_decodes, num_kv_heads, max_decode_context, device)
+        mixed = num_decodes < len(chunks) and split_mixed_step(
+            num_decodes, max_decode_context, mixed_split_min_tokens)
     return KernelAttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=torch.from_numpy(tables).to(device),
@@ -212,6 +245,9 @@ def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
         cu_seqlens_q=torch.tensor(query_start, dtype=torch.int32, device=device),
         max_query_len=max_query_len,
         num_decode_splits=splits,
+        num_decode_chunks=num_decodes if mixed else 0,
+        cu_seqlens_prefill=torch.tensor([q - num_decodes for q in query_start[num_decodes:]],
+                                        dtype=torch.int32, device=device) if mixed else None,
     )
 
 
@@ -319,6 +355,15 @@ def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v:
         return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                              meta.context_lens, scale,
                                              meta.num_decode_splits, out=out)
+    n = meta.num_decode_chunks
+    if n and meta.cu_seqlens_prefill is not None:  # a mixed step (see the module docstring)
+        paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
+                                      meta.context_lens[:n], scale, meta.num_decode_splits,
+                                      out=out[:n])
+        prefill_attention_triton(q[n:], kv_layer_k, kv_layer_v, meta.block_tables[n:],
+                                 meta.cu_seqlens_prefill, meta.context_lens[n:], scale,
+                                 meta.max_query_len, out=out[n:])
+        return out
     return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                     meta.cu_seqlens_q, meta.context_lens, scale,
                                     meta.max_query_len, out=out)

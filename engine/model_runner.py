@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata, kernels_available
+from engine.attention import MIXED_SPLIT_MIN_CONTEXT_TOKENS, AttentionMetadata, kernels_available
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -44,11 +44,14 @@ class StepRunner(Protocol):
 class ModelRunner:
     """`cuda_graph_batch_sizes`: None captures DEFAULT_BATCH_SIZES where graphs can run (the
     kernel path on CUDA) and none elsewhere; () captures none. With `use_kernels=True` on
-    CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs)."""
+    CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs).
+    `mixed_split_min_tokens`: from what size a mixed step's decode rows get the decode
+    kernel (engine/attention.py's `split_mixed_step`)."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
                  use_kernels: bool | None = None,
-                 cuda_graph_batch_sizes: Sequence[int] | None = None) -> None:
+                 cuda_graph_batch_sizes: Sequence[int] | None = None,
+                 mixed_split_min_tokens: int = MIXED_SPLIT_MIN_CONTEXT_TOKENS) -> None:
         if kv.layout.block_size != block_size:
             raise ValueError(f"KV storage block size {kv.layout.block_size} != {block_size}")
         if kv.layout.num_layers != model.config.num_layers:
@@ -57,6 +60,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
+        self.mixed_split_min_tokens = mixed_split_min_tokens  # see attention.split_mixed_step
         self.device = model.model.embed_tokens.weight.device
         if model.tp_size > 1:
             # A tensor-parallel shard runs the torch path only (its all-reduces are eager).
@@ -102,7 +106,8 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         attn = AttentionMetadata.from_schedule(schedule, self.block_size, self.device,
                                                use_kernels=self.use_kernels,
-                                               num_kv_heads=self.model.config.num_kv_heads)
+                                               num_kv_heads=self.model.config.num_kv_heads,
+                                               mixed_split_min_tokens=self.mixed_split_min_tokens)
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -177,6 +177,42 @@ def test_kernel_path_logits_and_cache_match_torch_path(pair):
     assert not kernel_runner.kv.kv[:, :, unused_blocks(*TABLES)].any()
 
 
+def test_a_mixed_step_runs_its_leading_decode_rows_through_the_decode_kernel(pair):
+    """As the scheduler orders a mixed step: decode rows first, then prefill chunks. The
+    decode rows go to the decode kernel and the rest to the prefill kernel; logits and
+    cache match the torch path. (The split threshold is lowered: this tiny step is below
+    the size where the split pays, and is kept whole by default.)"""
+    from engine.attention import AttentionMetadata
+
+    _, model = pair
+    torch_runner = make_runner(model, False)
+    kernel_runner = ModelRunner(model, KVStorage.for_model(model.config, 40, BLOCK_SIZE, DTYPE,
+                                                           DEVICE),
+                                BLOCK_SIZE, use_kernels=True, cuda_graph_batch_sizes=(),
+                                mixed_split_min_tokens=1)
+    for runner in (torch_runner, kernel_runner):
+        step(runner, ("a", PROMPTS[0], 0, TABLES[0], True), ("c", PROMPTS[2], 0, TABLES[2], True))
+    chunks = (("a", [13], len(PROMPTS[0]), TABLES[0], True),
+              ("c", [9], len(PROMPTS[2]), TABLES[2], True),
+              ("b", PROMPTS[1], 0, TABLES[1], True))
+    schedule = ScheduleOutput(tuple(ScheduledChunk(rid, tuple(ids), start, tuple(b), sample)
+                                    for rid, ids, start, b, sample in chunks))
+    whole = AttentionMetadata.from_schedule(schedule, BLOCK_SIZE, DEVICE, use_kernels=True,
+                                            num_kv_heads=2).kernels
+    assert whole is not None and whole.num_decode_chunks == 0, "below the default threshold"
+    kernels = AttentionMetadata.from_schedule(schedule, BLOCK_SIZE, DEVICE, use_kernels=True,
+                                              num_kv_heads=2, mixed_split_min_tokens=1).kernels
+    assert kernels is not None and kernels.num_decode_chunks == 2
+    assert kernels.cu_seqlens_prefill is not None
+    assert kernels.cu_seqlens_prefill.tolist() == [0, len(PROMPTS[1])]
+    expected, got = step(torch_runner, *chunks), step(kernel_runner, *chunks)
+    assert got.shape == expected.shape == (3, VOCAB)
+    for row in range(3):
+        assert rel_error(got[row], expected[row]) < TOLERANCE, f"row {row}"
+    live = [b for t in TABLES for b in t]
+    assert cache_error(kernel_runner.kv, torch_runner.kv, live) < TOLERANCE
+
+
 def test_kernel_path_greedy_matches_torch_path(pair):
     _, model = pair
     tokens, expected = greedy_batch(make_runner(model, False), 6, chunked=False)

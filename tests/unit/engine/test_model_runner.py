@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, split_mixed_step
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -144,6 +144,33 @@ def test_attention_metadata_layout():
     with pytest.raises(ValueError, match="cannot hold 9 positions"):
         AttentionMetadata.from_schedule(
             ScheduleOutput((ScheduledChunk("c", (1,), 8, (0, 1), True),)), block_size=4)
+
+
+def test_a_mixed_step_splits_its_leading_decode_rows_once_they_carry_enough_context():
+    """Kernel metadata (built on CPU tensors; no kernel runs): the decode rows the scheduler
+    put first go to the decode kernel when rows x context reach the threshold; a
+    single-token chunk after a prefill chunk stays with the prefill kernel."""
+    schedule = ScheduleOutput((
+        ScheduledChunk("d0", (1,), 40, tuple(range(11)), True),
+        ScheduledChunk("d1", (2,), 20, tuple(range(11, 17)), True),
+        ScheduledChunk("p", (3, 4, 5), 0, (17,), True),
+        ScheduledChunk("q", (6,), 8, (18, 19, 20), True),
+    ))
+
+    def kernels(min_tokens: int):
+        meta = AttentionMetadata.from_schedule(schedule, block_size=4, use_kernels=True,
+                                               num_kv_heads=2, mixed_split_min_tokens=min_tokens)
+        assert meta.kernels is not None
+        return meta.kernels
+
+    split = kernels(2 * 41)  # 2 rows x the longest decode context, 41 positions
+    assert split.num_decode_chunks == 2
+    assert split.cu_seqlens_prefill is not None
+    assert split.cu_seqlens_prefill.tolist() == [0, 3, 4]
+    assert split.cu_seqlens_q.tolist() == [0, 1, 2, 5, 6] and split.max_query_len == 3
+    whole = kernels(2 * 41 + 1)
+    assert whole.num_decode_chunks == 0 and whole.cu_seqlens_prefill is None
+    assert split_mixed_step(16, 512) is False and split_mixed_step(16, 2048) is True
 
 
 def test_runner_rejects_a_pool_of_another_shape(model):
