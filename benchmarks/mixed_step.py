@@ -73,14 +73,12 @@ def main() -> None:
                                 dtype=dtype)
             q = torch.randn(num_decodes + args.prefill, HEADS, HEAD_DIM, device=device,
                             dtype=dtype)
-            meta = AttentionMetadata.from_schedule(sched, BLOCK, device, use_kernels=True,
-                                                   num_kv_heads=KV_HEADS).kernels
-            assert meta is not None
             # Both ways, whatever split_mixed_step would choose at this size.
-            meta = dataclasses.replace(meta, num_decode_chunks=num_decodes,
-                                       cu_seqlens_prefill=torch.tensor(
-                                           [0, args.prefill], dtype=torch.int32, device=device))
-            whole = dataclasses.replace(meta, num_decode_chunks=0, cu_seqlens_prefill=None)
+            meta = AttentionMetadata.from_schedule(sched, BLOCK, device, use_kernels=True,
+                                                   num_kv_heads=KV_HEADS,
+                                                   mixed_split_min_tokens=1).kernels
+            assert meta is not None and meta.num_decode_chunks == num_decodes
+            whole = dataclasses.replace(meta, num_decode_chunks=0, prefill_part=None)
             scale = HEAD_DIM ** -0.5
             split_out = attend_cached_kernels(q, cache[0], cache[1], meta, scale)
             whole_out = attend_cached_kernels(q, cache[0], cache[1], whole, scale)

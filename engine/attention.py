@@ -37,7 +37,11 @@ kernel and the rest to the chunked-prefill kernel (which would give each decode 
 tile of query rows and no split over its context):
 
     token rows  [0, num_decode_chunks)        decode kernel   (one row per chunk)
-                [num_decode_chunks, T)        prefill kernel  (cu_seqlens_prefill)
+                [num_decode_chunks, T)        prefill kernel  (`prefill_part`)
+
+The prefill part has tensors of its own rather than views into the step's: a view that
+starts past a tensor's first 16 bytes would make Triton compile another variant of the
+kernel, mid-traffic.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.backend import import_triton
-from engine.schedule_output import ScheduleOutput
+from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +67,10 @@ class KernelAttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [num_chunks + 1] int32: query_start
     max_query_len: int  # longest chunk of the step (a host int: no device sync)
     num_decode_splits: int  # split-K factor of the decode kernel's rows
-    # A mixed step: its leading single-token chunks (the decode kernel's rows) and the
-    # query starts of the rest, from 0 (the prefill kernel's); 0 and None otherwise.
+    # A mixed step: its leading single-token chunks (the decode kernel's rows), and the
+    # rest as a step of their own (the prefill kernel's); 0 and None otherwise.
     num_decode_chunks: int = 0
-    cu_seqlens_prefill: torch.Tensor | None = None
+    prefill_part: KernelAttentionMetadata | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -221,14 +225,6 @@ def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
                            num_kv_heads: int, device: torch.device | str,
                            mixed_split_min_tokens: int) -> KernelAttentionMetadata:
     chunks = schedule.chunks
-    width = max(len(c.block_ids) for c in chunks)
-    tables = np.zeros((len(chunks), width), dtype=np.int32)
-    for row, chunk in enumerate(chunks):
-        tables[row, :len(chunk.block_ids)] = chunk.block_ids
-    query_start = [0]
-    for chunk in chunks:
-        query_start.append(query_start[-1] + len(chunk.token_ids))
-    max_query_len = max(len(c.token_ids) for c in chunks)
     device = torch.device(device)
     num_decodes = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
     splits = 1
@@ -238,16 +234,29 @@ def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
         splits = choose_decode_splits(num_decodes, num_kv_heads, max_decode_context, device)
         mixed = num_decodes < len(chunks) and split_mixed_step(
             num_decodes, max_decode_context, mixed_split_min_tokens)
+    meta = _chunk_tensors(chunks, slot_mapping, device, splits)
+    if not mixed:
+        return meta
+    return dataclasses.replace(meta, num_decode_chunks=num_decodes, prefill_part=_chunk_tensors(
+        chunks[num_decodes:], slot_mapping[:0], device, 1))
+
+
+def _chunk_tensors(chunks: tuple[ScheduledChunk, ...], slot_mapping: torch.Tensor,
+                   device: torch.device, splits: int) -> KernelAttentionMetadata:
+    width = max(len(c.block_ids) for c in chunks)
+    tables = np.zeros((len(chunks), width), dtype=np.int32)
+    for row, chunk in enumerate(chunks):
+        tables[row, :len(chunk.block_ids)] = chunk.block_ids
+    query_start = [0]
+    for chunk in chunks:
+        query_start.append(query_start[-1] + len(chunk.token_ids))
     return KernelAttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=torch.from_numpy(tables).to(device),
         context_lens=torch.tensor([c.end_pos for c in chunks], dtype=torch.int32, device=device),
         cu_seqlens_q=torch.tensor(query_start, dtype=torch.int32, device=device),
-        max_query_len=max_query_len,
+        max_query_len=max(len(c.token_ids) for c in chunks),
         num_decode_splits=splits,
-        num_decode_chunks=num_decodes if mixed else 0,
-        cu_seqlens_prefill=torch.tensor([q - num_decodes for q in query_start[num_decodes:]],
-                                        dtype=torch.int32, device=device) if mixed else None,
     )
 
 
@@ -355,14 +364,14 @@ def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v:
         return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                              meta.context_lens, scale,
                                              meta.num_decode_splits, out=out)
-    n = meta.num_decode_chunks
-    if n and meta.cu_seqlens_prefill is not None:  # a mixed step (see the module docstring)
+    n, rest = meta.num_decode_chunks, meta.prefill_part
+    if rest is not None:  # a mixed step (see the module docstring)
         paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
                                       meta.context_lens[:n], scale, meta.num_decode_splits,
                                       out=out[:n])
-        prefill_attention_triton(q[n:], kv_layer_k, kv_layer_v, meta.block_tables[n:],
-                                 meta.cu_seqlens_prefill, meta.context_lens[n:], scale,
-                                 meta.max_query_len, out=out[n:])
+        prefill_attention_triton(q[n:], kv_layer_k, kv_layer_v, rest.block_tables,
+                                 rest.cu_seqlens_q, rest.context_lens, scale,
+                                 rest.max_query_len, out=out[n:])
         return out
     return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                     meta.cu_seqlens_q, meta.context_lens, scale,

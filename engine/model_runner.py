@@ -84,6 +84,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
                                        use_graphs=on_cuda)
             self.graphs.capture()
+        if on_cuda:
+            # Eager decode rows (a mixed step's, or a batch past the largest graph) may use
+            # any split count: compile them all now rather than one mid-traffic.
+            from engine.kernels.paged_decode_attention import compile_split_variants
+
+            config = model.config
+            k_cache, v_cache = kv.layer(0)
+            compile_split_variants(torch.empty(1, config.num_heads, config.head_dim,
+                                               dtype=kv.kv.dtype, device=self.device),
+                                   k_cache, v_cache)
 
     def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
         """float32 logits [number of chunks with sample=True, vocab], in chunk order.

@@ -68,11 +68,29 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
                       num_sms: int) -> int:
     """Pure policy: enough programs for about two waves over `num_sms`, but no split
-    shorter than MIN_TOKENS_PER_SPLIT tokens of the longest possible context."""
+    shorter than MIN_TOKENS_PER_SPLIT tokens of the longest possible context; a power of
+    two (rounded down), so the kernel has few variants (`SPLIT_COUNTS`), all compiled at
+    start-up (`compile_split_variants`) rather than one per new count mid-traffic."""
     programs = max(1, num_seqs * num_kv_heads)
     wanted = math.ceil(2 * num_sms / programs)
     longest = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, longest, MAX_SPLITS))
+    splits = max(1, min(wanted, longest, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+SPLIT_COUNTS = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))  # 1, 2, 4, ... MAX
+
+
+def compile_split_variants(q_like: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor) -> None:
+    """Run the kernel once per split count on a one-sequence decode over block 0 (its
+    output discarded), so that no variant compiles while a worker serves. `q_like`:
+    [any, num_heads, head_dim] in the model's dtype, on the cache's device."""
+    q = q_like[:1]
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+    lens = torch.ones(1, dtype=torch.int32, device=q.device)
+    for splits in SPLIT_COUNTS:
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 1.0, splits)
 
 
 # table_stride (the step's widest block table) changes from step to step: specialized

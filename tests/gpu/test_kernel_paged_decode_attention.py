@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_decode_attention import (num_decode_splits, paged_decode_attention,
+from engine.kernels.paged_decode_attention import (SPLIT_COUNTS, num_decode_splits,
+                                                   paged_decode_attention,
                                                    paged_decode_attention_reference,
                                                    paged_decode_attention_triton)
 
@@ -86,3 +87,7 @@ def test_split_policy():
     assert num_decode_splits(1, 8, 512, 132) == 4
     assert num_decode_splits(256, 8, 4096, 132) == 1
     assert num_decode_splits(1, 8, 16, 132) == 1
+    # 16 sequences x 8 KV heads want ceil(264 / 128) = 3 splits: a power of two, 2.
+    assert num_decode_splits(16, 8, 4096, 132) == 2
+    assert all(num_decode_splits(n, 8, c, 132) in SPLIT_COUNTS
+               for n in range(1, 300, 7) for c in (16, 300, 2048, 9000))

@@ -203,8 +203,8 @@ def test_a_mixed_step_runs_its_leading_decode_rows_through_the_decode_kernel(pai
     kernels = AttentionMetadata.from_schedule(schedule, BLOCK_SIZE, DEVICE, use_kernels=True,
                                               num_kv_heads=2, mixed_split_min_tokens=1).kernels
     assert kernels is not None and kernels.num_decode_chunks == 2
-    assert kernels.cu_seqlens_prefill is not None
-    assert kernels.cu_seqlens_prefill.tolist() == [0, len(PROMPTS[1])]
+    assert kernels.prefill_part is not None
+    assert kernels.prefill_part.cu_seqlens_q.tolist() == [0, len(PROMPTS[1])]
     expected, got = step(torch_runner, *chunks), step(kernel_runner, *chunks)
     assert got.shape == expected.shape == (3, VOCAB)
     for row in range(3):

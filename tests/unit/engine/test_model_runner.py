@@ -164,12 +164,14 @@ def test_a_mixed_step_splits_its_leading_decode_rows_once_they_carry_enough_cont
         return meta.kernels
 
     split = kernels(2 * 41)  # 2 rows x the longest decode context, 41 positions
-    assert split.num_decode_chunks == 2
-    assert split.cu_seqlens_prefill is not None
-    assert split.cu_seqlens_prefill.tolist() == [0, 3, 4]
+    assert split.num_decode_chunks == 2 and split.prefill_part is not None
     assert split.cu_seqlens_q.tolist() == [0, 1, 2, 5, 6] and split.max_query_len == 3
+    rest = split.prefill_part
+    assert rest.cu_seqlens_q.tolist() == [0, 3, 4] and rest.max_query_len == 3
+    assert rest.context_lens.tolist() == [3, 9]
+    assert rest.block_tables.tolist() == [[17, 0, 0], [18, 19, 20]]
     whole = kernels(2 * 41 + 1)
-    assert whole.num_decode_chunks == 0 and whole.cu_seqlens_prefill is None
+    assert whole.num_decode_chunks == 0 and whole.prefill_part is None
     assert split_mixed_step(16, 512) is False and split_mixed_step(16, 2048) is True
 
 
