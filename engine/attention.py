@@ -87,10 +87,13 @@ class KernelAttentionMetadata:
 
 
 # Decode rows x their longest context below which a mixed step keeps them in the prefill
-# kernel: a second launch costs more than it saves. On an H200 at Llama-3-8B attention
-# shapes (benchmarks/mixed_step.py), 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at
-# 2048 and 64 at 512 (32k) took 0.21 vs 0.37 and 0.13 vs 0.39.
-MIXED_SPLIT_MIN_CONTEXT_TOKENS = 16 * 1024
+# kernel. The split saves GPU time from about 16k up (benchmarks/mixed_step.py, H200,
+# Llama-3-8B attention: 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at 2048, 0.21
+# vs 0.37; 64 at 2048, 0.21 vs 1.22 per layer), but costs two more kernel launches per
+# layer on the CPU, which a small model's CPU-bound serving loop pays in full: split from
+# 16k, one colocated Llama-3.2-1B worker did not serve more (see docs/benchmarks.md). So
+# only steps whose decode attention is far longer than those launches are split.
+MIXED_SPLIT_MIN_CONTEXT_TOKENS = 128 * 1024
 
 
 def split_mixed_step(num_decode_rows: int, max_decode_context: int,

@@ -172,7 +172,7 @@ def test_a_mixed_step_splits_its_leading_decode_rows_once_they_carry_enough_cont
     assert rest.block_tables.tolist() == [[17, 0, 0], [18, 19, 20]]
     whole = kernels(2 * 41 + 1)
     assert whole.num_decode_chunks == 0 and whole.prefill_part is None
-    assert split_mixed_step(16, 512) is False and split_mixed_step(16, 2048) is True
+    assert split_mixed_step(16, 2048) is False and split_mixed_step(64, 2048) is True
 
 
 def test_runner_rejects_a_pool_of_another_shape(model):
