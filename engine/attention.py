@@ -91,7 +91,8 @@ class KernelAttentionMetadata:
 # Llama-3-8B attention: 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at 2048, 0.21
 # vs 0.37; 64 at 2048, 0.21 vs 1.22 per layer), but costs two more kernel launches per
 # layer on the CPU, which a small model's CPU-bound serving loop pays in full: split from
-# 16k, one colocated Llama-3.2-1B worker did not serve more (see docs/benchmarks.md). So
+# 16k, one colocated Llama-3.2-1B worker served 48 req/s against 72 unsplit in the same
+# run; from 128k, 60 and 60 twice, better attainment past it (docs/benchmarks.md). So
 # only steps whose decode attention is far longer than those launches are split.
 MIXED_SPLIT_MIN_CONTEXT_TOKENS = 128 * 1024
 
