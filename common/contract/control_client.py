@@ -8,9 +8,9 @@ Given a `ChannelPool`, a client sends over the worker's channel (one persistent 
 per worker, common/contract/channel_client.py) and over HTTP only to a worker that has
 none; without one, each call is a POST and a stream is read by the one frame reader,
 `common/contract/frames.py`'s `stream_frame_batches`. Both send protocol envelopes
-(common/contract/protocol.py). Errors: an ErrorFrame answer raises `RemoteError`; a refused connection, a cut
-stream or an undecodable answer raise `ControlError`; a missed deadline raises
-`FrameDeadlineError` (control_errors.py).
+(common/contract/protocol.py). Errors: an ErrorFrame answer raises `RemoteError`; a
+refused connection, a cut stream or an undecodable answer raise `ControlError`; a missed
+deadline raises `FrameDeadlineError` (control_errors.py).
 
 Deadlines: `call` has one overall deadline; `stream` one for the response headers and the
 first frame, and one per later frame, so a stalled worker is noticed within
@@ -93,9 +93,11 @@ class ControlClient:
                     channel = await self.channels.get(self.base_url)
                     if channel is not None:
                         answers: list[Message] = []
-                        async for batch in channel.open(message, self._frames(response_type),
-                                                        timeout_s, timeout_s):
-                            answers += batch
+                        stream = channel.open(message, self._frames(response_type), timeout_s,
+                                              timeout_s)
+                        async with contextlib.aclosing(stream):  # early exit: worker drops it
+                            async for batch in stream:
+                                answers += batch
                         if len(answers) != 1 or not isinstance(answers[0], response_type):
                             raise ControlError(f"{path}: {len(answers)} answers to one call")
                         return answers[0]
