@@ -36,6 +36,7 @@ from torch import nn
 from engine.attention import (AttentionMetadata, KernelAttentionMetadata, attend_cached_kernels,
                               paged_attention)
 from engine.config import Llama3RopeScaling, ModelConfig
+from engine.kernels.gemv import linear
 from engine.kv_storage import KVStorage
 
 
@@ -156,7 +157,7 @@ class LlamaAttention(nn.Module):
 
         t = x.shape[0]
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         # Strided views into the one projection output: the kernels take strides.
         q = qkv[:, :q_out].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_out:q_out + kv_out].view(t, self.num_kv_heads, self.head_dim)
@@ -164,7 +165,7 @@ class LlamaAttention(nn.Module):
         # One kernel rotates q and k and writes this step's K/V into the cache.
         rope_write_kv_triton_(q, k, v, positions, *rope_tables, kv_k, kv_v, meta.slot_mapping)
         out = attend_cached_kernels(q, kv_k, kv_v, meta, self.scale)
-        return self.o_proj(out.view(t, q_out))
+        return linear(out.view(t, q_out), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -188,9 +189,10 @@ class LlamaMLP(nn.Module):
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.silu_mul import silu_mul_triton
 
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight)
         size = gate_up.shape[1] // 2
-        return self.down_proj(silu_mul_triton(gate_up[:, :size], gate_up[:, size:]))
+        return linear(silu_mul_triton(gate_up[:, :size], gate_up[:, size:]),
+                      self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -315,4 +317,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
