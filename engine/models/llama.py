@@ -14,8 +14,9 @@ for a small random model), enough to swap greedy picks between near-equal logits
 Two paths share the parameters. The torch path (the CPU path) is the reference. The kernel
 path (chosen when `AttentionMetadata.kernels` is set, i.e. on CUDA) runs the Triton ops of
 engine/kernels: fused residual-add + RMSNorm, RoPE in place from precomputed tables, fused
-SiLU-and-multiply, RoPE fused with the KV-cache write, and paged attention; it needs `prepare_kernels()`
-first, which fuses q/k/v and gate/up into one matmul each:
+SiLU-and-multiply, RoPE fused with the KV-cache write, paged attention, and at batch 1..8
+a matrix-vector kernel for the linear layers it was measured faster on (engine/kernels/gemv.py);
+it needs `prepare_kernels()` first, which fuses q/k/v and gate/up into one matmul each:
 
     qkv_weight      [q_out + 2 * kv_out, hidden]   q_proj/k_proj/v_proj.weight are views
     gate_up_weight  [2 * intermediate, hidden]     gate_proj/up_proj.weight are views
