@@ -61,7 +61,8 @@ def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
 
     prefill = PrefillWorker(runtime.metrics, make_sender,
                             transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,
-                            fault_request_prefix=options.fault_request_prefix)
+                            fault_request_prefix=options.fault_request_prefix,
+                            layerwise_push=options.kv_push == "layerwise")
     decode = DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
                           epoch=lambda: runtime.epoch,
                           colocated=not options.role.takes_reservations,

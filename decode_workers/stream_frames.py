@@ -15,6 +15,7 @@ from common.contract.protocol import ErrorCode, ErrorFrame, TokenFrame
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, frame_outcome, merge_outputs
 from engine.engine_thread import RequestStream, StreamEnd
+from engine.llm_engine import RequestOutput
 
 
 async def stream_frames(rid: str, stream: RequestStream, deadline: float,
@@ -31,7 +32,7 @@ async def stream_frames(rid: str, stream: RequestStream, deadline: float,
             yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed")
             return
         items = [item, *stream.take_ready()]
-        outputs = [i for i in items if not isinstance(i, StreamEnd)]
+        outputs = [i for i in items if isinstance(i, RequestOutput)]  # no KVReady here
         end = next((i for i in items if isinstance(i, StreamEnd)), None)
         if outputs and first:
             metrics.record_started(outputs[0].num_prompt_tokens, outputs[0].num_cached_tokens)

@@ -6,7 +6,8 @@ The engine is single-threaded (engine/llm_engine.py), so every call into it happ
     ----------                                     -------------
     call(fn) / submit(fn) --- command queue --->   fn(engine) between two steps
              future <---- call_soon_threadsafe ---  result or exception
-    RequestStream.queue <-- call_soon_threadsafe -- step(): outputs, cache events, stats
+    RequestStream.queue <-- call_soon_threadsafe -- step(): KVReady (mid-step, kv_ready.py),
+                                                    then outputs, cache events, stats
     on_step(StepReport) (metrics, prefix index)     (runs while engine.has_unfinished())
 
 Lifecycle: start() -> RUNNING (steps while there is work, otherwise sleeps on a wake-up
@@ -36,6 +37,7 @@ from typing import TypeVar
 
 from common.contract.worker_load import WorkerLoad
 from engine.block_pool import CacheEvent
+from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.step_shape import StepShape, queue_shape, step_shape
@@ -65,23 +67,28 @@ class StreamEnd:
     error: BaseException | None = None
 
 
+# What a request's stream carries: a KVReady only for requests added with notify_kv_ready,
+# and then before the output of the step that sent it.
+StreamItem = RequestOutput | StreamEnd | KVReady
+
+
 @dataclass(slots=True)
 class RequestStream:
     """The outputs of one request, in order, as the engine thread produced them."""
 
     request_id: str
-    queue: asyncio.Queue[RequestOutput | StreamEnd] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     num_tokens_sent: int = 0  # counted by the consumer, for the tokens it passed on
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
         self.queue.put_nowait(StreamEnd(reason, error))
 
-    async def next(self, timeout_s: float) -> RequestOutput | StreamEnd:
+    async def next(self, timeout_s: float) -> StreamItem:
         """The next item; raises TimeoutError after timeout_s."""
         async with asyncio.timeout(max(timeout_s, 0.0)):
             return await self.queue.get()
 
-    def take_ready(self) -> list[RequestOutput | StreamEnd]:
+    def take_ready(self) -> list[StreamItem]:
         items = []
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
@@ -243,6 +250,15 @@ class EngineThread:
         except Exception:  # metrics or publishing must never stop token delivery
             log.exception("on_step callback failed")
 
+    def _deliver_kv_ready(self, ready: KVReady) -> None:
+        stream = self._streams.get(ready.request_id)
+        if stream is not None:
+            stream.queue.put_nowait(ready)
+
+    def _post_kv_ready(self, ready: KVReady) -> None:
+        """Engine thread, mid-step: hand a KVReady to the loop before the step ends."""
+        self.loop.call_soon_threadsafe(self._deliver_kv_ready, ready)
+
     def _on_failure(self, error: BaseException) -> None:
         self.failure = error
         for stream in list(self._streams.values()):
@@ -257,7 +273,7 @@ class EngineThread:
                 ran_commands = self._run_commands()
                 if engine.has_unfinished():
                     started = time.perf_counter()
-                    outputs = engine.step()
+                    outputs = engine.step(self._post_kv_ready)
                     if self.fault_step_delay_s:
                         time.sleep(self.fault_step_delay_s)
                     self._post(outputs, time.perf_counter() - started)

@@ -18,7 +18,7 @@ request produces exactly one output with `finish_reason` set. Outputs count engi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,11 +29,12 @@ from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, Reservation
+from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner, StepRunner
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
-from engine.schedule_output import ScheduleOutput
+from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.stop_checker import check_stop
@@ -111,6 +112,7 @@ class _Tracked:
     text: str = ""
     num_emitted_chars: int = 0
     stop: FinishReason | None = None
+    notify_kv_ready: bool = False  # a KVReady is owed at the final prompt chunk (kv_ready.py)
 
 
 @dataclass(slots=True)
@@ -168,8 +170,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, priority: int = 0,
                     mode: RequestMode = RequestMode.PREFILL_AND_DECODE,
-                    resumed_token_ids: Sequence[int] = ()) -> None:
+                    resumed_token_ids: Sequence[int] = (),
+                    notify_kv_ready: bool = False) -> None:
         """Queue a request; its outputs come from later `step()` calls.
+
+        With `notify_kv_ready` (PREFILL_ONLY requests only) the step that computes its final
+        prompt chunk hands a KVReady to `step()`'s `on_kv_ready` (engine/kv_ready.py).
 
         With `resumed_token_ids` it continues after that output, produced elsewhere (a
         worker that died mid-stream): the tokens are replayed through the detokenizer and
@@ -177,8 +183,11 @@ class LLMEngine:
         emitted again; seeded sampling draws the next token as the first worker would have
         (engine/sampler.py). Raises ValueError when that output already ends the request."""
         self._check_prompt(request_id, prompt_token_ids)
+        if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
+            raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
         tracked = self._track(request)
+        tracked.notify_kv_ready = notify_kv_ready
         if not resumed_token_ids:
             self.scheduler.add_request(request)
             return
@@ -251,15 +260,26 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns the outputs of this step (possibly none)."""
+    def step(self, on_kv_ready: Callable[[KVReady], None] | None = None) -> list[RequestOutput]:
+        """One engine iteration. Returns the outputs of this step (possibly none).
+
+        `on_kv_ready` gets the KVReady of every request that asked for one and whose final
+        prompt chunk this step computes, before the step waits for the model (kv_ready.py).
+        """
         schedule = self.last_schedule = self.scheduler.schedule()
         self.num_steps += 1
         self.num_preemptions += len(schedule.preempted_request_ids)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if not schedule.is_empty:
-            logits = self.runner.execute(schedule)
+            ready = self._kv_ready_chunks(schedule) if on_kv_ready is not None else []
+            recorder = LayerEventRecorder() if ready and self.runner.records_layer_events \
+                else None
+            if ready and recorder is None:
+                self._announce_kv_ready(ready, None, on_kv_ready)
+            logits = self.runner.execute(schedule, recorder)
+            if ready and recorder is not None:
+                self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
             rows = [c.request_id for c in schedule.chunks if c.sample]
             if rows:
                 tracked = [self._tracked[rid] for rid in rows]
@@ -300,6 +320,28 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _kv_ready_chunks(self, schedule: ScheduleOutput) -> list[ScheduledChunk]:
+        """This step's final prompt chunks of requests that are owed a KVReady."""
+        ready = []
+        for chunk in schedule.chunks:
+            tracked = self._tracked.get(chunk.request_id)
+            if tracked is not None and tracked.notify_kv_ready and chunk.sample:
+                ready.append(chunk)
+        return ready
+
+    def _announce_kv_ready(self, chunks: list[ScheduledChunk],
+                           events: tuple[torch.cuda.Event, ...] | None,
+                           on_kv_ready: Callable[[KVReady], None] | None) -> None:
+        assert on_kv_ready is not None  # only called when chunks were collected for it
+        for chunk in chunks:
+            tracked = self._tracked[chunk.request_id]
+            tracked.notify_kv_ready = False  # once
+            ready = KVReady(chunk.request_id, chunk.block_ids,
+                            tracked.request.num_prompt_tokens, events)
+            if __debug__:
+                ready.check_invariants(self.config.block_size, self.model_config.num_layers)
+            on_kv_ready(ready)
 
     def _check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         if request_id in self._tracked:

@@ -16,7 +16,7 @@ runs the kernel path under Triton's interpreter (tests only: it is slow).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -32,8 +32,16 @@ class StepRunner(Protocol):
     """What the engine loop needs from whatever runs the model (this module's ModelRunner,
     or tensor parallelism's DrivingRunner)."""
 
-    def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
-        """float32 logits [sampling chunks, vocab] for one step's schedule."""
+    @property
+    def records_layer_events(self) -> bool:
+        """True when `execute` calls `on_layer` after each layer's K/V is queued (CUDA)."""
+        ...
+
+    def execute(self, schedule: ScheduleOutput,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """float32 logits [sampling chunks, vocab] for one step's schedule. Where
+        `records_layer_events`, `on_layer(n)` runs once per layer, in order, right after the
+        work writing layer n's K/V was queued on the current stream."""
         ...
 
     def close(self) -> None:
@@ -95,7 +103,12 @@ class ModelRunner:
                                                dtype=kv.kv.dtype, device=self.device),
                                    k_cache, v_cache)
 
-    def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
+    @property
+    def records_layer_events(self) -> bool:
+        return self.device.type == "cuda"
+
+    def execute(self, schedule: ScheduleOutput,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """float32 logits [number of chunks with sample=True, vocab], in chunk order.
 
         Each row is the distribution after the last token of a sampling chunk. An empty
@@ -104,7 +117,7 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if schedule.is_empty:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
-        if self.graphs is not None and self.graphs.can_run(schedule):
+        if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
             return self.graphs.run(schedule)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -122,7 +135,7 @@ class ModelRunner:
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
-                self.kv, attn)
+                self.kv, attn, on_layer)
             if not sample_rows:
                 return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -184,7 +184,14 @@ class DrivingRunner:
         self._closed = False
         self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
 
-    def execute(self, schedule: ScheduleOutput) -> torch.Tensor:
+    @property
+    def records_layer_events(self) -> bool:
+        return False  # the followers' layers finish on their own devices
+
+    def execute(self, schedule: ScheduleOutput,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        if on_layer is not None:
+            raise ValueError("a tensor-parallel group records no layer events")
         if self._closed:
             raise RuntimeError("the tensor-parallel group has been shut down")
         self._channel.send(msgspec.msgpack.encode(StepMessage(schedule)))

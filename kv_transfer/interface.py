@@ -32,10 +32,11 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
+import torch
 
 # Called by the receiver, exactly once, with the destination blocks of a failed transfer.
 ReleaseBlocks = Callable[[list[int]], None]
@@ -89,6 +90,16 @@ class SendHandle(Protocol):
     @property
     def mapped(self) -> bool:
         """True when this process copies into the receiver's mapped pool (no data plane)."""
+
+    @property
+    def sends_after_events(self) -> bool:
+        """True when `send_layers_after` may be used (a mapped transfer between CUDA pools)."""
+
+    def send_layers_after(self, layer_events: Sequence[torch.cuda.Event]) -> None:
+        """Hand over every layer at once: layer n moves once `layer_events[n]` completed
+        (an event recorded behind the work writing it, engine/kv_ready.py), with no CPU
+        wait in between; instead of `send_layer`. Raises ValueError where not
+        `sends_after_events` or once a layer was sent."""
 
     def send_layer(self, layer: int) -> None:
         """Start moving `layer` (its K and V for every block); returns without waiting.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Sequence
 
 import torch
 
@@ -94,6 +95,13 @@ class LocalSendHandle:
     @property
     def state(self) -> TransferState:
         return TransferState.CANCELLED if self._cancelled else self._inbound.state
+
+    @property
+    def sends_after_events(self) -> bool:
+        return False
+
+    def send_layers_after(self, layer_events: Sequence[torch.cuda.Event]) -> None:
+        raise ValueError("the in-process backend copies each layer with send_layer")
 
     def send_layer(self, layer: int) -> None:
         if layer in self._sent_layers:

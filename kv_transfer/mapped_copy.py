@@ -7,17 +7,23 @@ copy per block run, on the sender's copy thread so the event loop never waits on
 
     copy(layers)  ─ CUDA: kernel on `stream`, event recorded ─ poll event ─▶ returns
                   └ host: copy_runs on the copy thread ─────────────────────▶ returns
+    copy_after(layers, events)  (CUDA; layer-wise push, engine/kv_ready.py)
+                  ─ per layer n: stream waits for events[n], then its kernel ─
+                    event recorded ─ a thread waits for it ─────────────────▶ returns
 
-Precondition (that of SendHandle.send_layer): the source layers are written, and on CUDA
-their producing stream synchronized, so the copy stream needs no wait. `copy` returns only
-once no byte of that call can still be written: the sender's drain (outbound.py) and the
-receiver's release rely on it.
+Precondition of `copy` (that of SendHandle.send_layer): the source layers are written, and
+on CUDA their producing stream synchronized, so the copy stream needs no wait. `copy_after`
+needs only that each event was recorded behind the work that writes its layer: the GPU
+orders the copy of layer n after layer n's compute, with no CPU in between, so it overlaps
+the layers still computing. Both return only once no byte of that call can still be
+written: the sender's drain (outbound.py) and the receiver's release rely on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import torch
@@ -68,6 +74,28 @@ class MappedCopy:
                                         device=src.device)
         else:
             self.runs = plan_runs(spec.src_block_ids, spec.dst_block_ids)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.context.stream is not None
+
+    async def copy_after(self, layers: range, layer_events: Sequence[torch.cuda.Event]) -> None:
+        """CUDA: copy each layer once `layer_events[layer]` completed (see the module doc)."""
+        stream = self.context.stream
+        if stream is None:
+            raise ValueError("copy_after needs a CUDA pool")
+        if len(layer_events) < layers.stop:
+            raise ValueError(f"{len(layer_events)} layer events for layers up to {layers.stop}")
+        with torch.cuda.device(self.src.device), torch.cuda.stream(stream):
+            for layer in layers:
+                stream.wait_event(layer_events[layer])
+                copy_blocks_triton(self.src, self.dst, self.src_ids, self.dst_ids,
+                                   range(layer, layer + 1))
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The wait spans the prompt's remaining compute (up to a whole prefill step): a
+        # thread blocks on the event (without the GIL) rather than the loop polling it.
+        await asyncio.to_thread(done.synchronize)
 
     async def copy(self, layers: range) -> None:
         stream = self.context.stream

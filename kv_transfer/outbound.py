@@ -17,6 +17,11 @@ copy) = stop, drain what is in flight (sends posted, the copy running: <= abort_
 then Abort to the receiver, which may then release its blocks; a sender that cannot drain
 closes the link instead (the receiver then treats it as a dead peer).
 
+Layer-wise (mapped CUDA links only): `send_layers_after(events)` hands every layer over at
+once, each copy queued on the GPU behind its layer's event (mapped_copy.copy_after), while
+the prompt is still computing. Its drain waits for those copies however long the prompt's
+step takes (the GPU bounds it): a copy still queued must not outlive the receiver's blocks.
+
 Invariants: each layer of the spec is handed over once; every task of a transfer is in its
 `_tasks` until it ends; a terminal transfer posts nothing new (`stopped`).
 """
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -99,6 +104,7 @@ class OutboundTransfer:
         self._terminal = asyncio.Event()
         self._next_group = 0  # packed: the next layer group the pump sends
         self._pump: asyncio.Task[None] | None = None
+        self._gated = False  # copies queued behind layer events (send_layers_after)
         self._timer = asyncio.get_running_loop().call_at(
             deadline, self.fail, TransferTimeout(
                 f"transfer {self.spec.request_id}: not confirmed by the deadline"))
@@ -106,6 +112,35 @@ class OutboundTransfer:
     @property
     def mapped(self) -> bool:
         return self._copy is not None
+
+    @property
+    def sends_after_events(self) -> bool:
+        """True when `send_layers_after` can queue this transfer behind layer events."""
+        return self._copy is not None and self._copy.on_cuda
+
+    def send_layers_after(self, layer_events: Sequence[torch.cuda.Event]) -> None:
+        """Hand over every layer at once, each copied once its event completed."""
+        if not self.sends_after_events:
+            raise ValueError(f"transfer {self.spec.request_id}: not a mapped CUDA transfer")
+        if self._sent_layers:
+            raise ValueError(f"transfer {self.spec.request_id}: layers already sent")
+        self._sent_layers.update(self.spec.layers)
+        if self.state is not TransferState.IN_FLIGHT:
+            return  # the failure is reported by finish()
+        self._gated = True
+        self._pump = asyncio.get_running_loop().create_task(self._run_gated(layer_events))
+        self._tasks.add(self._pump)
+        self._pump.add_done_callback(self._send_done)
+
+    async def _run_gated(self, layer_events: Sequence[torch.cuda.Event]) -> None:
+        assert self._copy is not None
+        try:
+            await self._copy.copy_after(self.spec.layers, layer_events)
+            self._copied_layers.update(self.spec.layers)
+            if not self.stopped:
+                self._written()
+        finally:
+            self._pump = None
 
     def send_layer(self, layer: int) -> None:
         if layer in self._sent_layers:
@@ -164,12 +199,15 @@ class OutboundTransfer:
                     if self.stopped:
                         return
             if len(self._copied_layers) == len(self.spec.layers) and not self.stopped:
-                conn = self._link.conn
-                if conn is None or self._link.lost:
-                    raise PeerLost("the receiver's link is gone")
-                conn.send_message(Written(request_id=self.spec.request_id))
+                self._written()
         finally:
             self._pump = None
+
+    def _written(self) -> None:
+        conn = self._link.conn
+        if conn is None or self._link.lost:
+            raise PeerLost("the receiver's link is gone")
+        conn.send_message(Written(request_id=self.spec.request_id))
 
     def _send_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -223,7 +261,9 @@ class OutboundTransfer:
 
     async def _drain_and_abort(self, reason: str) -> None:
         if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=self._sender.abort_timeout_s)
+            # Gated copies end when the prompt's step does (the GPU bounds the wait).
+            timeout = None if self._gated else self._sender.abort_timeout_s
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout)
             if pending:
                 log.warning("transfer %s: sends did not drain; closing the link",
                             self.spec.request_id)

@@ -16,16 +16,27 @@ Lifecycle of one request here:
     reservation). Blocks the destination already holds (num_prefix_blocks_held) are not
     sent; prefix blocks cached here are not recomputed (the engine's prefix cache).
 
-KV goes out after the prefill step, per request, one send per layer: the engine computes
-every layer of a chunk in one step, so "as each layer finishes" is not observable through
-its API; the layers are still posted separately so the receiver's layer accounting holds.
+When the push starts (`layerwise`, the default: `--kv-push layerwise`):
+
+    layerwise:  add_request(notify_kv_ready) ─▶ KVReady (mid-step, engine/kv_ready.py)
+                  ─▶ sender.start (announce, while the prompt computes) ─▶
+                  CUDA + mapped link: send_layers_after(layer events): layer n's copy runs
+                    on the GPU as soon as layer n is computed, overlapping layers n+1..L-1
+                  otherwise: send_layer ×L once the step's output arrived (KV written)
+    after-step: the step ends ─▶ block table ─▶ sender.start ─▶ send_layer ×L
+
+so with layerwise push on one host's GPUs the handoff adds about the last layer's copy to
+the time the decode worker can start, not the whole transfer and its announce. A request
+that ends at its first token cancels its early transfer (TransferResult SKIPPED as before).
 
 Failures: abort or client hang-up while QUEUED -> engine abort; while PUSHING -> the send is
 cancelled (the receiver is told and frees its reservation) and the blocks released here;
 the request deadline (timeout_ms) bounds queueing, prefill and the push.
 
 Invariants: a request id is in `_active` exactly while its stream is open; every request
-that reached the engine is aborted or released exactly once when its stream ends.
+that reached the engine is aborted or released exactly once when its stream ends, and only
+after its push (which may still read its blocks) ended; every early push task is in
+`_pushes` until it ends.
 """
 
 from __future__ import annotations
@@ -34,8 +45,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 
+import torch
 from aiohttp import web
 
 from common.contract.control_server import add_call, add_stream
@@ -46,6 +59,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, to_token_logprob
 from engine.engine_thread import EngineThread, StreamEnd
+from engine.kv_ready import KVReady
 from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput
 from engine.request import RequestMode
@@ -55,6 +69,7 @@ from kv_transfer.layout import transfer_bytes
 from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -67,9 +82,12 @@ class _Active:
 
 class PrefillWorker:
     def __init__(self, metrics: WorkerMetrics, make_sender: Callable[[KVStorage], KVSender],
-                 transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "") -> None:
+                 transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "",
+                 layerwise_push: bool = True) -> None:
         self.metrics = metrics
         self._make_sender = make_sender
+        self.layerwise_push = layerwise_push  # start pushing mid-step (see the module doc)
+        self._pushes: set[asyncio.Task[TransferResult]] = set()
         # Fault injection for tests: pushes of requests whose id starts with the prefix
         # sleep before each layer, so a transfer can be stalled or cut mid-way.
         self.transfer_layer_delay_s = transfer_layer_delay_s
@@ -111,6 +129,8 @@ class PrefillWorker:
         for active in self._active.values():
             active.abort_reason = "worker shutting down"
             active.aborted.set()
+        if self._pushes:
+            await asyncio.wait(self._pushes, timeout=5.0)  # each ends by its abort
         if self.sender is not None:
             await self.sender.close()
 
@@ -131,13 +151,18 @@ class PrefillWorker:
         active = self._active[rid] = _Active(rid)
         stream = engine.open_stream(rid)
         in_engine = False
+        early: _EarlyPush | None = None
+        layerwise = self.layerwise_push and request.destination is not None
         try:
             await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
-                RequestMode.PREFILL_ONLY))
+                RequestMode.PREFILL_ONLY, notify_kv_ready=layerwise))
             in_engine = True
             try:
                 item = await stream.next(deadline - loop.time())
+                if isinstance(item, KVReady):
+                    early = self._start_early_push(request, item, active, deadline)
+                    item = await stream.next(deadline - loop.time())
             except TimeoutError:
                 self.metrics.handoff_failures.inc(reason="prefill_deadline")
                 yield error_frame(rid, ErrorCode.DEADLINE_EXCEEDED, "prefill not done by the deadline")
@@ -146,6 +171,8 @@ class PrefillWorker:
                 code = ErrorCode.ABORTED if item.error is None else ErrorCode.INTERNAL
                 yield error_frame(rid, code, f"request ended: {item.reason}")
                 return
+            if isinstance(item, KVReady):
+                raise AssertionError(f"{rid}: a second KVReady")  # the engine sends one
             if item.finish_reason is FinishReason.ERROR:
                 yield error_frame(rid, ErrorCode.INTERNAL, "the engine could not prefill this "
                              "prompt (too long for the KV pool?)")
@@ -153,70 +180,131 @@ class PrefillWorker:
             self.metrics.record_started(item.num_prompt_tokens, item.num_cached_tokens)
             if item.finished:
                 in_engine = False  # the engine already freed it
-            async for frame in self._after_first_token(request, item, active, deadline):
+            async for frame in self._after_first_token(request, item, active, deadline, early):
                 yield frame
         except ValueError as exc:  # the engine refused the prompt
             yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._active.pop(rid, None)
             engine.close_stream(rid)
+            if early is not None and not early.task.done():
+                # Ended before its push did (an error, an abort, a hang-up): stop the push;
+                # the blocks are freed once it drained (its copies may still read them).
+                early.stop("the prefill stream ended")
             if in_engine:
                 # PREFILLED (KV sent or given up) or still queued: either way, free it now.
-                engine.submit(lambda e: e.abort_request(rid), f"free {rid}")
+                def free(_: object = None) -> None:
+                    engine.submit(lambda e: e.abort_request(rid), f"free {rid}")
+                if early is not None and not early.task.done():
+                    early.task.add_done_callback(free)
+                else:
+                    free()
+
+    def _start_early_push(self, request: PrefillRequest, ready: KVReady, active: _Active,
+                          deadline: float) -> _EarlyPush | None:
+        """Announce and queue the push of `ready`'s blocks now, while its step computes."""
+        destination = request.destination
+        assert destination is not None  # only requests with one asked for a KVReady
+        spec = plan_push(request.request_id, ready.block_ids, destination.block_ids,
+                         destination.num_prefix_blocks_held, ready.num_prompt_tokens,
+                         self.block_size, self.num_layers)
+        if spec is None:
+            return None  # the destination holds it all: nothing to send, as after the step
+        active.pushing = True  # from here only this stream may free the blocks
+        early = _EarlyPush(layer_events=ready.layer_events)
+        early.task = asyncio.get_running_loop().create_task(
+            self._push(spec, destination, active, deadline, early))
+        self._pushes.add(early.task)
+        early.task.add_done_callback(self._pushes.discard)
+        return early
+
+    @property
+    def block_size(self) -> int:
+        assert self.engine is not None
+        return self.engine.block_size
+
+    @property
+    def num_layers(self) -> int:
+        assert self.engine is not None
+        return self.engine.num_layers
 
     async def _after_first_token(self, request: PrefillRequest, out: RequestOutput,
-                                 active: _Active, deadline: float) -> AsyncGenerator[Message, None]:
+                                 active: _Active, deadline: float,
+                                 early: _EarlyPush | None) -> AsyncGenerator[Message, None]:
         assert self.engine is not None
         rid = request.request_id
         destination = request.destination
+        pushing = early is not None and not out.finished
         spec = None
-        if destination is not None and not out.finished:
+        if early is not None:
+            if out.finished:
+                early.stop("the request ended at its first token", counted=False)
+            else:
+                early.written.set()  # the step's output arrived: its KV is written
+        elif destination is not None and not out.finished:
             src = await self.engine.call(lambda e: e.kv_cache.block_table(rid))
             active.pushing = True  # from here only this stream may free the blocks
             spec = plan_push(rid, src, destination.block_ids,
                              destination.num_prefix_blocks_held, out.num_prompt_tokens,
                              self.engine.block_size, self.engine.num_layers)
+            pushing = spec is not None
         yield PrefillResult(
             request_id=rid, first_token_id=out.new_token_ids[0],
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-            transfer_status=TransferStatus.PENDING if spec is not None else TransferStatus.SKIPPED,
+            transfer_status=TransferStatus.PENDING if pushing else TransferStatus.SKIPPED,
             finish_reason=out.finish_reason, num_steps=out.num_steps)
         if destination is None:
             return
-        if spec is None:
+        if not pushing:
             yield TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
                                  destination_epoch=destination.epoch,
                                  status=TransferStatus.SKIPPED)
             return
-        yield await self._push(spec, destination, active, deadline)
+        if early is not None:
+            yield await early.task
+            return
+        assert spec is not None
+        yield await self._push(spec, destination, active, deadline, None)
 
     async def _push(self, spec: TransferSpec, destination: DecodeDestination, active: _Active,
-                    deadline: float) -> TransferResult:
+                    deadline: float, early: _EarlyPush | None) -> TransferResult:
+        """Announce and move `spec`; `early`: started mid-step (its KV may not be written
+        yet: queue behind the layer events, or wait for `early.written`)."""
         assert self.engine is not None and self.sender is not None
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         handle: SendHandle | None = None
+        stop = early.stopped if early is not None else active.aborted
         active.pushing = True
         try:
-            handle = await self.sender.start(destination.kv_address, spec,
-                                             max(deadline - loop.time(), 0.001))
+            handle = await _unless(self.sender.start(destination.kv_address, spec,
+                                                     max(deadline - loop.time(), 0.001)),
+                                   stop, lambda: _stop_reason(active, early))
             delayed = self.transfer_layer_delay_s > 0 and \
                 spec.request_id.startswith(self.fault_request_prefix)
-            for layer in spec.layers:
-                if delayed:
-                    await asyncio.sleep(self.transfer_layer_delay_s)
-                if handle.state.is_terminal or active.aborted.is_set():
-                    break
-                handle.send_layer(layer)
-            if active.aborted.is_set():
-                raise TransferCancelled(active.abort_reason)
-            await _unless(handle.finish(), active.aborted, active)
+            events = early.layer_events if early is not None else None
+            if events is not None and handle.sends_after_events and not delayed:
+                handle.send_layers_after(events)
+            else:
+                if early is not None:
+                    await _unless(early.written.wait(), stop,
+                                  lambda: _stop_reason(active, early))
+                for layer in spec.layers:
+                    if delayed:
+                        await asyncio.sleep(self.transfer_layer_delay_s)
+                    if handle.state.is_terminal or stop.is_set():
+                        break
+                    handle.send_layer(layer)
+            if stop.is_set():
+                raise TransferCancelled(_stop_reason(active, early))
+            await _unless(handle.finish(), stop, lambda: _stop_reason(active, early))
         except KVTransferError as exc:
             if handle is not None and not handle.state.is_terminal:
                 await handle.cancel(str(exc))  # tells the receiver, which frees its blocks
             reason = type(exc).__name__
-            self.metrics.handoff_failures.inc(reason=f"transfer_{reason}")
+            if early is None or early.counted:
+                self.metrics.handoff_failures.inc(reason=f"transfer_{reason}")
             log.info("KV push of %s failed: %s", spec.request_id, exc)
             return _transfer_result(spec, destination, TransferStatus.FAILED,
                                     error=f"{reason}: {exc}")
@@ -256,22 +344,44 @@ class PrefillWorker:
         return tuple(self._active)
 
 
-async def _unless(awaitable: Awaitable[None], aborted: asyncio.Event, active: _Active) -> None:
-    """Await `awaitable` unless `aborted` is set first (then raise TransferCancelled)."""
+@dataclass(slots=True)
+class _EarlyPush:
+    """A push started mid-step from a KVReady (see the module doc)."""
+
+    task: asyncio.Task[TransferResult] = field(init=False)
+    layer_events: tuple[torch.cuda.Event, ...] | None = None
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # the step's output arrived
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+    counted: bool = True  # a failure counts in handoff_failures (not when asked to stop)
+
+    def stop(self, reason: str, counted: bool = True) -> None:
+        if not self.stopped.is_set():
+            self.reason, self.counted = reason, counted
+            self.stopped.set()
+
+
+def _stop_reason(active: _Active, early: _EarlyPush | None) -> str:
+    if early is not None and early.reason:
+        return early.reason
+    return active.abort_reason or "aborted"
+
+
+async def _unless(awaitable: Awaitable[T], stop: asyncio.Event, reason: Callable[[], str]) -> T:
+    """Await `awaitable` unless `stop` is set first (then raise TransferCancelled(reason()))."""
     work = asyncio.ensure_future(awaitable)
-    stop = asyncio.ensure_future(aborted.wait())
+    waiter = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         work.cancel()
         raise
     finally:
-        stop.cancel()
+        waiter.cancel()
     if work.done():
-        work.result()
-        return
+        return work.result()
     work.cancel()
-    raise TransferCancelled(active.abort_reason)
+    raise TransferCancelled(reason())
 
 
 def _transfer_result(spec: TransferSpec, destination: DecodeDestination, status: TransferStatus,

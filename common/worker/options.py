@@ -52,6 +52,7 @@ class WorkerOptions:
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
+    kv_push: str = "layerwise"  # layerwise | after-step (prefill_workers/worker.py)
 
     @property
     def warms_up(self) -> bool:
@@ -111,6 +112,10 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "straight into the decode worker's pool, mapped from its memfd (host) or by CUDA IPC "
         "(GPU), in one pass and with no data messages; off: always through --kv-transport "
         "(every worker of the cluster should agree)", choices=("on", "off"))
+    add("--kv-push", "layerwise", "when a prefill worker starts sending a prompt's KV: "
+        "layerwise announces it while the prompt computes and, between GPUs of one host "
+        "with --kv-mapping on, copies each layer as soon as it is computed; after-step "
+        "starts once the prompt's step ended", choices=("layerwise", "after-step"))
     add("--warm-up", "auto", "before registering, run every kind of step once (prefill "
         "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
         "compile before the first request, not during it; auto: on CUDA only",
@@ -163,7 +168,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         log_format=getattr(args, "log_format", "text"),
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
         warm_up=getattr(args, "warm_up", "auto"),
-        kv_mapping=getattr(args, "kv_mapping", "on") == "on")
+        kv_mapping=getattr(args, "kv_mapping", "on") == "on",
+        kv_push=getattr(args, "kv_push", "layerwise"))
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

@@ -279,10 +279,12 @@ class LlamaForCausalLM(nn.Module):
                 mlp.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
-                attn: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes K/V at attn.slot_mapping."""
+                attn: AttentionMetadata,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes K/V at attn.slot_mapping.
+        `on_layer(n)`, when given, runs right after layer n's attention wrote its K/V."""
         if attn.kernels is not None:
-            return self._forward_kernels(input_ids, positions, kv, attn.kernels)
+            return self._forward_kernels(input_ids, positions, kv, attn.kernels, on_layer)
         x = self.model.embed_tokens(input_ids)
         # cos/sin once per step in float32, shared by every layer; [T, 1, head_dim].
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -291,10 +293,13 @@ class LlamaForCausalLM(nn.Module):
         for n, layer in enumerate(self.model.layers):
             kv_k, kv_v = kv.layer(n)
             x = layer(x, cos, sin, kv_k, kv_v, attn)
+            if on_layer is not None:
+                on_layer(n)
         return self.model.norm(x)
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
-                         meta: KernelAttentionMetadata) -> torch.Tensor:
+                         meta: KernelAttentionMetadata,
+                         on_layer: Callable[[int], None] | None) -> torch.Tensor:
         from engine.kernels.rmsnorm import add_rms_norm_triton_, rms_norm_triton
 
         if self.rope_tables is None:
@@ -308,6 +313,8 @@ class LlamaForCausalLM(nn.Module):
         for n, layer in enumerate(layers):
             kv_k, kv_v = kv.layer(n)
             x = layer.self_attn.forward_kernels(x, positions, self.rope_tables, kv_k, kv_v, meta)
+            if on_layer is not None:
+                on_layer(n)
             norm = layer.post_attention_layernorm
             add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
             x = layer.mlp.forward_kernels(x)

@@ -242,3 +242,40 @@ def test_a_warmed_up_engine_answers_exactly_as_a_fresh_one(loaded, expected) -> 
     with pytest.raises(RuntimeError):
         engine.add_request("busy", [1, 2, 3], GREEDY)
         warm_up(engine)
+
+
+def test_kv_ready_comes_once_from_the_step_of_the_final_prompt_chunk(loaded) -> None:
+    from engine.kv_ready import KVReady
+    from engine.request import RequestMode
+
+    engine = make_engine(loaded, prefill_chunk_tokens=8)  # a prompt of 4+ chunks
+    ids = engine.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[4])
+    assert len(ids) >= 24
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("p", ids, params, mode=RequestMode.PREFILL_ONLY, notify_kv_ready=True)
+    engine.add_request("q", ids[:9], params, mode=RequestMode.PREFILL_ONLY)  # asks for none
+    seen: list[tuple[int, KVReady]] = []
+    first_token_step = None
+    for n in range(1, 20):
+        outputs = engine.step(lambda ready, n=n: seen.append((n, ready)))
+        if any(o.request_id == "p" for o in outputs):
+            first_token_step = n
+            break
+    assert first_token_step is not None and first_token_step > 1  # chunked
+    assert [(n, r.request_id) for n, r in seen] == [(first_token_step, "p")]
+    ready = seen[0][1]
+    assert ready.num_prompt_tokens == len(ids) and ready.layer_events is None  # CPU
+    assert tuple(ready.block_ids) == tuple(engine.kv_cache.block_table("p"))
+    # The named blocks hold what a from-scratch prefill of the same prompt writes.
+    fresh = make_engine(loaded)
+    fresh.add_request("r", ids, params, mode=RequestMode.PREFILL_ONLY)
+    while not fresh.step():
+        pass
+    num_full = len(ids) // engine.kv_storage.layout.block_size
+    assert num_full >= 1
+    got = engine.kv_storage.kv[:, :, list(ready.block_ids)[:num_full]]
+    want = fresh.kv_storage.kv[:, :, fresh.kv_cache.block_table("r")[:num_full]]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="PREFILL_ONLY"):
+        engine.add_request("d", ids, params, notify_kv_ready=True)

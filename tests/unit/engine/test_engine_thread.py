@@ -10,6 +10,7 @@ import pytest
 
 from common.contract.finish_reason import FinishReason
 from engine.engine_thread import EngineStopped, EngineThread, StreamEnd
+from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
 
 pytestmark = [pytest.mark.timeout(20)]
@@ -30,6 +31,7 @@ class ScriptedEngine:
         self.last_schedule = None
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
         self.invariant_broken = False
+        self.kv_ready_for: set[str] = set()  # requests owed a KVReady at their next step
 
     def check_invariants(self) -> None:
         assert not self.invariant_broken, "scripted engine: invariant broken"
@@ -48,10 +50,13 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_kv_ready=None) -> list[RequestOutput]:
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("kernel exploded")
+        for rid in sorted(self.kv_ready_for & set(self.requests)):
+            self.kv_ready_for.discard(rid)
+            on_kv_ready(KVReady(rid, (0,), 3, None))
         outputs = []
         for rid, state in list(self.requests.items()):
             state.append(len(state))
@@ -68,8 +73,28 @@ async def collect(stream) -> list:
     while True:
         item = await stream.next(5.0)
         items.append(item)
-        if isinstance(item, StreamEnd) or item.finish_reason:
+        if isinstance(item, StreamEnd) or (isinstance(item, RequestOutput)
+                                           and item.finish_reason):
             return items
+
+
+def test_a_kv_ready_reaches_its_stream_before_the_output_of_its_step() -> None:
+    async def run() -> None:
+        engine = ScriptedEngine()
+        engine.kv_ready_for.add("a")
+        thread = EngineThread(engine, asyncio.get_running_loop(), lambda report: None)
+        thread.start()
+        a, b = thread.open_stream("a"), thread.open_stream("b")
+        try:
+            await thread.call(lambda e: (e.add("a", 2), e.add("b", 1)))
+            items_a, items_b = await collect(a), await collect(b)
+        finally:
+            await thread.stop()
+        assert isinstance(items_a[0], KVReady) and items_a[0].request_id == "a"
+        assert [type(i) for i in items_a[1:]] == [RequestOutput, RequestOutput]
+        assert not any(isinstance(i, KVReady) for i in items_b)
+
+    asyncio.run(run())
 
 
 def test_outputs_reach_their_own_stream_and_commands_return_results() -> None:

@@ -128,6 +128,26 @@ def test_step_writes_exactly_the_scheduled_slots(model, stepper):
     assert torch.equal(written, expected)
 
 
+def test_on_layer_runs_after_each_layer_wrote_its_kv_and_changes_nothing(model, stepper):
+    plain, tapped = stepper(model, num_blocks=8), stepper(model, num_blocks=8)
+    schedule = ScheduleOutput((ScheduledChunk("a", tuple(PROMPT_A), 0, (3, 1, 6, 0, 2), True),))
+    sentinel = 1234.5
+    tapped.kv.kv.fill_(sentinel)
+    plain.kv.kv.fill_(sentinel)
+    seen: list[tuple[int, bool, bool]] = []
+
+    def on_layer(n: int) -> None:  # layer n written, layer n + 1 not yet
+        block = tapped.kv.kv[:, :, 3, 0]
+        nxt = bool((block[n + 1] != sentinel).any()) if n + 1 < len(block) else False
+        seen.append((n, bool((block[n] != sentinel).all()), nxt))
+
+    logits = tapped.runner.execute(schedule, on_layer)
+    assert seen == [(n, True, False) for n in range(model.config.num_layers)]
+    assert not tapped.runner.records_layer_events  # CPU: nothing to record them on
+    assert torch.equal(logits, plain.runner.execute(schedule))
+    assert torch.equal(tapped.kv.kv, plain.kv.kv)
+
+
 def test_empty_schedule_returns_no_rows(model, stepper):
     assert stepper(model).runner.execute(ScheduleOutput(())).shape == (0, VOCAB)
 
