@@ -284,8 +284,10 @@ class PrefillWorker:
             delayed = self.transfer_layer_delay_s > 0 and \
                 spec.request_id.startswith(self.fault_request_prefix)
             events = early.layer_events if early is not None else None
+            start = "after_step" if early is None else "mid_step"
             if events is not None and handle.sends_after_events and not delayed:
                 handle.send_layers_after(events)
+                start = "layer_events"
             else:
                 if early is not None:
                     await _unless(early.written.wait(), stop,
@@ -314,6 +316,7 @@ class PrefillWorker:
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
         self.metrics.kv_transfers.inc(direction="sent",
                                       path="mapped" if handle.mapped else "data_plane")
+        self.metrics.kv_pushes.inc(start=start)
         return _transfer_result(spec, destination, TransferStatus.DONE,
                                 num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 

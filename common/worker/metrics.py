@@ -57,6 +57,11 @@ class WorkerMetrics:
             "pdserve_kv_transfers_total", "completed KV transfers, by how the bytes moved "
             "(mapped: copied into the receiver's mapped pool; data_plane: UCX or TCP)",
             ("direction", "path"))
+        self.kv_pushes = registry.counter(
+            "pdserve_kv_pushes_total", "completed KV pushes of a prefill worker, by when they "
+            "started (layer_events: each layer's copy queued behind its compute, mid-step; "
+            "mid_step: announced while the prompt computed, sent after; after_step)",
+            ("start",))
         self.kv_transfer_seconds = registry.histogram(
             "pdserve_kv_transfer_seconds", "duration of completed KV transfers",
             label_names=("direction",))

@@ -282,6 +282,8 @@ def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str
         path = "mapped" if backend == "ucx" else "data_plane"  # see the cluster fixture
         samples = await metrics(p)
         assert samples.get(f'pdserve_kv_transfers_total{{direction="sent",path="{path}"}}', 0) >= 2
+        # Layer-wise push is the default: announced mid-step (the host has no layer events).
+        assert samples.get('pdserve_kv_pushes_total{start="mid_step"}', 0) >= 2
         await wait_no_blocks_held(p, 2.0)
         await wait_no_blocks_held(d, 2.0)
 
