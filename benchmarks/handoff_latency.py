@@ -137,7 +137,8 @@ async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
 
 
 def push_counts(cluster: UpCluster) -> dict[str, float]:
-    """The workers' completed KV pushes by how they started (proof of the path taken)."""
+    """The workers' completed KV pushes by how they started (proof of the path taken), and
+    the sum and count of their durations (announce to the receiver's confirmation)."""
     import urllib.request
 
     from common.contract.metrics import parse_samples
@@ -149,6 +150,9 @@ def push_counts(cluster: UpCluster) -> dict[str, float]:
                 if name.startswith("pdserve_kv_pushes_total{"):
                     start = name.split('"')[1]
                     counts[start] = counts.get(start, 0) + value
+                elif name.startswith("pdserve_kv_transfer_seconds_") and 'sent' in name:
+                    key = "transfer_s_" + name.split("{")[0].rsplit("_", 1)[1]  # sum, count
+                    counts[key] = counts.get(key, 0) + value
     return counts
 
 

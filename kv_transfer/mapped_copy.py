@@ -68,10 +68,16 @@ class MappedCopy:
                  context: CopyContext) -> None:
         self.spec, self.src, self.dst, self.context = spec, src, dst, context
         if context.stream is not None:
-            self.src_ids = torch.tensor(spec.src_block_ids, dtype=torch.int32,
-                                        device=src.device)
-            self.dst_ids = torch.tensor(spec.dst_block_ids, dtype=torch.int32,
-                                        device=src.device)
+            # Uploaded on the copy stream (ordered before this transfer's kernels there)
+            # from pinned memory, so the host never waits: a pageable upload on the
+            # default stream would first wait for whatever the engine queued on it (a
+            # whole prefill step, for a push that starts mid-step).
+            host = torch.tensor([spec.src_block_ids, spec.dst_block_ids],
+                                dtype=torch.int32).pin_memory()
+            with torch.cuda.stream(context.stream):
+                ids = host.to(src.device, non_blocking=True)
+            self._host_ids = host  # alive until the upload ran (the copy waits for it)
+            self.src_ids, self.dst_ids = ids[0], ids[1]
         else:
             self.runs = plan_runs(spec.src_block_ids, spec.dst_block_ids)
 

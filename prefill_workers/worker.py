@@ -70,6 +70,9 @@ from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A push that landed before (or just after) its prompt's step ended hid all of its time
+# behind the compute; it is recorded as this long, so the send rate stays finite.
+MIN_EXPOSED_PUSH_S = 1e-4
 
 
 @dataclass(slots=True)
@@ -240,6 +243,7 @@ class PrefillWorker:
             if out.finished:
                 early.stop("the request ended at its first token", counted=False)
             else:
+                early.written_at = time.perf_counter()
                 early.written.set()  # the step's output arrived: its KV is written
         elif destination is not None and not out.finished:
             src = await self.engine.call(lambda e: e.kv_cache.block_table(rid))
@@ -312,7 +316,13 @@ class PrefillWorker:
                                     error=f"{reason}: {exc}")
         num_blocks = len(spec.src_block_ids)
         num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
-        self.metrics.record_kv_sent(num_bytes, time.perf_counter() - started)
+        if early is not None:
+            # What the handoff added is the part after the prompt's step (the rate the router
+            # predicts handoffs with must not count the prompt's compute it overlapped).
+            step_end = early.written_at if early.written_at is not None else time.perf_counter()
+            started = max(started, step_end)
+        self.metrics.record_kv_sent(num_bytes, max(time.perf_counter() - started,
+                                                   MIN_EXPOSED_PUSH_S))
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
         self.metrics.kv_transfers.inc(direction="sent",
                                       path="mapped" if handle.mapped else "data_plane")
@@ -354,6 +364,7 @@ class _EarlyPush:
     task: asyncio.Task[TransferResult] = field(init=False)
     layer_events: tuple[torch.cuda.Event, ...] | None = None
     written: asyncio.Event = field(default_factory=asyncio.Event)  # the step's output arrived
+    written_at: float | None = None  # perf_counter() when it did
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     counted: bool = True  # a failure counts in handoff_failures (not when asked to stop)

@@ -11,6 +11,7 @@ layer's event would run at once and carry the pool's old contents (the poison).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -56,13 +57,21 @@ def test_copies_behind_layer_events_carry_exactly_what_the_step_wrote() -> None:
     prompt = tuple(int(t) for t in torch.randint(0, config.vocab_size, (num_tokens,)))
     schedule = ScheduleOutput((ScheduledChunk("r", prompt, 0, tuple(src_ids), True),))
 
+    runner.execute(schedule)  # compiles every kernel: the timed run below only queues
+    src.kv.fill_(POISON)
+
     async def run() -> None:
-        copy = MappedCopy(spec, src.kv, dst.kv, CopyContext(torch.device("cuda"), None))
+        context = CopyContext(torch.device("cuda"), None)
         recorder = LayerEventRecorder()
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the step
         runner.execute(schedule, recorder)  # queued, not waited for
         assert len(recorder.events) == config.num_layers
+        # As in the worker: the transfer (its block ids uploaded) is made mid-step. Making
+        # it must not wait for the busy default stream.
+        started = time.perf_counter()
+        copy = MappedCopy(spec, src.kv, dst.kv, context)
+        assert time.perf_counter() - started < 0.05
         assert not recorder.events[0].query()  # no layer has run yet
         await copy.copy_after(spec.layers, recorder.events)
 
