@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -136,6 +137,8 @@ class OutboundTransfer:
         assert self._copy is not None
         try:
             await self._copy.copy_after(self.spec.layers, layer_events)
+            log.debug("transfer %s: gated copies done at %.6f", self.spec.request_id,
+                      time.perf_counter())
             self._copied_layers.update(self.spec.layers)
             if not self.stopped:
                 self._written()

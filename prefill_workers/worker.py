@@ -290,8 +290,11 @@ class PrefillWorker:
             events = early.layer_events if early is not None else None
             start = "after_step" if early is None else "mid_step"
             if events is not None and handle.sends_after_events and not delayed:
+                accepted = time.perf_counter()
                 handle.send_layers_after(events)
                 start = "layer_events"
+                log.debug("push %s: started %.6f, accepted %.6f, copies queued %.6f",
+                          spec.request_id, started, accepted, time.perf_counter())
             else:
                 if early is not None:
                     await _unless(early.written.wait(), stop,
@@ -316,6 +319,8 @@ class PrefillWorker:
                                     error=f"{reason}: {exc}")
         num_blocks = len(spec.src_block_ids)
         num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
+        log.debug("push %s (%s): step output %s, landed %.6f", spec.request_id, start,
+                  None if early is None else early.written_at, time.perf_counter())
         if early is not None:
             # What the handoff added is the part after the prompt's step (the rate the router
             # predicts handoffs with must not count the prompt's compute it overlapped).

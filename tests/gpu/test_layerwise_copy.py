@@ -50,7 +50,7 @@ def test_copies_behind_layer_events_carry_exactly_what_the_step_wrote() -> None:
     src.kv.fill_(POISON)
     dst.kv.fill_(-POISON)
     src_ids = list(range(num_blocks - 1, -1, -1))  # reversed: no run is contiguous by luck
-    dst_ids = [num_blocks + 2 * i % num_blocks for i in range(num_blocks)]
+    dst_ids = [num_blocks + 7 * i % num_blocks for i in range(num_blocks)]  # 7 and 250: coprime
     assert len(set(dst_ids)) == num_blocks
     spec = TransferSpec(request_id="r", src_block_ids=src_ids, dst_block_ids=dst_ids,
                         layer_begin=0, layer_end=config.num_layers)
