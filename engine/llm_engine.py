@@ -280,6 +280,13 @@ class LLMEngine:
             logits = self.runner.execute(schedule, recorder)
             if ready and recorder is not None:
                 self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
+            if logits.is_cuda:
+                # Wait for the model without the GIL (an event wait releases it; the
+                # sampler's copies to the host may not), so the worker's event loop runs
+                # while the GPU computes: streams, HTTP, and a KVReady's push.
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
             rows = [c.request_id for c in schedule.chunks if c.sample]
             if rows:
                 tracked = [self._tracked[rid] for rid in rows]

@@ -131,6 +131,10 @@ class ModelRunner:
                                                use_kernels=self.use_kernels,
                                                num_kv_heads=self.model.config.num_kv_heads,
                                                mixed_split_min_tokens=self.mixed_split_min_tokens)
+        # Every upload before the model is queued: an upload from pageable memory waits for
+        # the work queued before it on the stream, and one after the layers would make this
+        # call (and the KVReady that follows it, engine/kv_ready.py) wait for the whole step.
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -138,7 +142,6 @@ class ModelRunner:
                 self.kv, attn, on_layer)
             if not sample_rows:
                 return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             # Only sampled rows pay for the vocabulary projection (the largest matmul).
             return self.model.compute_logits(hidden[rows])
 

@@ -3,9 +3,11 @@
 The model runner records one event per layer while a long prompt's step is queued
 (engine/kv_ready.py); mapped_copy.copy_after queues each layer's copy into another pool
 behind its event, before the step has run. The copied blocks must equal the source's
-bitwise once the step and the copies completed. The step is held behind a GPU sleep on
-its stream, so every copy is queued before any layer ran: a copy that did not wait for its
-layer's event would run at once and carry the pool's old contents (the poison).
+bitwise once the step and the copies completed. A GPU sleep on the step's stream right
+after layer 0 holds every layer's event back, so every copy is queued before any of them
+completed: a copy that did not wait for its layer's event would run at once and carry the
+pool's old contents for layers 1.. (the poison). That `execute` returns with the sleep
+still running also checks that nothing in it waits for the layers it queued.
 """
 
 from __future__ import annotations
@@ -63,9 +65,14 @@ def test_copies_behind_layer_events_carry_exactly_what_the_step_wrote() -> None:
     async def run() -> None:
         context = CopyContext(torch.device("cuda"), None)
         recorder = LayerEventRecorder()
+
+        def on_layer(layer: int) -> None:
+            if layer == 0:  # ~0.1 s of GPU time between layer 0 and its event
+                torch.cuda._sleep(200_000_000)
+            recorder(layer)
+
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the step
-        runner.execute(schedule, recorder)  # queued, not waited for
+        runner.execute(schedule, on_layer)  # queued, not waited for (nothing syncs after)
         assert len(recorder.events) == config.num_layers
         # As in the worker: the transfer (its block ids uploaded) is made mid-step. Making
         # it must not wait for the busy default stream.
