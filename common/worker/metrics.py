@@ -63,7 +63,8 @@ class WorkerMetrics:
             "mid_step: announced while the prompt computed, sent after; after_step)",
             ("start",))
         self.kv_transfer_seconds = registry.histogram(
-            "pdserve_kv_transfer_seconds", "duration of completed KV transfers",
+            "pdserve_kv_transfer_seconds", "duration of completed KV transfers (a prefill "
+            "worker's: the part after the prompt's step ended, at least 0.1 ms)",
             label_names=("direction",))
         self.handoff_failures = registry.counter(
             "pdserve_handoff_failures_total", "handoffs that ended in an error", ("reason",))
