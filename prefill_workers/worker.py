@@ -81,6 +81,13 @@ class _Active:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     abort_reason: str = ""
     pushing: bool = False  # blocks are being read by the sender: only the stream frees them
+    early: _EarlyPush | None = None  # a push started mid-step (it watches its own stop)
+
+    def abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.aborted.set()
+        if self.early is not None:
+            self.early.stop(reason)
 
 
 class PrefillWorker:
@@ -130,8 +137,7 @@ class PrefillWorker:
     async def close(self) -> None:
         self.draining = True
         for active in self._active.values():
-            active.abort_reason = "worker shutting down"
-            active.aborted.set()
+            active.abort("worker shutting down")
         if self._pushes:
             await asyncio.wait(self._pushes, timeout=5.0)  # each ends by its abort
         if self.sender is not None:
@@ -219,6 +225,8 @@ class PrefillWorker:
             self._push(spec, destination, active, deadline, early))
         self._pushes.add(early.task)
         early.task.add_done_callback(self._pushes.discard)
+        early.task.add_done_callback(_log_push_error)
+        active.early = early
         return early
 
     @property
@@ -347,8 +355,7 @@ class PrefillWorker:
         active = self._active.get(rid)
         if active is None or self.engine is None:
             return False
-        active.abort_reason = reason
-        active.aborted.set()
+        active.abort(reason)
         stream = self.engine.stream(rid)
         if stream is not None:
             stream.end(active.abort_reason)
@@ -378,6 +385,13 @@ class _EarlyPush:
         if not self.stopped.is_set():
             self.reason, self.counted = reason, counted
             self.stopped.set()
+
+
+def _log_push_error(task: asyncio.Task[TransferResult]) -> None:
+    """An early push that raised (not a transfer failure: those return FAILED) may have
+    nobody awaiting it (its request ended at its first token): say so in the log."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("early KV push failed", exc_info=task.exception())
 
 
 def _stop_reason(active: _Active, early: _EarlyPush | None) -> str:
