@@ -48,7 +48,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 from dataclasses import dataclass, field
 
-import torch
 from aiohttp import web
 
 from common.contract.control_server import add_call, add_stream
@@ -66,6 +65,7 @@ from engine.request import RequestMode
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import KVSender, SendHandle, TransferSpec
 from kv_transfer.layout import transfer_bytes
+from prefill_workers.early_push import EarlyPush, log_push_error
 from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class _Active:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     abort_reason: str = ""
     pushing: bool = False  # blocks are being read by the sender: only the stream frees them
-    early: _EarlyPush | None = None  # a push started mid-step (it watches its own stop)
+    early: EarlyPush | None = None  # a push started mid-step (it watches its own stop)
 
     def abort(self, reason: str) -> None:
         self.abort_reason = reason
@@ -160,7 +160,7 @@ class PrefillWorker:
         active = self._active[rid] = _Active(rid)
         stream = engine.open_stream(rid)
         in_engine = False
-        early: _EarlyPush | None = None
+        early: EarlyPush | None = None
         layerwise = self.layerwise_push and request.destination is not None
         try:
             await engine.call(lambda e: e.add_request(
@@ -210,7 +210,7 @@ class PrefillWorker:
                     free()
 
     def _start_early_push(self, request: PrefillRequest, ready: KVReady, active: _Active,
-                          deadline: float) -> _EarlyPush | None:
+                          deadline: float) -> EarlyPush | None:
         """Announce and queue the push of `ready`'s blocks now, while its step computes."""
         destination = request.destination
         assert destination is not None  # only requests with one asked for a KVReady
@@ -220,12 +220,12 @@ class PrefillWorker:
         if spec is None:
             return None  # the destination holds it all: nothing to send, as after the step
         active.pushing = True  # from here only this stream may free the blocks
-        early = _EarlyPush(layer_events=ready.layer_events)
+        early = EarlyPush(layer_events=ready.layer_events)
         early.task = asyncio.get_running_loop().create_task(
             self._push(spec, destination, active, deadline, early))
         self._pushes.add(early.task)
         early.task.add_done_callback(self._pushes.discard)
-        early.task.add_done_callback(_log_push_error)
+        early.task.add_done_callback(log_push_error)
         active.early = early
         return early
 
@@ -238,10 +238,9 @@ class PrefillWorker:
     def num_layers(self) -> int:
         assert self.engine is not None
         return self.engine.num_layers
-
     async def _after_first_token(self, request: PrefillRequest, out: RequestOutput,
                                  active: _Active, deadline: float,
-                                 early: _EarlyPush | None) -> AsyncGenerator[Message, None]:
+                                 early: EarlyPush | None) -> AsyncGenerator[Message, None]:
         assert self.engine is not None
         rid = request.request_id
         destination = request.destination
@@ -280,7 +279,7 @@ class PrefillWorker:
         yield await self._push(spec, destination, active, deadline, None)
 
     async def _push(self, spec: TransferSpec, destination: DecodeDestination, active: _Active,
-                    deadline: float, early: _EarlyPush | None) -> TransferResult:
+                    deadline: float, early: EarlyPush | None) -> TransferResult:
         """Announce and move `spec`; `early`: started mid-step (its KV may not be written
         yet: queue behind the layer events, or wait for `early.written`)."""
         assert self.engine is not None and self.sender is not None
@@ -369,32 +368,7 @@ class PrefillWorker:
         return tuple(self._active)
 
 
-@dataclass(slots=True)
-class _EarlyPush:
-    """A push started mid-step from a KVReady (see the module doc)."""
-
-    task: asyncio.Task[TransferResult] = field(init=False)
-    layer_events: tuple[torch.cuda.Event, ...] | None = None
-    written: asyncio.Event = field(default_factory=asyncio.Event)  # the step's output arrived
-    written_at: float | None = None  # perf_counter() when it did
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
-    counted: bool = True  # a failure counts in handoff_failures (not when asked to stop)
-
-    def stop(self, reason: str, counted: bool = True) -> None:
-        if not self.stopped.is_set():
-            self.reason, self.counted = reason, counted
-            self.stopped.set()
-
-
-def _log_push_error(task: asyncio.Task[TransferResult]) -> None:
-    """An early push that raised (not a transfer failure: those return FAILED) may have
-    nobody awaiting it (its request ended at its first token): say so in the log."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("early KV push failed", exc_info=task.exception())
-
-
-def _stop_reason(active: _Active, early: _EarlyPush | None) -> str:
+def _stop_reason(active: _Active, early: EarlyPush | None) -> str:
     if early is not None and early.reason:
         return early.reason
     return active.abort_reason or "aborted"
