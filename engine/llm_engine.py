@@ -7,10 +7,8 @@ Lifecycle of a request inside one engine:
                                         -> release_prefilled() once its KV has been sent
     reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
-
 Every step returns one `RequestOutput` per request that produced a token or finished in it.
 Text streams through the incremental detokenizer, held back while it may start a stop string.
-
 Invariants: ids tracked here = ids the scheduler knows (live or PREFILLED); a finished
 request produces exactly one output with `finish_reason` set. Outputs count engine steps.
 """
@@ -28,6 +26,7 @@ from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
@@ -39,47 +38,6 @@ from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Sizes of the engine's KV pool and batches (model shape comes from ModelConfig)."""
-
-    num_kv_blocks: int = 1024
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefill_chunk_tokens: int | None = None
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    # Decode batch sizes captured as CUDA graphs; None: the runner's default set on CUDA,
-    # none on CPU (see engine/cuda_graphs.py).
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # On CUDA: size the KV pool to this fraction of device memory (engine/memory_plan.py)
-    # instead of num_kv_blocks; None keeps num_kv_blocks.
-    gpu_memory_fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], "
-                             f"got {self.gpu_memory_fraction}")
-        if self.cuda_graph_batch_sizes is not None and any(
-                b < 1 for b in self.cuda_graph_batch_sizes):
-            raise ValueError(f"cuda_graph_batch_sizes must be positive, "
-                             f"got {self.cuda_graph_batch_sizes}")
-
-    @staticmethod
-    def blocks_for_bytes(config: ModelConfig, kv_cache_bytes: int, block_size: int,
-                         dtype: torch.dtype) -> int:
-        """How many blocks fit in `kv_cache_bytes` for this model (K and V, all layers)."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        block_bytes = (2 * config.num_layers * block_size * config.num_kv_heads
-                       * config.head_dim * element_size)
-        return max(1, kv_cache_bytes // block_bytes)
 
 
 @dataclass(slots=True)
@@ -272,7 +230,9 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         if not schedule.is_empty:
-            ready = self._kv_ready_chunks(schedule) if on_kv_ready is not None else []
+            ready = ([c for c in schedule.chunks if c.sample and c.request_id in self._tracked
+                      and self._tracked[c.request_id].notify_kv_ready]
+                     if on_kv_ready is not None else [])
             recorder = LayerEventRecorder() if ready and self.runner.records_layer_events \
                 else None
             if ready and recorder is None:
@@ -327,15 +287,6 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # ---- internals --------------------------------------------------------------------------
-
-    def _kv_ready_chunks(self, schedule: ScheduleOutput) -> list[ScheduledChunk]:
-        """This step's final prompt chunks of requests that are owed a KVReady."""
-        ready = []
-        for chunk in schedule.chunks:
-            tracked = self._tracked.get(chunk.request_id)
-            if tracked is not None and tracked.notify_kv_ready and chunk.sample:
-                ready.append(chunk)
-        return ready
 
     def _announce_kv_ready(self, chunks: list[ScheduledChunk],
                            events: tuple[torch.cuda.Event, ...] | None,

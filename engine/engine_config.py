@@ -1,0 +1,50 @@
+"""EngineConfig: the sizes of an engine's KV pool and batches (the model's shape is ModelConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of the engine's KV pool and batches (model shape comes from ModelConfig)."""
+
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_tokens: int | None = None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    # Decode batch sizes captured as CUDA graphs; None: the runner's default set on CUDA,
+    # none on CPU (see engine/cuda_graphs.py).
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # On CUDA: size the KV pool to this fraction of device memory (engine/memory_plan.py)
+    # instead of num_kv_blocks; None keeps num_kv_blocks.
+    gpu_memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], "
+                             f"got {self.gpu_memory_fraction}")
+        if self.cuda_graph_batch_sizes is not None and any(
+                b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive, "
+                             f"got {self.cuda_graph_batch_sizes}")
+
+    @staticmethod
+    def blocks_for_bytes(config: ModelConfig, kv_cache_bytes: int, block_size: int,
+                         dtype: torch.dtype) -> int:
+        """How many blocks fit in `kv_cache_bytes` for this model (K and V, all layers)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        block_bytes = (2 * config.num_layers * block_size * config.num_kv_heads
+                       * config.head_dim * element_size)
+        return max(1, kv_cache_bytes // block_bytes)
