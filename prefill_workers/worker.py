@@ -45,8 +45,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TypeVar
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiohttp import web
 
