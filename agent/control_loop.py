@@ -11,7 +11,8 @@ One tick (every `period_s`, about 1 s):
 What happens to a worker the rules find bad:
 
     slow, error spike ─▶ EJECTED ──(probation_s, and healthy)──▶ readmitted
-                             └── found bad again in the same epoch ─▶ ejected, DRAINING
+                             └── found bad again in the same epoch (slow: by its own step
+                                 model at the probation's end) ─▶ ejected, DRAINING
                                  (until it runs nothing, at most role_drain_timeout_s)
                                  ─▶ restarted
     dead, hung ────────▶ EJECTED + restarted ──(a newer epoch registers)──▶ ON PROBATION
@@ -22,10 +23,10 @@ A restarted worker's new epoch is held out of routing for its probation only whe
 role has another routable worker (else it is admitted at once: an ejection must never
 leave a pool empty). Only the agent holding the leader lease in Redis acts; the others
 observe. With `dry_run` every decision is recorded with outcome "dry_run" and nothing is
-done (nor is the lease taken). Invariants: an action of one kind on one (worker, epoch)
-runs at most once per `cooldown_s` (guard_rails); the agent's own ejections (`ejected`) are all of live-or-lapsed epochs it
-saw, and each is renewed in Redis before it lapses; at most one role change runs at a
-time, as an owned task that stop() cancels.
+done (nor is the lease taken). Invariants: an action of one kind on one (worker, epoch) runs
+at most once per `cooldown_s` (guard_rails); the agent's own ejections (`ejected`) are all of
+live-or-lapsed epochs it saw, each renewed in Redis before it lapses; at most one role
+change runs at a time, as an owned task that stop() cancels.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from dataclasses import dataclass, field
 from agent.actuator import ActionError, Actuator
 from agent.audit import Audit
 from agent.guard_rails import ActionKind, PoolState, plan_actions
-from agent.health_rules import Detection, Rule, Thresholds, WorkerSample, detect
+from agent.health_rules import (Detection, Rule, Thresholds, WorkerSample, detect,
+                                latest_tick, still_slow)
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.role_mover import RoleMover
@@ -357,16 +359,20 @@ class ControlLoop:
             if now < mine.readmit_after_s or \
                     now - mine.healthy_since_s < min(self.config.probation_s, 3.0):
                 continue
-            if self.config.dry_run:
-                outcome = "dry_run"
-            else:
-                try:
+            found = still_slow(window, latest_tick(self.windows), self.config.thresholds) \
+                if mine.rule == Rule.SLOW.value else None
+            if found is not None:  # readmitted, it would get nothing to prove it recovered
+                self.last_action_s[(worker_id, mine.epoch, ActionKind.EJECT_AND_RESTART)] = now
+                events.append(await self._do(ActionKind.EJECT_AND_RESTART, found, now))
+                continue
+            outcome = "dry_run" if self.config.dry_run else "done"
+            try:
+                if not self.config.dry_run:
                     await self.actuator.readmit(worker_id, mine.epoch)
-                    outcome = "done"
-                except ActionError as exc:
-                    events.append(self._event(worker_id, mine.epoch, PROBATION, "health "
-                                              "checks pass", "readmit", f"failed: {exc}"))
-                    continue
+            except ActionError as exc:
+                events.append(self._event(worker_id, mine.epoch, PROBATION, "health checks "
+                                          "pass", "readmit", f"failed: {exc}"))
+                continue
             del self.ejected[worker_id]
             events.append(self._event(worker_id, mine.epoch, PROBATION,
                                       f"ejected for {mine.rule}; healthy for "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.contract.worker_load import StepModel
 
@@ -180,6 +180,36 @@ def _outlier(sample: WorkerSample, tick: Sequence[WorkerSample],
     if step >= t.slow_min_step_s and step > t.slow_factor * reference:
         return step, reference
     return False
+
+
+def still_slow(window: Sequence[WorkerSample], tick: Sequence[WorkerSample],
+               t: Thresholds) -> Detection | None:
+    """A worker ejected for `slow` runs no steps, and the router keeps sending it nothing
+    while its fitted model says it is slow, so nothing but that model can clear it: its
+    own model (fitted from its own decode steps), evaluated at the last shape it was
+    measured at, against what its peers (the samples of the latest tick) predict for that
+    shape. None: not slow by that measure, or no model or shape to judge by."""
+    samples = current_epoch(window)
+    shapes = [s.step_shape for s in samples if s.step_shape is not None]
+    if not samples or not shapes:
+        return None
+    last, shape = samples[-1], shapes[-1]
+    model = last.step_model
+    if model is None or model.num_decode_samples == 0:
+        return None
+    step = model.step_s(0.0, shape[0], shape[1])
+    verdict = _outlier(replace(last, step_time_s=step, step_shape=shape), tick, t)
+    if not isinstance(verdict, tuple):
+        return None
+    return Detection(last.worker_id, last.epoch, Rule.SLOW,
+                     f"still slow by its own step model: {step * 1000:.1f} ms vs "
+                     f"{verdict[1] * 1000:.1f} ms its peers take{_shape_text(shape)}")
+
+
+def latest_tick(windows: Mapping[str, Sequence[WorkerSample]]) -> list[WorkerSample]:
+    """The samples of the most recent tick (every worker's, when it was seen then)."""
+    last = max((w[-1].at_s for w in windows.values() if w), default=None)
+    return [w[-1] for w in windows.values() if w and w[-1].at_s == last]
 
 
 def _expected(peer: WorkerSample, shape: tuple[float, float] | None) -> float | None:

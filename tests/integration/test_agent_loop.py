@@ -31,7 +31,7 @@ from common.contract.metrics import MetricsRegistry
 from common.contract.protocol import (Message, Role, RoleChangeRequest, RoleChangeResponse,
                                       WorkerInfo)
 from common.contract.redis_state import RedisState, connect
-from common.contract.worker_load import WorkerLoad
+from common.contract.worker_load import StepModel, WorkerLoad
 from common.worker.publisher import WorkerPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -49,6 +49,7 @@ class StubWorker:
     step_s: float = 0.02  # what its decode steps take, as its /metrics tell
     num_errors_per_scrape: int = 0
     answering: bool = True
+    stepping: bool = True  # False: gets no traffic (its /metrics count no new step)
     load: WorkerLoad = field(default_factory=lambda: WorkerLoad(num_kv_blocks_total=64))
     num_reclaims: int = 0
     role_changes: list[str] = field(default_factory=list)
@@ -63,9 +64,10 @@ class StubWorker:
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.answering:
             await asyncio.sleep(5)  # frozen: past the agent's deadline
-        self._steps += 5
-        self._step_sum += 5 * self.step_s
-        self._requests += 5
+        if self.stepping:
+            self._steps += 5
+            self._step_sum += 5 * self.step_s
+            self._requests += 5
         self._errors += self.num_errors_per_scrape
         return web.Response(text=f"pdserve_decode_step_seconds_sum {self._step_sum}\n"
                                  f"pdserve_decode_step_seconds_count {self._steps}\n"
@@ -215,6 +217,27 @@ async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, sessi
     assert slow.process.wait(5) is not None
     assert {e.worker_id for e in events if e.action.startswith("eject")} == {slow.worker_id}
     assert loop.audit.decisions.value(rule="slow", action="eject", outcome="done") == 1
+
+
+async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_readmitted(
+        cluster, session) -> None:
+    # The router sends nothing to a worker whose fitted model predicts slow steps, so once
+    # ejected it runs no step that could clear it: its model decides at the probation's end.
+    state, workers = cluster
+    slow = workers[2]
+    for worker in workers[1:]:
+        worker.step_s = 0.3 if worker is slow else 0.02
+        worker.load = WorkerLoad(num_kv_blocks_total=64, step_model=StepModel(
+            base_s=worker.step_s, prefill_token_s=0.0, decode_seq_s=0.0, context_token_s=0.0,
+            num_samples=64, num_decode_samples=64))
+    loop = make_loop(state, session)
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
+    slow.stepping = False
+    events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "restart"), 10)
+    assert not acted(events, slow.worker_id, "readmit")
+    restarted = acted(events, slow.worker_id, "eject+restart")[0]
+    assert restarted.evidence.startswith("still slow by its own step model: 300.0 ms vs 20.0")
+    assert slow.process.wait(5) is not None
 
 
 async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, session) -> None:

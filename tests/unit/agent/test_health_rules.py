@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.health_rules import (Rule, Thresholds, WorkerSample, dead, detect, error_spike, hung,
-                                leaked_kv, slow)
+                                latest_tick, leaked_kv, slow, still_slow)
 from common.contract.worker_load import StepModel
 
 T = Thresholds(lease_margin_s=1.0, hung_after_s=3.0, slow_factor=3.0, leak_after_s=30.0,
@@ -112,6 +112,30 @@ def test_slow_compares_steps_of_the_same_shape_through_the_peers_models() -> Non
     # An idle peer (no recent step) still counts through its model.
     idle = {"d-0": ticks("d-0", step_model=model), "d-2": stuck["d-2"]}
     assert [d.worker_id for d in slow(idle, 10.0, T)] == ["d-2"]
+
+
+def test_still_slow_judges_an_idle_worker_by_its_own_model_at_its_last_shape() -> None:
+    def model(base_s: float, num_decode_samples: int = 64) -> StepModel:
+        return StepModel(base_s=base_s, prefill_token_s=0.0, decode_seq_s=0.005,
+                         context_token_s=0.0, num_samples=64,
+                         num_decode_samples=num_decode_samples)
+    peers = {w: ticks(w, step_model=model(0.010)) for w in ("d-0", "d-1")}
+    # Measured at batch 4 when it was ejected, no step since (the router sends it nothing).
+    measured = [sample(0.0, "d-2", step_time_s=0.4, step_shape=(4.0, 100.0))]
+    idle = [sample(float(t), "d-2", step_model=model(0.300)) for t in range(1, 11)]
+    windows = {**peers, "d-2": measured + idle}
+    found = still_slow(windows["d-2"], latest_tick(windows), T)
+    assert found is not None and found.rule == Rule.SLOW and found.worker_id == "d-2"
+    assert found.evidence == ("still slow by its own step model: 320.0 ms vs 30.0 ms its "
+                              "peers take at batch 4.0, context 100")
+    windows["d-2"] = measured + [sample(float(t), "d-2", step_model=model(0.050))
+                                 for t in range(1, 11)]  # < 3 x 30 ms: recovered
+    assert still_slow(windows["d-2"], latest_tick(windows), T) is None
+    no_decode = [sample(10.0, "d-2", step_model=model(0.3, num_decode_samples=0))]
+    assert still_slow(measured + no_decode, latest_tick(windows), T) is None
+    assert still_slow(idle, latest_tick(windows), T) is None  # no shape ever measured
+    alone = {"d-2": measured + idle}
+    assert still_slow(alone["d-2"], latest_tick(alone), T) is None  # no peer to compare with
 
 
 def test_fast_steps_are_never_slow() -> None:
