@@ -359,7 +359,7 @@ class ControlLoop:
             if now < mine.readmit_after_s or \
                     now - mine.healthy_since_s < min(self.config.probation_s, 3.0):
                 continue
-            found = still_slow(window, latest_tick(self.windows), self.config.thresholds) \
+            found = still_slow(window or (), latest_tick(self.windows), self.config.thresholds) \
                 if mine.rule == Rule.SLOW.value else None
             if found is not None:  # readmitted, it would get nothing to prove it recovered
                 self.last_action_s[(worker_id, mine.epoch, ActionKind.EJECT_AND_RESTART)] = now
