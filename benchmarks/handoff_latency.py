@@ -14,7 +14,9 @@ EOS ignored):
 
 Per prompt length it reports the median time to token 1 (TTFT) and to token 2 (the first
 token the decode worker computes, so it waits for the KV), and what each split mode adds
-over colocated. The yardstick is one layer's copy for that prompt, timed in this process
+over colocated; and the time the cluster's engines spent in steps that prefilled (from
+the workers' /metrics around each request), which tells slower prefill compute from time
+spent outside the engines. The yardstick is one layer's copy for that prompt, timed in this process
 on the GPU with the kernel the mapped transfer uses (engine/kernels/block_copy.py): the
 target is added latency <= 1.2 x that + 1 ms. Every mode must produce the same tokens
 for the same prompt (a wrong or late copy changes them): the run fails otherwise.
@@ -69,6 +71,7 @@ class Sample:
     ttft_ms: float
     token2_ms: float
     text: str
+    prefill_steps_ms: float = 0.0  # the cluster's engine steps that prefilled, this request
 
 
 @dataclass
@@ -115,6 +118,21 @@ async def stream_one(session, url: str, token: str, model: str, prompt: list[int
     return Sample(len(prompt), (times[0] - started) * 1e3, (times[1] - started) * 1e3, text)
 
 
+async def prefill_step_s(session, cluster: UpCluster) -> float:
+    """Seconds the cluster's workers spent in engine steps that prefilled something so far
+    (every step's time less the decode-only steps'): what splits a handoff's added TTFT
+    into slower prefill compute and time outside the engines."""
+    from common.contract.metrics import parse_samples
+
+    total = 0.0
+    for worker in cluster.workers():
+        async with session.get(worker["control_url"] + "/metrics") as response:
+            samples = parse_samples(await response.text())
+        total += (samples.get("pdserve_step_seconds_sum", 0.0)
+                  - samples.get("pdserve_decode_step_seconds_sum", 0.0))
+    return total
+
+
 async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
                    warm_up: int) -> list[Sample]:
     import aiohttp
@@ -129,10 +147,13 @@ async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
             for prompt in batch[:warm_up]:  # discarded: first use of this length's shapes
                 await stream_one(session, cluster.url, cluster.token, model, prompt)
             for i, prompt in enumerate(batch[warm_up:]):
-                samples.append(await stream_one(session, cluster.url, cluster.token, model,
-                                                prompt))
-                print(f"   {n} tokens, request {i + 1}: TTFT {samples[-1].ttft_ms:.1f} ms, "
-                      f"token 2 {samples[-1].token2_ms:.1f} ms", file=sys.stderr)
+                before = await prefill_step_s(session, cluster)
+                sample = await stream_one(session, cluster.url, cluster.token, model, prompt)
+                sample.prefill_steps_ms = (await prefill_step_s(session, cluster) - before) * 1e3
+                samples.append(sample)
+                print(f"   {n} tokens, request {i + 1}: TTFT {sample.ttft_ms:.1f} ms, "
+                      f"token 2 {sample.token2_ms:.1f} ms, prefill steps "
+                      f"{sample.prefill_steps_ms:.1f} ms", file=sys.stderr)
     return samples
 
 
@@ -196,8 +217,8 @@ def layer_copy_ms(model_dir: Path, lengths: list[int], block_size: int,
 def table(results: dict[str, ModeResult], lengths: list[int],
           layer_ms: dict[int, float]) -> str:
     rows = ["| prompt tokens | one layer's copy | target (1.2 x copy + 1 ms) | mode | TTFT p50 "
-            "| token 2 p50 | added TTFT | added to token 2 |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|"]
+            "| token 2 p50 | added TTFT | added to token 2 | prefill steps p50 | added in "
+            "prefill steps |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     base = results.get("colocated")
     for n in lengths:
         copy = layer_ms.get(n)
@@ -208,9 +229,13 @@ def table(results: dict[str, ModeResult], lengths: list[int],
                      f"{ttft - base.median(n, 'ttft_ms'):+.2f} ms")
             added2 = ("" if base is None or mode == "colocated" else
                       f"{t2 - base.median(n, 'token2_ms'):+.2f} ms")
+            steps = result.median(n, "prefill_steps_ms")
+            added3 = ("" if base is None or mode == "colocated" else
+                      f"{steps - base.median(n, 'prefill_steps_ms'):+.2f} ms")
             rows.append(f"| {n} | {'' if copy is None else f'{copy * 1e3:.0f} µs'} | "
                         f"{'' if target is None else f'{target:.2f} ms'} | {mode} | "
-                        f"{ttft:.2f} ms | {t2:.2f} ms | {added} | {added2} |")
+                        f"{ttft:.2f} ms | {t2:.2f} ms | {added} | {added2} | "
+                        f"{steps:.2f} ms | {added3} |")
     return "\n".join(rows)
 
 
