@@ -113,14 +113,19 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(p.logprobs is not None for p in params) else None)
-        logits = logits.clone()
-        self._apply_min_tokens(logits, params, states)
-        _apply_penalties(logits, params, states)
+        if any(_edits_logits(p, s) for p, s in zip(params, states)):
+            logits = logits.clone()  # the caller's logits stay as they were
+            self._apply_min_tokens(logits, params, states)
+            _apply_penalties(logits, params, states)
 
-        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         random = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy:
+        if not random:
+            # The common serving batch: no copy of the logits, no gather, one kernel.
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        if greedy and random:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         if random:
             rows = logits[random]
@@ -173,6 +178,15 @@ class Sampler:
                 noise[j].exponential_(generator=g)
         # A zero draw would turn an excluded token's 0/0 into NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _edits_logits(params: SamplingParams, state: SamplingState) -> bool:
+    """Whether min_tokens or a penalty changes this row's logits at this step (the rules
+    `_apply_min_tokens` and `_apply_penalties` apply)."""
+    return (len(state.output_token_ids) < params.min_tokens
+            or params.repetition_penalty != 1.0
+            or ((params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+                and bool(state.output_token_ids)))
 
 
 _MASK64 = (1 << 64) - 1

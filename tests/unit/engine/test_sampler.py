@@ -85,6 +85,28 @@ def test_greedy_is_argmax() -> None:
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_a_batch_takes_the_same_tokens_with_or_without_rows_that_edit_logits() -> None:
+    # An all-greedy batch without penalties takes argmax straight from the logits (no
+    # copy); a batch with a row that edits its logits copies them first. Either way the
+    # caller's logits are left as they were and the other rows' tokens do not change.
+    logits = logits_rows(6, seed=7)
+    before = logits.clone()
+    plain = [SamplingParams(temperature=0.0, max_tokens=4)] * 6
+    states = [SamplingState.create(p, [1, 2]) for p in plain]
+    out = Sampler((EOS,), seed=0).sample(logits, plain, states)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    edited = [*plain[:5], SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=2.0)]
+    states = [SamplingState.create(p, [1, 2]) for p in edited]
+    again = Sampler((EOS,), seed=0).sample(logits, edited, states)
+    assert again.token_ids[:5] == out.token_ids[:5]
+    assert torch.equal(logits, before)
+    mixed = [*plain[:3], *[SamplingParams(temperature=0.7, seed=5, max_tokens=4)] * 3]
+    states = [SamplingState.create(p, [1, 2]) for p in mixed]
+    third = Sampler((EOS,), seed=0).sample(logits, mixed, states)
+    assert third.token_ids[:3] == out.token_ids[:3]
+    assert torch.equal(logits, before)
+
+
 @pytest.mark.parametrize("rep,freq,pres", [(1.3, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, 0.8, 0.0),
                                             (1.0, 0.0, -1.5), (1.5, 1.2, 0.6)])
 def test_penalties_match_reference(rep: float, freq: float, pres: float) -> None:

@@ -1,0 +1,149 @@
+"""The engine's host-side cost per step: `LLMEngine.step` around a runner that computes nothing.
+
+Everything but the model runs for real (scheduler, KV block accounting, sampler over a
+full-vocabulary logits tensor, detokenizer, stop checks, outputs); the runner returns
+fixed random logits. So a step's time here is what the CPU spends per step whatever the
+accelerator, the cost that a GPU step must hide or overlap (the engine issue's "CPU-bound
+serving loop"). Batches of decoding requests (128-token prompts, EOS ignored), greedy or
+sampled, the Llama-3.2-1B shape with the default model's 49,152-token vocabulary.
+
+With `--baseline-tree DIR` the same measurement also runs on another checkout (e.g. a
+`git worktree` of an older commit), alternating with this tree, run by run, in one call:
+the table then gives the ratio.
+
+    python -m benchmarks.random_model .tok --tokenizer-only     # once: the tokenizer
+    python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 \\
+        [--baseline-tree /tmp/base] [--repeats 3]
+
+Output: a markdown table on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("greedy", "sampled")
+
+
+def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int) -> float:
+    """Seconds per engine step, this process's tree."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from benchmarks.shapes import SHAPES
+    from common.contract.sampling_params import SamplingParams
+    from engine.engine_builder import load_tokenizer
+    from engine.engine_config import EngineConfig
+    from engine.kv_storage import KVStorage
+    from engine.llm_engine import LLMEngine
+
+    class NullRunner:
+        records_layer_events = False
+
+        def __init__(self, vocab_size: int) -> None:
+            self.logits = torch.randn(max(batch, 1), vocab_size,
+                                      generator=torch.Generator().manual_seed(0))
+
+        def execute(self, schedule, on_layer=None):
+            return self.logits[:sum(1 for c in schedule.chunks if c.sample)]
+
+        def close(self) -> None:
+            return None
+
+    torch.set_num_threads(1)
+    model_config = dataclasses.replace(SHAPES["llama3-1b"], vocab_size=49152)
+    blocks = batch * (128 + num_steps + 64) // 16 + 64
+    config = EngineConfig(num_kv_blocks=blocks, block_size=16, max_num_seqs=max(batch, 1),
+                          max_num_batched_tokens=max(2048, batch))
+    storage = KVStorage.for_model(dataclasses.replace(model_config, num_layers=1), blocks, 16,
+                                  torch.float32)
+    engine = LLMEngine(NullRunner(model_config.vocab_size), storage, model_config,
+                       load_tokenizer(Path(tokenizer_dir)), config, sampler_seed=0)
+    rng = random.Random(0)
+    params = (SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+              if mode == "greedy" else
+              SamplingParams(max_tokens=1 << 20, temperature=0.8, top_p=0.95, ignore_eos=True))
+    for i in range(batch):
+        engine.add_request(f"r{i}", [rng.randrange(1000, 40000) for _ in range(128)], params)
+    for _ in range(8):  # prefill, then a few decode steps
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    return (time.perf_counter() - started) / num_steps
+
+
+def run_tree(tree: Path, args: argparse.Namespace, batch: int, mode: str) -> float:
+    """One measurement in a fresh process on `tree`'s code."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    code = ("import json, sys; from benchmarks.engine_host import measure; "
+            f"print(json.dumps(measure({str(args.tokenizer)!r}, {batch}, {mode!r}, "
+            f"{args.steps})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", type=Path, required=True,
+                        help="directory with tokenizer.json (benchmarks/random_model.py "
+                             "--tokenizer-only writes one)")
+    parser.add_argument("--batches", default="1,16,64,256",
+                        help="comma-separated decode batch sizes (default %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from {', '.join(MODES)} (default: both)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="timed steps per measurement (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measurements per tree, batch and mode; the median is reported "
+                             "(default %(default)s)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout to measure alternately (optional)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    if min(batches) < 1 or args.steps < 1 or args.repeats < 1 or \
+            any(m not in MODES for m in modes):
+        parser.error("batches, steps and repeats must be >= 1; modes from "
+                     + ", ".join(MODES))
+    if not (args.tokenizer / "tokenizer.json").is_file():
+        parser.error(f"{args.tokenizer}/tokenizer.json not found")
+    args.tokenizer = args.tokenizer.resolve()
+    here = Path(__file__).resolve().parent.parent
+    trees = {"this tree": here}
+    if args.baseline_tree is not None:
+        trees["baseline"] = args.baseline_tree.resolve()
+    rows = ["| batch | mode | " + " | ".join(f"{name} ms/step" for name in trees)
+            + " | µs per row (this tree) |" + (" baseline / this tree |" if len(trees) > 1
+                                                 else ""),
+            "|---:|---|" + "---:|" * (len(trees) + 1 + (len(trees) > 1))]
+    for batch in batches:
+        for mode in modes:
+            times: dict[str, list[float]] = {name: [] for name in trees}
+            for repeat in range(args.repeats):
+                for name, tree in trees.items():
+                    times[name].append(run_tree(tree, args, batch, mode))
+                    print(f"   batch {batch} {mode} {name} #{repeat + 1}: "
+                          f"{times[name][-1] * 1e3:.3f} ms/step", file=sys.stderr)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            cells = " | ".join(f"{med[name] * 1e3:.3f}" for name in trees)
+            ratio = (f" {med['baseline'] / med['this tree']:.2f}x |" if len(trees) > 1 else "")
+            rows.append(f"| {batch} | {mode} | {cells} | "
+                        f"{med['this tree'] / batch * 1e6:.1f} |{ratio}")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
