@@ -5,7 +5,8 @@
               replicas sharing that port (SO_REUSEPORT: the kernel spreads connections)
               and their admission limits (in Redis: gateway/shared_limits.py) → the
               operations agent (agent/: it SIGKILLs a bad worker, supervise() restarts it)
-    wait_ready(): until /ready answers and every worker started here is listed ready
+    wait_ready(): until /ready answers and every worker started here is listed ready (with
+              N gateway replicas: until N distinct replicas answered /ready with 200)
     supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
               a worker with a new process (new epoch), the gateway and Redis on their ports
     stop():   the agent first (so nothing restarts what is stopping), then the gateway
@@ -138,9 +139,28 @@ class LocalCluster:
         listing = self._get_json("/admin/workers")
         listed = {w.get("id"): w.get("state") for w in (listing or {}).get("workers", [])}
         num_ready = sum(listed.get(s.worker_id) == "ready" for s in self.worker_specs)
-        if ready.get("ready") and num_ready == len(self.worker_specs):
-            return None
-        return f"workers ready: {num_ready}/{len(self.worker_specs)} (loading the model)"
+        if not ready.get("ready") or num_ready < len(self.worker_specs):
+            return f"workers ready: {num_ready}/{len(self.worker_specs)} (loading the model)"
+        if self.num_gateways > 1:
+            num_seen = self._replicas_ready()
+            if num_seen < self.num_gateways:
+                return f"gateway replicas ready: {num_seen}/{self.num_gateways}"
+        return None
+
+    def _replicas_ready(self) -> int:
+        """How many gateway replicas answered /ready with 200, over fresh connections (the
+        kernel spreads them over the replicas); 0 as soon as one answers otherwise. Each
+        replica names itself in its shared admission limits; without them (no names), all
+        of 8 x N probes answering 200 counts as all N."""
+        seen: set[str] = set()
+        for _ in range(8 * self.num_gateways):
+            ready = self._get_json("/ready")
+            if ready is None or not ready.get("ready"):
+                return 0
+            seen.add(str((ready.get("admission_limits") or {}).get("gateway_id", "")))
+            if len(seen) == self.num_gateways:
+                return len(seen)
+        return self.num_gateways if seen == {""} else len(seen)
 
     def served_model(self) -> str:
         models = self._get_json("/v1/models") or {}
