@@ -95,9 +95,11 @@ async def _decode_spans(tracing: Tracing, frames: AsyncGenerator[Message, None],
         "pdserve.prefill.local": request.is_local_prefill,
         "gen_ai.request.max_tokens": request.sampling.max_tokens})
     num_tokens = 0
+    ended = False
     try:
         async with contextlib.aclosing(frames):
             async for frame in frames:
+                last = False
                 if isinstance(frame, TokenFrame):
                     if num_tokens == 0 and frame.token_ids:
                         span.event("first_token")
@@ -108,9 +110,18 @@ async def _decode_spans(tracing: Tracing, frames: AsyncGenerator[Message, None],
                                   "pdserve.decode.steps": frame.usage.num_steps})
                     if frame.finish_reason is not None:
                         span.set({"gen_ai.response.finish_reasons": [frame.finish_reason.value]})
+                        last = True
                 elif isinstance(frame, ErrorFrame):
                     span.fail(frame.code.value, frame.message)
+                    last = True
+                if last:
+                    # Ended before the last frame leaves: the span lies inside the caller's,
+                    # which ends on reading that frame.
+                    span.set({"pdserve.decode.tokens": num_tokens})
+                    span.end()
+                    ended = True
                 yield frame
     finally:
-        span.set({"pdserve.decode.tokens": num_tokens})
-        span.end()
+        if not ended:
+            span.set({"pdserve.decode.tokens": num_tokens})
+            span.end()
