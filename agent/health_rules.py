@@ -191,7 +191,7 @@ def still_slow(window: Sequence[WorkerSample], tick: Sequence[WorkerSample],
     shape. None: not slow by that measure, or no model or shape to judge by."""
     samples = current_epoch(window)
     shapes = [s.step_shape for s in samples if s.step_shape is not None]
-    if not samples or not shapes:
+    if not shapes:
         return None
     last, shape = samples[-1], shapes[-1]
     model = last.step_model

@@ -153,7 +153,7 @@ class Sampler:
     def _apply_min_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                           states: Sequence[SamplingState]) -> None:
         for i, (p, s) in enumerate(zip(params, states)):
-            if len(s.output_token_ids) < p.min_tokens:
+            if _bans_stops(p, s):
                 banned = [t for t in (*self._eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
                 if banned:
                     logits[i, banned] = float("-inf")
@@ -180,13 +180,26 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
+def _bans_stops(params: SamplingParams, state: SamplingState) -> bool:
+    """min_tokens not reached yet: EOS and the stop ids are masked (`_apply_min_tokens`)."""
+    return len(state.output_token_ids) < params.min_tokens
+
+
+def _repetition_penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0
+
+
+def _count_penalised(params: SamplingParams, state: SamplingState) -> bool:
+    """Frequency or presence penalty, once the row has output to count."""
+    return (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) \
+        and bool(state.output_token_ids)
+
+
 def _edits_logits(params: SamplingParams, state: SamplingState) -> bool:
-    """Whether min_tokens or a penalty changes this row's logits at this step (the rules
-    `_apply_min_tokens` and `_apply_penalties` apply)."""
-    return (len(state.output_token_ids) < params.min_tokens
-            or params.repetition_penalty != 1.0
-            or ((params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
-                and bool(state.output_token_ids)))
+    """Whether this row's logits change at this step: the very rules `_apply_min_tokens`
+    and `_apply_penalties` select their rows by."""
+    return (_bans_stops(params, state) or _repetition_penalised(params)
+            or _count_penalised(params, state))
 
 
 _MASK64 = (1 << 64) - 1
@@ -204,7 +217,7 @@ def position_seed(seed: int, position: int) -> int:
 def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                      states: Sequence[SamplingState]) -> None:
     """In place, for the rows that have penalties, all such rows in a few batched ops."""
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    rep_rows = [i for i, p in enumerate(params) if _repetition_penalised(p)]
     if rep_rows:
         seen = _token_counts([[*states[i].prompt_token_ids, *states[i].output_token_ids]
                               for i in rep_rows], logits.shape[1], logits.device) > 0
@@ -213,8 +226,7 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         rows = logits[rep_rows]
         penalised = torch.where(rows > 0, rows / penalty, rows * penalty)
         logits[rep_rows] = torch.where(seen, penalised, rows)
-    oai_rows = [i for i, p in enumerate(params)
-                if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and states[i].output_token_ids]
+    oai_rows = [i for i, p in enumerate(params) if _count_penalised(p, states[i])]
     if oai_rows:
         counts = _token_counts([states[i].output_token_ids for i in oai_rows], logits.shape[1],
                                logits.device).to(logits.dtype)
