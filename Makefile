@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
-PYTEST_ARGS ?= --durations=25
+# Two processes, each taking whole test files (module fixtures: one cluster per file).
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
 # Debian packages the integration tests run (Redis falls back to the bundled Valkey).
 TEST_TOOLS := redis-server prometheus chromium
