@@ -7,6 +7,9 @@ The engine is single-threaded (engine/llm_engine.py), so every call into it happ
     call(fn) / submit(fn) --- command queue --->   fn(engine) between two steps
              future <---- call_soon_threadsafe ---  result or exception
     RequestStream.queue <-- call_soon_threadsafe -- step(): KVReady (mid-step, kv_ready.py),
+                                                    a pipelined step's early outputs (the
+                                                    last step's text, made mid-step while
+                                                    the device computes: `pipelined`),
                                                     then outputs, cache events, stats
     on_step(StepReport) (metrics, prefix index)     (runs while engine.has_unfinished())
 
@@ -57,6 +60,9 @@ class StepReport:
     step_s: float  # 0.0 when the report follows a command rather than a step
     load: WorkerLoad  # the engine's counters after this step (no rates)
     shape: StepShape = StepShape()  # what the step computed (empty after a command)
+    # outputs[:num_delivered] reached their streams mid-step (a pipelined step's early
+    # outputs); the report still carries them for the counters.
+    num_delivered: int = 0
 
 
 @dataclass(slots=True)
@@ -114,8 +120,13 @@ def engine_load(engine: LLMEngine) -> WorkerLoad:
 
 class EngineThread:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5) -> None:
+                 on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5,
+                 pipelined: bool | None = None) -> None:
+        """`pipelined` (default: on a CUDA engine) runs pipelined steps: the text of one
+        step's tokens is made while the device computes the next (LLMEngine.step)."""
         self._engine = engine
+        self.pipelined = (engine.config.device.startswith("cuda") if pipelined is None
+                          else pipelined)
         self.loop = loop
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
@@ -241,14 +252,17 @@ class EngineThread:
 
     def _deliver(self, report: StepReport) -> None:
         self.load = report.load
-        for out in report.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(out)
+        self._deliver_outputs(report.outputs[report.num_delivered:])
         try:
             self.on_step(report)
         except Exception:  # metrics or publishing must never stop token delivery
             log.exception("on_step callback failed")
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
 
     def _deliver_kv_ready(self, ready: KVReady) -> None:
         stream = self._streams.get(ready.request_id)
@@ -273,10 +287,12 @@ class EngineThread:
                 ran_commands = self._run_commands()
                 if engine.has_unfinished():
                     started = time.perf_counter()
-                    outputs = engine.step(self._post_kv_ready)
+                    early: list[RequestOutput] = []
+                    outputs = engine.step(self._post_kv_ready,
+                                          self._early_sink(early) if self.pipelined else None)
                     if self.fault_step_delay_s:
                         time.sleep(self.fault_step_delay_s)
-                    self._post(outputs, time.perf_counter() - started)
+                    self._post(early + outputs, time.perf_counter() - started, len(early))
                     continue
                 if ran_commands:
                     self._post([], 0.0)
@@ -304,10 +320,17 @@ class EngineThread:
             else:
                 self.loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def _post(self, outputs: list[RequestOutput], step_s: float) -> None:
+    def _early_sink(self, early: list[RequestOutput]) -> Callable[[list[RequestOutput]], None]:
+        """A pipelined step's `on_outputs`: to the streams now, into the report later."""
+        def sink(outputs: list[RequestOutput]) -> None:
+            early.extend(outputs)
+            self.loop.call_soon_threadsafe(self._deliver_outputs, outputs)
+        return sink
+
+    def _post(self, outputs: list[RequestOutput], step_s: float, num_delivered: int = 0) -> None:
         shape = step_shape(self._engine.last_schedule) if step_s > 0 else StepShape()
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine), shape)
+                            engine_load(self._engine), shape, num_delivered)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

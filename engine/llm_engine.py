@@ -7,7 +7,8 @@ Lifecycle of a request inside one engine:
                                         -> release_prefilled() once its KV has been sent
     reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
-Every step returns one `RequestOutput` per request that produced a token or finished in it.
+Every step returns one `RequestOutput` per request that produced a token or finished in it
+(a pipelined step hands some of them out during the next step: engine/output_processor.py).
 Text streams through the incremental detokenizer, held back while it may start a stop string.
 Invariants: ids tracked here = ids the scheduler knows (live or PREFILLED); a finished
 request produces exactly one output with `finish_reason` set. Outputs count engine steps.
@@ -25,52 +26,18 @@ from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner, StepRunner
+from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
-from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[TokenLogprobs | None]
-    finish_reason: FinishReason | None  # None: more to come
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    prefilled: bool = False  # PREFILL_ONLY request parked with its KV (see release_prefilled)
-    num_steps: int = 0  # Request.num_steps
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Postprocessing state of one request: sampler memory, detokenizer, emitted text."""
-
-    request: Request
-    sampling: SamplingState
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    num_emitted_chars: int = 0
-    stop: FinishReason | None = None
-    notify_kv_ready: bool = False  # a KVReady is owed at the final prompt chunk (kv_ready.py)
 
 
 @dataclass(slots=True)
@@ -108,7 +75,8 @@ class LLMEngine:
             self.kv_cache)
         self.runner = runner
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
-        self._tracked: dict[str, _Tracked] = {}
+        self.outputs = OutputProcessor(tokenizer, self.scheduler)
+        self._tracked = self.outputs.tracked  # the requests this engine postprocesses
         self._ids = itertools.count()
         self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
@@ -150,10 +118,10 @@ class LLMEngine:
             self.scheduler.add_request(request)
             return
         try:
-            self._replay(tracked, resumed_token_ids)
+            self.outputs.replay(tracked, resumed_token_ids, self.model_config.vocab_size)
             self.scheduler.add_resumed_request(request, resumed_token_ids)
         except ValueError:
-            self._tracked.pop(request_id, None)
+            self.outputs.untrack(request_id)
             raise
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> Reservation | None:
@@ -183,22 +151,16 @@ class LLMEngine:
                           mode=RequestMode.DECODE_ONLY)
         tracked = self._track(request)
         self.scheduler.add_decode_request(request, first_token_id)
-        # Replay the first token through the detokenizer and stop check, so that held bytes
-        # and held stop-string prefixes continue exactly where the prefill side left them.
-        delta = tracked.detokenizer.add(first_token_id)
-        tracked.text += delta
-        check = check_stop(params, self.tokenizer.eos_token_ids, request.output_token_ids,
-                           tracked.text, len(delta))
-        tracked.num_emitted_chars = check.emit_end
+        self.outputs.join_first_token(tracked, first_token_id)
 
     def release_prefilled(self, request_id: str) -> None:
         """Prefill side: the KV of a PREFILLED request has been sent (or given up): free it."""
-        self._tracked.pop(request_id, None)
+        self.outputs.untrack(request_id)
         self.scheduler.release_prefilled(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request in any state and free its blocks; False if it was not known."""
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self.outputs.untrack(request_id)
         if self.scheduler.get_request(request_id) is not None:
             self.scheduler.abort_request(request_id)
         elif tracked is not None and tracked.request.status is RequestStatus.PREFILLED:
@@ -206,7 +168,9 @@ class LLMEngine:
         return tracked is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_waiting + self.scheduler.num_running > 0
+        """Work left for `step()`: requests to compute, or deferred outputs to make."""
+        return (self.scheduler.num_waiting + self.scheduler.num_running > 0
+                or self.outputs.num_deferred > 0)
 
     @property
     def num_waiting(self) -> int:
@@ -218,17 +182,26 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def step(self, on_kv_ready: Callable[[KVReady], None] | None = None) -> list[RequestOutput]:
+    def step(self, on_kv_ready: Callable[[KVReady], None] | None = None,
+             on_outputs: Callable[[list[RequestOutput]], None] | None = None
+             ) -> list[RequestOutput]:
         """One engine iteration. Returns the outputs of this step (possibly none).
 
         `on_kv_ready` gets the KVReady of every request that asked for one and whose final
         prompt chunk this step computes, before the step waits for the model (kv_ready.py).
+
+        With `on_outputs` the step is pipelined (engine/output_processor.py): the text of
+        this step's tokens that cannot end a request is made during the next step, while
+        the device computes it, and handed to `on_outputs` before that step waits; the
+        rest is returned. Use it where the device computes asynchronously (CUDA): on the
+        CPU the model runs inside `execute`, so nothing would overlap.
         """
         schedule = self.last_schedule = self.scheduler.schedule()
         self.num_steps += 1
         self.num_preemptions += len(schedule.preempted_request_ids)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
+        outputs: list[RequestOutput] = []
         if not schedule.is_empty:
             ready = ([c for c in schedule.chunks if c.sample and c.request_id in self._tracked
                       and self._tracked[c.request_id].notify_kv_ready]
@@ -240,6 +213,8 @@ class LLMEngine:
             logits = self.runner.execute(schedule, recorder)
             if ready and recorder is not None:
                 self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
+            if self.outputs.num_deferred and on_outputs is not None:
+                on_outputs(self.outputs.flush_deferred())  # while the device computes
             if logits.is_cuda:
                 # Wait for the model without the GIL (an event wait releases it; the
                 # sampler's copies to the host may not), so the worker's event loop runs
@@ -257,13 +232,17 @@ class LLMEngine:
                 sampled = dict(zip(rows, result.token_ids))
                 logprobs = dict(zip(rows, result.logprobs))
             self.scheduler.update_from_output(schedule, sampled)
-        outputs = [self._postprocess(rid, token_id, logprobs[rid])
-                   for rid, token_id in sampled.items()]
+        outputs.extend(self.outputs.flush_deferred())  # none left unless nothing ran
+        defer = on_outputs is not None
+        for rid, token_id in sampled.items():
+            out = self.outputs.process(rid, token_id, logprobs[rid], defer)
+            if out is not None:
+                outputs.append(out)
         for request in self.scheduler.drain_finished():
-            tracked = self._tracked.get(request.request_id)
-            if tracked is None or request.request_id in sampled:
+            tracked_request = self._tracked.get(request.request_id)
+            if tracked_request is None or request.request_id in sampled:
                 continue  # its output this step already carries the finish
-            outputs.append(self._finish_output(tracked, []))
+            outputs.append(self.outputs.finish_output(tracked_request, []))
         return outputs
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -311,80 +290,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
 
-    def _track(self, request: Request) -> _Tracked:
+    def _track(self, request: Request) -> Tracked:
         sampling = SamplingState.create(request.sampling_params, request.prompt_token_ids,
                                         self.config.device)
         # The scheduler's list is the one record of output tokens; the sampler reads it.
         sampling.output_token_ids = request.output_token_ids
-        tracked = _Tracked(request, sampling,
-                           IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
-        self._tracked[request.request_id] = tracked
-        return tracked
-
-    def _replay(self, tracked: _Tracked, token_ids: Sequence[int]) -> None:
-        params = tracked.request.sampling_params
-        seen: list[int] = []
-        check = None
-        for token_id in token_ids:
-            if not 0 <= token_id < self.model_config.vocab_size:
-                raise ValueError(f"resumed token id {token_id} is outside the vocabulary")
-            seen.append(token_id)
-            delta = tracked.detokenizer.add(token_id)
-            tracked.text += delta
-            check = check_stop(params, self.tokenizer.eos_token_ids, seen, tracked.text,
-                               len(delta))
-            if check.finished:
-                raise ValueError(f"request {tracked.request.request_id} already ended at "
-                                 f"resumed token {len(seen)} ({check.finish_reason})")
-        if check is not None:
-            tracked.num_emitted_chars = check.emit_end
-
-    def _postprocess(self, request_id: str, token_id: int,
-                     logprobs: TokenLogprobs | None) -> RequestOutput:
-        tracked = self._tracked[request_id]
-        request = tracked.request
-        delta = tracked.detokenizer.add(token_id)
-        tracked.text += delta
-        check = check_stop(request.sampling_params, self.tokenizer.eos_token_ids,
-                           request.output_token_ids, tracked.text, len(delta))
-        if check.finished:
-            tracked.stop = check.finish_reason
-            if check.stop_reason is not None and isinstance(check.stop_reason, str):
-                tracked.text = tracked.text[:check.emit_end]
-            if request.status is RequestStatus.RUNNING:
-                status = (RequestStatus.FINISHED_STOPPED if check.finish_reason is FinishReason.STOP
-                          else RequestStatus.FINISHED_LENGTH)
-                self.scheduler.finish_request(request_id, status)
-            elif request.status is RequestStatus.PREFILLED:
-                self.scheduler.release_prefilled(request_id)
-        elif request.status.is_finished:
-            pass  # ended by the scheduler (length / pool limit): release held text below
-        else:
-            return self._emit(tracked, [token_id], [logprobs], check.emit_end)
-        return self._finish_output(tracked, [token_id], [logprobs])
-
-    def _emit(self, tracked: _Tracked, token_ids: list[int], logprobs: list[TokenLogprobs | None],
-              emit_end: int) -> RequestOutput:
-        request = tracked.request
-        text = tracked.text[tracked.num_emitted_chars:emit_end]
-        tracked.num_emitted_chars = max(tracked.num_emitted_chars, emit_end)
-        return RequestOutput(
-            request.request_id, token_ids, text, logprobs, None, request.num_prompt_tokens,
-            request.num_output_tokens, request.num_cached_tokens,
-            prefilled=request.status is RequestStatus.PREFILLED, num_steps=request.num_steps)
-
-    def _finish_output(self, tracked: _Tracked, token_ids: list[int],
-                       logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
-        request = tracked.request
-        if tracked.stop is None:
-            # Not stopped by a stop rule: whatever was held back turned out to be plain text.
-            tracked.text += tracked.detokenizer.flush()
-        self._tracked.pop(request.request_id, None)
-        out = self._emit(tracked, token_ids, logprobs or [], len(tracked.text))
-        out.finish_reason = (tracked.stop if tracked.stop is not None
-                             else request.status.finish_reason)
-        out.prefilled = False  # finished: nothing left to transfer
-        return out
+        return self.outputs.track(request, sampling)
 
     def close(self) -> None:
         """Release tensor-parallel followers (they exit); nothing to do at TP 1. Idempotent."""
@@ -392,6 +303,7 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        self.outputs.check_invariants()
         for tracked in self._tracked.values():
             tracked.sampling.check_invariants(tracked.request.sampling_params)
         for rid in self._tracked:

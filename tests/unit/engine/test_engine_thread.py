@@ -26,7 +26,7 @@ class ScriptedEngine:
         self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
                                         request_ids=lambda: frozenset(self.requests),
                                         drain_events=lambda: [])
-        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64)
+        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64, device="cpu")
         self.scheduler = SimpleNamespace(live_requests=lambda: ())
         self.last_schedule = None
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
@@ -50,7 +50,7 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self, on_kv_ready=None) -> list[RequestOutput]:
+    def step(self, on_kv_ready=None, on_outputs=None) -> list[RequestOutput]:
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("kernel exploded")
@@ -65,6 +65,9 @@ class ScriptedEngine:
                                          3, len(state) - 1, 0))
             if done:
                 del self.requests[rid]
+        if on_outputs is not None:  # pipelined: the unfinished ones leave mid-step
+            on_outputs([o for o in outputs if o.finish_reason is None])
+            return [o for o in outputs if o.finish_reason is not None]
         return outputs
 
 
@@ -115,6 +118,27 @@ def test_outputs_reach_their_own_stream_and_commands_return_results() -> None:
         await thread.stop()
         with pytest.raises(EngineStopped):
             await thread.call(lambda e: None)
+
+    asyncio.run(run())
+
+
+def test_a_pipelined_step_delivers_early_outputs_once_and_counts_them_in_its_report() -> None:
+    async def run() -> None:
+        reports = []
+        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), reports.append,
+                              pipelined=True)
+        assert thread.pipelined
+        thread.start()
+        a = thread.open_stream("a")
+        await thread.call(lambda e: e.add("a", 4))
+        got = await collect(a)
+        await thread.stop()
+        assert [o.new_token_ids for o in got] == [[2], [3], [4], [5]]  # once each, in order
+        assert got[-1].finish_reason and not any(o.finish_reason for o in got[:-1])
+        assert a.take_ready() == [StreamEnd("engine stopped")]  # nothing delivered twice
+        counted = [o for r in reports for o in r.outputs]
+        assert [o.new_token_ids for o in counted] == [[2], [3], [4], [5]]
+        assert [r.num_delivered for r in reports if r.outputs] == [1, 1, 1, 0]
 
     asyncio.run(run())
 

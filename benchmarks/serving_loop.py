@@ -1,0 +1,257 @@
+"""The serving loop: does one engine keep its device busy on a decode-heavy closed loop?
+
+One engine in this process steps a closed loop of `--concurrency` requests (random
+`--prompt-tokens`-token prompts, `--max-tokens` output tokens give or take half, EOS
+ignored, greedy); a finished request is replaced at once, as a client at that concurrency
+would. Per concurrency, the engine runs each mode in turn, `--repeats` times, alternating:
+
+    plain       LLMEngine.step(): the host makes every output before the next step
+    pipelined   LLMEngine.step(on_outputs=...): the text of one step's tokens is made while
+                the device computes the next (engine/output_processor.py)
+
+Per run: `--warm-steps` steps to reach the steady state, then `--steps` steps timed for
+output tokens per second, then (CUDA) `--profile-steps` steps under the torch profiler for
+the device's share of the wall time (the union of its kernel and copy intervals over the
+window, the profiler's own host cost included) and its time per step. The last columns
+set tokens/s against concurrency / (device time per step): what the loop would serve if
+the device never waited for the host.
+
+    python -m benchmarks.random_model .tok --tokenizer-only       # once: the tokenizer
+    python -m benchmarks.serving_loop --shape llama3-1b --tokenizer .tok --device cuda \\
+        --concurrency 32,128,256
+    python -m benchmarks.serving_loop --model default --concurrency 4,16 --steps 40  # CPU
+
+Output: a markdown table on stdout (and `--json`); progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("plain", "pipelined")
+
+
+def log(message: str) -> None:
+    print(f"[serving_loop] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Run:
+    concurrency: int
+    mode: str
+    tokens_per_s: float
+    wall_ms_per_step: float
+    device_busy: float | None  # the device's share of the profiled window's wall time
+    device_ms_per_step: float | None
+
+
+class ClosedLoop:
+    """Keeps `concurrency` requests in one engine; counts the tokens its clients receive."""
+
+    def __init__(self, engine, concurrency: int, prompt_tokens: int, max_tokens: int,
+                 rng: random.Random) -> None:
+        from common.contract.sampling_params import SamplingParams
+
+        self.engine = engine
+        self.rng = rng
+        self.prompt_tokens = prompt_tokens
+        self.params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                       for n in range(max(1, max_tokens // 2), max_tokens * 3 // 2 + 1)]
+        self.live: set[str] = set()
+        self.num_added = 0
+        for _ in range(concurrency):
+            self._add()
+
+    def _add(self) -> None:
+        rid = f"loop-{self.num_added}"
+        self.num_added += 1
+        vocab = self.engine.model_config.vocab_size
+        prompt = [self.rng.randrange(vocab) for _ in range(self.prompt_tokens)]
+        self.engine.add_request(rid, prompt, self.rng.choice(self.params))
+        self.live.add(rid)
+
+    def step(self, pipelined: bool) -> int:
+        """One engine step; returns the output tokens it delivered."""
+        early: list = []
+        outputs = self.engine.step(on_outputs=early.extend if pipelined else None)
+        num_tokens = 0
+        for out in early + outputs:
+            num_tokens += len(out.new_token_ids)
+            if out.finished:
+                self.live.discard(out.request_id)
+                self._add()
+        return num_tokens
+
+    def drain(self) -> None:
+        for rid in list(self.live):
+            self.engine.abort_request(rid)
+        self.live.clear()
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
+                  ) -> tuple[float, float]:
+    """(busy fraction, device ms per step) over `num_steps` steps, from the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            loop.step(pipelined)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - started) * 1e6
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy_us = 0.0
+    end = None
+    for lo, hi in intervals:  # the union: overlapping kernels count once
+        if end is None or lo > end:
+            busy_us += hi - lo
+            end = hi
+        elif hi > end:
+            busy_us += hi - end
+            end = hi
+    return min(busy_us / wall_us, 1.0), busy_us / num_steps / 1e3
+
+
+def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -> Run:
+    pipelined = mode == "pipelined"
+    for _ in range(args.warm_steps):
+        loop.step(pipelined)
+    if cuda:
+        import torch
+        torch.cuda.synchronize()
+    num_tokens = 0
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        num_tokens += loop.step(pipelined)
+    wall_s = time.perf_counter() - started
+    busy = per_step = None
+    if cuda and args.profile_steps:
+        busy, per_step = device_window(loop, args.profile_steps, pipelined)
+    return Run(len(loop.live), mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
+               per_step)
+
+
+def build(args: argparse.Namespace):
+    import torch
+
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.warm_up import warm_up
+
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.model:
+        from engine.engine_builder import load_tokenizer
+        from engine.loader import load_model
+
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
+        model, config = loaded.model, loaded.config
+        tokenizer = load_tokenizer(loaded.tokenizer_source)
+    else:
+        from benchmarks.engine_gpu_model import build_random_model
+        from benchmarks.shapes import SHAPES
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(Path(args.tokenizer))
+        config = dataclasses.replace(SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
+        model = build_random_model(config, seed=1, device=torch.device(args.device),
+                                   dtype=dtype)
+    max_c = max(int(c) for c in args.concurrency.split(","))
+    blocks_per_seq = -(-(args.prompt_tokens + args.max_tokens * 3 // 2 + 1) // 16)
+    engine = LLMEngine.for_model(model, config, tokenizer, EngineConfig(
+        num_kv_blocks=blocks_per_seq * max_c + 64, block_size=16, max_num_seqs=max_c,
+        max_num_batched_tokens=args.max_batched_tokens, dtype=dtype, device=args.device))
+    if cuda:
+        report = warm_up(engine, log)
+        log(f"warmed up in {report.seconds:.1f} s")
+    return engine, cuda
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="weights to load (a path, or 'default')")
+    source.add_argument("--shape", help="random weights in this shape (benchmarks/shapes.py); "
+                        "needs --tokenizer")
+    parser.add_argument("--tokenizer", help="folder with tokenizer.json (with --shape)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--concurrency", default="32,128,256",
+                        help="comma-separated numbers of requests in flight")
+    parser.add_argument("--modes", default=",".join(MODES), help="plain, pipelined or both")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="output tokens per request, give or take half")
+    parser.add_argument("--warm-steps", type=int, default=100,
+                        help="steps before timing, per run")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
+    parser.add_argument("--profile-steps", type=int, default=30,
+                        help="steps under the profiler per run (CUDA; 0: none)")
+    parser.add_argument("--max-batched-tokens", type=int, default=512,
+                        help="tokens per engine step, as a worker's --max-num-batched-tokens")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
+    parser.add_argument("--json", help="also write the runs here")
+    args = parser.parse_args(argv)
+    if args.shape and not args.tokenizer:
+        parser.error("--shape needs --tokenizer")
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        parser.error(f"--modes: choose from {', '.join(MODES)}")
+
+    import torch
+    torch.manual_seed(args.seed)
+    engine, cuda = build(args)
+    name = args.shape or args.model
+    runs: list[Run] = []
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        loop = ClosedLoop(engine, concurrency, args.prompt_tokens, args.max_tokens,
+                          random.Random(args.seed))
+        for repeat in range(args.repeats):
+            for mode in modes:
+                run = measure(loop, mode, args, cuda)
+                run.concurrency = concurrency
+                runs.append(run)
+                log(f"{name} c={concurrency} {mode} #{repeat + 1}: "
+                    f"{run.tokens_per_s:.0f} tok/s, {run.wall_ms_per_step:.2f} ms/step"
+                    + (f", device busy {run.device_busy:.0%}, "
+                       f"{run.device_ms_per_step:.2f} device ms/step" if run.device_busy else ""))
+        loop.drain()
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    print(f"{name} on {torch.cuda.get_device_name() if cuda else 'cpu'}; medians of "
+          f"{args.repeats} runs of {args.steps} steps")
+    print()
+    print("| concurrency | mode | output tok/s | wall ms/step | device busy | device ms/step "
+          "| concurrency / device step, tok/s | tok/s of that |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for concurrency in sorted({r.concurrency for r in runs}):
+        for mode in modes:
+            mine = [r for r in runs if r.concurrency == concurrency and r.mode == mode]
+            tps = statistics.median(r.tokens_per_s for r in mine)
+            wall = statistics.median(r.wall_ms_per_step for r in mine)
+            if mine[0].device_busy is None:
+                print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | - | - | - | - |")
+                continue
+            busy = statistics.median(r.device_busy or 0.0 for r in mine)
+            dev = statistics.median(r.device_ms_per_step or 0.0 for r in mine)
+            bound = concurrency / dev * 1e3
+            print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | {busy:.0%} | {dev:.2f} "
+                  f"| {bound:.0f} | {tps / bound:.0%} |")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Pipelined steps (LLMEngine.step with `on_outputs`) on the real default model: the text of
+a step's tokens is made during the next step, and nothing a client sees changes.
+
+Each batch runs twice on fresh engines, plain and pipelined, stepping until done; every
+request's tokens, streamed text, logprobs and finish reason must be identical, greedy ones
+equal to transformers' tokens, and the pipelined run must really have deferred outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from common.contract.sampling_params import SamplingParams
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    ",
+    "List three colours: red,",
+)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from engine.engine_builder import load_tokenizer
+    from engine.loader import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the suite shares two cores; one thread is faster under load
+    model = load_model("default")
+    yield model, load_tokenizer(model.tokenizer_source)
+    torch.set_num_threads(threads)
+
+
+def make_engine(loaded, **overrides) -> LLMEngine:
+    model, tokenizer = loaded
+    config = EngineConfig(**{"num_kv_blocks": 128, **overrides})
+    return LLMEngine.for_model(model.model, model.config, tokenizer, config)
+
+
+@dataclass
+class Seen:
+    """What a client of one request would have received, in order."""
+
+    tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reasons: list = field(default_factory=list)  # one per output; the last is set
+
+    def add(self, out: RequestOutput) -> None:
+        assert not any(self.finish_reasons), f"{out.request_id}: an output after the finish"
+        self.tokens += out.new_token_ids
+        self.texts.append(out.new_text)
+        self.logprobs += out.logprobs
+        self.finish_reasons.append(out.finish_reason)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+        pipelined: bool, between_steps: Callable[[LLMEngine, int], None] | None = None
+        ) -> tuple[dict[str, Seen], int]:
+    """Step until done; returns what each request's client saw and how many outputs came
+    early (through `on_outputs`)."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    seen = {rid: Seen() for rid in requests}
+    num_early = 0
+    step = 0
+    while engine.has_unfinished():
+        early: list[RequestOutput] = []
+        outputs = engine.step(on_outputs=early.extend if pipelined else None)
+        num_early += len(early)
+        for out in early + outputs:
+            seen[out.request_id].add(out)
+        engine.check_invariants()
+        step += 1
+        if between_steps is not None:
+            between_steps(engine, step)
+    assert engine.kv_cache.num_used_blocks == 0
+    return seen, num_early
+
+
+def both(loaded, requests) -> tuple[dict[str, Seen], dict[str, Seen], int]:
+    plain, _ = run(make_engine(loaded), requests, pipelined=False)
+    piped, num_early = run(make_engine(loaded), requests, pipelined=True)
+    return plain, piped, num_early
+
+
+def test_pipelined_greedy_batch_matches_plain_and_transformers(loaded, hf_reference):
+    engine = make_engine(loaded)
+    requests = {f"r{i}": (engine.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)}
+    plain, piped, num_early = both(loaded, requests)
+    assert piped == plain
+    assert num_early >= len(PROMPTS) * (GREEDY.max_tokens - 2)  # all but the last ones
+    for rid, (prompt, _) in requests.items():
+        expected = hf_reference.greedy(prompt, GREEDY.max_tokens, ignore_eos=True).token_ids
+        assert piped[rid].tokens == expected
+        assert "".join(piped[rid].texts) == hf_reference.tokenizer.decode(
+            expected, skip_special_tokens=True)
+        assert piped[rid].finish_reasons[-1] == "length"
+        assert piped[rid].finish_reasons.count(None) == len(piped[rid].finish_reasons) - 1
+
+
+def test_pipelined_stops_sampling_and_logprobs_match_plain(loaded):
+    engine = make_engine(loaded)
+    chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+    word = engine.tokenizer.encode(PROMPTS[0])
+    greedy = engine.generate([word], GREEDY)[0]
+    stop = greedy.text.strip().split()[1]  # a word the greedy output is known to contain
+    requests = {
+        "eos": (chat, SamplingParams(max_tokens=64, temperature=0.0)),  # ends at end of turn
+        "stop-string": (word, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))),
+        "stop-token": (word, SamplingParams(max_tokens=24, temperature=0.0,
+                                            stop_token_ids=(greedy.token_ids[6],))),
+        "min-tokens": (chat, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30)),
+        "seeded": (word, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7,
+                                        logprobs=2, presence_penalty=0.4)),
+        "one-token": (word, SamplingParams(max_tokens=1, temperature=0.0)),
+    }
+    plain, piped, num_early = both(loaded, requests)
+    assert piped == plain
+    assert num_early > 0
+    assert plain["eos"].finish_reasons[-1] == "stop" and len(plain["eos"].tokens) < 64
+    assert plain["stop-string"].finish_reasons[-1] == "stop"
+    assert stop not in "".join(plain["stop-string"].texts)
+    assert plain["stop-token"].tokens[-1] == greedy.token_ids[6]
+    assert plain["stop-token"].finish_reasons[-1] == "stop"
+    assert len(plain["min-tokens"].tokens) >= 30
+    assert all(lp is not None for lp in plain["seeded"].logprobs)
+
+
+def test_an_abort_with_a_deferred_token_leaves_nothing_behind(loaded):
+    engine = make_engine(loaded)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    requests = {"keep": (prompt, GREEDY), "gone": (prompt, GREEDY)}
+    aborted_at: list[int] = []
+
+    def abort_after_five(engine: LLMEngine, step: int) -> None:
+        if step == 5:
+            assert engine.outputs.num_deferred == 2  # both tokens of step 5 wait for step 6
+            assert engine.abort_request("gone")
+            aborted_at.append(step)
+
+    seen, _ = run(engine, requests, pipelined=True, between_steps=abort_after_five)
+    assert aborted_at == [5]
+    # "gone" got the outputs of steps 1-4 (the fifth was deferred, then dropped), no finish.
+    assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
+    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, pipelined=False)
+    assert seen["keep"] == plain["keep"]
+    assert engine.kv_cache.num_used_blocks == 0
+    assert not engine.has_unfinished()
