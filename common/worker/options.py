@@ -51,6 +51,7 @@ class WorkerOptions:
     log_format: str = "text"
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
+    pipelined_steps: str = "auto"  # auto | on | off (engine/output_processor.py)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     kv_push: str = "layerwise"  # layerwise | after-step (prefill_workers/worker.py)
 
@@ -59,6 +60,12 @@ class WorkerOptions:
         """Run the warm-up before registering? auto: on CUDA devices only."""
         return self.warm_up == "on" or (self.warm_up == "auto" and
                                         self.device.startswith("cuda"))
+
+    @property
+    def pipelines_steps(self) -> bool:
+        """Make a step's text while the device computes the next? auto: on CUDA only."""
+        return self.pipelined_steps == "on" or (self.pipelined_steps == "auto" and
+                                                self.device.startswith("cuda"))
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -120,6 +127,10 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
         "compile before the first request, not during it; auto: on CUDA only",
         choices=("auto", "on", "off"))
+    add("--pipelined-steps", "auto", "make the text of a step's tokens (detokenizer, stop "
+        "strings aside, output records) during the next step, while the device computes "
+        "it, instead of between the two; auto: on CUDA only (on the CPU the model runs on "
+        "the same cores, so nothing would overlap)", choices=("auto", "on", "off"))
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "
@@ -168,6 +179,7 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         log_format=getattr(args, "log_format", "text"),
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
         warm_up=getattr(args, "warm_up", "auto"),
+        pipelined_steps=getattr(args, "pipelined_steps", "auto"),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
         kv_push=getattr(args, "kv_push", "layerwise"))
 

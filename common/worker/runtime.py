@@ -86,10 +86,12 @@ class WorkerRuntime:
     def __init__(self, worker_id: str, role: Role, model_name: str, device: str,
                  host: str, port: int, token: str | None, redis_url: str, namespace: str,
                  drain_timeout_s: float, sm_share_percent: int = 0,
-                 tracing: Tracing = NO_TRACING) -> None:
+                 tracing: Tracing = NO_TRACING, pipelined_steps: bool = False) -> None:
         """`sm_share_percent`: the CUDA MPS share the launcher gave this process (0: none);
-        `tracing`: where the role's request spans go (owned by the caller)."""
+        `tracing`: where the role's request spans go (owned by the caller);
+        `pipelined_steps`: run the engine's steps pipelined (engine/engine_thread.py)."""
         self.worker_id = worker_id
+        self.pipelined_steps = pipelined_steps
         self.tracing = tracing
         self.sm_share_percent = sm_share_percent
         self.role = role
@@ -136,12 +138,14 @@ class WorkerRuntime:
         log.info("%s control server on %s; loading the model", self.worker_id, url)
         try:
             engine = await asyncio.to_thread(load_engine)
-            self.engine_thread = EngineThread(engine, loop, self._on_step)
+            self.engine_thread = EngineThread(engine, loop, self._on_step,
+                                              pipelined=self.pipelined_steps)
             self.engine_thread.start()
             await worker.attach(self.engine_thread)
             await self._register(self.engine_thread, url, worker.kv_address)
             self.ready = True
-            log.info("%s ready (epoch %d) on %s", self.worker_id, self.epoch, url)
+            log.info("%s ready (epoch %d) on %s; pipelined steps %s", self.worker_id,
+                     self.epoch, url, "on" if self.engine_thread.pipelined else "off")
             if on_ready is not None:
                 result = on_ready(url)
                 if result is not None:

@@ -1,6 +1,8 @@
 """`pdserve up` with the default model on CPU (1 prefill + 1 decode worker), driven by the
 official `openai` client: completions and chat, streamed and not, a prompt long enough to
-be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behind.
+be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behind. The
+workers run pipelined steps (`--pipelined-steps on`, the default on CUDA), so every answer
+also checks that a step's text made during the next step reaches the client unchanged.
 
 Every greedy answer is compared with transformers' greedy output for the same weights and
 chat template (tests/hf_reference.py): text, finish reason and token counts exactly.
@@ -22,7 +24,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 def up(tmp_path_factory):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
-    process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"))
+    process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_PIPELINED_STEPS": "on"})
     yield process
     process.stop()
 

@@ -1,4 +1,5 @@
-"""Worker options: the warm-up choice (auto: on CUDA only) and bad values refused."""
+"""Worker options: the warm-up and pipelined-steps choices (auto: on CUDA only) and bad
+values refused."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def options(*extra: str):
     (("--device", "cuda", "--warm-up", "off"), False), (("--warm-up", "on"), True)])
 def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
     assert options(*extra).warms_up is warms
+
+
+@pytest.mark.parametrize("extra, pipelines", [
+    ((), False), (("--device", "cuda"), True), (("--device", "cuda", "--pipelined-steps", "off"),
+                                               False), (("--pipelined-steps", "on"), True)])
+def test_steps_are_pipelined_on_cuda_unless_told(extra, pipelines) -> None:
+    assert options(*extra).pipelines_steps is pipelines
 
 
 def test_an_unknown_warm_up_choice_is_a_usage_error(capsys) -> None:
