@@ -133,10 +133,14 @@ def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -
         import torch
         torch.cuda.synchronize()
     num_tokens = 0
+    if args.profiler is not None:
+        args.profiler.enable()
     started = time.perf_counter()
     for _ in range(args.steps):
         num_tokens += loop.step(pipelined)
     wall_s = time.perf_counter() - started
+    if args.profiler is not None:
+        args.profiler.disable()
     busy = per_step = None
     if cuda and args.profile_steps:
         busy, per_step = device_window(loop, args.profile_steps, pipelined)
@@ -203,7 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens per engine step, as a worker's --max-num-batched-tokens")
     parser.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
     parser.add_argument("--json", help="also write the runs here")
+    parser.add_argument("--cprofile", help="profile the host over the timed steps (cProfile) "
+                        "and write the top functions here")
     args = parser.parse_args(argv)
+    args.profiler = None
+    if args.cprofile:
+        import cProfile
+        args.profiler = cProfile.Profile()
     if args.shape and not args.tokenizer:
         parser.error("--shape needs --tokenizer")
     modes = args.modes.split(",")
@@ -230,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         loop.drain()
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    if args.profiler is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        stats = pstats.Stats(args.profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        Path(args.cprofile).write_text(text.getvalue())
     print(f"{name} on {torch.cuda.get_device_name() if cuda else 'cpu'}; medians of "
           f"{args.repeats} runs of {args.steps} steps")
     print()
