@@ -9,7 +9,9 @@ would. Per concurrency, the engine runs each mode in turn, `--repeats` times, al
     pipelined   LLMEngine.step(on_outputs=...): the text of one step's tokens is made while
                 the device computes the next (engine/output_processor.py)
 
-Per run: `--warm-steps` steps to reach the steady state, then `--steps` steps timed for
+Per concurrency: `--warm-steps` steps to reach the steady state (the first requests end
+at random lengths, so no wave finishes together); then per run (modes in ABBA order) one
+step to change mode, `--steps` steps timed for
 output tokens per second, then (CUDA) `--profile-steps` steps under the torch profiler for
 the device's share of the wall time (the union of its kernel and copy intervals over the
 window, the profiler's own host cost included) and its time per step. The last columns
@@ -68,14 +70,17 @@ class ClosedLoop:
         self.live: set[str] = set()
         self.num_added = 0
         for _ in range(concurrency):
-            self._add()
+            # The first ones end anywhere up to the longest, as if the loop had long been
+            # running: no wave of requests finishing together.
+            self._add(SamplingParams(max_tokens=self.rng.randrange(1, self.params[-1].max_tokens),
+                                     temperature=0.0, ignore_eos=True))
 
-    def _add(self) -> None:
+    def _add(self, params=None) -> None:
         rid = f"loop-{self.num_added}"
         self.num_added += 1
         vocab = self.engine.model_config.vocab_size
         prompt = [self.rng.randrange(vocab) for _ in range(self.prompt_tokens)]
-        self.engine.add_request(rid, prompt, self.rng.choice(self.params))
+        self.engine.add_request(rid, prompt, params or self.rng.choice(self.params))
         self.live.add(rid)
 
     def step(self, pipelined: bool) -> int:
@@ -127,8 +132,7 @@ def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
 
 def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -> Run:
     pipelined = mode == "pipelined"
-    for _ in range(args.warm_steps):
-        loop.step(pipelined)
+    loop.step(pipelined)  # the other mode's last outputs leave
     if cuda:
         import torch
         torch.cuda.synchronize()
@@ -194,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="32,128,256",
                         help="comma-separated numbers of requests in flight")
     parser.add_argument("--modes", default=",".join(MODES), help="plain, pipelined or both")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="runs per mode, alternating (ABBA)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="output tokens per request, give or take half")
     parser.add_argument("--warm-steps", type=int, default=100,
-                        help="steps before timing, per run")
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
+                        help="steps before timing, per concurrency")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
     parser.add_argument("--profile-steps", type=int, default=30,
                         help="steps under the profiler per run (CUDA; 0: none)")
     parser.add_argument("--max-batched-tokens", type=int, default=512,
@@ -228,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         loop = ClosedLoop(engine, concurrency, args.prompt_tokens, args.max_tokens,
                           random.Random(args.seed))
+        for _ in range(args.warm_steps):
+            loop.step(False)
         for repeat in range(args.repeats):
-            for mode in modes:
+            # ABBA: neither mode always meets the same phase of the loop first.
+            for mode in (modes if repeat % 2 == 0 else modes[::-1]):
                 run = measure(loop, mode, args, cuda)
                 run.concurrency = concurrency
                 runs.append(run)
