@@ -131,7 +131,11 @@ def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
 
 
 def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -> Run:
-    pipelined = mode == "pipelined"
+    base, _, split = mode.partition("@")
+    pipelined = base == "pipelined"
+    runner = loop.engine.runner
+    if split:
+        runner.mixed_split_min_tokens, default_split = int(split), runner.mixed_split_min_tokens
     loop.step(pipelined)  # the other mode's last outputs leave
     if cuda:
         import torch
@@ -148,6 +152,8 @@ def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -
     busy = per_step = None
     if cuda and args.profile_steps:
         busy, per_step = device_window(loop, args.profile_steps, pipelined)
+    if split:
+        runner.mixed_split_min_tokens = default_split
     return Run(len(loop.live), mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
                per_step)
 
@@ -197,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--concurrency", default="32,128,256",
                         help="comma-separated numbers of requests in flight")
-    parser.add_argument("--modes", default=",".join(MODES), help="plain, pipelined or both")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="plain, pipelined or both; MODE@N runs MODE with a mixed step's "
+                        "decode rows split off to the decode kernel from N context tokens "
+                        "(engine/attention.py; default 131072)")
     parser.add_argument("--repeats", type=int, default=4,
                         help="runs per mode, alternating (ABBA)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
@@ -222,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape and not args.tokenizer:
         parser.error("--shape needs --tokenizer")
     modes = args.modes.split(",")
-    if any(m not in MODES for m in modes):
-        parser.error(f"--modes: choose from {', '.join(MODES)}")
+    if any(m.partition("@")[0] not in MODES or not m.partition("@")[2].isdigit()
+           and "@" in m for m in modes):
+        parser.error(f"--modes: choose from {', '.join(MODES)}, each optionally with @N")
 
     import torch
     torch.manual_seed(args.seed)
