@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import MIXED_SPLIT_MIN_CONTEXT_TOKENS, AttentionMetadata, kernels_available
+from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -54,12 +54,13 @@ class ModelRunner:
     kernel path on CUDA) and none elsewhere; () captures none. With `use_kernels=True` on
     CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs).
     `mixed_split_min_tokens`: from what size a mixed step's decode rows get the decode
-    kernel (engine/attention.py's `split_mixed_step`)."""
+    kernel (engine/attention.py's `split_mixed_step`); None: the model width's default
+    (`mixed_split_threshold`)."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
                  use_kernels: bool | None = None,
                  cuda_graph_batch_sizes: Sequence[int] | None = None,
-                 mixed_split_min_tokens: int = MIXED_SPLIT_MIN_CONTEXT_TOKENS) -> None:
+                 mixed_split_min_tokens: int | None = None) -> None:
         if kv.layout.block_size != block_size:
             raise ValueError(f"KV storage block size {kv.layout.block_size} != {block_size}")
         if kv.layout.num_layers != model.config.num_layers:
@@ -68,7 +69,9 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        self.mixed_split_min_tokens = mixed_split_min_tokens  # see attention.split_mixed_step
+        self.mixed_split_min_tokens = (  # see attention.split_mixed_step
+            mixed_split_threshold(model.config.hidden_size) if mixed_split_min_tokens is None
+            else mixed_split_min_tokens)
         self.device = model.model.embed_tokens.weight.device
         if model.tp_size > 1:
             # A tensor-parallel shard runs the torch path only (its all-reduces are eager).

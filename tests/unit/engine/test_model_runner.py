@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, split_mixed_step
+from engine.attention import AttentionMetadata, mixed_split_threshold, split_mixed_step
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -193,6 +193,19 @@ def test_a_mixed_step_splits_its_leading_decode_rows_once_they_carry_enough_cont
     whole = kernels(2 * 41 + 1)
     assert whole.num_decode_chunks == 0 and whole.prefill_part is None
     assert split_mixed_step(16, 2048) is False and split_mixed_step(64, 2048) is True
+
+
+def test_wide_models_split_mixed_steps_from_a_shorter_context(model):
+    # Llama-3-8B (hidden 4096): its GPU-bound steps gain from 16k; Llama-3.2-1B (2048) and
+    # this tiny model stay at 128k, where the split's launches do not cost a CPU-bound loop.
+    assert mixed_split_threshold(4096) == 16 * 1024
+    assert mixed_split_threshold(8192) == 16 * 1024
+    assert mixed_split_threshold(2048) == 128 * 1024
+    assert split_mixed_step(64, 512, mixed_split_threshold(4096)) is True
+    assert split_mixed_step(64, 512, mixed_split_threshold(2048)) is False
+    kv = KVStorage.for_model(model.config, 8, 16, torch.float32)
+    assert ModelRunner(model, kv, 16).mixed_split_min_tokens == 128 * 1024
+    assert ModelRunner(model, kv, 16, mixed_split_min_tokens=1).mixed_split_min_tokens == 1
 
 
 def test_runner_rejects_a_pool_of_another_shape(model):
