@@ -11,7 +11,9 @@ start-up already (engine/cuda_graphs.py); `warm_up` covers the rest:
     chunked     a prompt longer than one step (chunked prefill, attention over the KV of
                 its own earlier chunks)
     prefix hit  the same prompt again: prefill over cached blocks
-    mixed       prefills joining a running decode batch (prefill + decode rows in a step)
+    mixed       prefills joining a running decode batch (prefill + decode rows in a step),
+                twice: the decode rows in the prefill kernel, then split off to the decode
+                kernel (what steps over long contexts do)
     sampling    greedy, temperature with top-p / top-k / min-p, penalties, seeded, with
                 logprobs
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 
 LENGTHS = (1, 15, 16, 17, 100, 256, 511)
 
@@ -50,6 +53,22 @@ def _samplings(max_tokens: int) -> list[SamplingParams]:
                        frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5,
                        ignore_eos=True),
     ]
+
+
+def _mixed_steps(engine: LLMEngine, prompt: Callable[[int], list[int]], budget: int,
+                 say: Callable[[str], None], what: str) -> int:
+    """Decodes running while new prompts join them; returns the number of requests."""
+    say(f"warming up: {what}")
+    greedy = _samplings(2)[0]
+    decoding = _samplings(24)
+    for i, params in enumerate(decoding):
+        engine.add_request(f"warm-up-decode-{i}", prompt(40 + 9 * i), params)
+    arrivals = [prompt(n) for n in (60, 300, budget // 2)]
+    while engine.has_unfinished():
+        engine.step()
+        if arrivals:
+            engine.add_request(f"warm-up-join-{len(arrivals)}", arrivals.pop(), greedy)
+    return len(decoding) + 3
 
 
 def warm_up(engine: LLMEngine, progress: Callable[[str], None] | None = None,
@@ -86,17 +105,17 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] | None = None,
     long_prompt = prompt(2 * budget + 37)
     run([long_prompt], [greedy], f"a chunked prefill of {len(long_prompt)} tokens")
     run([long_prompt + prompt(20)], [sampled], "a prefill over cached prefix blocks")
-    # Mixed steps: decodes running while new prompts arrive.
-    say("warming up: prefills joining running decodes")
-    decoding = _samplings(24)
-    for i, params in enumerate(decoding):
-        engine.add_request(f"warm-up-decode-{i}", prompt(40 + 9 * i), params)
-    arrivals = [prompt(n) for n in (60, 300, budget // 2)]
-    while engine.has_unfinished():
-        engine.step()
-        if arrivals:
-            engine.add_request(f"warm-up-join-{len(arrivals)}", arrivals.pop(), greedy)
-    num_requests += len(decoding) + 3
+    # Mixed steps: decodes running while new prompts arrive; then the same with the decode
+    # rows split off to the decode kernel, as steps over long contexts are (attention.py).
+    num_requests += _mixed_steps(engine, prompt, budget, say, "prefills joining running decodes")
+    runner = engine.runner
+    if isinstance(runner, ModelRunner):
+        threshold, runner.mixed_split_min_tokens = runner.mixed_split_min_tokens, 1
+        try:
+            num_requests += _mixed_steps(engine, prompt, budget, say,
+                                         "prefills joining running decodes, split")
+        finally:
+            runner.mixed_split_min_tokens = threshold
     engine.kv_cache.drain_events()  # its prompts are not traffic: nothing for the index
     if engine.kv_cache.num_used_blocks:
         raise AssertionError(f"warm-up left {engine.kv_cache.num_used_blocks} block(s) held")

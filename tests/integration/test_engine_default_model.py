@@ -230,9 +230,13 @@ def test_a_warmed_up_engine_answers_exactly_as_a_fresh_one(loaded, expected) -> 
 
     engine = make_engine(loaded, max_num_batched_tokens=64, max_num_seqs=8)
     lines: list[str] = []
+    threshold = engine.runner.mixed_split_min_tokens
     report = warm_up(engine, lines.append)
     assert report.num_requests >= 15 and report.num_steps > 20 and report.seconds > 0
     assert lines[0].startswith("warming up: prefill of 1 token")
+    # Mixed steps both ways, and the split threshold it lowered for the second is back.
+    assert "warming up: prefills joining running decodes, split" in lines
+    assert engine.runner.mixed_split_min_tokens == threshold
     # Nothing held, nothing for the registry's index, nothing left in the scheduler.
     assert engine.kv_cache.num_used_blocks == 0 and engine.kv_cache.drain_events() == []
     assert not engine.has_unfinished()
