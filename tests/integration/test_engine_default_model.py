@@ -12,10 +12,11 @@ import sys
 
 import pytest
 import torch
+from default_engine import make_engine
 
 from common.contract.sampling_params import SamplingParams
 from engine.engine_builder import build_engine
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,24 +28,6 @@ PROMPTS = (
     "In 1969, the first person to walk on the Moon was",
 )
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from engine.engine_builder import load_tokenizer
-    from engine.loader import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the suite shares two cores; one thread is faster under load
-    model = load_model("default")
-    yield model, load_tokenizer(model.tokenizer_source)
-    torch.set_num_threads(threads)
-
-
-def make_engine(loaded, **overrides) -> LLMEngine:
-    model, tokenizer = loaded
-    config = EngineConfig(**{"num_kv_blocks": 256, **overrides})
-    return LLMEngine.for_model(model.model, model.config, tokenizer, config)
 
 
 @pytest.fixture(scope="module")
