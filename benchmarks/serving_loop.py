@@ -29,8 +29,11 @@ Output: a markdown table on stdout (and `--json`); progress on stderr.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -130,7 +133,8 @@ def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
     return min(busy_us / wall_us, 1.0), busy_us / num_steps / 1e3
 
 
-def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -> Run:
+def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namespace, cuda: bool,
+            profiler: cProfile.Profile | None) -> Run:
     base, _, split = mode.partition("@")
     pipelined = base == "pipelined"
     runner = loop.engine.runner
@@ -141,20 +145,20 @@ def measure(loop: ClosedLoop, mode: str, args: argparse.Namespace, cuda: bool) -
         import torch
         torch.cuda.synchronize()
     num_tokens = 0
-    if args.profiler is not None:
-        args.profiler.enable()
+    if profiler is not None:
+        profiler.enable()
     started = time.perf_counter()
     for _ in range(args.steps):
         num_tokens += loop.step(pipelined)
     wall_s = time.perf_counter() - started
-    if args.profiler is not None:
-        args.profiler.disable()
+    if profiler is not None:
+        profiler.disable()
     busy = per_step = None
     if cuda and args.profile_steps:
         busy, per_step = device_window(loop, args.profile_steps, pipelined)
     if split:
         runner.mixed_split_min_tokens = default_split
-    return Run(len(loop.live), mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
+    return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
                per_step)
 
 
@@ -224,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cprofile", help="profile the host over the timed steps (cProfile) "
                         "and write the top functions here")
     args = parser.parse_args(argv)
-    args.profiler = None
-    if args.cprofile:
-        import cProfile
-        args.profiler = cProfile.Profile()
+    profiler = cProfile.Profile() if args.cprofile else None
     if args.shape and not args.tokenizer:
         parser.error("--shape needs --tokenizer")
     modes = args.modes.split(",")
@@ -248,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             # ABBA: neither mode always meets the same phase of the loop first.
             for mode in (modes if repeat % 2 == 0 else modes[::-1]):
-                run = measure(loop, mode, args, cuda)
-                run.concurrency = concurrency
+                run = measure(loop, concurrency, mode, args, cuda, profiler)
                 runs.append(run)
                 log(f"{name} c={concurrency} {mode} #{repeat + 1}: "
                     f"{run.tokens_per_s:.0f} tok/s, {run.wall_ms_per_step:.2f} ms/step"
@@ -258,11 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         loop.drain()
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
-    if args.profiler is not None:
-        import io
-        import pstats
+    if profiler is not None:
         text = io.StringIO()
-        stats = pstats.Stats(args.profiler, stream=text)
+        stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(40)
         Path(args.cprofile).write_text(text.getvalue())

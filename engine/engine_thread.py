@@ -121,12 +121,11 @@ def engine_load(engine: LLMEngine) -> WorkerLoad:
 class EngineThread:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5,
-                 pipelined: bool | None = None) -> None:
-        """`pipelined` (default: on a CUDA engine) runs pipelined steps: the text of one
-        step's tokens is made while the device computes the next (LLMEngine.step)."""
+                 pipelined: bool = False) -> None:
+        """`pipelined` runs pipelined steps: the text of one step's tokens is made while the
+        device computes the next (LLMEngine.step; a worker's `--pipelined-steps`)."""
         self._engine = engine
-        self.pipelined = (engine.config.device.startswith("cuda") if pipelined is None
-                          else pipelined)
+        self.pipelined = pipelined
         self.loop = loop
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s

@@ -26,7 +26,7 @@ class ScriptedEngine:
         self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
                                         request_ids=lambda: frozenset(self.requests),
                                         drain_events=lambda: [])
-        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64, device="cpu")
+        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64)
         self.scheduler = SimpleNamespace(live_requests=lambda: ())
         self.last_schedule = None
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
