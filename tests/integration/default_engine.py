@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from engine.llm_engine import EngineConfig, LLMEngine
 
+# Prompts of several kinds (prose, an instruction, code, a list), for batches.
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    ",
+    "List three colours: red,",
+    "In 1969, the first person to walk on the Moon was",
+)
+
 
 def make_engine(loaded, **overrides) -> LLMEngine:
     """A fresh engine over the `loaded` fixture's model (conftest.py); `overrides` are

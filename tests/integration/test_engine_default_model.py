@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from default_engine import make_engine
+from default_engine import PROMPTS, make_engine
 
 from common.contract.sampling_params import SamplingParams
 from engine.engine_builder import build_engine
@@ -20,13 +20,6 @@ from engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = (
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):\n    ",
-    "List three colours: red,",
-    "In 1969, the first person to walk on the Moon was",
-)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 

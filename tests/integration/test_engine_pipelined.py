@@ -12,19 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from default_engine import make_engine
+from default_engine import PROMPTS, make_engine
 
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, RequestOutput
 
 pytestmark = pytest.mark.timeout(600)
 
-PROMPTS = (
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):\n    ",
-    "List three colours: red,",
-)
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
