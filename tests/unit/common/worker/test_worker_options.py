@@ -29,7 +29,8 @@ def test_steps_are_pipelined_on_cuda_unless_told(extra, pipelines) -> None:
     assert options(*extra).pipelines_steps is pipelines
 
 
-def test_an_unknown_warm_up_choice_is_a_usage_error(capsys) -> None:
+@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps"])
+def test_an_unknown_auto_on_off_choice_is_a_usage_error(option, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["decode-worker", "--redis-url", "redis://x:1/0", "--warm-up", "maybe"])
-    assert exit_info.value.code == 2 and "--warm-up" in capsys.readouterr().err
+        main(["decode-worker", "--redis-url", "redis://x:1/0", option, "maybe"])
+    assert exit_info.value.code == 2 and option in capsys.readouterr().err
