@@ -8,6 +8,8 @@ would. Per concurrency, the engine runs each mode in turn, `--repeats` times, al
     plain       LLMEngine.step(): the host makes every output before the next step
     pipelined   LLMEngine.step(on_outputs=...): the text of one step's tokens is made while
                 the device computes the next (engine/output_processor.py)
+    overlapped  LLMEngine.step(overlap=True): the next step is planned and queued before this
+                step's tokens reach the host (engine/inflight_step.py)
 
 Per concurrency: `--warm-steps` steps to reach the steady state (the first requests end
 at random lengths, so no wave finishes together); then per run (modes in ABBA order) one
@@ -41,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-MODES = ("plain", "pipelined")
+MODES = ("plain", "pipelined", "overlapped")
 
 
 def log(message: str) -> None:
@@ -86,10 +88,11 @@ class ClosedLoop:
         self.engine.add_request(rid, prompt, params or self.rng.choice(self.params))
         self.live.add(rid)
 
-    def step(self, pipelined: bool) -> int:
-        """One engine step; returns the output tokens it delivered."""
+    def step(self, mode: str) -> int:
+        """One engine step in `mode` (one of MODES); returns the output tokens it delivered."""
         early: list = []
-        outputs = self.engine.step(on_outputs=early.extend if pipelined else None)
+        outputs = self.engine.step(on_outputs=early.extend if mode == "pipelined" else None,
+                                   overlap=mode == "overlapped")
         num_tokens = 0
         for out in early + outputs:
             num_tokens += len(out.new_token_ids)
@@ -106,8 +109,7 @@ class ClosedLoop:
             self.engine.step()
 
 
-def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
-                  ) -> tuple[float, float]:
+def device_window(loop: ClosedLoop, num_steps: int, mode: str) -> tuple[float, float]:
     """(busy fraction, device ms per step) over `num_steps` steps, from the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -116,7 +118,7 @@ def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         for _ in range(num_steps):
-            loop.step(pipelined)
+            loop.step(mode)
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -136,11 +138,10 @@ def device_window(loop: ClosedLoop, num_steps: int, pipelined: bool
 def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namespace, cuda: bool,
             profiler: cProfile.Profile | None) -> Run:
     base, _, split = mode.partition("@")
-    pipelined = base == "pipelined"
     runner = loop.engine.runner
     if split:
         runner.mixed_split_min_tokens, default_split = int(split), runner.mixed_split_min_tokens
-    loop.step(pipelined)  # the other mode's last outputs leave
+    loop.step(base)  # the other mode's last outputs leave
     if cuda:
         import torch
         torch.cuda.synchronize()
@@ -149,13 +150,13 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
         profiler.enable()
     started = time.perf_counter()
     for _ in range(args.steps):
-        num_tokens += loop.step(pipelined)
+        num_tokens += loop.step(base)
     wall_s = time.perf_counter() - started
     if profiler is not None:
         profiler.disable()
     busy = per_step = None
     if cuda and args.profile_steps:
-        busy, per_step = device_window(loop, args.profile_steps, pipelined)
+        busy, per_step = device_window(loop, args.profile_steps, base)
     if split:
         runner.mixed_split_min_tokens = default_split
     return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
@@ -208,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="32,128,256",
                         help="comma-separated numbers of requests in flight")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="plain, pipelined or both; MODE@N runs MODE with a mixed step's "
-                        "decode rows split off to the decode kernel from N context tokens "
-                        "(engine/attention.py; default 131072)")
+                        help="any of plain, pipelined, overlapped; MODE@N runs MODE with a "
+                        "mixed step's decode rows split off to the decode kernel from N "
+                        "context tokens (engine/attention.py)")
     parser.add_argument("--repeats", type=int, default=4,
                         help="runs per mode, alternating (ABBA)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = ClosedLoop(engine, concurrency, args.prompt_tokens, args.max_tokens,
                           random.Random(args.seed))
         for _ in range(args.warm_steps):
-            loop.step(False)
+            loop.step("plain")
         for repeat in range(args.repeats):
             # ABBA: neither mode always meets the same phase of the loop first.
             for mode in (modes if repeat % 2 == 0 else modes[::-1]):

@@ -114,9 +114,12 @@ class DecodeGraphs:
                 and all(len(c.token_ids) == 1 for c in chunks)
                 and max(len(c.block_ids) for c in chunks) <= self.max_blocks_per_seq)
 
-    def run(self, schedule: ScheduleOutput) -> torch.Tensor:
+    def run(self, schedule: ScheduleOutput,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """float32 logits [number of sampling chunks, vocab]: replay (or, without graphs, run)
-        the step of the smallest captured size >= the batch. Requires `can_run`."""
+        the step of the smallest captured size >= the batch. Requires `can_run`. `fill`
+        (rows, token ids, on the device) overwrites those rows' input ids: a decode row's
+        token sampled by the previous step and not on the host yet (model_runner.py)."""
         if not self.can_run(schedule):
             raise ValueError("decode graphs: this schedule is not a decode step that fits")
         chunks = schedule.chunks
@@ -140,6 +143,8 @@ class DecodeGraphs:
         dev.scalars.copy_(torch.from_numpy(host.scalars))
         dev.block_tables[:num_seqs, :width].copy_(
             torch.from_numpy(host.block_tables[:num_seqs, :width]))
+        if fill is not None:
+            dev.input_ids[fill[0]] = fill[1].to(dev.input_ids.dtype)
         if self.use_graphs:
             graph, logits = self._graphs[size]
             graph.replay()

@@ -9,7 +9,7 @@ The engine is single-threaded (engine/llm_engine.py), so every call into it happ
     RequestStream.queue <-- call_soon_threadsafe -- step(): KVReady (mid-step, kv_ready.py),
                                                     a pipelined step's early outputs (the
                                                     last step's text, made mid-step while
-                                                    the device computes: `pipelined`),
+                                                    the device computes: `step_mode`),
                                                     then outputs, cache events, stats
     on_step(StepReport) (metrics, prefix index)     (runs while engine.has_unfinished())
 
@@ -43,6 +43,7 @@ from engine.block_pool import CacheEvent
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_mode import StepMode
 from engine.step_shape import StepShape, queue_shape, step_shape
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,16 @@ def engine_load(engine: LLMEngine) -> WorkerLoad:
 class EngineThread:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_step: Callable[[StepReport], None], idle_wait_s: float = 0.5,
-                 pipelined: bool = False) -> None:
-        """`pipelined` runs pipelined steps: the text of one step's tokens is made while the
-        device computes the next (LLMEngine.step; a worker's `--pipelined-steps`)."""
+                 step_mode: StepMode = StepMode.PLAIN) -> None:
+        """`step_mode`: plain, pipelined or overlapped steps (engine/step_mode.py; a worker's
+        `--pipelined-steps`). Overlapped needs a runner that reads tokens on the device;
+        without one the thread runs pipelined steps and says so."""
         self._engine = engine
-        self.pipelined = pipelined
+        if step_mode is StepMode.OVERLAPPED and not engine.runner.reads_device_tokens:
+            log.warning("overlapped steps need a runner that reads tokens on the device "
+                        "(not tensor parallelism): running pipelined steps")
+            step_mode = StepMode.PIPELINED
+        self.step_mode = step_mode
         self.loop = loop
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
@@ -287,8 +293,11 @@ class EngineThread:
                 if engine.has_unfinished():
                     started = time.perf_counter()
                     early: list[RequestOutput] = []
-                    outputs = engine.step(self._post_kv_ready,
-                                          self._early_sink(early) if self.pipelined else None)
+                    mode = self.step_mode
+                    outputs = engine.step(
+                        self._post_kv_ready,
+                        self._early_sink(early) if mode is StepMode.PIPELINED else None,
+                        overlap=mode is StepMode.OVERLAPPED)
                     if self.fault_step_delay_s:
                         time.sleep(self.fault_step_delay_s)
                     self._post(early + outputs, time.perf_counter() - started, len(early))

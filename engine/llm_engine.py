@@ -17,7 +17,7 @@ request produces exactly one output with `finish_reason` set. Outputs count engi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,8 @@ from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
-from engine.model_runner import ModelRunner, StepRunner
+from engine.inflight_step import InFlightStep
+from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
@@ -80,6 +81,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
+        self._inflight: InFlightStep | None = None  # an overlapped step's, tokens pending
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
@@ -170,7 +172,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Work left for `step()`: requests to compute, or deferred outputs to make."""
         return (self.scheduler.num_waiting + self.scheduler.num_running > 0
-                or self.outputs.num_deferred > 0)
+                or self.outputs.num_deferred > 0 or self._inflight is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -183,8 +185,8 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self, on_kv_ready: Callable[[KVReady], None] | None = None,
-             on_outputs: Callable[[list[RequestOutput]], None] | None = None
-             ) -> list[RequestOutput]:
+             on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+             overlap: bool = False) -> list[RequestOutput]:
         """One engine iteration. Returns the outputs of this step (possibly none).
 
         `on_kv_ready` gets the KVReady of every request that asked for one and whose final
@@ -195,7 +197,17 @@ class LLMEngine:
         the device computes it, and handed to `on_outputs` before that step waits; the
         rest is returned. Use it where the device computes asynchronously (CUDA): on the
         CPU the model runs inside `execute`, so nothing would overlap.
+
+        With `overlap` the step is overlapped (engine/inflight_step.py): it plans and
+        queues the next step before this one's tokens reach the host, and returns the
+        outputs of the step before (`on_outputs` is then not used). Needs a runner that
+        `reads_device_tokens`. A plain step after overlapped ones first finishes the last.
         """
+        if overlap:
+            return self._step_overlapped(on_kv_ready)
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            return self._resolve(previous) + self._finished_outputs(set())
         schedule = self.last_schedule = self.scheduler.schedule()
         self.num_steps += 1
         self.num_preemptions += len(schedule.preempted_request_ids)
@@ -203,16 +215,7 @@ class LLMEngine:
         logprobs: dict[str, TokenLogprobs | None] = {}
         outputs: list[RequestOutput] = []
         if not schedule.is_empty:
-            ready = ([c for c in schedule.chunks if c.sample and c.request_id in self._tracked
-                      and self._tracked[c.request_id].notify_kv_ready]
-                     if on_kv_ready is not None else [])
-            recorder = LayerEventRecorder() if ready and self.runner.records_layer_events \
-                else None
-            if ready and recorder is None:
-                self._announce_kv_ready(ready, None, on_kv_ready)
-            logits = self.runner.execute(schedule, recorder)
-            if ready and recorder is not None:
-                self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
+            logits = self._launch(schedule, on_kv_ready, None)
             if self.outputs.num_deferred and on_outputs is not None:
                 on_outputs(self.outputs.flush_deferred())  # while the device computes
             if logits.is_cuda:
@@ -238,10 +241,85 @@ class LLMEngine:
             out = self.outputs.process(rid, token_id, logprobs[rid], defer)
             if out is not None:
                 outputs.append(out)
+        return outputs + self._finished_outputs(sampled)
+
+    def _step_overlapped(self, on_kv_ready: Callable[[KVReady], None] | None
+                         ) -> list[RequestOutput]:
+        if not self.runner.reads_device_tokens:
+            raise ValueError("this engine's runner cannot run overlapped steps")
+        previous, self._inflight = self._inflight, None
+        outputs = self.outputs.flush_deferred()  # left by a pipelined step before this one
+        schedule = self.last_schedule = self.scheduler.schedule()
+        self.num_steps += 1
+        self.num_preemptions += len(schedule.preempted_request_ids)
+        if schedule.is_empty:
+            outputs += self._resolve(previous) if previous is not None else []
+            return outputs + self._finished_outputs(set())
+        # The requests as scheduled: one may be aborted, and its id reused, by the time
+        # its row is sampled.
+        scheduled = [(c.request_id, self._tracked.get(c.request_id))
+                     for c in schedule.chunks if c.sample]
+        logits = self._launch(schedule, on_kv_ready,
+                              previous.device_tokens if previous is not None else None)
+        outputs += self._resolve(previous) if previous is not None else []
+        # Rows of requests that ended meanwhile (an EOS just resolved, an abort) are not
+        # sampled; the scheduler skips their chunks too (not RUNNING, or not the same).
+        kept = [(row, t) for row, (rid, t) in enumerate(scheduled) if t is not None
+                and self._tracked.get(rid) is t and t.request.status is RequestStatus.RUNNING]
+        tracked = tuple(t for _, t in kept)
+        if tracked:
+            if len(kept) < len(scheduled):
+                logits = logits[torch.tensor([row for row, _ in kept], dtype=torch.long,
+                                             device=logits.device)]
+            pending = self.sampler.launch(logits, [t.request.sampling_params for t in tracked],
+                                          [t.sampling for t in tracked])
+        self.scheduler.update_from_output(schedule, None)
+        if tracked:
+            self._inflight = InFlightStep(tracked, pending)
+            if __debug__:
+                self._inflight.check_invariants()
+        held = {t.request.request_id for t in tracked}
+        return outputs + self._finished_outputs(held)
+
+    def _launch(self, schedule: ScheduleOutput, on_kv_ready: Callable[[KVReady], None] | None,
+                previous: DeviceTokens | None) -> torch.Tensor:
+        """Queue the model for a non-empty schedule (on the CPU: run it); the KVReadys."""
+        ready = ([c for c in schedule.chunks if c.sample and c.request_id in self._tracked
+                  and self._tracked[c.request_id].notify_kv_ready]
+                 if on_kv_ready is not None else [])
+        recorder = LayerEventRecorder() if ready and self.runner.records_layer_events else None
+        if ready and recorder is None:
+            self._announce_kv_ready(ready, None, on_kv_ready)
+        logits = (self.runner.execute(schedule, recorder) if previous is None
+                  else self.runner.execute(schedule, recorder, previous))
+        if ready and recorder is not None:
+            self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
+        return logits
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        """An overlapped step's tokens on the host: in place of the PLACEHOLDERs, then
+        through the stop rules and the detokenizer, as a plain step's."""
+        result = step.pending.result()
+        if __debug__:
+            result.check_invariants([t.request.sampling_params for t in step.tracked],
+                                    self.model_config.vocab_size)
+        outputs = []
+        for tracked, token_id, logprobs in zip(step.tracked, result.token_ids, result.logprobs):
+            tracked.request.resolve_placeholder(token_id)
+            if self._tracked.get(tracked.request.request_id) is tracked:  # not aborted since
+                out = self.outputs.process(tracked.request.request_id, token_id, logprobs, False)
+                assert out is not None  # never deferred
+                outputs.append(out)
+        return outputs
+
+    def _finished_outputs(self, held: Collection[str]) -> list[RequestOutput]:
+        """The last output of each request the scheduler ended since, unless its token's
+        output carries the finish (`held`: sampled now, or in flight)."""
+        outputs = []
         for request in self.scheduler.drain_finished():
             tracked_request = self._tracked.get(request.request_id)
-            if tracked_request is None or request.request_id in sampled:
-                continue  # its output this step already carries the finish
+            if tracked_request is None or request.request_id in held:
+                continue
             outputs.append(self.outputs.finish_output(tracked_request, []))
         return outputs
 
@@ -306,7 +384,10 @@ class LLMEngine:
         self.outputs.check_invariants()
         for tracked in self._tracked.values():
             tracked.sampling.check_invariants(tracked.request.sampling_params)
+        if self._inflight is not None:
+            self._inflight.check_invariants()
         for rid in self._tracked:
             if self.scheduler.get_request(rid) is None and \
-                    self._tracked[rid].request.status is not RequestStatus.PREFILLED:
+                    self._tracked[rid].request.status is not RequestStatus.PREFILLED \
+                    and not (self._inflight is not None and self._inflight.holds(rid)):
                 raise AssertionError(f"{rid} tracked by the engine but unknown to the scheduler")

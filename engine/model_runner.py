@@ -16,7 +16,8 @@ runs the kernel path under Triton's interpreter (tests only: it is slow).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,7 +26,35 @@ from engine.attention import AttentionMetadata, kernels_available, mixed_split_t
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
+from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTokens:
+    """The previous step's sampled tokens, still on the device (an overlapped step,
+    engine/llm_engine.py): a chunk token PLACEHOLDER of request r reads token_ids[rows[r]]."""
+
+    token_ids: torch.Tensor  # long [rows of the previous step]
+    rows: Mapping[str, int]
+
+
+def placeholder_sources(schedule: ScheduleOutput, previous: DeviceTokens | None
+                        ) -> tuple[list[int], list[int]]:
+    """(positions in the step's flat token list, rows of `previous`) of every PLACEHOLDER.
+    A PLACEHOLDER is only ever a decode chunk's one token (engine/scheduler.py)."""
+    dst: list[int] = []
+    src: list[int] = []
+    offset = 0
+    for chunk in schedule.chunks:
+        if chunk.token_ids[-1] == PLACEHOLDER:
+            if len(chunk.token_ids) != 1 or previous is None:
+                raise AssertionError(f"{chunk.request_id}: a PLACEHOLDER outside a decode "
+                                     "chunk, or without the previous step's tokens")
+            dst.append(offset)
+            src.append(previous.rows[chunk.request_id])
+        offset += len(chunk.token_ids)
+    return dst, src
 
 
 class StepRunner(Protocol):
@@ -37,11 +66,18 @@ class StepRunner(Protocol):
         """True when `execute` calls `on_layer` after each layer's K/V is queued (CUDA)."""
         ...
 
+    @property
+    def reads_device_tokens(self) -> bool:
+        """True when `execute` takes `previous` (overlapped steps)."""
+        ...
+
     def execute(self, schedule: ScheduleOutput,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None,
+                previous: DeviceTokens | None = None) -> torch.Tensor:
         """float32 logits [sampling chunks, vocab] for one step's schedule. Where
         `records_layer_events`, `on_layer(n)` runs once per layer, in order, right after the
-        work writing layer n's K/V was queued on the current stream."""
+        work writing layer n's K/V was queued on the current stream. A PLACEHOLDER token
+        of the schedule is read from `previous` (`placeholder_sources`)."""
         ...
 
     def close(self) -> None:
@@ -110,18 +146,31 @@ class ModelRunner:
     def records_layer_events(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def reads_device_tokens(self) -> bool:
+        return True
+
     def execute(self, schedule: ScheduleOutput,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None,
+                previous: DeviceTokens | None = None) -> torch.Tensor:
         """float32 logits [number of chunks with sample=True, vocab], in chunk order.
 
         Each row is the distribution after the last token of a sampling chunk. An empty
         schedule, or one without sampling chunks, returns an empty [0, vocab] tensor.
+        PLACEHOLDER tokens are read from `previous`, on the device (`placeholder_sources`).
         """
         vocab = self.model.config.vocab_size
         if schedule.is_empty:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        dst, src = placeholder_sources(schedule, previous)
+        fill = None
+        if dst:
+            assert previous is not None  # placeholder_sources checked it
+            fill = (torch.tensor(dst, dtype=torch.long, device=self.device),
+                    previous.token_ids[torch.tensor(src, dtype=torch.long,
+                                                    device=previous.token_ids.device)])
         if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
-            return self.graphs.run(schedule)
+            return self.graphs.run(schedule, fill)
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -138,10 +187,12 @@ class ModelRunner:
         # the work queued before it on the stream, and one after the layers would make this
         # call (and the KVReady that follows it, engine/kv_ready.py) wait for the whole step.
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
+                ids, torch.tensor(positions, dtype=torch.long, device=self.device),
                 self.kv, attn, on_layer)
             if not sample_rows:
                 return torch.empty(0, vocab, dtype=torch.float32, device=self.device)

@@ -196,12 +196,12 @@ class OutputProcessor:
             tracked.stop = check.finish_reason
             if check.stop_reason is not None and isinstance(check.stop_reason, str):
                 tracked.text = tracked.text[:check.emit_end]
-            if request.status is RequestStatus.RUNNING:
+            if request.status is RequestStatus.PREFILLED:
+                self._scheduler.release_prefilled(request_id)
+            elif not request.status.is_finished:  # RUNNING (or preempted since it sampled)
                 status = (RequestStatus.FINISHED_STOPPED if check.finish_reason is FinishReason.STOP
                           else RequestStatus.FINISHED_LENGTH)
                 self._scheduler.finish_request(request_id, status)
-            elif request.status is RequestStatus.PREFILLED:
-                self._scheduler.release_prefilled(request_id)
         elif request.status.is_finished:
             pass  # ended by the scheduler (length / pool limit): release held text below
         else:

@@ -34,6 +34,11 @@ from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 
 
+# An output token sampled by a step whose result is still on the device (an overlapped step,
+# engine/scheduler.py): only ever the last output token, replaced by `resolve_placeholder`.
+PLACEHOLDER = -1
+
+
 class RequestMode(enum.Enum):
     PREFILL_AND_DECODE = "prefill_and_decode"  # the whole generation on this engine
     PREFILL_ONLY = "prefill_only"  # prefill worker: compute the prompt, sample one token, hold KV
@@ -127,3 +132,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """An overlapped step's token replaces its PLACEHOLDER, whatever the state since."""
+        if not self.output_token_ids or self.output_token_ids[-1] != PLACEHOLDER:
+            raise AssertionError(f"{self.request_id} has no token pending")
+        self.output_token_ids[-1] = token_id

@@ -44,6 +44,11 @@ from dataclasses import dataclass, field
 import torch
 
 from common.contract.sampling_params import SamplingParams
+from engine.pending_sample import PendingSample
+from engine.sampler_output import SamplerOutput, TokenLogprobs
+
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs",
+           "position_seed"]
 
 
 @dataclass(slots=True)
@@ -67,30 +72,6 @@ class SamplingState:
             "a seeded request must draw from its own generator, and only then"
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top_token_ids: tuple[int, ...]  # the `logprobs` most likely tokens, most likely first
-    top_logprobs: tuple[float, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SamplerOutput:
-    token_ids: list[int]  # one per row
-    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask (logprobs is None)
-
-    def check_invariants(self, params: Sequence[SamplingParams], vocab_size: int) -> None:
-        assert len(self.token_ids) == len(self.logprobs) == len(params), "one row per request"
-        for token_id, logprobs, p in zip(self.token_ids, self.logprobs, params):
-            assert 0 <= token_id < vocab_size, f"token {token_id} outside [0, {vocab_size})"
-            assert (logprobs is None) == (p.logprobs is None), "logprobs where none asked"
-            if logprobs is not None and p.logprobs is not None:
-                assert logprobs.token_id == token_id, "logprobs of another token"
-                assert len(logprobs.top_token_ids) <= p.logprobs
-                assert list(logprobs.top_logprobs) == sorted(logprobs.top_logprobs, reverse=True)
-
-
 class Sampler:
     """Stateless apart from the generator used by unseeded rows."""
 
@@ -107,6 +88,12 @@ class Sampler:
                states: Sequence[SamplingState]) -> SamplerOutput:
         """`logits` is float32 [N, vocab]; row i belongs to params[i]/states[i]. Side-effect
         free apart from advancing generators (the caller appends the token to the state)."""
+        return self.launch(logits, params, states).result()
+
+    def launch(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               states: Sequence[SamplingState]) -> PendingSample:
+        """`sample` without waiting for the device: the tokens stay on it, and their copy
+        to the host is queued (engine/pending_sample.py). Greedy rows queue no wait at all."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} vs {len(params)} params, "
                              f"{len(states)} states")
@@ -142,13 +129,7 @@ class Sampler:
             # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
             token_ids[random] = (probs / noise).argmax(dim=-1)
 
-        chosen = token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    logprobs[i] = _token_logprobs(raw_logprobs[i], chosen[i], p.logprobs)
-        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+        return PendingSample(token_ids, raw_logprobs, params)
 
     def _apply_min_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                           states: Sequence[SamplingState]) -> None:
@@ -286,13 +267,3 @@ def _apply_top_p(rows: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     drop_sorted = mass_before >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return rows.masked_fill(drop, float("-inf"))
-
-
-def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    if num_top > 0:
-        values, ids = row.topk(min(num_top, row.shape[0]))
-        top_ids, top_values = tuple(ids.tolist()), tuple(values.tolist())
-    else:
-        top_ids, top_values = (), ()
-    return TokenLogprobs(token_id=token_id, logprob=float(row[token_id]),
-                         top_token_ids=top_ids, top_logprobs=top_values)

@@ -10,6 +10,11 @@ Called by one engine loop, in this order, every step:
     ... engine checks EOS / stop strings -> scheduler.finish_request(id, FINISHED_STOPPED)
     for request in scheduler.drain_finished(): ...   # LENGTH / ERROR / PREFILLED
 
+Overlapped steps: `update_from_output(out, None)` records PLACEHOLDER for each sampled token;
+the next `schedule()` may come before `Request.resolve_placeholder`. A PLACEHOLDER is only a
+request's last output token, alone in its decode chunk (the runner reads it on the device);
+never hashed (blocks publish up to num_computed_tokens) nor recomputed (no admission then).
+
 Stop rules: max_tokens (FINISHED_LENGTH) and pool-capacity limits are this module's; EOS,
 stop ids and stop strings the engine's (`finish_request`). It counts each request's steps.
 
@@ -28,16 +33,7 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
   full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
   waiting queue, and a chunk already scheduled for it this step is withdrawn.
 
-Rank and starvation: rank = priority * aging_steps - arrival_step (priority alone when
-aging_steps is None); ties go to the earlier arrival_time, then the earlier add. This equals
-"every request gains one priority level per aging_steps steps of age", so a request that
-arrived T steps before another outranks it unless its priority is lower by more than
-T / aging_steps. Hence only finitely many requests can ever rank above a given one; the
-best-ranked running request can preempt every other, so it always progresses and finishes;
-by induction every request finishes. Two things the scheduler cannot preempt hold blocks
-outside this argument: PREFILLED requests (until `release_prefilled`) and reservations not
-yet joined (until `KVCacheManager.release`); their owners must release them, and a decode
-worker should reserve only while `num_waiting == 0`, so preempted requests get blocks first.
+Rank and starvation: `engine/request_rank.py` (the order, and why every request finishes).
 
 No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
 (FINISHED_ERROR); a request that grows past the pool while decoding ends FINISHED_LENGTH.
@@ -56,7 +52,8 @@ import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestMode, RequestStatus
+from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
+from engine.request_rank import rank_key
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
 
@@ -225,10 +222,11 @@ class Scheduler:
         return out
 
     def update_from_output(self, schedule: ScheduleOutput,
-                           sampled_token_ids: Mapping[str, int]) -> None:
+                           sampled_token_ids: Mapping[str, int] | None) -> None:
         """Apply a step: advance every chunk's request, record tokens of sample=True chunks,
         publish newly full blocks, apply max_tokens / PREFILL_ONLY completion. Chunks of
-        requests aborted or finished since `schedule()` are skipped."""
+        requests aborted or finished since `schedule()` are skipped. None: the tokens are
+        still on the device; PLACEHOLDER stands in for each (see the module doc)."""
         if schedule.is_empty:
             return
         if schedule is not self._outstanding:
@@ -237,8 +235,8 @@ class Scheduler:
                 if self._requests.get(chunk.request_id) is self._scheduled[chunk.request_id]
                 and self._scheduled[chunk.request_id].status is RequestStatus.RUNNING]
         # Validate everything first so a bad call leaves the step outstanding and unchanged.
-        missing = [c.request_id for c, _ in live
-                   if c.sample and c.request_id not in sampled_token_ids]
+        missing = [c.request_id for c, _ in live if c.sample and sampled_token_ids is not None
+                   and c.request_id not in sampled_token_ids]
         if missing:
             raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
@@ -247,7 +245,8 @@ class Scheduler:
             assert chunk.start_pos == request.num_computed_tokens
             request.num_computed_tokens, request.num_steps = chunk.end_pos, request.num_steps + 1
             if chunk.sample:
-                request.output_token_ids.append(int(sampled_token_ids[chunk.request_id]))
+                request.output_token_ids.append(PLACEHOLDER if sampled_token_ids is None
+                                                else int(sampled_token_ids[chunk.request_id]))
             self.kv_cache.cache_full_blocks(request)
             if chunk.sample:
                 self._after_sample(request)
@@ -357,9 +356,9 @@ class Scheduler:
             raise ValueError(f"{request.request_id} is not a fresh request")
 
     def _register(self, request: Request) -> None:
-        aging = self.config.aging_steps
-        rank = request.priority if aging is None else request.priority * aging - self._num_steps
-        self._keys[request.request_id] = (-rank, request.arrival_time, self._num_added)
+        self._keys[request.request_id] = rank_key(request.priority, self.config.aging_steps,
+                                                  self._num_steps, request.arrival_time,
+                                                  self._num_added)
         self._num_added += 1
         self._requests[request.request_id] = request
 

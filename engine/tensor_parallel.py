@@ -55,7 +55,7 @@ from engine.schedule_output import ScheduleOutput
 
 if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports this module early
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import DeviceTokens, ModelRunner
     from engine.models.llama import LlamaForCausalLM
 
 HOST = "127.0.0.1"
@@ -188,10 +188,17 @@ class DrivingRunner:
     def records_layer_events(self) -> bool:
         return False  # the followers' layers finish on their own devices
 
+    @property
+    def reads_device_tokens(self) -> bool:
+        return False  # the followers receive whole schedules: every token on the host
+
     def execute(self, schedule: ScheduleOutput,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None,
+                previous: DeviceTokens | None = None) -> torch.Tensor:
         if on_layer is not None:
             raise ValueError("a tensor-parallel group records no layer events")
+        if previous is not None:
+            raise ValueError("a tensor-parallel group runs no overlapped steps")
         if self._closed:
             raise RuntimeError("the tensor-parallel group has been shut down")
         self._channel.send(msgspec.msgpack.encode(StepMessage(schedule)))

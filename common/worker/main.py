@@ -65,7 +65,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
                             options.host, options.port, options.internal_token,
                             options.redis_url, options.namespace, options.drain_timeout_s,
-                            options.sm_share_percent, tracing, options.pipelines_steps)
+                            options.sm_share_percent, tracing, options.step_mode)
     dtype, why = resolve_dtype(options.dtype, options.device)
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,

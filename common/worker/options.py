@@ -18,6 +18,7 @@ from common.contract.log_format import LOG_FORMATS
 from common.contract.option_env import env_flag, env_name
 from common.contract.protocol import Role
 from common.contract.tracing import ENDPOINT_ENV
+from engine.step_mode import STEP_MODE_CHOICES, StepMode, choose_step_mode
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "ucx", "tcp")
@@ -51,7 +52,7 @@ class WorkerOptions:
     log_format: str = "text"
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
-    pipelined_steps: str = "auto"  # auto | on | off (engine/output_processor.py)
+    pipelined_steps: str = "auto"  # auto | on | off | overlap (engine/step_mode.py)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     kv_push: str = "layerwise"  # layerwise | after-step (prefill_workers/worker.py)
 
@@ -62,10 +63,9 @@ class WorkerOptions:
                                         self.device.startswith("cuda"))
 
     @property
-    def pipelines_steps(self) -> bool:
-        """Make a step's text while the device computes the next? auto: on CUDA only."""
-        return self.pipelined_steps == "on" or (self.pipelined_steps == "auto" and
-                                                self.device.startswith("cuda"))
+    def step_mode(self) -> StepMode:
+        """Plain, pipelined or overlapped steps (engine/step_mode.py's policy)."""
+        return choose_step_mode(self.pipelined_steps, self.device)
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -127,10 +127,13 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
         "compile before the first request, not during it; auto: on CUDA only",
         choices=("auto", "on", "off"))
-    add("--pipelined-steps", "auto", "make the text of a step's tokens (detokenizer, stop "
-        "strings aside, output records) during the next step, while the device computes "
-        "it, instead of between the two; auto: on CUDA only (on the CPU the model runs on "
-        "the same cores, so nothing would overlap)", choices=("auto", "on", "off"))
+    add("--pipelined-steps", "auto", "on: make the text of a step's tokens (detokenizer, "
+        "stop strings aside, output records) during the next step, while the device "
+        "computes it, instead of between the two; overlap: also plan and queue the next "
+        "step before this step's tokens reach the host (its decode inputs read them on the "
+        "device; not with tensor parallelism, which falls back to on); auto: on for CUDA, "
+        "off elsewhere (on the CPU the model runs on the same cores, so nothing would "
+        "overlap)", choices=STEP_MODE_CHOICES)
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "

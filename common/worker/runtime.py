@@ -43,6 +43,7 @@ from common.worker.step_fit import StepFit
 from engine.block_pool import CacheEventKind
 from engine.engine_thread import EngineThread, StepReport
 from engine.llm_engine import LLMEngine
+from engine.step_mode import StepMode
 from kv_transfer.layout import transfer_bytes
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,13 @@ class WorkerRuntime:
     def __init__(self, worker_id: str, role: Role, model_name: str, device: str,
                  host: str, port: int, token: str | None, redis_url: str, namespace: str,
                  drain_timeout_s: float, sm_share_percent: int = 0,
-                 tracing: Tracing = NO_TRACING, pipelined_steps: bool = False) -> None:
+                 tracing: Tracing = NO_TRACING,
+                 step_mode: StepMode = StepMode.PLAIN) -> None:
         """`sm_share_percent`: the CUDA MPS share the launcher gave this process (0: none);
         `tracing`: where the role's request spans go (owned by the caller);
-        `pipelined_steps`: run the engine's steps pipelined (engine/engine_thread.py)."""
+        `step_mode`: how the engine thread steps the engine (engine/step_mode.py)."""
         self.worker_id = worker_id
-        self.pipelined_steps = pipelined_steps
+        self.step_mode = step_mode
         self.tracing = tracing
         self.sm_share_percent = sm_share_percent
         self.role = role
@@ -139,13 +141,13 @@ class WorkerRuntime:
         try:
             engine = await asyncio.to_thread(load_engine)
             self.engine_thread = EngineThread(engine, loop, self._on_step,
-                                              pipelined=self.pipelined_steps)
+                                              step_mode=self.step_mode)
             self.engine_thread.start()
             await worker.attach(self.engine_thread)
             await self._register(self.engine_thread, url, worker.kv_address)
             self.ready = True
-            log.info("%s ready (epoch %d) on %s; pipelined steps %s", self.worker_id,
-                     self.epoch, url, "on" if self.engine_thread.pipelined else "off")
+            log.info("%s ready (epoch %d) on %s; steps %s", self.worker_id,
+                     self.epoch, url, self.engine_thread.step_mode.name.lower())
             if on_ready is not None:
                 result = on_ready(url)
                 if result is not None:

@@ -8,64 +8,21 @@ equal to transformers' tokens, and the pipelined run must really have deferred o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import pytest
 from default_engine import PROMPTS, make_engine
+from engine_runs import run
 
 from common.contract.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.timeout(600)
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-@dataclass
-class Seen:
-    """What a client of one request would have received, in order."""
-
-    tokens: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reasons: list = field(default_factory=list)  # one per output; the last is set
-
-    def add(self, out: RequestOutput) -> None:
-        assert not any(self.finish_reasons), f"{out.request_id}: an output after the finish"
-        self.tokens += out.new_token_ids
-        self.texts.append(out.new_text)
-        self.logprobs += out.logprobs
-        self.finish_reasons.append(out.finish_reason)
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
-        pipelined: bool, between_steps: Callable[[LLMEngine, int], None] | None = None
-        ) -> tuple[dict[str, Seen], int]:
-    """Step until done; returns what each request's client saw and how many outputs came
-    early (through `on_outputs`)."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    seen = {rid: Seen() for rid in requests}
-    num_early = 0
-    step = 0
-    while engine.has_unfinished():
-        early: list[RequestOutput] = []
-        outputs = engine.step(on_outputs=early.extend if pipelined else None)
-        num_early += len(early)
-        for out in early + outputs:
-            seen[out.request_id].add(out)
-        engine.check_invariants()
-        step += 1
-        if between_steps is not None:
-            between_steps(engine, step)
-    assert engine.kv_cache.num_used_blocks == 0
-    return seen, num_early
-
-
-def both(loaded, requests) -> tuple[dict[str, Seen], dict[str, Seen], int]:
-    plain, _ = run(make_engine(loaded), requests, pipelined=False)
-    piped, num_early = run(make_engine(loaded), requests, pipelined=True)
+def both(loaded, requests):
+    plain, _ = run(make_engine(loaded), requests, "plain")
+    piped, num_early = run(make_engine(loaded), requests, "pipelined")
     return plain, piped, num_early
 
 
@@ -124,11 +81,11 @@ def test_an_abort_with_a_deferred_token_leaves_nothing_behind(loaded):
             assert engine.abort_request("gone")
             aborted_at.append(step)
 
-    seen, _ = run(engine, requests, pipelined=True, between_steps=abort_after_five)
+    seen, _ = run(engine, requests, "pipelined", between_steps=abort_after_five)
     assert aborted_at == [5]
     # "gone" got the outputs of steps 1-4 (the fifth was deferred, then dropped), no finish.
     assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
-    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, pipelined=False)
+    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, "plain")
     assert seen["keep"] == plain["keep"]
     assert engine.kv_cache.num_used_blocks == 0
     assert not engine.has_unfinished()

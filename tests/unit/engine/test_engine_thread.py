@@ -12,6 +12,7 @@ from common.contract.finish_reason import FinishReason
 from engine.engine_thread import EngineStopped, EngineThread, StreamEnd
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
+from engine.step_mode import StepMode
 
 pytestmark = [pytest.mark.timeout(20)]
 
@@ -50,7 +51,7 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self, on_kv_ready=None, on_outputs=None) -> list[RequestOutput]:
+    def step(self, on_kv_ready=None, on_outputs=None, overlap=False) -> list[RequestOutput]:
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("kernel exploded")
@@ -126,8 +127,8 @@ def test_a_pipelined_step_delivers_early_outputs_once_and_counts_them_in_its_rep
     async def run() -> None:
         reports = []
         thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), reports.append,
-                              pipelined=True)
-        assert thread.pipelined
+                              step_mode=StepMode.PIPELINED)
+        assert thread.step_mode is StepMode.PIPELINED
         thread.start()
         a = thread.open_stream("a")
         await thread.call(lambda e: e.add("a", 4))
@@ -181,3 +182,17 @@ def test_constants_are_read_without_a_command_and_failed_submits_are_counted(cap
         assert thread.num_failed_commands == 1
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("reads_device_tokens, expected", [
+    (True, StepMode.OVERLAPPED), (False, StepMode.PIPELINED)])
+def test_overlapped_steps_need_a_runner_that_reads_device_tokens(reads_device_tokens,
+                                                                 expected) -> None:
+    async def run() -> StepMode:
+        engine = ScriptedEngine()
+        engine.runner = SimpleNamespace(reads_device_tokens=reads_device_tokens)
+        thread = EngineThread(engine, asyncio.get_running_loop(), lambda report: None,
+                              step_mode=StepMode.OVERLAPPED)
+        return thread.step_mode
+
+    assert asyncio.run(run()) is expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.step_mode import StepMode
 from launcher.cli import build_parser, main
 
 
@@ -22,11 +23,14 @@ def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
     assert options(*extra).warms_up is warms
 
 
-@pytest.mark.parametrize("extra, pipelines", [
-    ((), False), (("--device", "cuda"), True), (("--device", "cuda", "--pipelined-steps", "off"),
-                                               False), (("--pipelined-steps", "on"), True)])
-def test_steps_are_pipelined_on_cuda_unless_told(extra, pipelines) -> None:
-    assert options(*extra).pipelines_steps is pipelines
+@pytest.mark.parametrize("extra, mode", [
+    ((), StepMode.PLAIN), (("--device", "cuda"), StepMode.PIPELINED),
+    (("--device", "cuda", "--pipelined-steps", "off"), StepMode.PLAIN),
+    (("--pipelined-steps", "on"), StepMode.PIPELINED),
+    (("--device", "cuda", "--pipelined-steps", "overlap"), StepMode.OVERLAPPED),
+    (("--pipelined-steps", "overlap"), StepMode.OVERLAPPED)])
+def test_steps_are_pipelined_on_cuda_unless_told(extra, mode) -> None:
+    assert options(*extra).step_mode is mode
 
 
 @pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps"])

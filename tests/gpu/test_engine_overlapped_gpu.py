@@ -1,0 +1,89 @@
+"""Overlapped engine steps on a CUDA device: the next step reads the previous step's tokens
+on the device (decode CUDA graphs and eager mixed steps), the host gets them through pinned
+copies and events, and every token, logprob and finish equals a plain run's.
+
+CUDA only: on the CPU the same bookkeeping runs in tests/integration/test_engine_overlapped.py
+on the real default model (the model runs inside `execute` there, so nothing overlaps).
+Every request ends at its max_tokens, so both runs give the model the same batches and its
+deterministic kernels the same inputs: the tokens must be identical, not merely close.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.engine_gpu_model import build_random_model
+from common.contract.sampling_params import SamplingParams
+from engine.config import ModelConfig
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VOCAB = 512
+CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=256,
+                     intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def word_tokenizer() -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(0,), add_bos_token=False,
+                     chat_template=None, special_token_strings={})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_random_model(CONFIG, seed=3, device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+def run(model, overlap: bool) -> dict[str, tuple]:
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+        num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
+        dtype=torch.bfloat16, device="cuda"))
+    rng = random.Random(0)
+    requests = {}
+    for i in range(12):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 90))]
+        if i % 4 == 3:
+            params = SamplingParams(max_tokens=10 + i, temperature=0.8, top_k=50, seed=i,
+                                    logprobs=3, ignore_eos=True, frequency_penalty=0.3)
+        else:
+            params = SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True,
+                                    logprobs=1 if i % 2 else None)
+        requests[f"r{i}"] = (prompt, params)
+    seen: dict[str, list] = {rid: [[], [], []] for rid in requests}
+    added = 0
+    while added < len(requests) or engine.has_unfinished():
+        if added < len(requests):  # arrivals while others decode: mixed steps
+            rid = f"r{added}"
+            engine.add_request(rid, *requests[rid])
+            added += 1
+        for out in engine.step(overlap=overlap):
+            tokens, logprobs, finishes = seen[out.request_id]
+            tokens += out.new_token_ids
+            logprobs += [None if lp is None else (lp.token_id, round(lp.logprob, 4),
+                                                  lp.top_token_ids) for lp in out.logprobs]
+            finishes.append(out.finish_reason)
+        engine.check_invariants()
+    assert engine.kv_cache.num_used_blocks == 0
+    assert engine.runner.graphs is not None  # the decode steps replayed graphs
+    return {rid: (tuple(t), tuple(lp), f[-1]) for rid, (t, lp, f) in seen.items()}
+
+
+def test_overlapped_steps_on_cuda_give_the_plain_steps_tokens(model):
+    plain = run(model, overlap=False)
+    overlapped = run(model, overlap=True)
+    assert overlapped == plain
+    for rid, (tokens, _, finish) in plain.items():
+        assert finish == "length" and len(tokens) > 0

@@ -1,0 +1,168 @@
+"""Overlapped steps (LLMEngine.step with `overlap=True`) on the real default model: step N+1
+is planned and queued before step N's tokens reach the host, and nothing a client sees
+changes.
+
+Each batch runs on fresh engines, plain and overlapped, stepping until done: every
+request's tokens, streamed text, logprobs and finish reason must be identical, greedy ones
+equal to transformers' tokens. On the CPU the model runs inside `execute`, so this checks
+the bookkeeping (placeholders, a stop found one step late, aborts and preemption between
+steps), the same code a CUDA worker runs with the device computing meanwhile.
+"""
+
+from __future__ import annotations
+
+import pytest
+from default_engine import PROMPTS, make_engine
+from engine_runs import run
+
+from common.contract.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.request import PLACEHOLDER, RequestMode
+
+pytestmark = pytest.mark.timeout(600)
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def test_overlapped_greedy_batch_matches_plain_and_transformers(loaded, hf_reference):
+    engine = make_engine(loaded)
+    requests = {f"r{i}": (engine.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)}
+    plain, _ = run(make_engine(loaded), requests, "plain")
+    over, _ = run(engine, requests, "overlapped")
+    assert over == plain
+    for rid, (prompt, _) in requests.items():
+        expected = hf_reference.greedy(prompt, GREEDY.max_tokens, ignore_eos=True).token_ids
+        assert over[rid].tokens == expected
+        assert over[rid].finish_reasons[-1] == "length"
+    assert not engine.has_unfinished() and engine.kv_cache.num_used_blocks == 0
+
+
+def test_overlapped_stops_sampling_and_logprobs_match_plain(loaded):
+    engine = make_engine(loaded)
+    chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+    word = engine.tokenizer.encode(PROMPTS[0])
+    greedy = engine.generate([word], GREEDY)[0]
+    stop = greedy.text.strip().split()[1]  # a word the greedy output is known to contain
+    requests = {
+        "eos": (chat, SamplingParams(max_tokens=64, temperature=0.0)),  # ends at end of turn
+        "stop-string": (word, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))),
+        "stop-token": (word, SamplingParams(max_tokens=24, temperature=0.0,
+                                            stop_token_ids=(greedy.token_ids[6],))),
+        "min-tokens": (chat, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30)),
+        "seeded": (word, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7,
+                                        logprobs=2, presence_penalty=0.4)),
+        "penalties": (word, SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
+                                           repetition_penalty=1.3, frequency_penalty=0.5)),
+        "one-token": (word, SamplingParams(max_tokens=1, temperature=0.0)),
+    }
+    plain, _ = run(make_engine(loaded), requests, "plain")
+    over, _ = run(engine, requests, "overlapped")
+    assert over == plain
+    assert plain["eos"].finish_reasons[-1] == "stop" and len(plain["eos"].tokens) < 64
+    assert plain["stop-string"].finish_reasons[-1] == "stop"
+    assert stop not in "".join(plain["stop-string"].texts)
+    assert plain["stop-token"].tokens[-1] == greedy.token_ids[6]
+    assert len(plain["min-tokens"].tokens) >= 30
+    assert all(lp is not None and len(lp.top_token_ids) == 2 for lp in plain["seeded"].logprobs)
+    assert all(lp is not None and lp.top_token_ids == () for lp in plain["penalties"].logprobs)
+
+
+def test_a_stop_is_found_one_step_late_and_its_extra_row_is_dropped(loaded):
+    engine = make_engine(loaded)
+    word = engine.tokenizer.encode(PROMPTS[0])
+    greedy = engine.generate([word], GREEDY)[0]
+    stop_at = greedy.token_ids[4]  # the fifth token stops it
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,))
+    engine.add_request("s", word, params)
+    steps_before = engine.num_steps
+    steps_seen: list[int] = []
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step(overlap=True)
+        steps_seen.append(len(engine.last_schedule.chunks) if engine.last_schedule else 0)
+        engine.check_invariants()
+    assert [t for o in outputs for t in o.new_token_ids] == greedy.token_ids[:5]
+    assert outputs[-1].finish_reason == "stop"
+    # Five steps sampled its five tokens; the sixth computed a row for it before the stop
+    # was known and, once it was, sampled nothing from it: no seventh step.
+    assert engine.num_steps - steps_before == 6 and steps_seen == [1] * 6
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_an_abort_while_in_flight_leaves_nothing_behind(loaded):
+    engine = make_engine(loaded)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    requests = {"keep": (prompt, GREEDY), "gone": (prompt, GREEDY)}
+    aborted: list[int] = []
+
+    def abort_at_five(engine: LLMEngine, step: int) -> None:
+        if step == 5:
+            request = engine.scheduler.get_request("gone")
+            assert request is not None and request.output_token_ids[-1] == PLACEHOLDER
+            assert engine.abort_request("gone")
+            aborted.append(step)
+
+    seen, _ = run(engine, requests, "overlapped", between_steps=abort_at_five)
+    assert aborted == [5]
+    # Step k's outputs are step k-1's tokens: "gone" saw 4, the fifth was in flight.
+    assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
+    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, "plain")
+    assert seen["keep"] == plain["keep"]
+
+
+def test_preemption_and_switching_modes_keep_the_tokens(loaded):
+    # 5 blocks of 16 tokens for 4 requests that grow to 2 blocks each: some are preempted
+    # (and recomputed), among them ones with a token in flight.
+    engine = make_engine(loaded, num_kv_blocks=5)
+    requests = {f"r{i}": (engine.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS[:4])}
+    reference = {rid: engine.generate([prompt], GREEDY)[0].token_ids
+                 for rid, (prompt, _) in requests.items()}
+    preempted_in_flight: list[str] = []
+    in_flight: set[str] = set()
+
+    def watch(engine: LLMEngine, step: int) -> None:
+        # Preempted by this step's schedule while the step before had its token in flight.
+        assert engine.last_schedule is not None
+        preempted_in_flight.extend(set(engine.last_schedule.preempted_request_ids) & in_flight)
+        in_flight.clear()
+        if engine._inflight is not None:
+            in_flight.update(t.request.request_id for t in engine._inflight.tracked)
+
+    over, _ = run(engine, requests, "overlapped", between_steps=watch)
+    assert engine.num_preemptions > 0 and preempted_in_flight
+    assert {rid: s.tokens for rid, s in over.items()} == reference
+
+    switched = make_engine(loaded)
+    modes = ["overlapped", "plain", "overlapped", "pipelined"]
+    for rid, (prompt, params) in requests.items():
+        switched.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    step = 0
+    while switched.has_unfinished():
+        mode = modes[(step // 3) % len(modes)]
+        early: list = []
+        outputs = switched.step(on_outputs=early.extend if mode == "pipelined" else None,
+                                overlap=mode == "overlapped")
+        for out in early + outputs:  # early ones were handed out mid-step
+            tokens[out.request_id] += out.new_token_ids
+        switched.check_invariants()
+        step += 1
+    assert tokens == reference
+
+
+def test_a_prefill_only_request_parks_with_its_first_token(loaded):
+    engine = make_engine(loaded)
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    first = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    engine.add_request("p", prompt, SamplingParams(max_tokens=8, temperature=0.0),
+                       mode=RequestMode.PREFILL_ONLY)
+    engine.add_request("d", prompt, GREEDY)
+    parked = []
+    while engine.has_unfinished():
+        parked += [o for o in engine.step(overlap=True) if o.request_id == "p"]
+        engine.check_invariants()
+    assert len(parked) == 1 and parked[0].prefilled and parked[0].finish_reason is None
+    assert parked[0].new_token_ids == first.token_ids
+    assert engine.kv_cache.num_used_blocks > 0  # the parked prompt's blocks
+    engine.release_prefilled("p")
+    assert engine.kv_cache.num_used_blocks == 0
