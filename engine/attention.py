@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.device_upload import to_device
 from engine.kernels.backend import import_triton
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
@@ -200,7 +201,7 @@ class AttentionMetadata:
                                       block_size))
             query_start.append(query_start[-1] + len(chunk.token_ids))
         meta_without_groups = cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=to_device(slots, torch.long, torch.device(device)),
             query_start=tuple(query_start),
             start_pos=tuple(c.start_pos for c in schedule.chunks),
             end_pos=tuple(c.end_pos for c in schedule.chunks),
@@ -269,9 +270,9 @@ def _chunk_tensors(chunks: tuple[ScheduledChunk, ...], slot_mapping: torch.Tenso
         query_start.append(query_start[-1] + len(chunk.token_ids))
     return KernelAttentionMetadata(
         slot_mapping=slot_mapping,
-        block_tables=torch.from_numpy(tables).to(device),
-        context_lens=torch.tensor([c.end_pos for c in chunks], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(query_start, dtype=torch.int32, device=device),
+        block_tables=to_device(tables, torch.int32, device),
+        context_lens=to_device([c.end_pos for c in chunks], torch.int32, device),
+        cu_seqlens_q=to_device(query_start, torch.int32, device),
         max_query_len=max(len(c.token_ids) for c in chunks),
         num_decode_splits=splits,
     )

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, KernelAttentionMetadata, choose_decode_splits
+from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
 from engine.schedule_output import ScheduleOutput
@@ -140,9 +141,9 @@ class DecodeGraphs:
         host.reset_padding(num_seqs)
         dev = self._device_views
         # Two copies: the per-row scalars, then only the table columns this batch uses.
-        dev.scalars.copy_(torch.from_numpy(host.scalars))
-        dev.block_tables[:num_seqs, :width].copy_(
-            torch.from_numpy(host.block_tables[:num_seqs, :width]))
+        copy_to_device(dev.scalars, host.scalars)
+        copy_to_device(dev.block_tables[:num_seqs, :width],
+                       np.ascontiguousarray(host.block_tables[:num_seqs, :width]))
         if fill is not None:
             dev.input_ids[fill[0]] = fill[1].to(dev.input_ids.dtype)
         if self.use_graphs:

@@ -24,6 +24,7 @@ import torch
 
 from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER
@@ -166,9 +167,8 @@ class ModelRunner:
         fill = None
         if dst:
             assert previous is not None  # placeholder_sources checked it
-            fill = (torch.tensor(dst, dtype=torch.long, device=self.device),
-                    previous.token_ids[torch.tensor(src, dtype=torch.long,
-                                                    device=previous.token_ids.device)])
+            fill = (to_device(dst, torch.long, self.device),
+                    previous.token_ids[to_device(src, torch.long, previous.token_ids.device)])
         if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
             return self.graphs.run(schedule, fill)
         input_ids: list[int] = []
@@ -183,17 +183,17 @@ class ModelRunner:
                                                use_kernels=self.use_kernels,
                                                num_kv_heads=self.model.config.num_kv_heads,
                                                mixed_split_min_tokens=self.mixed_split_min_tokens)
-        # Every upload before the model is queued: an upload from pageable memory waits for
-        # the work queued before it on the stream, and one after the layers would make this
-        # call (and the KVReady that follows it, engine/kv_ready.py) wait for the whole step.
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        # Every upload before the model is queued, and none waits for the device
+        # (device_upload.py): this call returns once the step is queued, so the KVReady
+        # that follows it (engine/kv_ready.py) and an overlapped step's host work do not
+        # wait for the previous step to finish.
+        rows = to_device(sample_rows, torch.long, self.device)
+        ids = to_device(input_ids, torch.long, self.device)
         if fill is not None:
             ids[fill[0]] = fill[1]
         with torch.inference_mode():
-            hidden = self.model(
-                ids, torch.tensor(positions, dtype=torch.long, device=self.device),
-                self.kv, attn, on_layer)
+            hidden = self.model(ids, to_device(positions, torch.long, self.device),
+                                self.kv, attn, on_layer)
             if not sample_rows:
                 return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
             # Only sampled rows pay for the vocabulary projection (the largest matmul).
