@@ -33,7 +33,7 @@ from engine.kv_storage import KVStorage
 from engine.inflight_step import InFlightStep
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
-from engine.request import Request, RequestMode, RequestStatus
+from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
@@ -386,6 +386,10 @@ class LLMEngine:
             tracked.sampling.check_invariants(tracked.request.sampling_params)
         if self._inflight is not None:
             self._inflight.check_invariants()
+        for request in self.scheduler.live_requests():  # a PLACEHOLDER only while in flight
+            if request.output_token_ids[-1:] == [PLACEHOLDER] and not (
+                    self._inflight is not None and self._inflight.holds(request.request_id)):
+                raise AssertionError(f"{request.request_id} has a PLACEHOLDER, not in flight")
         for rid in self._tracked:
             if self.scheduler.get_request(rid) is None and \
                     self._tracked[rid].request.status is not RequestStatus.PREFILLED \
