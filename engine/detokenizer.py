@@ -13,12 +13,15 @@ So each step decodes a short window of ids and emits what the new token added to
 
     new_text = decode(ids[prefix_offset:]);  prefix_text = decode(ids[prefix_offset:read_offset])
     if new_text ends in U+FFFD, a character is still incomplete: emit nothing, wait for bytes
-    else emit new_text[len(prefix_text):] and slide: prefix_offset = read_offset,
-         read_offset = len(ids)
+    else emit new_text[len(prefix_text):] and advance: read_offset = len(ids), and
+         prefix_text = new_text (the decode of the same window: no second decode); once the
+         context holds more than _MAX_CONTEXT_TOKENS, slide: the context becomes the run
+         just emitted (decoded once more, on its own)
 
-Cost per token is O(window), the window being the context plus the pending tokens. Pending
-tokens pile up only while the text keeps ending in an incomplete character, i.e. for invalid
-UTF-8 output; any token that completes a character clears them.
+Cost per token is one decode of O(window) ids, the window being the context (at most
+_MAX_CONTEXT_TOKENS + the last emitted run) plus the pending tokens. Pending tokens pile up
+only while the text keeps ending in an incomplete character, i.e. for invalid UTF-8
+output; any token that completes a character clears them.
 
 Lifecycle: constructed with the prompt ids (the context for the first output token) ->
 `add` once per sampled token -> `flush` once when the request finishes, which releases
@@ -37,6 +40,9 @@ from typing import Protocol
 # Prompt tokens used as context for the first output token: enough for any decoder's
 # look-behind (a leading space, a byte sequence), small enough to stay cheap.
 _NUM_CONTEXT_TOKENS = 5
+# Emitted tokens kept as context before the window slides: a slide costs one more decode,
+# a longer window a longer one; 8 makes slides rare and windows short.
+_MAX_CONTEXT_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 
 
@@ -84,7 +90,10 @@ class IncrementalDetokenizer:
             # Nothing is emitted, so the window is not slid either.
             return ""
         delta = new_text[len(self._prefix_text):]
-        self._slide()
+        run_start, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = new_text  # decode(ids[prefix_offset:read_offset]), just computed
+        if self._read_offset - self._prefix_offset > _MAX_CONTEXT_TOKENS:
+            self._slide(run_start)
         return delta
 
     def flush(self) -> str:
@@ -102,9 +111,9 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset, len(self._ids))
         assert self._prefix_text == self._decode(self._ids[self._prefix_offset:self._read_offset])
 
-    def _slide(self) -> None:
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+    def _slide(self, run_start: int) -> None:
+        """Keep only the last emitted run as context (decoded once more, on its own)."""
+        self._prefix_offset = run_start
         self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         # Drop ids that will never be decoded again, keeping the list O(window) long.
         if self._prefix_offset > 0:

@@ -117,9 +117,11 @@ class CountingDecoder:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.max_len = 0
+        self.calls = 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.max_len = max(self.max_len, len(ids))
+        self.calls += 1
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -131,6 +133,8 @@ def test_cost_per_token_is_bounded_by_the_window() -> None:
     out = "".join(detok.add(t) for t in ids) + detok.flush()
     assert out == text and len(ids) > 500
     assert counting.max_len <= 10  # never re-decodes the whole output
+    # One decode per token, plus one per slide of the window (every few tokens).
+    assert counting.calls <= 1.3 * len(ids), (counting.calls, len(ids))
 
 
 def test_misuse_raises() -> None:
