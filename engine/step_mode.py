@@ -25,8 +25,9 @@ STEP_MODE_CHOICES = ("auto", "on", "off", "overlap")
 
 
 def choose_step_mode(option: str, device: str) -> StepMode:
-    """`option` is one of STEP_MODE_CHOICES; auto is PIPELINED on CUDA and PLAIN elsewhere
-    (on the CPU the model runs on the host's cores, so nothing would overlap)."""
+    """`option` is one of STEP_MODE_CHOICES; auto is OVERLAPPED on CUDA (measured against
+    PIPELINED on one H200: docs/benchmarks.md "Overlapped steps") and PLAIN elsewhere (on
+    the CPU the model runs on the host's cores, so nothing would overlap)."""
     if option == "auto":
-        return StepMode.PIPELINED if device.startswith("cuda") else StepMode.PLAIN
+        return StepMode.OVERLAPPED if device.startswith("cuda") else StepMode.PLAIN
     return StepMode(option)

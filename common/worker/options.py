@@ -131,9 +131,9 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "stop strings aside, output records) during the next step, while the device "
         "computes it, instead of between the two; overlap: also plan and queue the next "
         "step before this step's tokens reach the host (its decode inputs read them on the "
-        "device; not with tensor parallelism, which falls back to on); auto: on for CUDA, "
-        "off elsewhere (on the CPU the model runs on the same cores, so nothing would "
-        "overlap)", choices=STEP_MODE_CHOICES)
+        "device; not with tensor parallelism, which falls back to on); auto: overlap for "
+        "CUDA, off elsewhere (on the CPU the model runs on the same cores, so nothing "
+        "would overlap)", choices=STEP_MODE_CHOICES)
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "

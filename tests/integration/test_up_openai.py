@@ -1,8 +1,10 @@
 """`pdserve up` with the default model on CPU (1 prefill + 1 decode worker), driven by the
 official `openai` client: completions and chat, streamed and not, a prompt long enough to
 be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behind. The
-workers run pipelined steps (`--pipelined-steps on`, the default on CUDA), so every answer
-also checks that a step's text made during the next step reaches the client unchanged.
+workers run overlapped steps (`--pipelined-steps overlap`, the default on CUDA), so every
+answer also checks that steps planned before the last one's tokens reached the host (a
+prefill's first token, a stop found one step late, an abort in flight) change nothing the
+client sees.
 
 Every greedy answer is compared with transformers' greedy output for the same weights and
 chat template (tests/hf_reference.py): text, finish reason and token counts exactly.
@@ -25,7 +27,7 @@ def up(tmp_path_factory):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
     process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"),
-                        env={"PDSERVE_PIPELINED_STEPS": "on"})
+                        env={"PDSERVE_PIPELINED_STEPS": "overlap"})
     yield process
     process.stop()
 

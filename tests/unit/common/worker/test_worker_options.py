@@ -1,4 +1,4 @@
-"""Worker options: the warm-up and pipelined-steps choices (auto: on CUDA only) and bad
+"""Worker options: the warm-up and pipelined-steps choices (auto: by device) and bad
 values refused."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
 
 
 @pytest.mark.parametrize("extra, mode", [
-    ((), StepMode.PLAIN), (("--device", "cuda"), StepMode.PIPELINED),
+    ((), StepMode.PLAIN), (("--device", "cuda"), StepMode.OVERLAPPED),
+    (("--device", "cuda", "--pipelined-steps", "on"), StepMode.PIPELINED),
     (("--device", "cuda", "--pipelined-steps", "off"), StepMode.PLAIN),
     (("--pipelined-steps", "on"), StepMode.PIPELINED),
     (("--device", "cuda", "--pipelined-steps", "overlap"), StepMode.OVERLAPPED),
