@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from default_engine import PROMPTS
+
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, RequestOutput
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 @dataclass
@@ -50,3 +54,45 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
             between_steps(engine, step)
     assert engine.kv_cache.num_used_blocks == 0
     return seen, num_early
+
+
+@dataclass
+class StopCases:
+    """Requests that end every way a request can, and sample every way it can."""
+
+    requests: dict[str, tuple[list[int], SamplingParams]]
+    stop: str  # the stop string of "stop-string": a word the greedy output contains
+    stop_token: int  # the stop token of "stop-token": its greedy output's 7th token
+
+    @classmethod
+    def build(cls, engine: LLMEngine) -> StopCases:
+        chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+        word = engine.tokenizer.encode(PROMPTS[0])
+        greedy = engine.generate([word], GREEDY)[0]
+        stop, stop_token = greedy.text.strip().split()[1], greedy.token_ids[6]
+        requests = {
+            "eos": (chat, SamplingParams(max_tokens=64, temperature=0.0)),  # end of turn
+            "stop-string": (word, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))),
+            "stop-token": (word, SamplingParams(max_tokens=24, temperature=0.0,
+                                                stop_token_ids=(stop_token,))),
+            "min-tokens": (chat, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30)),
+            "seeded": (word, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7,
+                                            logprobs=2, presence_penalty=0.4)),
+            "penalties": (word, SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
+                                               repetition_penalty=1.3, frequency_penalty=0.5)),
+            "one-token": (word, SamplingParams(max_tokens=1, temperature=0.0)),
+        }
+        return cls(requests, stop, stop_token)
+
+    def check(self, seen: dict[str, Seen]) -> None:
+        """Each request ended the way it was built to."""
+        assert seen["eos"].finish_reasons[-1] == "stop" and len(seen["eos"].tokens) < 64
+        assert seen["stop-string"].finish_reasons[-1] == "stop"
+        assert self.stop not in "".join(seen["stop-string"].texts)
+        assert seen["stop-token"].tokens[-1] == self.stop_token
+        assert seen["stop-token"].finish_reasons[-1] == "stop"
+        assert len(seen["min-tokens"].tokens) >= 30
+        assert all(lp is not None and len(lp.top_token_ids) == 2
+                   for lp in seen["seeded"].logprobs)
+        assert all(lp is not None and lp.top_token_ids == () for lp in seen["penalties"].logprobs)
+        assert len(seen["one-token"].tokens) == 1

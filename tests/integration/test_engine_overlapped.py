@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import pytest
 from default_engine import PROMPTS, make_engine
-from engine_runs import run
+from engine_runs import GREEDY, StopCases, run
 
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.request import PLACEHOLDER, RequestMode
 
 pytestmark = pytest.mark.timeout(600)
-
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def test_overlapped_greedy_batch_matches_plain_and_transformers(loaded, hf_reference):
@@ -38,33 +36,11 @@ def test_overlapped_greedy_batch_matches_plain_and_transformers(loaded, hf_refer
 
 
 def test_overlapped_stops_sampling_and_logprobs_match_plain(loaded):
-    engine = make_engine(loaded)
-    chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
-    word = engine.tokenizer.encode(PROMPTS[0])
-    greedy = engine.generate([word], GREEDY)[0]
-    stop = greedy.text.strip().split()[1]  # a word the greedy output is known to contain
-    requests = {
-        "eos": (chat, SamplingParams(max_tokens=64, temperature=0.0)),  # ends at end of turn
-        "stop-string": (word, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))),
-        "stop-token": (word, SamplingParams(max_tokens=24, temperature=0.0,
-                                            stop_token_ids=(greedy.token_ids[6],))),
-        "min-tokens": (chat, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30)),
-        "seeded": (word, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7,
-                                        logprobs=2, presence_penalty=0.4)),
-        "penalties": (word, SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
-                                           repetition_penalty=1.3, frequency_penalty=0.5)),
-        "one-token": (word, SamplingParams(max_tokens=1, temperature=0.0)),
-    }
-    plain, _ = run(make_engine(loaded), requests, "plain")
-    over, _ = run(engine, requests, "overlapped")
+    cases = StopCases.build(make_engine(loaded))
+    plain, _ = run(make_engine(loaded), cases.requests, "plain")
+    over, _ = run(make_engine(loaded), cases.requests, "overlapped")
     assert over == plain
-    assert plain["eos"].finish_reasons[-1] == "stop" and len(plain["eos"].tokens) < 64
-    assert plain["stop-string"].finish_reasons[-1] == "stop"
-    assert stop not in "".join(plain["stop-string"].texts)
-    assert plain["stop-token"].tokens[-1] == greedy.token_ids[6]
-    assert len(plain["min-tokens"].tokens) >= 30
-    assert all(lp is not None and len(lp.top_token_ids) == 2 for lp in plain["seeded"].logprobs)
-    assert all(lp is not None and lp.top_token_ids == () for lp in plain["penalties"].logprobs)
+    cases.check(plain)
 
 
 def test_a_stop_is_found_one_step_late_and_its_extra_row_is_dropped(loaded):

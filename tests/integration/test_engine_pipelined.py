@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import pytest
 from default_engine import PROMPTS, make_engine
-from engine_runs import run
+from engine_runs import GREEDY, StopCases, run
 
-from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.timeout(600)
-
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def both(loaded, requests):
@@ -42,31 +39,11 @@ def test_pipelined_greedy_batch_matches_plain_and_transformers(loaded, hf_refere
 
 
 def test_pipelined_stops_sampling_and_logprobs_match_plain(loaded):
-    engine = make_engine(loaded)
-    chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
-    word = engine.tokenizer.encode(PROMPTS[0])
-    greedy = engine.generate([word], GREEDY)[0]
-    stop = greedy.text.strip().split()[1]  # a word the greedy output is known to contain
-    requests = {
-        "eos": (chat, SamplingParams(max_tokens=64, temperature=0.0)),  # ends at end of turn
-        "stop-string": (word, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))),
-        "stop-token": (word, SamplingParams(max_tokens=24, temperature=0.0,
-                                            stop_token_ids=(greedy.token_ids[6],))),
-        "min-tokens": (chat, SamplingParams(max_tokens=40, temperature=0.0, min_tokens=30)),
-        "seeded": (word, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7,
-                                        logprobs=2, presence_penalty=0.4)),
-        "one-token": (word, SamplingParams(max_tokens=1, temperature=0.0)),
-    }
-    plain, piped, num_early = both(loaded, requests)
+    cases = StopCases.build(make_engine(loaded))
+    plain, piped, num_early = both(loaded, cases.requests)
     assert piped == plain
     assert num_early > 0
-    assert plain["eos"].finish_reasons[-1] == "stop" and len(plain["eos"].tokens) < 64
-    assert plain["stop-string"].finish_reasons[-1] == "stop"
-    assert stop not in "".join(plain["stop-string"].texts)
-    assert plain["stop-token"].tokens[-1] == greedy.token_ids[6]
-    assert plain["stop-token"].finish_reasons[-1] == "stop"
-    assert len(plain["min-tokens"].tokens) >= 30
-    assert all(lp is not None for lp in plain["seeded"].logprobs)
+    cases.check(plain)
 
 
 def test_an_abort_with_a_deferred_token_leaves_nothing_behind(loaded):
