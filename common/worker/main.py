@@ -37,6 +37,8 @@ def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> in
     import torch
 
     torch.set_num_threads(options.threads)
+    # The engine thread and the event loop share one interpreter lock; see --gil-switch-ms.
+    sys.setswitchinterval(options.gil_switch_ms / 1e3)
     runner: Callable[[Coroutine[object, object, int]], int]
     try:
         import uvloop

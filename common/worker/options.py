@@ -53,6 +53,7 @@ class WorkerOptions:
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
     pipelined_steps: str = "auto"  # auto | on | off | overlap (engine/step_mode.py)
+    gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     kv_push: str = "layerwise"  # layerwise | after-step (prefill_workers/worker.py)
 
@@ -76,6 +77,8 @@ class WorkerOptions:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.drain_timeout_s < 0 or self.fault_transfer_delay_ms < 0:
             raise ValueError("--drain-timeout-s and --fault-transfer-delay-ms must be >= 0")
+        if not 0.05 <= self.gil_switch_ms <= 100:
+            raise ValueError(f"--gil-switch-ms must be in [0.05, 100], got {self.gil_switch_ms}")
 
 
 def add_worker_options(parser: argparse.ArgumentParser, kind: str,
@@ -134,6 +137,11 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "device; not with tensor parallelism, which falls back to on); auto: overlap for "
         "CUDA, off elsewhere (on the CPU the model runs on the same cores, so nothing "
         "would overlap)", choices=STEP_MODE_CHOICES)
+    add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
+        "for the interpreter lock while the engine thread holds it: Python's thread switch "
+        "interval (default 5 ms there). An overlapped engine step rarely waits for the "
+        "device, so without a short interval every stream and KV handshake of a busy "
+        "worker waits up to 5 ms per hand-over", type=float)
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "
@@ -183,6 +191,7 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
         warm_up=getattr(args, "warm_up", "auto"),
         pipelined_steps=getattr(args, "pipelined_steps", "auto"),
+        gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
         kv_push=getattr(args, "kv_push", "layerwise"))
 

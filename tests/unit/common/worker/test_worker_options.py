@@ -39,3 +39,10 @@ def test_an_unknown_auto_on_off_choice_is_a_usage_error(option, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["decode-worker", "--redis-url", "redis://x:1/0", option, "maybe"])
     assert exit_info.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_the_gil_switch_interval_is_an_option_with_bounds() -> None:
+    assert options().gil_switch_ms == 0.5
+    assert options("--gil-switch-ms", "5").gil_switch_ms == 5.0
+    with pytest.raises(ValueError, match="--gil-switch-ms"):
+        options("--gil-switch-ms", "0")
