@@ -24,10 +24,16 @@ class StepMode(enum.Enum):
 STEP_MODE_CHOICES = ("auto", "on", "off", "overlap")
 
 
-def choose_step_mode(option: str, device: str) -> StepMode:
-    """`option` is one of STEP_MODE_CHOICES; auto is OVERLAPPED on CUDA (measured against
-    PIPELINED on one H200: docs/benchmarks.md "Overlapped steps") and PLAIN elsewhere (on
-    the CPU the model runs on the host's cores, so nothing would overlap)."""
+def choose_step_mode(option: str, device: str, prefill_role: bool = False) -> StepMode:
+    """`option` is one of STEP_MODE_CHOICES. auto, on CUDA: OVERLAPPED (measured against
+    PIPELINED on one H200: docs/benchmarks.md "Overlapped steps"), except for a worker that
+    starts in the prefill role (`prefill_role`): its steps are long prompt chunks, whose
+    host work already hides behind the device, while its event loop must answer each KV
+    handshake at once, which an overlapped step (it rarely waits for the device, so it
+    rarely lets go of the interpreter lock) delays; PIPELINED there. Elsewhere PLAIN: on the
+    CPU the model runs on the host's cores, so nothing would overlap."""
     if option == "auto":
-        return StepMode.OVERLAPPED if device.startswith("cuda") else StepMode.PLAIN
+        if not device.startswith("cuda"):
+            return StepMode.PLAIN
+        return StepMode.PIPELINED if prefill_role else StepMode.OVERLAPPED
     return StepMode(option)

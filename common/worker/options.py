@@ -66,7 +66,7 @@ class WorkerOptions:
     @property
     def step_mode(self) -> StepMode:
         """Plain, pipelined or overlapped steps (engine/step_mode.py's policy)."""
-        return choose_step_mode(self.pipelined_steps, self.device)
+        return choose_step_mode(self.pipelined_steps, self.device, self.role is Role.PREFILL)
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -135,8 +135,9 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "computes it, instead of between the two; overlap: also plan and queue the next "
         "step before this step's tokens reach the host (its decode inputs read them on the "
         "device; not with tensor parallelism, which falls back to on); auto: overlap for "
-        "CUDA, off elsewhere (on the CPU the model runs on the same cores, so nothing "
-        "would overlap)", choices=STEP_MODE_CHOICES)
+        "CUDA (on for a worker started in the prefill role: its event loop answers KV "
+        "handshakes), off elsewhere (on the CPU the model runs on the same cores, so "
+        "nothing would overlap)", choices=STEP_MODE_CHOICES)
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "

@@ -9,11 +9,11 @@ from engine.step_mode import StepMode
 from launcher.cli import build_parser, main
 
 
-def options(*extra: str):
+def options(*extra: str, kind: str = "decode"):
     from common.worker.options import options_from_args
 
-    args = build_parser().parse_args(["decode-worker", "--redis-url", "redis://x:1/0", *extra])
-    return options_from_args(args, "decode")
+    args = build_parser().parse_args([f"{kind}-worker", "--redis-url", "redis://x:1/0", *extra])
+    return options_from_args(args, kind)
 
 
 @pytest.mark.parametrize("extra, warms", [
@@ -32,6 +32,13 @@ def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
     (("--pipelined-steps", "overlap"), StepMode.OVERLAPPED)])
 def test_steps_are_pipelined_on_cuda_unless_told(extra, mode) -> None:
     assert options(*extra).step_mode is mode
+
+
+def test_a_prefill_worker_pipelines_its_steps_on_cuda_unless_told() -> None:
+    assert options("--device", "cuda", kind="prefill").step_mode is StepMode.PIPELINED
+    assert options("--device", "cuda", "--pipelined-steps", "overlap",
+                   kind="prefill").step_mode is StepMode.OVERLAPPED
+    assert options(kind="prefill").step_mode is StepMode.PLAIN
 
 
 @pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps"])
