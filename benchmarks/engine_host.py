@@ -48,12 +48,13 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int) -> float:
 
     class NullRunner:
         records_layer_events = False
+        reads_device_tokens = False  # computes nothing: plain steps only
 
         def __init__(self, vocab_size: int) -> None:
             self.logits = torch.randn(max(batch, 1), vocab_size,
                                       generator=torch.Generator().manual_seed(0))
 
-        def execute(self, schedule, on_layer=None):
+        def execute(self, schedule, on_layer=None, previous=None):
             return self.logits[:sum(1 for c in schedule.chunks if c.sample)]
 
         def close(self) -> None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from engine.model_runner import DeviceTokens
 from engine.output_processor import Tracked
 from engine.pending_sample import PendingSample
-from engine.request import PLACEHOLDER
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,5 +50,5 @@ class InFlightStep:
             raise AssertionError(f"{self.pending.token_ids.shape[0]} sampled rows for "
                                  f"{len(self.tracked)} requests")
         for t in self.tracked:
-            if not t.request.output_token_ids or t.request.output_token_ids[-1] != PLACEHOLDER:
+            if not t.request.token_pending:
                 raise AssertionError(f"{t.request.request_id} in flight without a PLACEHOLDER")

@@ -33,7 +33,7 @@ from engine.kv_storage import KVStorage
 from engine.inflight_step import InFlightStep
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
-from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
+from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
@@ -267,19 +267,19 @@ class LLMEngine:
         kept = [(row, t) for row, (rid, t) in enumerate(scheduled) if t is not None
                 and self._tracked.get(rid) is t and t.request.status is RequestStatus.RUNNING]
         tracked = tuple(t for _, t in kept)
-        if tracked:
+        inflight = None
+        if tracked:  # sampled before the PLACEHOLDERs are recorded: states hold real tokens
             if len(kept) < len(scheduled):
                 logits = logits[torch.tensor([row for row, _ in kept], dtype=torch.long,
                                              device=logits.device)]
-            pending = self.sampler.launch(logits, [t.request.sampling_params for t in tracked],
-                                          [t.sampling for t in tracked])
+            inflight = InFlightStep(tracked, self.sampler.launch(
+                logits, [t.request.sampling_params for t in tracked],
+                [t.sampling for t in tracked]))
         self.scheduler.update_from_output(schedule, None)
-        if tracked:
-            self._inflight = InFlightStep(tracked, pending)
-            if __debug__:
-                self._inflight.check_invariants()
-        held = {t.request.request_id for t in tracked}
-        return outputs + self._finished_outputs(held)
+        self._inflight = inflight
+        if __debug__ and inflight is not None:
+            inflight.check_invariants()
+        return outputs + self._finished_outputs({t.request.request_id for t in tracked})
 
     def _launch(self, schedule: ScheduleOutput, on_kv_ready: Callable[[KVReady], None] | None,
                 previous: DeviceTokens | None) -> torch.Tensor:
@@ -290,8 +290,7 @@ class LLMEngine:
         recorder = LayerEventRecorder() if ready and self.runner.records_layer_events else None
         if ready and recorder is None:
             self._announce_kv_ready(ready, None, on_kv_ready)
-        logits = (self.runner.execute(schedule, recorder) if previous is None
-                  else self.runner.execute(schedule, recorder, previous))
+        logits = self.runner.execute(schedule, recorder, previous)
         if ready and recorder is not None:
             self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
         return logits
@@ -387,7 +386,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._inflight.check_invariants()
         for request in self.scheduler.live_requests():  # a PLACEHOLDER only while in flight
-            if request.output_token_ids[-1:] == [PLACEHOLDER] and not (
+            if request.token_pending and not (
                     self._inflight is not None and self._inflight.holds(request.request_id)):
                 raise AssertionError(f"{request.request_id} has a PLACEHOLDER, not in flight")
         for rid in self._tracked:

@@ -133,8 +133,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def token_pending(self) -> bool:
+        """Its last output token is a PLACEHOLDER (an overlapped step's, still on the device)."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
+
     def resolve_placeholder(self, token_id: int) -> None:
         """An overlapped step's token replaces its PLACEHOLDER, whatever the state since."""
-        if not self.output_token_ids or self.output_token_ids[-1] != PLACEHOLDER:
+        if not self.token_pending:
             raise AssertionError(f"{self.request_id} has no token pending")
         self.output_token_ids[-1] = token_id
