@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from default_engine import PROMPTS
+from default_engine import PROMPTS, make_engine
 
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -96,3 +96,28 @@ class StopCases:
                    for lp in seen["seeded"].logprobs)
         assert all(lp is not None and lp.top_token_ids == () for lp in seen["penalties"].logprobs)
         assert len(seen["one-token"].tokens) == 1
+
+
+def check_an_abort_after_step_five(loaded, mode: str,
+                                   before_abort: Callable[[LLMEngine], None]) -> None:
+    """Two greedy requests on one prompt; after step 5 (once `before_abort(engine)` has
+    checked what that mode holds then) "gone" is aborted. Its client got the outputs of
+    4 steps and no finish; "keep" got exactly what it gets alone; nothing is left behind."""
+    engine = make_engine(loaded)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    requests = {"keep": (prompt, GREEDY), "gone": (prompt, GREEDY)}
+    aborted_at: list[int] = []
+
+    def abort_after_five(engine: LLMEngine, step: int) -> None:
+        if step == 5:
+            before_abort(engine)
+            assert engine.abort_request("gone")
+            aborted_at.append(step)
+
+    seen, _ = run(engine, requests, mode, between_steps=abort_after_five)
+    assert aborted_at == [5]
+    assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
+    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, "plain")
+    assert seen["keep"] == plain["keep"]
+    assert engine.kv_cache.num_used_blocks == 0
+    assert not engine.has_unfinished()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from default_engine import PROMPTS, make_engine
-from engine_runs import GREEDY, StopCases, run
+from engine_runs import GREEDY, StopCases, check_an_abort_after_step_five, run
 
 from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
@@ -66,24 +66,12 @@ def test_a_stop_is_found_one_step_late_and_its_extra_row_is_dropped(loaded):
 
 
 def test_an_abort_while_in_flight_leaves_nothing_behind(loaded):
-    engine = make_engine(loaded)
-    prompt = engine.tokenizer.encode(PROMPTS[1])
-    requests = {"keep": (prompt, GREEDY), "gone": (prompt, GREEDY)}
-    aborted: list[int] = []
+    def its_fifth_token_is_in_flight(engine: LLMEngine) -> None:
+        request = engine.scheduler.get_request("gone")
+        assert request is not None and request.output_token_ids[-1] == PLACEHOLDER
 
-    def abort_at_five(engine: LLMEngine, step: int) -> None:
-        if step == 5:
-            request = engine.scheduler.get_request("gone")
-            assert request is not None and request.output_token_ids[-1] == PLACEHOLDER
-            assert engine.abort_request("gone")
-            aborted.append(step)
-
-    seen, _ = run(engine, requests, "overlapped", between_steps=abort_at_five)
-    assert aborted == [5]
     # Step k's outputs are step k-1's tokens: "gone" saw 4, the fifth was in flight.
-    assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
-    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, "plain")
-    assert seen["keep"] == plain["keep"]
+    check_an_abort_after_step_five(loaded, "overlapped", its_fifth_token_is_in_flight)
 
 
 def test_preemption_and_switching_modes_keep_the_tokens(loaded):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from default_engine import PROMPTS, make_engine
-from engine_runs import GREEDY, StopCases, run
+from engine_runs import GREEDY, StopCases, check_an_abort_after_step_five, run
 
 from engine.llm_engine import LLMEngine
 
@@ -47,22 +47,9 @@ def test_pipelined_stops_sampling_and_logprobs_match_plain(loaded):
 
 
 def test_an_abort_with_a_deferred_token_leaves_nothing_behind(loaded):
-    engine = make_engine(loaded)
-    prompt = engine.tokenizer.encode(PROMPTS[1])
-    requests = {"keep": (prompt, GREEDY), "gone": (prompt, GREEDY)}
-    aborted_at: list[int] = []
+    def both_tokens_of_step_five_wait_for_step_six(engine: LLMEngine) -> None:
+        assert engine.outputs.num_deferred == 2
 
-    def abort_after_five(engine: LLMEngine, step: int) -> None:
-        if step == 5:
-            assert engine.outputs.num_deferred == 2  # both tokens of step 5 wait for step 6
-            assert engine.abort_request("gone")
-            aborted_at.append(step)
-
-    seen, _ = run(engine, requests, "pipelined", between_steps=abort_after_five)
-    assert aborted_at == [5]
-    # "gone" got the outputs of steps 1-4 (the fifth was deferred, then dropped), no finish.
-    assert len(seen["gone"].tokens) == 4 and not any(seen["gone"].finish_reasons)
-    plain, _ = run(make_engine(loaded), {"keep": (prompt, GREEDY)}, "plain")
-    assert seen["keep"] == plain["keep"]
-    assert engine.kv_cache.num_used_blocks == 0
-    assert not engine.has_unfinished()
+    # "gone" got the outputs of steps 1-4: the fifth was deferred, then dropped.
+    check_an_abort_after_step_five(loaded, "pipelined",
+                                   both_tokens_of_step_five_wait_for_step_six)
