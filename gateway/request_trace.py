@@ -17,7 +17,8 @@ and DecodeRequest. With tracing off the span is the do-nothing one; the timeline
 all the same (a few small objects per request).
 
 Times: `now_s` arguments are time.monotonic() seconds; the stage list holds milliseconds
-since arrival; spans get wall-clock nanoseconds derived from the arrival's pair.
+since arrival; spans get wall-clock nanoseconds derived from the arrival's pair, except the
+request span's end, read off the wall clock itself (as the workers' spans are).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class RequestTrace:
     def finish(self, timing: RequestTiming, outcome: SloOutcome, error: str | None,
                now_s: float | None = None) -> RequestRecord:
         """End the span; the request as the cluster page lists it."""
+        now_is_now = now_s is None
         now_s = time.monotonic() if now_s is None else now_s
         start = self._admitted_s if self._admitted_s is not None else self.arrived_s
         first, last = timing.first_token_s, timing.last_token_s
@@ -142,7 +144,10 @@ class RequestTrace:
                        "pdserve.ttft_s": timing.ttft_s})
         if error is not None:
             self.span.fail(error)
-        self.span.end(self._unix_ns(now_s))
+        # The workers' spans end on their own wall clocks; the request's end is read off
+        # the same clock, so a child never outlasts it when the wall clock drifts from the
+        # monotonic one (a slewed or stepped clock) during the request.
+        self.span.end(time.time_ns() if now_is_now else self._unix_ns(now_s))
         ttft = timing.ttft_s
         return RequestRecord(
             request_id=self.request_id, tier=self.tier, outcome=outcome.value,

@@ -157,6 +157,11 @@ def _inside(child: ReceivedSpan, parent: ReceivedSpan, slack_ns: int = 2_000_000
     return parent.start_ns - slack_ns <= child.start_ns <= child.end_ns <= parent.end_ns + slack_ns
 
 
+def _offsets(name: str, child: ReceivedSpan, parent: ReceivedSpan) -> str:
+    return (f"{name}: starts {(child.start_ns - parent.start_ns) / 1e6:.3f} ms after the "
+            f"request span, ends {(child.end_ns - parent.end_ns) / 1e6:.3f} ms after it")
+
+
 def test_a_handoff_request_is_one_trace_across_gateway_prefill_and_decode(
         up: UpProcess, receiver: OtlpReceiver) -> None:
     client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -184,7 +189,7 @@ def test_a_handoff_request_is_one_trace_across_gateway_prefill_and_decode(
     assert root.parent_span_id == client_span
     for name in ("admission", "route", "prefill", "decode"):
         assert spans[name].parent_span_id == root.span_id, name
-        assert _inside(spans[name], root), name
+        assert _inside(spans[name], root), _offsets(name, spans[name], root)
     assert transfer.parent_span_id == prefill.span_id and _inside(transfer, prefill)
     assert prefill.start_ns <= decode.start_ns  # D is asked after token 1 came from P
     # The GenAI attributes on the request span, pdserve's own on the stages.
