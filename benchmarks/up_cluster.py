@@ -32,7 +32,8 @@ def free_port() -> int:
 
 class UpCluster:
     def __init__(self, up_args: str, log_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 600.0) -> None:
+                 ready_timeout_s: float = 600.0, cwd: Path | None = None) -> None:
+        """`cwd`: run `pdserve up` from another checkout (its code first on the path)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_hex(16)
@@ -40,6 +41,9 @@ class UpCluster:
         self.log_path = log_path
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
                     "PDSERVE_INTERNAL_TOKEN": self.token}
+        if cwd is not None:
+            self.env["PYTHONPATH"] = str(cwd)
+        self.cwd = cwd
         self.ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -58,7 +62,8 @@ class UpCluster:
         print(f">> {shlex.join(command[1:])}  (log {self.log_path})", file=sys.stderr)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                          env=self.env, start_new_session=True)
+                                          env=self.env, cwd=self.cwd,
+                                          start_new_session=True)
 
     def wait_ready(self) -> None:
         """Until `pdserve up` says it is up (every worker it started is ready)."""

@@ -36,7 +36,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest
-from common.contract.control_server import add_call, add_stream
+from common.contract.control_app import FrameLane
+from common.contract.control_server import add_call, add_lane_stream, add_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                       RoleChangeRequest, RoleChangeResponse)
@@ -82,7 +83,7 @@ class AnyRoleWorker:
         add_stream(app, "/internal/prefill", PrefillRequest, prefill)
         add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
         decode = traced_decode(self.tracing, self.decode)
-        add_stream(app, "/internal/decode", DecodeRequest, decode)
+        add_lane_stream(app, "/internal/decode", DecodeRequest, decode)
         add_call(app, "/internal/abort", AbortRequest, self.abort)
         add_call(app, "/internal/reclaim", ReclaimRequest, self.decode_half.reclaim)
         add_call(app, "/internal/role", RoleChangeRequest, self.change_role)
@@ -123,11 +124,12 @@ class AnyRoleWorker:
             return self._wrong_role(request.request_id, "take reservations")
         return await self.decode_half.reserve(request)
 
-    async def decode(self, request: DecodeRequest) -> AsyncGenerator[Message, None]:
+    async def decode(self, request: DecodeRequest, lane: FrameLane | None = None
+                     ) -> AsyncGenerator[Message, None]:
         if request.is_local_prefill and not self.role.decodes:
             yield self._wrong_role(request.request_id, "decode")
             return
-        async for message in self.decode_half.decode(request):
+        async for message in self.decode_half.decode(request, lane):
             yield message
 
     async def abort(self, request: AbortRequest) -> Message:

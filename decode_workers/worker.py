@@ -44,7 +44,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
-from common.contract.control_server import add_call, add_stream
+from common.contract.control_app import FrameLane
+from common.contract.control_server import add_call, add_lane_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame)
@@ -102,7 +103,7 @@ class DecodeWorker:
 
     def add_routes(self, app: web.Application) -> None:
         add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
-        add_stream(app, "/internal/decode", DecodeRequest, self.decode)
+        add_lane_stream(app, "/internal/decode", DecodeRequest, self.decode)
         add_call(app, "/internal/abort", AbortRequest, self.abort)
         add_call(app, "/internal/reclaim", ReclaimRequest, self.reclaim)
 
@@ -253,7 +254,10 @@ class DecodeWorker:
 
     # ---------------------------------------------------------------- decode
 
-    async def decode(self, request: DecodeRequest) -> AsyncGenerator[Message, None]:
+    async def decode(self, request: DecodeRequest, lane: FrameLane | None = None
+                     ) -> AsyncGenerator[Message, None]:
+        """The request's frames; with the channel's `lane`, its plain tokens leave through
+        it (decode_workers/stream_frames.py)."""
         rid = request.request_id
         if self.engine is None or (self.draining and request.is_local_prefill):
             yield error_frame(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
@@ -298,7 +302,7 @@ class DecodeWorker:
                 assert first_token_id is not None  # not a local prefill
                 await engine.call(lambda e: e.add_decode_request(
                     rid, request.prompt_token_ids, params, first_token_id, request.priority))
-            async for frame in stream_frames(rid, stream, deadline, self.metrics):
+            async for frame in stream_frames(rid, stream, deadline, self.metrics, lane):
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
                 yield frame

@@ -6,7 +6,7 @@ The engine is single-threaded (engine/llm_engine.py), so every call into it happ
     ----------                                     -------------
     call(fn) / submit(fn) --- command queue --->   fn(engine) between two steps
              future <---- call_soon_threadsafe ---  result or exception
-    RequestStream.queue <-- call_soon_threadsafe -- step(): KVReady (mid-step, kv_ready.py),
+    RequestStream.put   <-- call_soon_threadsafe -- step(): KVReady (mid-step, kv_ready.py),
                                                     a pipelined step's early outputs (the
                                                     last step's text, made mid-step while
                                                     the device computes: `step_mode`),
@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from common.contract.worker_load import WorkerLoad
@@ -43,6 +43,7 @@ from engine.block_pool import CacheEvent
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request_stream import RequestStream, StreamEnd
 from engine.step_mode import StepMode
 from engine.step_shape import StepShape, queue_shape, step_shape
 
@@ -64,42 +65,6 @@ class StepReport:
     # outputs[:num_delivered] reached their streams mid-step (a pipelined step's early
     # outputs); the report still carries them for the counters.
     num_delivered: int = 0
-
-
-@dataclass(slots=True)
-class StreamEnd:
-    """Put on a request's queue when it ends outside the engine (abort, shutdown, failure)."""
-
-    reason: str
-    error: BaseException | None = None
-
-
-# What a request's stream carries: a KVReady only for requests added with notify_kv_ready,
-# and then before the output of the step that sent it.
-StreamItem = RequestOutput | StreamEnd | KVReady
-
-
-@dataclass(slots=True)
-class RequestStream:
-    """The outputs of one request, in order, as the engine thread produced them."""
-
-    request_id: str
-    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
-    num_tokens_sent: int = 0  # counted by the consumer, for the tokens it passed on
-
-    def end(self, reason: str, error: BaseException | None = None) -> None:
-        self.queue.put_nowait(StreamEnd(reason, error))
-
-    async def next(self, timeout_s: float) -> StreamItem:
-        """The next item; raises TimeoutError after timeout_s."""
-        async with asyncio.timeout(max(timeout_s, 0.0)):
-            return await self.queue.get()
-
-    def take_ready(self) -> list[StreamItem]:
-        items = []
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        return items
 
 
 def _checked_load(engine: LLMEngine) -> WorkerLoad:
@@ -267,12 +232,12 @@ class EngineThread:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out)
+                stream.put(out)
 
     def _deliver_kv_ready(self, ready: KVReady) -> None:
         stream = self._streams.get(ready.request_id)
         if stream is not None:
-            stream.queue.put_nowait(ready)
+            stream.put(ready)
 
     def _post_kv_ready(self, ready: KVReady) -> None:
         """Engine thread, mid-step: hand a KVReady to the loop before the step ends."""

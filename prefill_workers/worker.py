@@ -57,7 +57,8 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
                                       TransferStatus)
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, to_token_logprob
-from engine.engine_thread import EngineThread, StreamEnd
+from engine.engine_thread import EngineThread
+from engine.request_stream import StreamEnd
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput

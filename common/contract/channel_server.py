@@ -5,7 +5,9 @@ port itself (common/contract/channel_wire.py has the wire, channel_client.py the
                                                    └─no──▶ aiohttp (the HTTP control API)
 
 A ServerChannel runs the handlers the app registered with `control_server.add_call` /
-`add_stream`, one task per stream, and writes their frames. Frames written in one turn of
+`add_stream`, one task per stream, and writes their frames; a producer registered with
+`add_lane_stream` may also send frames through its stream's `StreamLane` from a callback,
+while its task waits (a decode step's tokens: decode_workers/stream_frames.py). Frames written in one turn of
 the event loop leave in one socket write (a decode step's tokens for many requests).
 
 Security: the greeting carries the internal token; a server with a token refuses a wrong
@@ -190,7 +192,8 @@ class ServerChannel(asyncio.Protocol):
             if call is not None:
                 self._send(stream_id, encode(await call(message)))
             else:
-                await self._stream(stream_id, self._routes.streams[type(message)](message))
+                produce = self._routes.streams[type(message)]
+                await self._stream(stream_id, produce(message, StreamLane(self, stream_id)))
             self._send(stream_id, END)
         except RequestRejected as exc:
             self._send(stream_id, encode(exc.frame))
@@ -215,6 +218,15 @@ class ServerChannel(asyncio.Protocol):
             await frames.aclose()
 
     # ---------------------------------------------------------------- writing
+
+    def send_direct(self, stream_id: int, message: Message) -> bool:
+        """A StreamLane's send: `message` on a running, uncancelled stream while the
+        channel takes data; False otherwise (the producer's own path then carries it)."""
+        task = self.tasks.get(stream_id)
+        if self._closed or self._closing or self._paused or task is None or task.cancelling():
+            return False
+        self._send(stream_id, encode(message))
+        return True
 
     def _send(self, stream_id: int, body: bytes) -> None:
         """Queued for this turn's one write. Raises ChannelClosed once the channel is gone."""
@@ -273,6 +285,18 @@ class ServerChannel(asyncio.Protocol):
             assert not task.done(), f"stream {stream_id}'s finished task is still listed"
         if self._closed:
             assert not self._out, "bytes queued after the channel closed"
+
+
+class StreamLane:
+    """One channel stream's FrameLane (common/contract/control_app.py)."""
+
+    __slots__ = ("_channel", "_stream_id")
+
+    def __init__(self, channel: ServerChannel, stream_id: int) -> None:
+        self._channel, self._stream_id = channel, stream_id
+
+    def send(self, frame: Message) -> bool:
+        return self._channel.send_direct(self._stream_id, frame)
 
 
 class PortSniffer(asyncio.Protocol):

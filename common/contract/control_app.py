@@ -5,7 +5,9 @@ A request reaches a worker over HTTP (common/contract/control_server.py: one POS
 call or stream) or over a gateway's persistent channel (common/contract/channel_server.py:
 one frame opens it); both run the same handlers, registered once with
 `control_server.add_call` / `add_stream`, and both turn a `RequestRejected` into an
-`ErrorFrame` answer.
+`ErrorFrame` answer. A stream producer registered with `add_lane_stream` gets
+the channel's `FrameLane` for its stream (None over HTTP): a way to send a frame from a
+callback, without the producer's task (decode_workers/stream_frames.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Protocol, Union
 
 from aiohttp import web
 
@@ -23,7 +25,19 @@ from common.contract.protocol import ErrorCode, ErrorFrame, Message, MessageDeco
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 CallHandle = Callable[[Message], Awaitable[Message]]
-StreamProduce = Callable[[Message], AsyncGenerator[Message, None]]
+
+
+class FrameLane(Protocol):
+    """One channel stream's way out for frames sent outside its producer's task."""
+
+    def send(self, frame: Message) -> bool:
+        """Queues `frame` on the stream now (it leaves with this turn's write); False, and
+        nothing sent, while the channel is paused or closed or the stream cancelled."""
+        ...
+
+
+# The channel calls a stream's producer with its lane (a producer without one ignores it).
+StreamProduce = Callable[[Message, FrameLane], AsyncGenerator[Message, None]]
 
 
 @dataclass(slots=True)

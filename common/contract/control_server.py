@@ -39,8 +39,8 @@ from aiohttp.typedefs import Middleware
 
 from common.contract.channel_server import ChannelSite
 from common.contract.control_app import (CHANNEL_ROUTES, DEFAULT_MAX_BODY_BYTES, ERROR_STATUS,
-                                         LIMITS, ChannelRoutes, ControlLimits, RequestRejected,
-                                         name_request, token_matches)
+                                         LIMITS, ChannelRoutes, ControlLimits, FrameLane,
+                                         RequestRejected, name_request, token_matches)
 from common.contract.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
 from common.contract.option_env import INTERNAL_TOKEN_ENV
 from common.contract.protocol import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
@@ -137,9 +137,24 @@ def add_stream(app: web.Application, path: str, request_type: type[M],
     """POST `path` (and the channel, for `request_type`) streams what `produce` yields."""
     app.router.add_post(path, stream_handler(request_type, produce))
 
-    def stream(message: Message) -> AsyncGenerator[Message, None]:
+    def stream(message: Message, lane: FrameLane) -> AsyncGenerator[Message, None]:
         assert isinstance(message, request_type)
         return produce(message)
+
+    app[CHANNEL_ROUTES].add(request_type, stream=stream)
+
+
+def add_lane_stream(app: web.Application, path: str, request_type: type[M],
+                    produce: Callable[[M, FrameLane | None], AsyncGenerator[Message, None]]
+                    ) -> None:
+    """As add_stream, and over the channel `produce` also gets the stream's FrameLane (None
+    over HTTP, where every frame goes through the handler's own loop)."""
+    app.router.add_post(path, stream_handler(request_type, lambda message: produce(message,
+                                                                                   None)))
+
+    def stream(message: Message, lane: FrameLane) -> AsyncGenerator[Message, None]:
+        assert isinstance(message, request_type)
+        return produce(message, lane)
 
     app[CHANNEL_ROUTES].add(request_type, stream=stream)
 

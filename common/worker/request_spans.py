@@ -19,12 +19,13 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 
+from common.contract.control_app import FrameLane
 from common.contract.protocol import (DecodeRequest, ErrorFrame, Message, PrefillRequest,
                                       PrefillResult, TokenFrame, TransferResult)
 from common.contract.tracing import Span, Tracing
 
 Produce = Callable[[PrefillRequest], AsyncGenerator[Message, None]]
-ProduceDecode = Callable[[DecodeRequest], AsyncGenerator[Message, None]]
+ProduceDecode = Callable[[DecodeRequest, FrameLane | None], AsyncGenerator[Message, None]]
 
 
 def traced_prefill(tracing: Tracing, produce: Produce, backend: str) -> Produce:
@@ -37,10 +38,12 @@ def traced_prefill(tracing: Tracing, produce: Produce, backend: str) -> Produce:
 
 
 def traced_decode(tracing: Tracing, produce: ProduceDecode) -> ProduceDecode:
-    def run(request: DecodeRequest) -> AsyncGenerator[Message, None]:
+    def run(request: DecodeRequest, lane: FrameLane | None = None
+            ) -> AsyncGenerator[Message, None]:
         if not tracing.enabled or request.traceparent is None:
-            return produce(request)
-        return _decode_spans(tracing, produce(request), request)
+            return produce(request, lane)
+        # Every frame through the span's counters: no lane.
+        return _decode_spans(tracing, produce(request, None), request)
 
     return run
 

@@ -61,6 +61,9 @@ def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() 
     async def produce(request):
         yield request
 
+    async def produce_decode(request, lane):
+        yield request
+
     prefill = PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000,
                              traceparent=GOOD)
     decode = DecodeRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000)
@@ -72,7 +75,8 @@ def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() 
     assert off_prefill.ag_code is produce.__code__  # the producer itself, no wrapper
     assert asyncio.run(frames(off_prefill)) == [prefill]
     tracing = start_tracing("pdserve-test", "http://127.0.0.1:9")
-    assert traced_decode(tracing, produce)(decode).ag_code is produce.__code__  # untraced
+    untraced = traced_decode(tracing, produce_decode)(decode)
+    assert untraced.ag_code is produce_decode.__code__  # untraced: the producer itself
     asyncio.run(tracing.shutdown())
 
 
