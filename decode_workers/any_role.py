@@ -36,8 +36,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest
-from common.contract.control_app import FrameLane
-from common.contract.control_server import add_call, add_lane_stream, add_stream
+from common.contract.control_server import FrameLane, add_call, add_lane_stream, add_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                       RoleChangeRequest, RoleChangeResponse)

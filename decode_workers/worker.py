@@ -44,8 +44,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
-from common.contract.control_app import FrameLane
-from common.contract.control_server import add_call, add_lane_stream
+from common.contract.control_server import FrameLane, add_call, add_lane_stream
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                       ErrorCode, ErrorFrame, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame)
@@ -255,9 +254,7 @@ class DecodeWorker:
     # ---------------------------------------------------------------- decode
 
     async def decode(self, request: DecodeRequest, lane: FrameLane | None = None
-                     ) -> AsyncGenerator[Message, None]:
-        """The request's frames; with the channel's `lane`, its plain tokens leave through
-        it (decode_workers/stream_frames.py)."""
+                     ) -> AsyncGenerator[Message, None]:  # lane: stream_frames.py
         rid = request.request_id
         if self.engine is None or (self.draining and request.is_local_prefill):
             yield error_frame(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)

@@ -43,7 +43,7 @@ from engine.block_pool import CacheEvent
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.request_stream import RequestStream, StreamEnd
+from engine.request_stream import RequestStream
 from engine.step_mode import StepMode
 from engine.step_shape import StepShape, queue_shape, step_shape
 

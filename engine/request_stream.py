@@ -18,17 +18,21 @@ Invariants:
   * `_waiting` implies an empty queue: any item that goes to the queue clears it;
   * a StreamEnd or KVReady always goes to the queue (an end wins over later outputs: the
     lane is shut the moment it is queued); the lane may refuse an output (returns False:
-    a final token, a paused channel), which then queues too.
+    a final token, a paused channel), which then queues too, and a lane that raises is
+    dropped (logged) and its output queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,9 +60,14 @@ class RequestStream:
     _waiting: bool = False  # the consumer waits in next() and everything before is streamed
 
     def put(self, item: StreamItem) -> None:
-        if self._waiting and self.direct is not None and isinstance(item, RequestOutput) \
-                and self.direct(item):
-            return
+        if self._waiting and self.direct is not None and isinstance(item, RequestOutput):
+            try:
+                if self.direct(item):
+                    return
+            except Exception:  # a broken lane must not stop the step's other streams
+                log.exception("%s: the stream's lane failed; its task takes over",
+                              self.request_id)
+                self.direct = None
         self._waiting = False
         self.queue.put_nowait(item)
 

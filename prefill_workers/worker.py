@@ -58,11 +58,11 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, to_token_logprob
 from engine.engine_thread import EngineThread
-from engine.request_stream import StreamEnd
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput
 from engine.request import RequestMode
+from engine.request_stream import StreamEnd
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import KVSender, SendHandle, TransferSpec
 from kv_transfer.layout import transfer_bytes
@@ -396,6 +396,5 @@ def _transfer_result(spec: TransferSpec, destination: DecodeDestination, status:
                      num_blocks_sent: int = 0, num_bytes_sent: int = 0,
                      error: str | None = None) -> TransferResult:
     return TransferResult(request_id=spec.request_id, destination_worker_id=destination.worker_id,
-                          destination_epoch=destination.epoch, status=status,
-                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent,
-                          error=error)
+                          destination_epoch=destination.epoch, status=status, error=error,
+                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent)

@@ -104,13 +104,16 @@ class WorkerMetrics:
             self.decode_step_context.inc(report.shape.context_tokens)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
-        prefill_tokens = decode_tokens = 0
+        prefill_tokens = decode_tokens = generated = 0
         for out in report.outputs:
-            self.generated_tokens.inc(len(out.new_token_ids))
-            if out.num_output_tokens == 1 and out.new_token_ids:  # the prompt's first token
+            num_new = len(out.new_token_ids)
+            generated += num_new
+            if out.num_output_tokens == 1 and num_new:  # the prompt's first token
                 prefill_tokens += out.num_prompt_tokens - out.num_cached_tokens
             else:
-                decode_tokens += len(out.new_token_ids)
+                decode_tokens += num_new
+        if generated:
+            self.generated_tokens.inc(generated)  # once per step, not per request
         now = time.monotonic()
         self._window.append((now, prefill_tokens, decode_tokens))
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:

@@ -121,3 +121,23 @@ def test_a_deadline_passes_while_tokens_flow_through_the_lane() -> None:
         return wire.sent, False
 
     assert asyncio.run(main()) == (["lane 0"], True)
+
+
+def test_a_lane_that_raises_is_dropped_and_its_output_queued() -> None:
+    async def main() -> list[str]:
+        stream, wire = RequestStream("r"), Wire()
+
+        def broken(out: RequestOutput) -> bool:
+            raise RuntimeError("lane bug")
+
+        stream.direct = broken
+        consumer = asyncio.create_task(_consume(stream, wire, 2))
+        await asyncio.sleep(0)
+        stream.put(_out(0))
+        await asyncio.sleep(0)
+        assert stream.direct is None
+        stream.put(_out(1, FinishReason.STOP))
+        await consumer
+        return wire.sent
+
+    assert asyncio.run(main()) == ["task 0", "task 1"]
