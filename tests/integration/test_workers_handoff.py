@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from common.contract.channel_client import ChannelPool
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, RemoteError
 from common.contract.metrics import parse_samples
@@ -312,22 +313,27 @@ def test_shared_prefix_sends_fewer_kv_bytes(cluster: Cluster) -> None:
     asyncio.run(run())
 
 
-def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Cluster) -> None:
+@pytest.mark.parametrize("over", ["http", "channel"])
+def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Cluster,
+                                                                   over: str) -> None:
     # Cause and effect, not a latency bound: the worker answers the abort with the number
     # of tokens its stream had sent when the abort arrived, and the client must receive
     # exactly those and then ABORTED; a worker that sent one more token fails. (Abort
-    # latencies are measured by benchmarks/, not asserted here.)
+    # latencies are measured by benchmarks/, not asserted here.) Over the channel the
+    # tokens leave through the stream's lane (engine/request_stream.py), counted there.
     d = cluster.workers["d-ucx"]
+    rid = f"abort-me-{over}"
 
     async def run() -> None:
-        client = ControlClient(d.control_url)
+        pool = ChannelPool(None) if over == "channel" else None
+        client = ControlClient(d.control_url, channels=pool)
         frames: list[TokenFrame] = []
         ended: list[RemoteError] = []
 
         async def consume() -> None:
             try:
                 async for frame in client.stream("/internal/decode", DecodeRequest(
-                        request_id="abort-me", prompt_token_ids=cluster.prompts["short"],
+                        request_id=rid, prompt_token_ids=cluster.prompts["short"],
                         sampling=SamplingParams(max_tokens=500, temperature=0.0,
                                               ignore_eos=True),
                         timeout_ms=60_000), TokenFrame, 30.0, 30.0):
@@ -339,11 +345,14 @@ def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Clus
         while sum(len(f.token_ids) for f in frames) < 3:
             await asyncio.sleep(0.01)
         abort_client = ControlClient(d.control_url)
-        answer = await abort_client.call("/internal/abort", AbortRequest(request_id="abort-me"),
+        answer = await abort_client.call("/internal/abort", AbortRequest(request_id=rid),
                                          AbortResponse, 5.0)
         await asyncio.wait_for(task, 10.0)
         await abort_client.aclose()
         await client.aclose()
+        if pool is not None:
+            assert pool.num_channels == 1  # the stream went over the channel
+            await pool.aclose()
         assert answer.found
         assert answer.num_tokens_sent >= 3
         assert sum(len(f.token_ids) for f in frames) == answer.num_tokens_sent
@@ -351,7 +360,7 @@ def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Clus
         assert ended and ended[0].frame.code is ErrorCode.ABORTED
         await wait_no_blocks_held(d, 5.0)
         again = ControlClient(d.control_url)
-        repeat = await again.call("/internal/abort", AbortRequest(request_id="abort-me"),
+        repeat = await again.call("/internal/abort", AbortRequest(request_id=rid),
                                   AbortResponse, 5.0)
         await again.aclose()
         assert not repeat.found and repeat.num_tokens_sent == 0
