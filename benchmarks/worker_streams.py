@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout to measure alternately (e.g. a git worktree)")
     args = parser.parse_args(argv)
-    stream_counts = [int(s) for s in args.streams.split(",")]
+    try:
+        stream_counts = [int(s) for s in args.streams.split(",")]
+    except ValueError:
+        parser.error(f"--streams: comma-separated integers, not {args.streams!r}")
+    if min(stream_counts) < 1 or min(args.tokens, args.rounds, args.repeats) < 1:
+        parser.error("--streams, --tokens, --rounds and --repeats must be at least 1")
     trees: list[Path | None] = [None] + ([args.baseline_tree] if args.baseline_tree else [])
     results: dict[tuple[str, int], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-ws-") as tmp:
