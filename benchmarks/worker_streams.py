@@ -106,10 +106,14 @@ async def _measure(url: str, token: str, pid: int, streams: int, max_tokens: int
     return Run(tokens, seconds, loop_cpu, proc_cpu)
 
 
+def tree_name(tree: Path | None) -> str:
+    return "base" if tree else "this"
+
+
 def run_tree(tree: Path | None, model: str, streams: int, max_tokens: int, rounds: int,
              log_dir: Path) -> Run:
     """One fresh cluster (from `tree`, default this checkout), one measurement."""
-    name = "base" if tree else "this"
+    name = tree_name(tree)
     up_args = f"--colocated --workers 1 --model {model} --device cpu --no-agent " \
               f"--threads-per-worker 1"
     cluster = UpCluster(up_args, log_dir / f"up-{name}-{streams}.log", cwd=tree)
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         for streams in stream_counts:
             for rep in range(args.repeats):
                 for tree in (trees if rep % 2 == 0 else trees[::-1]):
-                    name = "base" if tree else "this"
+                    name = tree_name(tree)
                     run = run_tree(tree, args.model, streams, args.tokens, args.rounds,
                                    Path(tmp))
                     results.setdefault((name, streams), []).append(run)
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     for streams in stream_counts:
         for tree in trees:
-            name = "base" if tree else "this"
+            name = tree_name(tree)
             runs = results[(name, streams)]
             rate = statistics.median(r.tokens / r.seconds for r in runs)
             loop = statistics.median(r.loop_us_per_token for r in runs)

@@ -208,9 +208,7 @@ class LLMEngine:
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             return self._resolve(previous) + self._finished_outputs(set())
-        schedule = self.last_schedule = self.scheduler.schedule()
-        self.num_steps += 1
-        self.num_preemptions += len(schedule.preempted_request_ids)
+        schedule = self._schedule()
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         outputs: list[RequestOutput] = []
@@ -249,9 +247,7 @@ class LLMEngine:
             raise ValueError("this engine's runner cannot run overlapped steps")
         previous, self._inflight = self._inflight, None
         outputs = self.outputs.flush_deferred()  # left by a pipelined step before this one
-        schedule = self.last_schedule = self.scheduler.schedule()
-        self.num_steps += 1
-        self.num_preemptions += len(schedule.preempted_request_ids)
+        schedule = self._schedule()
         if schedule.is_empty:
             outputs += self._resolve(previous) if previous is not None else []
             return outputs + self._finished_outputs(set())
@@ -280,6 +276,12 @@ class LLMEngine:
         if __debug__ and inflight is not None:
             inflight.check_invariants()
         return outputs + self._finished_outputs({t.request.request_id for t in tracked})
+
+    def _schedule(self) -> ScheduleOutput:
+        schedule = self.last_schedule = self.scheduler.schedule()
+        self.num_steps += 1
+        self.num_preemptions += len(schedule.preempted_request_ids)
+        return schedule
 
     def _launch(self, schedule: ScheduleOutput, on_kv_ready: Callable[[KVReady], None] | None,
                 previous: DeviceTokens | None) -> torch.Tensor:

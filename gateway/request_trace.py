@@ -128,7 +128,10 @@ class RequestTrace:
     def finish(self, timing: RequestTiming, outcome: SloOutcome, error: str | None,
                now_s: float | None = None) -> RequestRecord:
         """End the span; the request as the cluster page lists it."""
-        now_is_now = now_s is None
+        # The workers' spans end on their own wall clocks; the request's end is read off
+        # the same clock, so a child never outlasts it when the wall clock drifts from the
+        # monotonic one (a slewed or stepped clock) during the request.
+        end_ns = time.time_ns() if now_s is None else self._unix_ns(now_s)
         now_s = time.monotonic() if now_s is None else now_s
         start = self._admitted_s if self._admitted_s is not None else self.arrived_s
         first, last = timing.first_token_s, timing.last_token_s
@@ -144,10 +147,7 @@ class RequestTrace:
                        "pdserve.ttft_s": timing.ttft_s})
         if error is not None:
             self.span.fail(error)
-        # The workers' spans end on their own wall clocks; the request's end is read off
-        # the same clock, so a child never outlasts it when the wall clock drifts from the
-        # monotonic one (a slewed or stepped clock) during the request.
-        self.span.end(time.time_ns() if now_is_now else self._unix_ns(now_s))
+        self.span.end(end_ns)
         ttft = timing.ttft_s
         return RequestRecord(
             request_id=self.request_id, tier=self.tier, outcome=outcome.value,

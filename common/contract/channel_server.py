@@ -7,8 +7,9 @@ port itself (common/contract/channel_wire.py has the wire, channel_client.py the
 A ServerChannel runs the handlers the app registered with `control_server.add_call` /
 `add_stream`, one task per stream, and writes their frames; a producer registered with
 `add_lane_stream` may also send frames through its stream's `StreamLane` from a callback,
-while its task waits (a decode step's tokens: decode_workers/stream_frames.py). Frames written in one turn of
-the event loop leave in one socket write (a decode step's tokens for many requests).
+while its task waits (a decode step's tokens: decode_workers/stream_frames.py). Frames
+written in one turn of the event loop leave in one socket write (a decode step's tokens
+for many requests).
 
 Security: the greeting carries the internal token; a server with a token refuses a wrong
 or missing one (ErrorFrame UNAUTHORIZED, then close), as the HTTP API answers 401.

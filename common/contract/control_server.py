@@ -135,19 +135,13 @@ def add_call(app: web.Application, path: str, request_type: type[M],
 def add_stream(app: web.Application, path: str, request_type: type[M],
                produce: Callable[[M], AsyncGenerator[Message, None]]) -> None:
     """POST `path` (and the channel, for `request_type`) streams what `produce` yields."""
-    app.router.add_post(path, stream_handler(request_type, produce))
-
-    def stream(message: Message, lane: FrameLane) -> AsyncGenerator[Message, None]:
-        assert isinstance(message, request_type)
-        return produce(message)
-
-    app[CHANNEL_ROUTES].add(request_type, stream=stream)
+    add_lane_stream(app, path, request_type, lambda message, lane: produce(message))
 
 
 def add_lane_stream(app: web.Application, path: str, request_type: type[M],
                     produce: Callable[[M, FrameLane | None], AsyncGenerator[Message, None]]
                     ) -> None:
-    """As add_stream, and over the channel `produce` also gets the stream's FrameLane (None
+    """As add_stream, and `produce` also gets the stream's FrameLane over the channel (None
     over HTTP, where every frame goes through the handler's own loop)."""
     app.router.add_post(path, stream_handler(request_type, lambda message: produce(message,
                                                                                    None)))
