@@ -1,12 +1,15 @@
 """A stub prefill/decode worker speaking the control API, for gateway tests and benchmarks.
 
 It registers in Redis like a real worker (WorkerPublisher) and answers /internal/reserve,
-/internal/prefill, /internal/decode and /internal/abort with protocol messages, but it
-computes nothing: every request's output is the scripted `reply` (token id, text) list,
-one TokenFrame per token, paced `token_interval_s` apart (0: back to back).
+/internal/prefill, /internal/destination, /internal/decode and /internal/abort with
+protocol messages, but it computes nothing: every request's output is the scripted `reply`
+(token id, text) list, one TokenFrame per token, paced `token_interval_s` apart (0: back to
+back).
 
+    reserve: ReserveResponse (after `reserve_gate` is set; refused when `fail_reserve`)
     prefill: PrefillResult(reply[0]) after prefill_delay_s, then TransferResult after
-             transfer_delay_s (FAILED when fail_transfer)
+             transfer_delay_s (FAILED when fail_transfer); a request sent with
+             `destination_follows` first waits for its DestinationNotice
     decode:  with first_token_id: checks it is reply[0], streams reply[1:]
              without (local prefill): streams reply[0:]
              last frame: finish_reason (length when max_tokens cut the reply) + usage
@@ -40,7 +43,7 @@ from aiohttp import web
 from common.contract.control_server import (ControlServer, RequestRejected, add_call,
                                             add_stream, make_app)
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
-                                      ErrorCode, FinishReason, PrefillRequest, PrefillResult,
+                                      DestinationAck, DestinationNotice, ErrorCode, FinishReason, PrefillRequest, PrefillResult,
                                       ReserveRequest, ReserveResponse, Role, TokenFrame,
                                       TransferResult, TransferStatus, Usage, WorkerInfo)
 from common.contract.redis_state import RedisState, connect
@@ -71,6 +74,10 @@ class StubWorker:
         self.prefill_delay_s = prefill_delay_s
         self.transfer_delay_s = transfer_delay_s
         self.fail_transfer = fail_transfer
+        # Reservations: held until `reserve_gate` (a threading.Event) is set; refused
+        # (BAD_REQUEST) while `fail_reserve` is set.
+        self.reserve_gate: threading.Event | None = None
+        self.fail_reserve = False
         self.colocated = colocated
         # Fault injection: cut the next decode stream after this many tokens (as a worker
         # that dies mid-stream does), once; stubs may share one DecodeCut.
@@ -81,6 +88,7 @@ class StubWorker:
         self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
         self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
         self.aborts: list[str] = []
+        self.destinations: dict[str, asyncio.Event] = {}  # DestinationNotices, by request id
         self.requests: list[str] = []  # "<kind>:<request id>" in arrival order
         self.server: ControlServer | None = None
         self.publisher: WorkerPublisher | None = None
@@ -91,6 +99,7 @@ class StubWorker:
         app = make_app(token=None)
         add_call(app, "/internal/reserve", ReserveRequest, self._reserve)
         add_stream(app, "/internal/prefill", PrefillRequest, self._prefill)
+        add_call(app, "/internal/destination", DestinationNotice, self._destination)
         add_stream(app, "/internal/decode", DecodeRequest, self._decode)
         add_call(app, "/internal/abort", AbortRequest, self._abort)
         app.router.add_get("/health", self._health)
@@ -132,6 +141,12 @@ class StubWorker:
 
     async def _reserve(self, message: ReserveRequest) -> ReserveResponse:
         self.requests.append(f"reserve:{message.request_id}")
+        gate = self.reserve_gate
+        while gate is not None and not gate.is_set():
+            await asyncio.sleep(0.005)
+        if self.fail_reserve:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, "stub: reservation refused",
+                                  message.request_id)
         self.held[message.request_id] = "reserved"
         num_blocks = math.ceil(len(message.prompt_token_ids) / BLOCK_SIZE)
         destination = DecodeDestination(worker_id=self.worker_id, epoch=self.publisher.epoch,
@@ -145,10 +160,18 @@ class StubWorker:
         self._release(message.request_id)
         return AbortResponse(request_id=message.request_id, found=found)
 
+    async def _destination(self, message: DestinationNotice) -> DestinationAck:
+        rid = message.request_id
+        self.requests.append(f"destination:{rid}")
+        waiting = rid in self.held
+        self.destinations.setdefault(rid, asyncio.Event()).set()
+        return DestinationAck(request_id=rid, waiting=waiting)
+
     async def _prefill(self, message: PrefillRequest) -> AsyncIterator[object]:
         rid = message.request_id
         self.requests.append(f"prefill:{rid}")
         self.held[rid] = "prefilling"
+        noticed = self.destinations.setdefault(rid, asyncio.Event())
         try:
             await asyncio.sleep(self.prefill_delay_s)
             token_id, _ = self.reply[0]
@@ -158,6 +181,8 @@ class StubWorker:
                                 num_cached_tokens=0, transfer_status=TransferStatus.PENDING,
                                 finish_reason=finish)
             await asyncio.sleep(self.transfer_delay_s)
+            if message.destination_follows:
+                await asyncio.wait_for(noticed.wait(), 30)
             dest = message.destination
             yield TransferResult(
                 request_id=rid, destination_worker_id=dest.worker_id if dest else self.worker_id,
@@ -166,6 +191,7 @@ class StubWorker:
                 error="stub transfer failure" if self.fail_transfer else None)
         finally:
             self._release(rid)
+            self.destinations.pop(rid, None)
 
     async def _decode(self, message: DecodeRequest) -> AsyncIterator[object]:
         rid = message.request_id

@@ -1,16 +1,23 @@
 """What the prefill → decode handoff adds to a request's latency, side by side in one run.
 
-Three `pdserve up` clusters on the same machine and model, one after the other, each
-answering the same prompts one at a time (streamed completions, token-id prompts, greedy,
-EOS ignored):
+`pdserve up` clusters on the same machine and model, one after the other, each answering
+the same prompts one at a time (streamed completions, token-id prompts, greedy, EOS
+ignored):
 
   colocated    two colocated workers (under CUDA MPS on one GPU): each request is
                prefilled and decoded by one worker, with no handoff;
-  after-step   1 prefill + 1 decode worker (under MPS), `--kv-push after-step`: the KV
-               leaves once the prompt's step ended;
+  after-step   1 prefill + 1 decode worker (under MPS), `--kv-push after-step`, the
+               prefill started once the decode worker reserved (`--early-prefill off`):
+               the KV leaves once the prompt's step ended;
   layerwise    the same pair with `--kv-push layerwise` (the default): the transfer is
                announced while the prompt computes and, between GPUs of one host, each
-               layer is copied as soon as it is computed.
+               layer is copied as soon as it is computed; still `--early-prefill off`;
+  early        the defaults: layer-wise push, and the prefill started beside the
+               reservation (`--early-prefill on`: the KV's destination follows).
+
+`--background-streams N` keeps N long decode streams running on the cluster meanwhile (a
+decode worker with a batch to step, as in service; their tokens are not measured): a
+reservation then waits for the decode worker's current step.
 
 Per prompt length it reports the median time to token 1 (TTFT) and to token 2 (the first
 token the decode worker computes, so it waits for the KV), and what each split mode adds
@@ -44,11 +51,17 @@ from pathlib import Path
 
 from benchmarks.up_cluster import UpCluster
 
-MODES = {
-    "colocated": ("--colocated --workers 2", "layerwise"),
-    "after-step": ("--prefill 1 --decode 1", "after-step"),
-    "layerwise": ("--prefill 1 --decode 1", "layerwise"),
+MODES = {  # `pdserve up` options, the cluster's environment
+    "colocated": ("--colocated --workers 2", {"PDSERVE_KV_PUSH": "layerwise"}),
+    "after-step": ("--prefill 1 --decode 1", {"PDSERVE_KV_PUSH": "after-step",
+                                              "PDSERVE_EARLY_PREFILL": "off"}),
+    "layerwise": ("--prefill 1 --decode 1", {"PDSERVE_KV_PUSH": "layerwise",
+                                             "PDSERVE_EARLY_PREFILL": "off"}),
+    "early": ("--prefill 1 --decode 1", {"PDSERVE_KV_PUSH": "layerwise",
+                                         "PDSERVE_EARLY_PREFILL": "on"}),
 }
+BACKGROUND_PROMPT_TOKENS = 16
+BACKGROUND_MAX_TOKENS = 256
 # Every prompt goes to the prefill pool (a split mode) and nowhere else: no local prefill.
 TIERS = """default_tier = "bench"
 
@@ -133,28 +146,61 @@ async def prefill_step_s(session, cluster: UpCluster) -> float:
     return total
 
 
+async def background_stream(session, url: str, token: str, model: str, prompt: list[int],
+                            started: asyncio.Event) -> None:
+    """Long decode streams, one after the other, until cancelled (load, not measured)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": BACKGROUND_MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    while True:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                headers={"Authorization": f"Bearer {token}"}) as response:
+            if response.status != 200:
+                raise RuntimeError(f"background stream: HTTP {response.status}")
+            async for _ in response.content:
+                started.set()
+
+
 async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
-                   warm_up: int) -> list[Sample]:
+                   warm_up: int, num_background: int, vocab_size: int) -> list[Sample]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     samples = []
+    background: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with session.get(f"{cluster.url}/v1/models", headers={
                 "Authorization": f"Bearer {cluster.token}"}) as response:
             model = (await response.json())["data"][0]["id"]
-        for n, batch in prompts.items():
-            for prompt in batch[:warm_up]:  # discarded: first use of this length's shapes
-                await stream_one(session, cluster.url, cluster.token, model, prompt)
-            for i, prompt in enumerate(batch[warm_up:]):
-                before = await prefill_step_s(session, cluster)
-                sample = await stream_one(session, cluster.url, cluster.token, model, prompt)
-                sample.prefill_steps_ms = (await prefill_step_s(session, cluster) - before) * 1e3
-                samples.append(sample)
-                print(f"   {n} tokens, request {i + 1}: TTFT {sample.ttft_ms:.1f} ms, "
-                      f"token 2 {sample.token2_ms:.1f} ms, prefill steps "
-                      f"{sample.prefill_steps_ms:.1f} ms", file=sys.stderr)
+        rng = random.Random(1)
+        for _ in range(num_background):
+            started = asyncio.Event()
+            prompt = [rng.randrange(1000, vocab_size) for _ in range(BACKGROUND_PROMPT_TOKENS)]
+            background.append(asyncio.create_task(background_stream(
+                session, cluster.url, cluster.token, model, prompt, started)))
+            await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+        try:
+            await measure(session, cluster, model, prompts, warm_up, samples)
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
     return samples
+
+
+async def measure(session, cluster: UpCluster, model: str, prompts: dict[int, list[list[int]]],
+                  warm_up: int, samples: list[Sample]) -> None:
+    """The prompts one at a time, each length's warm-up first; appends to `samples`."""
+    for n, batch in prompts.items():
+        for prompt in batch[:warm_up]:  # discarded: first use of this length's shapes
+            await stream_one(session, cluster.url, cluster.token, model, prompt)
+        for i, prompt in enumerate(batch[warm_up:]):
+            before = await prefill_step_s(session, cluster)
+            sample = await stream_one(session, cluster.url, cluster.token, model, prompt)
+            sample.prefill_steps_ms = (await prefill_step_s(session, cluster) - before) * 1e3
+            samples.append(sample)
+            print(f"   {n} tokens, request {i + 1}: TTFT {sample.ttft_ms:.1f} ms, "
+                  f"token 2 {sample.token2_ms:.1f} ms, prefill steps "
+                  f"{sample.prefill_steps_ms:.1f} ms", file=sys.stderr)
 
 
 def push_counts(cluster: UpCluster) -> dict[str, float]:
@@ -268,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16",
                         help="KV dtype of the layer-copy yardstick (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument("--background-streams", type=int, default=0,
+                        help="long decode streams kept running during the measurements "
+                             f"({BACKGROUND_PROMPT_TOKENS}-token prompts, "
+                             f"{BACKGROUND_MAX_TOKENS} tokens each, restarted; default 0)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0,
                         help="how long a cluster may take to come up (default %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/handoff"),
@@ -276,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
-    if unknown or not lengths or min(lengths) < 1 or args.requests < 1 or args.warm_up < 0:
-        parser.error(f"bad --modes {unknown}, --prompt-tokens, --requests or --warm-up")
+    if unknown or not lengths or min(lengths) < 1 or args.requests < 1 or args.warm_up < 0 \
+            or args.background_streams < 0:
+        parser.error(f"bad --modes {unknown}, --prompt-tokens, --requests, --warm-up or "
+                     "--background-streams")
     from engine.hf_reader import read_config
 
     vocab_size = read_config(Path(args.model)).vocab_size
@@ -289,15 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_for(lengths, args.warm_up + args.requests, vocab_size, args.seed)
     results: dict[str, ModeResult] = {}
     for mode in modes:
-        up_args, push = MODES[mode]
+        up_args, env = MODES[mode]
         cluster = UpCluster(f"{up_args} --model {args.model} --tiers {tiers} {args.up_args}",
-                            args.out / f"{mode}.log", env={"PDSERVE_KV_PUSH": push},
+                            args.out / f"{mode}.log", env=env,
                             ready_timeout_s=args.ready_timeout_s)
         print(f">> {mode}", file=sys.stderr)
         with cluster:
             cluster.wait_ready()
-            results[mode] = ModeResult(mode, asyncio.run(
-                run_mode(cluster, prompts, args.warm_up)))
+            results[mode] = ModeResult(mode, asyncio.run(run_mode(
+                cluster, prompts, args.warm_up, args.background_streams, vocab_size)))
             results[mode].pushes = push_counts(cluster)
             print(f"   pushes by start: {results[mode].pushes}", file=sys.stderr)
     (args.out / "handoff.json").write_text(json.dumps(

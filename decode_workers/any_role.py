@@ -10,6 +10,8 @@ current `Role` that decides which new work is accepted:
     /internal/decode      decodes (all but PREFILL) for a      WRONG_ROLE
                           local prefill; joining a reservation
                           is always accepted (it is in flight)
+    /internal/destination always (the destination of a prefill in flight, see
+                          prefill_workers/destinations.py)
     /internal/abort       always (ends the request in whichever half holds it)
     /internal/role        RoleChangeRequest -> RoleChangeResponse
 
@@ -37,7 +39,8 @@ from aiohttp import web
 
 from common.contract.agent_protocol import ReclaimRequest
 from common.contract.control_server import FrameLane, add_call, add_lane_stream, add_stream
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
+                                      DestinationNotice, ErrorCode,
                                       ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                       RoleChangeRequest, RoleChangeResponse)
 from common.contract.tracing import NO_TRACING, Tracing
@@ -83,6 +86,8 @@ class AnyRoleWorker:
         add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
         decode = traced_decode(self.tracing, self.decode)
         add_lane_stream(app, "/internal/decode", DecodeRequest, decode)
+        add_call(app, "/internal/destination", DestinationNotice,
+                 self.prefill_half.destination_notice)
         add_call(app, "/internal/abort", AbortRequest, self.abort)
         add_call(app, "/internal/reclaim", ReclaimRequest, self.decode_half.reclaim)
         add_call(app, "/internal/role", RoleChangeRequest, self.change_role)

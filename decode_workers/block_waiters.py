@@ -17,9 +17,11 @@ The worker calls `notify()` whenever it frees blocks (a reservation released, a 
 ended); the poll interval covers frees it does not see (a request finishing inside the
 engine). An abort of a waiting request (`cancel`) ends its wait at once. A wait cancelled
 while its reserve command is on the engine thread queues a release right behind it (the
-engine runs commands in order), so no blocks are left behind. Invariants
-(check_invariants): the line is sorted by (-priority, arrival), holds each place once, and
-`_by_id` names exactly the places in line.
+engine runs commands in order), so no blocks are left behind. The first try of a
+reservation that finds nobody waiting is findable by `cancel` too: an abort that arrives
+while that try is on the engine thread releases what it took. Invariants
+(check_invariants): the line is sorted by (-priority, arrival), holds each place once,
+`_by_id` names exactly the places in line, and no first try is in line.
 """
 
 from __future__ import annotations
@@ -32,10 +34,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.contract.protocol import ReserveRequest
+from common.contract.worker_load import WorkerLoad
 
 if TYPE_CHECKING:
     from engine.engine_thread import EngineThread
     from engine.kv_cache import Reservation as BlockReservation
+
+
+class ReservationAborted(Exception):
+    """The reservation was cancelled (an abort) before it held its blocks."""
 
 
 @dataclass(order=True, slots=True)
@@ -55,13 +62,14 @@ class BlockWaiters:
         self._on_change = on_change or (lambda length, outcome: None)
         self._line: list[Place] = []
         self._by_id: dict[str, Place] = {}
+        self._trying: dict[str, Place] = {}  # first tries on the engine thread (not in line)
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:
         return len(self._line)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._by_id
+        return request_id in self._by_id or request_id in self._trying
 
     def join(self, priority: int, request_id: str = "") -> Place:
         place = Place((-priority, next(self._arrivals)), request_id)
@@ -82,7 +90,7 @@ class BlockWaiters:
 
     def cancel(self, request_id: str) -> bool:
         """End the wait of `request_id` (an abort); True when it was waiting."""
-        place = self._by_id.get(request_id)
+        place = self._by_id.get(request_id) or self._trying.get(request_id)
         if place is None:
             return False
         place.cancelled = True
@@ -108,11 +116,22 @@ class BlockWaiters:
     async def reserve(self, engine: EngineThread, request: ReserveRequest,
                       stopped: Callable[[], bool]) -> BlockReservation | None:
         """Blocks for the request's prompt now, or after waiting in line up to its
-        `wait_ms`; None when none came in time (or it was cancelled, or `stopped()`).
-        Raises ValueError when the prompt can never fit the pool."""
+        `wait_ms`; None when none came in time (or `stopped()`). Raises ReservationAborted
+        when `cancel`led, ValueError when the prompt can never fit the pool."""
         rid, prompt = request.request_id, request.prompt_token_ids
         if not self._line:  # nobody waits: try at once (else a newcomer would pass the line)
-            held = await engine.call(lambda e: e.reserve(rid, prompt))
+            trying = self._trying[rid] = Place((0, 0), rid)
+            try:
+                held = await engine.call(lambda e: e.reserve(rid, prompt))
+            except asyncio.CancelledError:
+                engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
+                raise
+            finally:
+                del self._trying[rid]
+            if trying.cancelled:  # aborted while the try ran: give back what it took
+                if held is not None:
+                    engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
+                raise ReservationAborted(f"{rid}: aborted while reserving")
             if held is not None:
                 return held
         if request.wait_ms == 0:
@@ -134,6 +153,8 @@ class BlockWaiters:
                     if held is not None:
                         outcome = "served"
                         return held
+            if place.cancelled:
+                raise ReservationAborted(f"{rid}: aborted while waiting for KV blocks")
             return None
         except asyncio.CancelledError:
             # A reserve command may be on the engine thread: free what it takes, after it.
@@ -149,10 +170,12 @@ class BlockWaiters:
         assert all(self._by_id.get(p.request_id) is p for p in self._line if p.request_id), \
             "a waiter in line is not findable by its request id"
         assert len(self._by_id) <= len(self._line), "a request id names no waiter in line"
+        assert not any(p in self._line for p in self._trying.values()), "a first try in line"
 
 
-def refusal(request: ReserveRequest, block_size: int, num_used: int, num_total: int) -> str:
+def refusal(request: ReserveRequest, block_size: int, load: WorkerLoad) -> str:
     """The OVERLOADED message of a reservation that found no room (pure)."""
+    num_used, num_total = load.num_kv_blocks_used, load.num_kv_blocks_total
     needed = -(-(len(request.prompt_token_ids) + 1) // block_size)
     waited = f" within {request.wait_ms} ms" if request.wait_ms else ""
     return (f"KV cache full: the prompt needs {needed} blocks, {num_total - num_used} of "

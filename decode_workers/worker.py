@@ -9,8 +9,8 @@ The handoff as this worker sees it (disaggregated request):
     gateway                         decode worker                       prefill worker
     ReserveRequest ───────────────▶ engine.reserve(prompt)
                                     receiver.expect(rid, blocks, deadline)
-                   ◀─────────────── ReserveResponse(destination)
-                                                                  ◀──── PrefillRequest(dest)
+                   ◀─────────────── ReserveResponse(dest) ─▶ (gateway) ─▶ PrefillRequest(dest)
+                                       or, the prefill already running, DestinationNotice(dest)
     DecodeRequest(first_token) ───▶ wait for the KV (deadline)   ◀════ KV layers (kv_transfer)
                                     add_decode_request (blocks move to the request)
                    ◀─────────────── TokenFrame(tokens 2..n) ... finish + usage
@@ -50,7 +50,7 @@ from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestina
                                       ReserveResponse, TokenFrame)
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame
-from decode_workers.block_waiters import BlockWaiters, refusal
+from decode_workers.block_waiters import BlockWaiters, ReservationAborted, refusal
 from decode_workers.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
                                          blocks_to_receive)
 from decode_workers.stream_frames import stream_frames
@@ -155,8 +155,9 @@ class DecodeWorker:
         engine, receiver = self.engine, self.receiver
         try:
             held = await self.block_waiters.reserve(engine, request, lambda: self.draining)
-        except ValueError as exc:
-            return error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
+        except (ValueError, ReservationAborted) as exc:
+            code = ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ErrorCode.ABORTED
+            return error_frame(rid, code, str(exc))
         if held is None or self.draining or self.receiver is not receiver:
             if held is not None:  # the worker began draining while this one waited
                 engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
@@ -198,9 +199,7 @@ class DecodeWorker:
         return ReclaimResponse(num_reclaimed=len(old), request_ids=[r.request_id for r in old])
 
     def _refusal(self, engine: EngineThread, request: ReserveRequest) -> str:
-        load = engine.load
-        message = refusal(request, engine.block_size, load.num_kv_blocks_used,
-                          load.num_kv_blocks_total)
+        message = refusal(request, engine.block_size, engine.load)
         if (now := asyncio.get_running_loop().time()) - self._last_full_log > 10.0:
             self._last_full_log = now  # one line per burst of refusals
             log.warning("reservation %s refused: %s", request.request_id, message)

@@ -58,6 +58,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a decode worker whose KV cache is full queues a request's reservation this "
              "long for free blocks (by tier priority) before the gateway tries elsewhere or "
              "answers 503 (default 60)")
+    opt("--early-prefill", "on", choices=("on", "off"),
+        help="on: a prompt handed to a prefill worker starts computing at once, while the "
+             "decode worker reserves room for its KV (the KV's destination reaches the "
+             "prefill worker mid-prompt), wherever the decode worker's last load report "
+             "shows room for twice the prompt; off: the prefill starts once the "
+             "reservation is made (default on)")
     opt("--admission", "adaptive", choices=("adaptive", "static"),
         help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
              "shed early while the most urgent tier is at risk; static: --max-running "
@@ -145,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
         internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None,
         shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
-        reuse_port=args.reuse_port, worker_channel=args.worker_channel == "on")
+        reuse_port=args.reuse_port, worker_channel=args.worker_channel == "on",
+        early_prefill=args.early_prefill == "on")
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

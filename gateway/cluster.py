@@ -136,6 +136,11 @@ class ClusterView:
     def _excluded(self, worker_id: str, exclude: Mapping[str, int]) -> bool:
         return worker_id in exclude and self._live_epochs.get(worker_id) == exclude[worker_id]
 
+    def load_of(self, worker_id: str) -> WorkerLoad | None:
+        """The worker's last published load (None: none seen)."""
+        report = self.loads.get(worker_id)
+        return None if report is None else report.load
+
     def epoch_of(self, worker_id: str) -> int | None:
         info = self.workers.get(worker_id)
         return None if info is None else info.epoch

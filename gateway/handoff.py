@@ -5,6 +5,17 @@
     Attempt     one plan tried: worker-facing request id, the workers called (each is
                 aborted unless the attempt finishes), a failure the transfer watcher saw
     UpstreamTimeouts  every wait of a leg
+    should_prefill_early  the policy: start the prefill beside the reservation, or after it
+
+An early prefill (the default where the decode worker has room) sends the PrefillRequest
+with `destination_follows` at once, beside the ReserveRequest; the decode worker's answer
+is forwarded as a DestinationNotice (`reserve_and_forward`) while the prompt computes, so
+the reservation's round trip, and its wait for the decode worker's engine thread (one
+decode step at most), leave the time to the first token:
+
+    gateway ──ReserveRequest──▶ D ──ReserveResponse──▶ gateway ──DestinationNotice──▶ P
+    gateway ──PrefillRequest(destination_follows)──▶ P   computes meanwhile; its push
+                                                         waits for the notice
 
 Attempt n > 0 of request R reaches the workers as "R-n": a worker still freeing attempt
 n-1's reservation or stream never sees the id reused.
@@ -23,13 +34,20 @@ from aiohttp import ClientError
 
 from common.contract.control_client import ControlClient, FrameBatches
 from common.contract.control_errors import ControlError
-from common.contract.protocol import Message, TokenFrame, TransferResult, TransferStatus
+from common.contract.protocol import (DestinationAck, DestinationNotice, Message, ReserveRequest,
+                                      ReserveResponse, TokenFrame, TransferResult, TransferStatus)
+from common.contract.worker_load import WorkerLoad
 from gateway.backend import GenerationRequest
 from gateway.relay import TokenRelay
 from gateway.retry_policy import FailureKind, LegFailed, Phase, leg_failed
 from gateway.router import RoutePlan
+from gateway.worker_clients import CALL_FAILURES
 
 log = logging.getLogger(__name__)
+# An early prefill needs the decode worker to have room for this many times the prompt's
+# blocks, as its last load report says: that report is up to a second old, and a prefill
+# that computed while the reservation queued for blocks holds its own KV meanwhile.
+EARLY_PREFILL_ROOM = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +150,59 @@ async def watch_transfer(prefill_frames: AsyncGenerator[Message, None], attempt:
             attempt.transfer_failure = failure
             log.warning("%s: %s; aborting the attempt", attempt.request_id, failure)
             abort(attempt)
+
+
+def should_prefill_early(num_prompt_tokens: int, block_size: int,
+                         decode_load: WorkerLoad | None) -> bool:
+    """Start the prefill beside the reservation (True), or once it is made (pure).
+
+    Early only where the decode worker's last report shows room for the prompt's blocks
+    `EARLY_PREFILL_ROOM` times over: a reservation that may queue for blocks goes first,
+    so the prefill worker does not hold a computed prompt while it waits."""
+    if decode_load is None or decode_load.num_kv_blocks_total <= 0:
+        return False
+    needed = -(-(num_prompt_tokens + 1) // block_size)
+    free = decode_load.num_kv_blocks_total - decode_load.num_kv_blocks_used
+    return free >= EARLY_PREFILL_ROOM * needed
+
+
+async def reserve_and_forward(decoder: ControlClient, decode_id: str, message: ReserveRequest,
+                              call_s: float, prefiller: ControlClient | None = None,
+                              prefill_id: str = "", forward_s: float = 0.0) -> ReserveResponse:
+    """Reserve on the decode worker; with `prefiller` (an early prefill), forward the
+    destination to the prefill worker. A failure is the LegFailed of the worker at fault."""
+    try:  # D may queue it for free KV blocks (kv_wait_ms) before it answers
+        reserved = await decoder.call("/internal/reserve", message, ReserveResponse, call_s)
+    except CALL_FAILURES as exc:
+        raise leg_failed(decode_id, Phase.RESERVE, exc) from exc
+    if prefiller is not None:
+        notice = DestinationNotice(request_id=message.request_id,
+                                   destination=reserved.destination)
+        try:
+            await prefiller.call("/internal/destination", notice, DestinationAck, forward_s)
+        except CALL_FAILURES as exc:
+            raise leg_failed(prefill_id, Phase.PREFILL, exc) from exc
+    return reserved
+
+
+async def first_prefill_frame(frames: AsyncGenerator[Message, None], prefill_id: str,
+                              reserving: asyncio.Task[ReserveResponse] | None) -> Message:
+    """P's first frame; with an early prefill, a failed reservation (`reserving`) ends
+    the wait at once (its LegFailed is raised) instead of after the prompt's compute."""
+    first = asyncio.ensure_future(anext(frames))
+    try:
+        if reserving is not None:
+            await asyncio.wait({first, reserving}, return_when=asyncio.FIRST_COMPLETED)
+            error = None if first.done() else reserving.exception()
+            if error is not None:
+                raise error
+        return await first
+    except StopAsyncIteration:
+        raise LegFailed(prefill_id, Phase.PREFILL, FailureKind.WORKER_ERROR,
+                        "stream ended before the first token") from None
+    except CALL_FAILURES as exc:
+        raise leg_failed(prefill_id, Phase.PREFILL, exc) from exc
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)

@@ -89,6 +89,7 @@ class GatewayConfig:
     replicas_hint: int = 1
     reuse_port: bool = False  # SO_REUSEPORT: several replicas listen on one port
     worker_channel: bool = True  # workers reached over their channels (else HTTP per call)
+    early_prefill: bool = True  # prefill beside the reservation where D has room
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -128,7 +129,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
     window = TtftWindow()
     backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
                             internal_token=config.internal_token, timeouts=config.timeouts,
-                            limits=config.retry_limits, ttft_window=window, channels=channels)
+                            limits=config.retry_limits, ttft_window=window, channels=channels,
+                            early_prefill=config.early_prefill)
     controller = gate.controller
     governor = CapacityGovernor(
         window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},

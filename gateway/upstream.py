@@ -7,6 +7,8 @@ Long prompt (a prefill worker P and a decode worker D):
       │── ReserveRequest ───────────▶│ holds blocks (timeout_ms)
       │◀─ ReserveResponse(dest) ─────│
       │── PrefillRequest(dest) ──────────────────────────────────────▶│ prefill, sample t1
+          (early prefill, where D has room: PrefillRequest(destination_follows) at once,
+           beside the ReserveRequest, and dest forwarded in a DestinationNotice: handoff.py)
       │◀─ PrefillResult(t1) ──────────────────────────────────────────│
       │ yield t1 to the client at once (stream-first)
       │── DecodeRequest(t1, epoch) ─▶│ waits for the KV      ◀══ KV ══│ push
@@ -62,7 +64,8 @@ from common.contract.protocol import (DecodeRequest, DecodeResponseFrame, Prefil
 from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.capacity import TtftWindow
 from gateway.cluster import ClusterView
-from gateway.handoff import Attempt, Generation, UpstreamTimeouts, prepend, watch_transfer
+from gateway.handoff import (Attempt, Generation, UpstreamTimeouts, should_prefill_early,
+                             first_prefill_frame, prepend, reserve_and_forward, watch_transfer)
 from gateway.metrics import GatewayMetrics
 from gateway.plan_model import Targets
 from gateway.prompt_tokenizer import GatewayTokenizer
@@ -85,9 +88,12 @@ class WorkerBackend:
                  timeouts: UpstreamTimeouts = UpstreamTimeouts(),
                  limits: RetryLimits = RetryLimits(),
                  ttft_window: TtftWindow | None = None,
-                 channels: ChannelPool | None = None) -> None:
+                 channels: ChannelPool | None = None, early_prefill: bool = True) -> None:
         """`channels`: reach workers over their channels (one connection each, shared by
-        every request); None: one HTTP request per call and stream."""
+        every request); None: one HTTP request per call and stream. `early_prefill`: start
+        a long prompt's prefill beside its reservation where the policy allows
+        (gateway/handoff.py); False: always after it."""
+        self.early_prefill = early_prefill
         self.cluster = cluster
         self.channels = channels
         self.tokenizer = tokenizer
@@ -250,39 +256,46 @@ class WorkerBackend:
         decode_id, rid = attempt.plan.decode_worker_id, attempt.request_id
         prompt = list(request.prompt_token_ids)
         decoder, priority = self._client(decode_id, attempt, Phase.RESERVE), self._priority(request)
-        try:  # D may queue it for free KV blocks (kv_wait_ms) before it answers
-            reserved = await decoder.call("/internal/reserve", ReserveRequest(
-                request_id=rid, prompt_token_ids=prompt, timeout_ms=t.reservation_ms,
-                wait_ms=t.kv_wait_ms, priority=priority), ReserveResponse, t.reserve_call_s)
-        except CALL_FAILURES as exc:
-            raise leg_failed(decode_id, Phase.RESERVE, exc) from exc
+        reserve = ReserveRequest(request_id=rid, prompt_token_ids=prompt,
+                                 timeout_ms=t.reservation_ms, wait_ms=t.kv_wait_ms,
+                                 priority=priority)
+        early = self.early_prefill and should_prefill_early(
+            len(prompt), self.cluster.block_size, self.cluster.load_of(decode_id))
+        reserving: asyncio.Task[ReserveResponse] | None = None
+        reserved: ReserveResponse | None = None
+        if not early:
+            reserved = await reserve_and_forward(decoder, decode_id, reserve, t.reserve_call_s)
         prefiller = self._client(prefill_id, attempt, Phase.PREFILL)
         prefill_frames = prefiller.stream(
             "/internal/prefill", PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-                priority=priority, timeout_ms=t.request_ms, destination=reserved.destination,
-                traceparent=generation.traceparent),
+                priority=priority, timeout_ms=t.request_ms,
+                destination=None if reserved is None else reserved.destination,
+                destination_follows=early, traceparent=generation.traceparent),
             PrefillResponseFrame, t.first_token_s, t.first_token_s)
+        if early:  # the prompt computes while D reserves
+            reserving = asyncio.create_task(reserve_and_forward(
+                decoder, decode_id, reserve, t.reserve_call_s, prefiller, prefill_id, t.reserve_s))
         watcher: asyncio.Task[None] | None = None
         next_frame: asyncio.Task[list[TokenFrame]] | None = None
         decode_frames: FrameStream[TokenFrame] | None = None
         try:
-            try:
-                first = await anext(prefill_frames)
-            except StopAsyncIteration:
-                raise LegFailed(prefill_id, Phase.PREFILL, FailureKind.WORKER_ERROR,
-                                "stream ended before the first token") from None
-            except CALL_FAILURES as exc:
-                raise leg_failed(prefill_id, Phase.PREFILL, exc) from exc
+            first = await first_prefill_frame(prefill_frames, prefill_id, reserving)
             if not isinstance(first, PrefillResult):
                 raise LegFailed(prefill_id, Phase.PREFILL, FailureKind.WORKER_ERROR,
                                 f"sent {type(first).__name__} before the first token")
-            first_delta = relay.first_token(first)
+            first_delta, delivered = relay.first_token(first), False
             if relay.finished:
                 # Nothing to decode: free the reservation on D now rather than at its timeout.
                 self._abort_legs(attempt)
                 yield [first_delta]
                 return
+            if reserving is not None:
+                if not reserving.done():  # token 1 goes out while D still reserves
+                    yield [first_delta]
+                    delivered = True
+                reserved = await reserving
+            assert reserved is not None
             decode_frames = self._decode_stream(decode_id, attempt, DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
                 priority=priority, timeout_ms=t.request_ms,
@@ -293,7 +306,8 @@ class WorkerBackend:
             next_frame = asyncio.create_task(anext(decode_frames))
             watcher = asyncio.create_task(watch_transfer(prefill_frames, attempt, prefill_id,
                                                          self._abort_legs))
-            yield [first_delta]
+            if not delivered:
+                yield [first_delta]
             frame_task, next_frame = next_frame, None
             relayed = self._relay(generation, prepend(frame_task, decode_frames), attempt,
                                   decode_id, decode_frames)
@@ -301,7 +315,7 @@ class WorkerBackend:
                 async for batch in relayed:
                     yield batch
         finally:
-            for task in (next_frame, watcher):
+            for task in (next_frame, watcher, reserving):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.contract.protocol import TransferResult
+from common.contract.protocol import Message
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 class EarlyPush:
     """A push started mid-step from a KVReady (see the module doc)."""
 
-    task: asyncio.Task[TransferResult] = field(init=False)
+    task: asyncio.Task[Message] = field(init=False)  # a TransferResult or an ErrorFrame
     layer_events: tuple[torch.cuda.Event, ...] | None = None
     written: asyncio.Event = field(default_factory=asyncio.Event)  # the step's output arrived
     written_at: float | None = None  # perf_counter() when it did
@@ -31,7 +31,7 @@ class EarlyPush:
             self.stopped.set()
 
 
-def log_push_error(task: asyncio.Task[TransferResult]) -> None:
+def log_push_error(task: asyncio.Task[Message]) -> None:
     """An early push that raised (not a transfer failure: those return FAILED) may have
     nobody awaiting it (its request ended at its first token): say so in the log."""
     if not task.cancelled() and task.exception() is not None:

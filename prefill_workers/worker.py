@@ -1,8 +1,9 @@
 """Prefill worker: admit -> prefill (chunked, batched) -> first token -> push KV -> release.
 
-Handles POST /internal/prefill (a stream: PrefillResult, then TransferResult) and
-POST /internal/abort. The engine runs in its own thread (EngineThread); KV moves with the
-kv_transfer sender (UCX, or TCP).
+Handles POST /internal/prefill (a stream: PrefillResult, then TransferResult),
+POST /internal/destination (where the KV of a request sent with `destination_follows`
+goes: prefill_workers/destinations.py) and POST /internal/abort. The engine runs in its own
+thread (EngineThread); KV moves with the kv_transfer sender (prefill_workers/kv_push.py).
 
 Lifecycle of one request here:
 
@@ -10,6 +11,9 @@ Lifecycle of one request here:
         (first token sampled; blocks parked)  ──▶ PrefillResult sent at once
     PREFILLED ─▶ PUSHING (sender.start, send_layer for every layer, finish) ─▶ TransferResult
         DONE | FAILED | SKIPPED ──▶ engine.release_prefilled (full blocks stay prefix-cached)
+
+    With `destination_follows` the push first waits for the DestinationNotice (the decode
+    worker reserved while the prompt computed); the first token does not wait for it.
 
     The first token may end the request (EOS, max_tokens=1): PrefillResult carries the
     finish_reason and nothing is sent (TransferResult SKIPPED; the gateway aborts the
@@ -42,19 +46,19 @@ after its push (which may still read its blocks) ended; every early push task is
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from aiohttp import web
 
 from common.contract.control_server import add_call, add_stream
 from common.contract.finish_reason import FinishReason
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination, ErrorCode,
-                                      Message, PrefillRequest, PrefillResult, TransferResult,
-                                      TransferStatus)
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination,
+                                      DestinationAck, DestinationNotice, ErrorCode, Message,
+                                      PrefillRequest, PrefillResult, TransferResult, TransferStatus)
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, to_token_logprob
 from engine.engine_thread import EngineThread
@@ -63,17 +67,14 @@ from engine.kv_storage import KVStorage
 from engine.llm_engine import RequestOutput
 from engine.request import RequestMode
 from engine.request_stream import StreamEnd
-from kv_transfer.errors import KVTransferError, TransferCancelled
-from kv_transfer.interface import KVSender, SendHandle, TransferSpec
-from kv_transfer.layout import transfer_bytes
+from kv_transfer.errors import TransferCancelled
+from kv_transfer.interface import KVSender
+from prefill_workers.destinations import FollowingDestinations
 from prefill_workers.early_push import EarlyPush, log_push_error
+from prefill_workers.kv_push import KVPusher, unless
 from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-# A push that landed before (or just after) its prompt's step ended hid all of its time
-# behind the compute; it is recorded as this long, so the send rate stays finite.
-MIN_EXPOSED_PUSH_S = 1e-4
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class _Active:
     abort_reason: str = ""
     pushing: bool = False  # blocks are being read by the sender: only the stream frees them
     early: EarlyPush | None = None  # a push started mid-step (it watches its own stop)
+    destination: asyncio.Future[DecodeDestination] | None = None  # `destination_follows`
 
     def abort(self, reason: str) -> None:
         self.abort_reason = reason
@@ -98,13 +100,13 @@ class PrefillWorker:
         self.metrics = metrics
         self._make_sender = make_sender
         self.layerwise_push = layerwise_push  # start pushing mid-step (see the module doc)
-        self._pushes: set[asyncio.Task[TransferResult]] = set()
-        # Fault injection for tests: pushes of requests whose id starts with the prefix
-        # sleep before each layer, so a transfer can be stalled or cut mid-way.
-        self.transfer_layer_delay_s = transfer_layer_delay_s
+        self._pushes: set[asyncio.Task[Message]] = set()
+        self.transfer_layer_delay_s = transfer_layer_delay_s  # fault injection: kv_push.py
         self.fault_request_prefix = fault_request_prefix
         self.engine: EngineThread | None = None
         self.sender: KVSender | None = None
+        self.pusher: KVPusher | None = None
+        self.destinations = FollowingDestinations()
         self.draining = False
         self._active: dict[str, _Active] = {}
 
@@ -120,11 +122,14 @@ class PrefillWorker:
 
     def add_routes(self, app: web.Application) -> None:
         add_stream(app, "/internal/prefill", PrefillRequest, self.prefill)
+        add_call(app, "/internal/destination", DestinationNotice, self.destination_notice)
         add_call(app, "/internal/abort", AbortRequest, self.abort)
 
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
         self.sender = self._make_sender(engine.kv_storage)
+        self.pusher = KVPusher(self.sender, engine.kv_layout, self.metrics,
+                               self.transfer_layer_delay_s, self.fault_request_prefix)
 
     def state(self) -> dict[str, object]:
         return {"num_active": len(self._active), "active": sorted(self._active)}
@@ -132,6 +137,8 @@ class PrefillWorker:
     def check_invariants(self) -> None:
         for rid, active in self._active.items():
             assert active.request_id == rid, f"{rid} tracked under another id"
+        assert len(self.destinations) <= len(self._active), "a destination outlived its prefill"
+        self.destinations.check_invariants()
         if self.sender is not None:
             self.sender.check_invariants()
 
@@ -159,10 +166,12 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         active = self._active[rid] = _Active(rid)
+        if request.destination_follows:
+            active.destination = self.destinations.expect(rid, loop.time())
         stream = engine.open_stream(rid)
         in_engine = False
         early: EarlyPush | None = None
-        layerwise = self.layerwise_push and request.destination is not None
+        layerwise = self.layerwise_push and _pushes(request)
         try:
             await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
@@ -196,6 +205,7 @@ class PrefillWorker:
             yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._active.pop(rid, None)
+            self.destinations.forget(rid)
             engine.close_stream(rid)
             if early is not None and not early.task.done():
                 # Ended before its push did (an error, an abort, a hang-up): stop the push;
@@ -210,138 +220,90 @@ class PrefillWorker:
                 else:
                     free()
 
+    async def destination_notice(self, notice: DestinationNotice) -> Message:
+        """Where the KV of a request sent with `destination_follows` goes."""
+        waiting = self.destinations.deliver(notice.request_id, notice.destination,
+                                            asyncio.get_running_loop().time())
+        return DestinationAck(request_id=notice.request_id, waiting=waiting)
+
     def _start_early_push(self, request: PrefillRequest, ready: KVReady, active: _Active,
-                          deadline: float) -> EarlyPush | None:
-        """Announce and queue the push of `ready`'s blocks now, while its step computes."""
-        destination = request.destination
-        assert destination is not None  # only requests with one asked for a KVReady
-        spec = plan_push(request.request_id, ready.block_ids, destination.block_ids,
-                         destination.num_prefix_blocks_held, ready.num_prompt_tokens,
-                         self.block_size, self.num_layers)
-        if spec is None:
-            return None  # the destination holds it all: nothing to send, as after the step
+                          deadline: float) -> EarlyPush:
+        """Announce and queue the push of `ready`'s blocks now, while its step computes
+        (once the destination is known, where it follows)."""
         active.pushing = True  # from here only this stream may free the blocks
         early = EarlyPush(layer_events=ready.layer_events)
-        early.task = asyncio.get_running_loop().create_task(
-            self._push(spec, destination, active, deadline, early))
+        early.task = asyncio.get_running_loop().create_task(self._push_prefilled(
+            request, ready.block_ids, ready.num_prompt_tokens, active, deadline, early))
         self._pushes.add(early.task)
         early.task.add_done_callback(self._pushes.discard)
         early.task.add_done_callback(log_push_error)
         active.early = early
         return early
 
-    @property
-    def block_size(self) -> int:
-        assert self.engine is not None
-        return self.engine.block_size
-
-    @property
-    def num_layers(self) -> int:
-        assert self.engine is not None
-        return self.engine.num_layers
     async def _after_first_token(self, request: PrefillRequest, out: RequestOutput,
                                  active: _Active, deadline: float,
                                  early: EarlyPush | None) -> AsyncGenerator[Message, None]:
-        assert self.engine is not None
         rid = request.request_id
-        destination = request.destination
-        pushing = early is not None and not out.finished
-        spec = None
+        pushing = _pushes(request) and not out.finished
         if early is not None:
             if out.finished:
                 early.stop("the request ended at its first token", counted=False)
             else:
                 early.written_at = time.perf_counter()
                 early.written.set()  # the step's output arrived: its KV is written
-        elif destination is not None and not out.finished:
-            src = await self.engine.call(lambda e: e.kv_cache.block_table(rid))
+        elif pushing:
             active.pushing = True  # from here only this stream may free the blocks
-            spec = plan_push(rid, src, destination.block_ids,
-                             destination.num_prefix_blocks_held, out.num_prompt_tokens,
-                             self.engine.block_size, self.engine.num_layers)
-            pushing = spec is not None
         yield PrefillResult(
             request_id=rid, first_token_id=out.new_token_ids[0],
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             transfer_status=TransferStatus.PENDING if pushing else TransferStatus.SKIPPED,
             finish_reason=out.finish_reason, num_steps=out.num_steps)
-        if destination is None:
-            return
+        destination = request.destination
         if not pushing:
-            yield TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
-                                 destination_epoch=destination.epoch,
-                                 status=TransferStatus.SKIPPED)
-            return
-        if early is not None:
+            if destination is not None:  # (a destination that follows is never needed)
+                yield TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
+                                     destination_epoch=destination.epoch,
+                                     status=TransferStatus.SKIPPED)
+        elif early is not None:
             yield await early.task
-            return
-        assert spec is not None
-        yield await self._push(spec, destination, active, deadline, None)
+        else:
+            yield await self._push_prefilled(request, None, out.num_prompt_tokens, active,
+                                             deadline, None)
 
-    async def _push(self, spec: TransferSpec, destination: DecodeDestination, active: _Active,
-                    deadline: float, early: EarlyPush | None) -> TransferResult:
-        """Announce and move `spec`; `early`: started mid-step (its KV may not be written
-        yet: queue behind the layer events, or wait for `early.written`)."""
-        assert self.engine is not None and self.sender is not None
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        handle: SendHandle | None = None
+    async def _push_prefilled(self, request: PrefillRequest, src_block_ids: Sequence[int] | None,
+                              num_prompt_tokens: int, active: _Active, deadline: float,
+                              early: EarlyPush | None) -> Message:
+        """Push a prefilled prompt's blocks (`src_block_ids`; None: read its block table)
+        once its destination is known: a TransferResult, or an ErrorFrame when the
+        destination never came."""
+        assert self.engine is not None and self.pusher is not None
+        rid, engine = request.request_id, self.engine
         stop = early.stopped if early is not None else active.aborted
-        active.pushing = True
-        try:
-            handle = await _unless(self.sender.start(destination.kv_address, spec,
-                                                     max(deadline - loop.time(), 0.001)),
-                                   stop, lambda: _stop_reason(active, early))
-            delayed = self.transfer_layer_delay_s > 0 and \
-                spec.request_id.startswith(self.fault_request_prefix)
-            events = early.layer_events if early is not None else None
-            start = "after_step" if early is None else "mid_step"
-            if events is not None and handle.sends_after_events and not delayed:
-                accepted = time.perf_counter()
-                handle.send_layers_after(events)
-                start = "layer_events"
-                log.debug("push %s: started %.6f, accepted %.6f, copies queued %.6f",
-                          spec.request_id, started, accepted, time.perf_counter())
-            else:
-                if early is not None:
-                    await _unless(early.written.wait(), stop,
-                                  lambda: _stop_reason(active, early))
-                for layer in spec.layers:
-                    if delayed:
-                        await asyncio.sleep(self.transfer_layer_delay_s)
-                    if handle.state.is_terminal or stop.is_set():
-                        break
-                    handle.send_layer(layer)
-            if stop.is_set():
-                raise TransferCancelled(_stop_reason(active, early))
-            await _unless(handle.finish(), stop, lambda: _stop_reason(active, early))
-        except KVTransferError as exc:
-            if handle is not None and not handle.state.is_terminal:
-                await handle.cancel(str(exc))  # tells the receiver, which frees its blocks
-            reason = type(exc).__name__
-            if early is None or early.counted:
-                self.metrics.handoff_failures.inc(reason=f"transfer_{reason}")
-            log.info("KV push of %s failed: %s", spec.request_id, exc)
-            return _transfer_result(spec, destination, TransferStatus.FAILED,
-                                    error=f"{reason}: {exc}")
-        num_blocks = len(spec.src_block_ids)
-        num_bytes = transfer_bytes(self.engine.kv_layout, num_blocks, len(spec.layers))
-        log.debug("push %s (%s): step output %s, landed %.6f", spec.request_id, start,
-                  None if early is None else early.written_at, time.perf_counter())
-        if early is not None:
-            # What the handoff added is the part after the prompt's step (the rate the router
-            # predicts handoffs with must not count the prompt's compute it overlapped).
-            step_end = early.written_at if early.written_at is not None else time.perf_counter()
-            started = max(started, step_end)
-        self.metrics.record_kv_sent(num_bytes, max(time.perf_counter() - started,
-                                                   MIN_EXPOSED_PUSH_S))
-        self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
-        self.metrics.kv_transfers.inc(direction="sent",
-                                      path="mapped" if handle.mapped else "data_plane")
-        self.metrics.kv_pushes.inc(start=start)
-        return _transfer_result(spec, destination, TransferStatus.DONE,
-                                num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
+        reason = functools.partial(_stop_reason, active, early)
+        destination = request.destination
+        if destination is None:
+            assert active.destination is not None  # `destination_follows`
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                    destination = await unless(active.destination, stop, reason)
+            except TimeoutError:
+                self.metrics.handoff_failures.inc(reason="no_destination")
+                return error_frame(rid, ErrorCode.DEADLINE_EXCEEDED,
+                                   "no destination for the KV by the request's deadline")
+            except TransferCancelled as exc:
+                return error_frame(rid, ErrorCode.ABORTED, str(exc))
+        if src_block_ids is None:
+            src_block_ids = await engine.call(lambda e: e.kv_cache.block_table(rid))
+        spec = plan_push(rid, src_block_ids, destination.block_ids,
+                         destination.num_prefix_blocks_held, num_prompt_tokens,
+                         engine.block_size, engine.num_layers)
+        if spec is None:  # the destination holds it all: nothing to send
+            return TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
+                                  destination_epoch=destination.epoch,
+                                  status=TransferStatus.SKIPPED)
+        return await self.pusher.push(spec, destination, stop, reason, deadline, early)
 
     # ---------------------------------------------------------------- abort
 
@@ -369,32 +331,12 @@ class PrefillWorker:
         return tuple(self._active)
 
 
+def _pushes(request: PrefillRequest) -> bool:
+    """The request's KV goes to a decode worker (else it stays cached here)."""
+    return request.destination is not None or request.destination_follows
+
+
 def _stop_reason(active: _Active, early: EarlyPush | None) -> str:
     if early is not None and early.reason:
         return early.reason
     return active.abort_reason or "aborted"
-
-
-async def _unless(awaitable: Awaitable[T], stop: asyncio.Event, reason: Callable[[], str]) -> T:
-    """Await `awaitable` unless `stop` is set first (then raise TransferCancelled(reason()))."""
-    work = asyncio.ensure_future(awaitable)
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        work.cancel()
-        raise
-    finally:
-        waiter.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    raise TransferCancelled(reason())
-
-
-def _transfer_result(spec: TransferSpec, destination: DecodeDestination, status: TransferStatus,
-                     num_blocks_sent: int = 0, num_bytes_sent: int = 0,
-                     error: str | None = None) -> TransferResult:
-    return TransferResult(request_id=spec.request_id, destination_worker_id=destination.worker_id,
-                          destination_epoch=destination.epoch, status=status, error=error,
-                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent)

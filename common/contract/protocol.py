@@ -9,6 +9,8 @@ Who sends what (one HTTP call per arrow; see common/contract/control_server.py f
     gateway ──ReserveRequest──────▶ decode    ◀── ReserveResponse | ErrorFrame
     gateway ──PrefillRequest──────▶ prefill   ◀── frames: PrefillResult, TransferResult
                                                   (the first token arrives before the KV lands)
+    gateway ──DestinationNotice───▶ prefill   ◀── DestinationAck   (a PrefillRequest sent with
+              `destination_follows`, at once beside the ReserveRequest: D's answer, forwarded)
     prefill ══ KV blocks (kv_transfer/; its own control messages) ══▶ decode
     gateway ──DecodeRequest───────▶ decode    ◀── frames: TokenFrame ... (last has finish_reason)
     gateway ──AbortRequest────────▶ prefill and decode (any time; idempotent)
@@ -22,21 +24,21 @@ receipt, so no two hosts need agreeing clocks.
 from __future__ import annotations
 
 import enum
-import typing
-from typing import Annotated, Generic, TypeVar, Union
+from typing import Annotated, Union
 
 import msgspec
 
+# The envelope and its codec, re-exported: most callers import them from here.
+from common.contract.codec import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, MessageDecoder,
+                                   MessageTooLargeError, ProtocolError, ProtocolVersionError,
+                                   decode, encode)
 from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 from common.contract.tracing import TRACEPARENT_PATTERN
 from common.contract.worker_load import WorkerLoad
 
-PROTOCOL_VERSION = 1
-
 # Bounds enforced while decoding, so a hostile peer cannot make a worker allocate without
 # limit; generous for real use (1M-token prompts, 64 MiB messages).
-MAX_MESSAGE_BYTES = 64 << 20
 MAX_TOKENS_PER_MESSAGE = 1 << 20
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
 MAX_HASHES_PER_EVENT = 1 << 16
@@ -60,18 +62,6 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TimeoutMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_TIMEOUT_MS)]
 ReservationMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_RESERVATION_MS)]
 Traceparent = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]  # W3C: the caller's span
-
-
-class ProtocolError(ValueError):
-    """A message could not be decoded (bad bytes, bad fields, too large)."""
-
-
-class ProtocolVersionError(ProtocolError):
-    """The peer speaks another protocol version."""
-
-
-class MessageTooLargeError(ProtocolError):
-    pass
 
 
 class Role(enum.StrEnum):
@@ -196,7 +186,28 @@ class PrefillRequest(Message, tag="prefill_request", frozen=True, kw_only=True):
     priority: int = 0  # larger runs first
     timeout_ms: TimeoutMs
     destination: DecodeDestination | None = None  # None: prefill only (KV stays cached here)
+    # True: the destination comes later, in a DestinationNotice (the reservation on the
+    # decode worker runs while this prompt computes); the push waits for it.
+    destination_follows: bool = False
     traceparent: Traceparent | None = None
+
+    def __post_init__(self) -> None:
+        if self.destination_follows and self.destination is not None:
+            raise ValueError("a destination and destination_follows: pick one")
+
+
+class DestinationNotice(Message, tag="destination_notice", frozen=True, kw_only=True):
+    """Gateway → prefill: where the KV of a request sent with `destination_follows` goes."""
+
+    request_id: Id
+    destination: DecodeDestination
+
+
+class DestinationAck(Message, tag="destination_ack", frozen=True, kw_only=True):
+    request_id: Id
+    # False: no such prefill here yet; the notice is held for a while in case the request
+    # is still on its way (two connections need not deliver in order).
+    waiting: bool
 
 
 class PrefillResult(Message, tag="prefill_result", frozen=True, kw_only=True):
@@ -351,50 +362,5 @@ PrefillResponseFrame = Union[PrefillResult, TransferResult, ErrorFrame]
 DecodeResponseFrame = Union[TokenFrame, ErrorFrame]
 AnyMessage = Union[
     ReserveRequest, ReserveResponse, PrefillRequest, PrefillResult, TransferResult,
-    DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame, RoleChangeRequest,
+    DestinationNotice, DestinationAck, DecodeRequest, TokenFrame, AbortRequest, AbortResponse, ErrorFrame, RoleChangeRequest,
     RoleChangeResponse, WorkerInfo, LoadReport, PrefixIndexEvent]
-
-M = TypeVar("M")
-
-
-def encode(message: Message) -> bytes:
-    return msgspec.msgpack.encode((PROTOCOL_VERSION, message))
-
-
-class MessageDecoder(Generic[M]):
-    """Decodes envelopes into one message type (or a union of them), checking the version;
-    annotate it with what it yields (`d: MessageDecoder[A | B] = MessageDecoder(A | B)`)."""
-
-    def __init__(self, message_type: object, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        self.message_type = message_type
-        self.max_bytes = max_bytes
-        self._envelope = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
-        self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
-
-    def decode(self, data: bytes | memoryview) -> M:
-        if len(data) > self.max_bytes:
-            raise MessageTooLargeError(f"message of {len(data)} bytes exceeds {self.max_bytes}")
-        try:
-            version, body = self._envelope.decode(data)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"not a pdserve message envelope: {exc}") from exc
-        if version != PROTOCOL_VERSION:
-            raise ProtocolVersionError(
-                f"peer speaks protocol version {version}, this process speaks {PROTOCOL_VERSION}")
-        try:
-            return self._decoder.decode(body)
-        except (msgspec.DecodeError, ValueError) as exc:
-            raise ProtocolError(f"invalid {_type_name(self.message_type)}: {exc}") from exc
-
-
-def decode(data: bytes | memoryview, message_type: type[M], max_bytes: int = MAX_MESSAGE_BYTES) -> M:
-    """One-off decode; hot paths keep a MessageDecoder."""
-    decoder: MessageDecoder[M] = MessageDecoder(message_type, max_bytes)
-    return decoder.decode(data)
-
-
-def _type_name(message_type: object) -> str:
-    members = typing.get_args(message_type)
-    if members:
-        return " | ".join(_type_name(m) for m in members)
-    return getattr(message_type, "__name__", None) or str(message_type)

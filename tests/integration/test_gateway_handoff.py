@@ -29,7 +29,8 @@ def cluster(redis_url, tmp_path_factory):
 def reset_stubs(cluster: GatewayCluster):
     for stub in (cluster.prefill, cluster.decode):
         stub.token_interval_s = stub.prefill_delay_s = stub.transfer_delay_s = 0.0
-        stub.fail_transfer = False
+        stub.fail_transfer = stub.fail_reserve = False
+        stub.reserve_gate = None
         stub.decode_gate, stub.decode_hold_after = None, 0
         stub.tokens_sent.clear()
         stub.requests.clear()
@@ -60,8 +61,51 @@ def test_handoff_streams_every_token_exactly_once(cluster: GatewayCluster) -> No
     assert events[-2]["usage"]["completion_tokens"] == len(cluster.reply)
     rid = next(r.split(":", 1)[1] for r in cluster.decode.requests)
     assert cluster.decode.requests == [f"reserve:{rid}", f"decode:{rid}"]
-    assert cluster.prefill.requests == [f"prefill:{rid}"]
+    # An early prefill (the decode worker has room): the destination follows the request.
+    assert cluster.prefill.requests == [f"prefill:{rid}", f"destination:{rid}"]
     assert cluster.decode.aborts == [] and cluster.prefill.aborts == []
+
+
+def test_token_one_reaches_the_client_while_the_reservation_is_still_pending(
+        cluster: GatewayCluster) -> None:
+    gate = cluster.decode.reserve_gate = threading.Event()  # D answers no reservation yet
+    with httpx.stream("POST", cluster.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "Hi there", "max_tokens": 4,
+                            "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        # The prefill ran beside the held reservation, and its token is out already.
+        assert cluster.reply[0][1] in first
+        rid = cluster.prefill.requests[0].split(":", 1)[1]
+        assert cluster.prefill.requests == [f"prefill:{rid}"]  # no destination yet
+        assert cluster.decode.requests == [f"reserve:{rid}"]
+        gate.set()
+        events = sse_events(lines)
+    texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+    assert [cluster.reply[0][1], *texts] == [text for _, text in cluster.reply[:4]]
+    assert events[-1] == "[DONE]"
+    assert cluster.prefill.requests == [f"prefill:{rid}", f"destination:{rid}"]
+    assert cluster.decode.requests == [f"reserve:{rid}", f"decode:{rid}"]
+
+
+def test_a_refused_reservation_aborts_the_prefill_running_beside_it(
+        cluster: GatewayCluster) -> None:
+    cluster.prefill.prefill_delay_s = 5.0  # the prompt would compute this long
+    cluster.decode.fail_reserve = True
+    started = time.monotonic()
+    response = httpx.post(cluster.url + "/v1/completions", timeout=10,
+                          json={"model": MODEL, "prompt": "Hi there", "max_tokens": 4})
+    assert response.status_code >= 400, response.text
+    assert "error" in response.json()
+    rid = cluster.prefill.requests[0].split(":", 1)[1]
+    cluster.wait_released()  # its stream closed, or the abort came (sent from a task)
+    deadline = time.monotonic() + 2.0
+    while not cluster.prefill.aborts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cluster.prefill.aborts == [rid]
+    # Aborted when the reservation failed, not when the prompt would have finished.
+    assert cluster.prefill.released_at[rid] - started < 3.0
 
 
 def test_first_token_reaches_the_client_before_decode_starts(cluster: GatewayCluster) -> None:

@@ -29,7 +29,8 @@ from common.contract.channel_client import ChannelPool
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, RemoteError
 from common.contract.metrics import parse_samples
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
+                                      DestinationAck, DestinationNotice, ErrorCode,
                                       PrefillRequest, PrefillResponseFrame, PrefillResult,
                                       ReserveRequest, ReserveResponse, TokenFrame, TransferResult,
                                       TransferStatus)
@@ -180,30 +181,46 @@ class Handoff:
     tokens: list[int] = field(default_factory=list)
     decode_error: Exception | None = None
     prefill_error: Exception | None = None
+    ack: DestinationAck | None = None
     elapsed_s: float = 0.0
 
 
 async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
-                      sampling: SamplingParams = GREEDY, timeout_ms: int = 30_000) -> Handoff:
-    """reserve on D -> prefill on P -> decode on D (sent right after the first token)."""
+                      sampling: SamplingParams = GREEDY, timeout_ms: int = 30_000,
+                      start: str = "after-reserve") -> Handoff:
+    """reserve on D -> prefill on P -> decode on D (sent right after the first token).
+    start="early": the prefill starts at once with `destination_follows`, beside the
+    reserve, whose destination then goes to P in a DestinationNotice (the gateway's early
+    prefill); "notice-first": the notice reaches P before the PrefillRequest does."""
+    early = start != "after-reserve"
     result = Handoff()
     started = time.monotonic()
     pc, dc = ControlClient(p.control_url), ControlClient(d.control_url)
+    reserve = ReserveRequest(request_id=rid, prompt_token_ids=prompt, timeout_ms=timeout_ms)
+
+    async def reserve_and_forward() -> None:
+        result.reserve = await dc.call("/internal/reserve", reserve, ReserveResponse, 5.0)
+        if early:
+            notice = DestinationNotice(request_id=rid, destination=result.reserve.destination)
+            result.ack = await pc.call("/internal/destination", notice, DestinationAck, 5.0)
+
+    reserving = asyncio.create_task(reserve_and_forward())
     try:
-        result.reserve = await dc.call("/internal/reserve", ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt,
-            timeout_ms=timeout_ms), ReserveResponse, 5.0)
+        if start != "early":
+            await reserving
         decode_task = None
         try:
             async for frame in pc.stream("/internal/prefill", PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                    timeout_ms=timeout_ms, destination=result.reserve.destination),
+                    timeout_ms=timeout_ms, destination_follows=early,
+                    destination=None if early else result.reserve.destination),
                     PrefillResponseFrame, timeout_ms / 1000, timeout_ms / 1000):
                 if isinstance(frame, PrefillResult):
                     result.prefill = frame
                     result.tokens.append(frame.first_token_id)
                     decode_task = asyncio.create_task(_decode(dc, rid, prompt, sampling,
-                                                              frame, result, timeout_ms))
+                                                              frame, result, timeout_ms,
+                                                              reserving))
                 elif isinstance(frame, TransferResult):
                     result.transfer = frame
         # A worker killed mid-stream surfaces as aiohttp's ClientPayloadError, which
@@ -214,6 +231,7 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
         if decode_task is not None:
             await decode_task
     finally:
+        await asyncio.gather(reserving, return_exceptions=True)
         await pc.aclose()
         await dc.aclose()
     result.elapsed_s = time.monotonic() - started
@@ -221,7 +239,9 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
 
 
 async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: SamplingParams,
-                  first: PrefillResult, result: Handoff, timeout_ms: int) -> None:
+                  first: PrefillResult, result: Handoff, timeout_ms: int,
+                  reserving: asyncio.Task[None]) -> None:
+    await reserving
     try:
         async for frame in dc.stream("/internal/decode", DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
@@ -271,12 +291,15 @@ def received_bytes(samples: dict[str, float]) -> float:
 # ------------------------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("backend", ["ucx", "tcp"])
-def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str) -> None:
+@pytest.mark.parametrize("start", ["after-reserve", "early"])
+def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str,
+                                                  start: str) -> None:
     p, d = cluster.workers[f"p-{backend}"], cluster.workers[f"d-{backend}"]
 
     async def run() -> None:
         for name in ("short", "long"):
-            result = await run_handoff(p, d, f"same-{backend}-{name}", cluster.prompts[name])
+            result = await run_handoff(p, d, f"same-{backend}-{start}-{name}",
+                                       cluster.prompts[name], start=start)
             assert result.prefill_error is None and result.decode_error is None, result
             assert result.transfer.status is TransferStatus.DONE
             assert result.tokens == cluster.reference[name], name
@@ -287,6 +310,46 @@ def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str
         assert samples.get('pdserve_kv_pushes_total{start="mid_step"}', 0) >= 2
         await wait_no_blocks_held(p, 2.0)
         await wait_no_blocks_held(d, 2.0)
+
+    asyncio.run(run())
+
+
+def test_a_destination_notice_that_overtakes_its_prefill_request_is_used(cluster: Cluster) -> None:
+    p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
+
+    async def run() -> None:
+        result = await run_handoff(p, d, "notice-first", cluster.prompts["long"],
+                                   start="notice-first")
+        assert result.ack is not None and result.ack.waiting is False  # held until it came
+        assert result.transfer.status is TransferStatus.DONE
+        assert result.tokens == cluster.reference["long"]
+        await wait_no_blocks_held(p, 2.0)
+        await wait_no_blocks_held(d, 2.0)
+
+    asyncio.run(run())
+
+
+def test_a_destination_that_never_comes_ends_the_prefill_at_its_deadline(cluster: Cluster) -> None:
+    # The first token still goes out at once; the push waits for the destination until the
+    # request's deadline, then the stream ends with DEADLINE_EXCEEDED and the blocks are freed.
+    p = cluster.workers["p-ucx"]
+
+    async def run() -> None:
+        pc = ControlClient(p.control_url)
+        frames: list[object] = []
+        try:
+            with pytest.raises(RemoteError) as failure:
+                async for frame in pc.stream("/internal/prefill", PrefillRequest(
+                        request_id="no-destination", prompt_token_ids=cluster.prompts["long"],
+                        sampling=GREEDY, timeout_ms=4000, destination_follows=True),
+                        PrefillResponseFrame, 30, 30):
+                    frames.append(frame)
+        finally:
+            await pc.aclose()
+        assert [type(f) for f in frames] == [PrefillResult]
+        assert frames[0].first_token_id == cluster.reference["long"][0]
+        assert failure.value.frame.code is ErrorCode.DEADLINE_EXCEEDED
+        await wait_no_blocks_held(p, 5.0)
 
     asyncio.run(run())
 

@@ -11,7 +11,8 @@ import pytest
 from manual_clock import ManualClock, settle
 
 from common.contract.protocol import ReserveRequest
-from decode_workers.block_waiters import BlockWaiters, refusal
+from common.contract.worker_load import WorkerLoad
+from decode_workers.block_waiters import BlockWaiters, ReservationAborted, refusal
 
 
 class Pool:
@@ -121,7 +122,8 @@ def test_a_wait_ends_at_its_deadline_or_at_an_abort_and_leaves_nothing_held() ->
         aborted = asyncio.create_task(line.reserve(pool, request("aborted", 1), lambda: False))
         await settle()
         assert line.cancel("aborted") and not line.cancel("nobody")
-        assert await asyncio.wait_for(aborted, 5.0) is None
+        with pytest.raises(ReservationAborted, match="aborted while waiting"):
+            await asyncio.wait_for(aborted, 5.0)
         stopping = [False]
         drained = asyncio.create_task(line.reserve(pool, request("drained", 1),
                                                    lambda: stopping[0]))
@@ -172,6 +174,7 @@ def test_no_wait_asked_answers_at_once_and_a_prompt_larger_than_the_pool_is_an_e
 
 def test_refusal_names_what_ran_out() -> None:
     # 33 prompt tokens + 1 position = 3 blocks of 16.
-    message = refusal(request("r", 33, wait_ms=1500), 16, num_used=7, num_total=8)
+    message = refusal(request("r", 33, wait_ms=1500), 16,
+                      WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=8))
     assert message == ("KV cache full: the prompt needs 3 blocks, 1 of 8 are free within "
                        "1500 ms; retry later or on another worker")
