@@ -67,12 +67,13 @@ async def _prefill_spans(tracing: Tracing, frames: AsyncGenerator[Message, None]
                     span.event("first_token")
                     yield frame
                     # Asked for the next frame: the push starts now.
-                    if request.destination is not None:
+                    if request.destination is not None or request.destination_follows:
                         transfer = span.child("kv_transfer", {"pdserve.kv.backend": backend})
                         transfer_started = time.perf_counter()
                     continue
                 if isinstance(frame, TransferResult) and transfer is not None:
                     seconds = max(time.perf_counter() - transfer_started, 1e-9)
+                    span.set({"pdserve.kv.destination": frame.destination_worker_id})
                     transfer.set({"pdserve.kv.bytes": frame.num_bytes_sent,
                                   "pdserve.kv.blocks": frame.num_blocks_sent,
                                   "pdserve.kv.status": frame.status.value,
