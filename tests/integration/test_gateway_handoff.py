@@ -93,12 +93,20 @@ def test_a_refused_reservation_aborts_the_prefill_running_beside_it(
         cluster: GatewayCluster) -> None:
     cluster.prefill.prefill_delay_s = 5.0  # the prompt would compute this long
     cluster.decode.fail_reserve = True
+    gate = cluster.decode.reserve_gate = threading.Event()  # refused once P is computing
     started = time.monotonic()
-    response = httpx.post(cluster.url + "/v1/completions", timeout=10,
-                          json={"model": MODEL, "prompt": "Hi there", "max_tokens": 4})
-    assert response.status_code >= 400, response.text
-    assert "error" in response.json()
+    answer: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answer.append(httpx.post(
+        cluster.url + "/v1/completions", timeout=10,
+        json={"model": MODEL, "prompt": "Hi there", "max_tokens": 4})))
+    client.start()
+    while not cluster.prefill.requests and time.monotonic() - started < 5.0:
+        time.sleep(0.005)
     rid = cluster.prefill.requests[0].split(":", 1)[1]
+    gate.set()
+    client.join(10)
+    assert answer[0].status_code >= 400, answer[0].text
+    assert "error" in answer[0].json()
     cluster.wait_released()  # its stream closed, or the abort came (sent from a task)
     deadline = time.monotonic() + 2.0
     while not cluster.prefill.aborts and time.monotonic() < deadline:
