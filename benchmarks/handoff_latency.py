@@ -97,6 +97,12 @@ class ModeResult:
         return statistics.median(getattr(s, what) for s in self.samples
                                  if s.prompt_tokens == prompt_tokens)
 
+    def outside_median(self, prompt_tokens: int) -> float:
+        """Median of TTFT less the prefill steps' time: what the request spent outside the
+        engines (the gateway, the reservation, the messages)."""
+        return statistics.median(s.ttft_ms - s.prefill_steps_ms for s in self.samples
+                                 if s.prompt_tokens == prompt_tokens)
+
 
 def prompts_for(lengths: list[int], num_requests: int, vocab_size: int,
                 seed: int) -> dict[int, list[list[int]]]:
@@ -264,7 +270,8 @@ def table(results: dict[str, ModeResult], lengths: list[int],
           layer_ms: dict[int, float]) -> str:
     rows = ["| prompt tokens | one layer's copy | target (1.2 x copy + 1 ms) | mode | TTFT p50 "
             "| token 2 p50 | added TTFT | added to token 2 | prefill steps p50 | added in "
-            "prefill steps |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            "prefill steps | outside the engines p50 | added outside |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = results.get("colocated")
     for n in lengths:
         copy = layer_ms.get(n)
@@ -278,10 +285,13 @@ def table(results: dict[str, ModeResult], lengths: list[int],
             steps = result.median(n, "prefill_steps_ms")
             added3 = ("" if base is None or mode == "colocated" else
                       f"{steps - base.median(n, 'prefill_steps_ms'):+.2f} ms")
+            outside = result.outside_median(n)
+            added4 = ("" if base is None or mode == "colocated" else
+                      f"{outside - base.outside_median(n):+.2f} ms")
             rows.append(f"| {n} | {'' if copy is None else f'{copy * 1e3:.0f} µs'} | "
                         f"{'' if target is None else f'{target:.2f} ms'} | {mode} | "
                         f"{ttft:.2f} ms | {t2:.2f} ms | {added} | {added2} | "
-                        f"{steps:.2f} ms | {added3} |")
+                        f"{steps:.2f} ms | {added3} | {outside:.2f} ms | {added4} |")
     return "\n".join(rows)
 
 

@@ -171,7 +171,7 @@ class PrefillWorker:
         stream = engine.open_stream(rid)
         in_engine = False
         early: EarlyPush | None = None
-        layerwise = self.layerwise_push and _pushes(request)
+        layerwise = self.layerwise_push and _sends_kv(request)
         try:
             await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
@@ -244,7 +244,7 @@ class PrefillWorker:
                                  active: _Active, deadline: float,
                                  early: EarlyPush | None) -> AsyncGenerator[Message, None]:
         rid = request.request_id
-        pushing = _pushes(request) and not out.finished
+        pushing = _sends_kv(request) and not out.finished
         if early is not None:
             if out.finished:
                 early.stop("the request ended at its first token", counted=False)
@@ -331,7 +331,7 @@ class PrefillWorker:
         return tuple(self._active)
 
 
-def _pushes(request: PrefillRequest) -> bool:
+def _sends_kv(request: PrefillRequest) -> bool:
     """The request's KV goes to a decode worker (else it stays cached here)."""
     return request.destination is not None or request.destination_follows
 
