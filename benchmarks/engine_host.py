@@ -11,9 +11,15 @@ With `--baseline-tree DIR` the same measurement also runs on another checkout (e
 `git worktree` of an older commit), alternating with this tree, run by run, in one call:
 the table then gives the ratio.
 
+The logits are random (N(0, 1): flat, nearly every token plausible, the worst case for
+top-p) unless `--logits-from HF_DIR` names a Hugging Face model directory with the same
+vocabulary (benchmarks/export_hf.py writes the default model's): then they are that
+model's own next-token logits over a fixed English text (real distributions, mostly
+peaked), each step taking the next window of positions.
+
     python -m benchmarks.random_model .tok --tokenizer-only     # once: the tokenizer
     python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 \\
-        [--baseline-tree /tmp/base] [--repeats 3]
+        [--baseline-tree /tmp/base] [--repeats 3] [--logits-from /tmp/hf]
 
 Output: a markdown table on stdout; progress on stderr.
 """
@@ -26,14 +32,49 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 MODES = ("greedy", "sampled")
+TEXT = ("The lighthouse stood at the end of a long spit of rock, and for forty years the same "
+        "family had kept its lamp. Every evening the keeper climbed the stairs, trimmed the "
+        "wick and wound the clockwork that turned the lens. In the mornings he wrote in the "
+        "log: the wind, the state of the sea, the ships that had passed. Most of them were "
+        "fishing boats from the harbour to the south, but sometimes a steamer went by far "
+        "out, its smoke a grey thread on the horizon. His daughter learned the work before "
+        "she could read. She knew how to tell a squall from a passing shower by the colour "
+        "of the clouds over the headland, and she could name every boat in the harbour by "
+        "the shape of its sail. When the supply boat came each month she ran down to the "
+        "landing to meet it, because it brought letters, newspapers and, if the weather had "
+        "been kind, fresh bread from the town. In winter the storms closed the landing for "
+        "weeks at a time. Waves broke over the rocks and ran up the walls of the tower, and "
+        "the whole building shook. Then the family lived on what was in the store: flour, "
+        "salted fish, potatoes and tea. They read the old newspapers again, played cards by "
+        "the stove and listened to the wind. Years later, when the light was automated and "
+        "the last keeper left, people in the town still talked about the night of the great "
+        "storm, when the lamp never went out.")
 
 
-def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int) -> float:
-    """Seconds per engine step, this process's tree."""
+def model_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> int:
+    """The next-token logits of the model in `hf_dir` at every position of TEXT, saved to
+    `out` (float32 [positions, vocab]); returns the number of positions."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from engine.engine_builder import load_tokenizer
+
+    ids = load_tokenizer(tokenizer_dir).encode(TEXT)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    torch.save(logits.contiguous(), out)
+    return logits.shape[0]
+
+
+def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
+            logits_path: str | None = None) -> float:
+    """Seconds per engine step, this process's tree (`logits_path`: model_logits' file)."""
     import dataclasses
     import random
 
@@ -51,11 +92,17 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int) -> float:
         reads_device_tokens = False  # computes nothing: plain steps only
 
         def __init__(self, vocab_size: int) -> None:
-            self.logits = torch.randn(max(batch, 1), vocab_size,
-                                      generator=torch.Generator().manual_seed(0))
+            self.logits = (torch.load(logits_path) if logits_path is not None else
+                           torch.randn(max(batch, 1), vocab_size,
+                                       generator=torch.Generator().manual_seed(0)))
+            self.num_calls = 0
 
         def execute(self, schedule, on_layer=None, previous=None):
-            return self.logits[:sum(1 for c in schedule.chunks if c.sample)]
+            rows = sum(1 for c in schedule.chunks if c.sample)
+            # A window of consecutive positions, a different one each step (a view: no copy).
+            start = (self.num_calls * 7) % (self.logits.shape[0] - rows + 1)
+            self.num_calls += 1
+            return self.logits[start:start + rows]
 
         def close(self) -> None:
             return None
@@ -88,7 +135,7 @@ def run_tree(tree: Path, args: argparse.Namespace, batch: int, mode: str) -> flo
     env = {**os.environ, "PYTHONPATH": str(tree)}
     code = ("import json, sys; from benchmarks.engine_host import measure; "
             f"print(json.dumps(measure({str(args.tokenizer)!r}, {batch}, {mode!r}, "
-            f"{args.steps})))")
+            f"{args.steps}, {args.logits_path!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True,
                          capture_output=True, text=True, timeout=600)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -111,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default %(default)s)")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout to measure alternately (optional)")
+    parser.add_argument("--logits-from", type=Path, default=None,
+                        help="a Hugging Face model directory whose own logits over a fixed "
+                             "text the null runner returns (default: random logits)")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
@@ -121,6 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.tokenizer / "tokenizer.json").is_file():
         parser.error(f"{args.tokenizer}/tokenizer.json not found")
     args.tokenizer = args.tokenizer.resolve()
+    args.logits_path = None
+    if args.logits_from is not None:
+        if not (args.logits_from / "config.json").is_file():
+            parser.error(f"{args.logits_from}/config.json not found")
+        scratch = tempfile.TemporaryDirectory(prefix="engine-host-")  # ~60 MB: removed at exit
+        args.logits_path = str(Path(scratch.name) / "logits.pt")
+        positions = model_logits(args.logits_from, args.tokenizer, Path(args.logits_path))
+        if positions < max(batches):
+            parser.error(f"the text has {positions} positions, fewer than batch {max(batches)}")
+        print(f">> {positions} positions of {args.logits_from}'s logits", file=sys.stderr)
     here = Path(__file__).resolve().parent.parent
     trees = {"this tree": here}
     if args.baseline_tree is not None:

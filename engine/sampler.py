@@ -10,7 +10,8 @@ Processing order, per row (vLLM's order; each step sees the previous one's outpu
       -> frequency / presence over output tokens (OpenAI: logit -= f * count + p * [count > 0])
       -> greedy rows (temperature == 0): argmax, done
       -> / temperature -> min_p (drop p < min_p * p_max) -> top_k -> top_p (smallest set with
-         mass >= top_p; the top token always survives)
+         mass >= top_p, and tokens tied with its last; the top token always survives; on
+         the host found from a partial top-k, not a sort of the vocabulary)
       -> sample from softmax with the row's own generator
 
 Logprobs: computed from the log-softmax of the raw logits, before any penalty, temperature or
@@ -50,6 +51,9 @@ from engine.sampler_output import SamplerOutput, TokenLogprobs
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs",
            "position_seed"]
 
+# The host's top-p looks at this many of a row's top tokens first (see _apply_top_p).
+TOP_P_FIRST_K = 64
+
 
 @dataclass(slots=True)
 class SamplingState:
@@ -70,7 +74,6 @@ class SamplingState:
     def check_invariants(self, params: SamplingParams) -> None:
         assert (self.generator is not None) == (params.seed is not None), \
             "a seeded request must draw from its own generator, and only then"
-
 
 class Sampler:
     """Stateless apart from the generator used by unseeded rows."""
@@ -256,14 +259,55 @@ def _apply_top_k(rows: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor:
 
 
 def _apply_top_p(rows: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Keep each row's smallest set of top tokens whose mass reaches its top_p: every token
+    whose probability is at least that set's smallest (so tokens tied with it stay too;
+    the top token always stays)."""
     if all(p >= 1.0 for p in top_ps):
         return rows
-    sorted_rows, order = rows.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_rows, dim=-1)
-    # Mass strictly before each token: a token is kept while the mass before it is < top_p,
-    # so the top token always survives and the kept set is the smallest reaching top_p.
-    mass_before = probs.cumsum(dim=-1) - probs
+    probs = torch.softmax(rows, dim=-1)
     top_p = torch.tensor(top_ps, dtype=rows.dtype, device=rows.device).unsqueeze(1)
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return rows.masked_fill(drop, float("-inf"))
+    floors = (_top_p_floors_sorted(probs, top_p) if rows.is_cuda
+              else _top_p_floors_partial(probs, top_p, [p < 1.0 for p in top_ps]))
+    floors = floors.masked_fill(top_p >= 1.0, 0.0)  # no cut: rounding must not drop the tail
+    return rows.masked_fill(probs < floors, float("-inf"))
+
+
+def _top_p_floors_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The floors from a sort of every row: no host sync (the device path)."""
+    return _floors(probs.sort(dim=-1, descending=True).values, top_p)[0]
+
+
+def _top_p_floors_partial(probs: torch.Tensor, top_p: torch.Tensor,
+                          cut: list[bool]) -> torch.Tensor:
+    """The floors from the top TOP_P_FIRST_K of each row, widened for the rows whose kept
+    set runs past them (the host path: a language model's kept set is usually a few dozen
+    tokens, and a CPU sort of a 49k vocabulary takes ~5 ms per row). The top k of a row
+    are the first k of its sorted order, with the same running mass, so the floors are the
+    sort's exactly."""
+    num_rows, vocab_size = probs.shape
+    floors = torch.zeros(num_rows, 1, dtype=probs.dtype, device=probs.device)
+    pending = torch.tensor([i for i, c in enumerate(cut) if c], dtype=torch.long,
+                           device=probs.device)
+    k = min(TOP_P_FIRST_K, vocab_size)
+    while pending.numel():
+        rows = probs if pending.numel() == num_rows else probs[pending]
+        top = (rows.topk(k, dim=-1) if k < vocab_size  # sorted, descending
+               else rows.sort(dim=-1, descending=True)).values
+        floor, num_kept = _floors(top, top_p[pending])
+        done = (num_kept.squeeze(1) < k) | (k == vocab_size)
+        floors[pending[done]] = floor[done]
+        # Widen 8x; but past an eighth of the vocabulary, or for a flat row (its top k hold
+        # less than half the mass it needs: the kept set is far wider), a sort costs as much.
+        flat = bool((top[~done].sum(dim=-1) < top_p[pending][~done].squeeze(1) / 2).any())
+        pending = pending[~done]
+        k = k * 8 if k * 8 <= vocab_size // 8 and not flat else vocab_size
+    return floors
+
+
+def _floors(top: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the largest probabilities of each row in descending order: the smallest kept
+    one (the floor) and how many are kept. A token is kept while the mass before it is
+    < top_p, so the kept set is the smallest reaching top_p (top_p > 0: at least one)."""
+    mass_before = top.cumsum(dim=-1) - top
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    return top.gather(1, num_kept - 1), num_kept

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.contract.sampling_params import SamplingParams
+import engine.sampler as sampler_module
 from engine.sampler import Sampler, SamplingState, position_seed
 
 EOS = 3
@@ -181,6 +182,40 @@ def test_top_p_always_keeps_the_top_token() -> None:
     logits[9] = 3.0
     freq = frequencies(logits, SamplingParams(temperature=1.0, top_p=0.01), 2000)
     assert freq[9] == 1.0
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 20.0])  # flat .. peaked
+def test_top_p_from_a_partial_top_k_cuts_where_a_full_sort_does(scale: float) -> None:
+    # The host finds the cut from the top 64 (then 512, 4096, ...) of each row; the device
+    # path sorts the whole row. Both must keep exactly the same tokens, for rows whose kept
+    # set is a handful of tokens and for rows that need most of the vocabulary.
+    vocab = 20_000
+    top_ps = [0.01, 0.3, 0.9, 0.999, 1.0, 0.95]
+    rows = torch.randn(len(top_ps), vocab, generator=torch.Generator().manual_seed(5)) * scale
+    probs = torch.softmax(rows, dim=-1)
+    top_p = torch.tensor(top_ps).unsqueeze(1)
+    partial = sampler_module._top_p_floors_partial(probs, top_p, [p < 1 for p in top_ps])
+    assert torch.equal(partial[:4], sampler_module._top_p_floors_sorted(probs, top_p)[:4])
+    assert partial[4].item() == 0.0  # top_p 1.0: no cut at all
+    kept = sampler_module._apply_top_p(rows, top_ps) > -math.inf
+    for i, p in enumerate(top_ps):
+        order = probs[i].double().argsort(descending=True)
+        mass_before = probs[i].double()[order].cumsum(0) - probs[i].double()[order]
+        reference = int((mass_before < p).sum()) if p < 1 else vocab
+        assert int(kept[i].sum()) == reference, (p, scale)
+        assert kept[i][order[:reference]].all()
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs() -> None:
+    # bf16 logits have few distinct values: ties at the cut are common. Five tokens of
+    # 0.2 each: top_p 0.5 needs three of them, and keeps all five (the same on both paths).
+    logits = torch.full((1, 300), -math.inf)
+    logits[0, 100:105] = 1.0
+    for floors in (sampler_module._top_p_floors_sorted, sampler_module._top_p_floors_partial):
+        probs = torch.softmax(logits, dim=-1)
+        args = (probs, torch.tensor([[0.5]])) + (([True],) if "partial" in floors.__name__ else ())
+        assert floors(*args).item() == pytest.approx(0.2)
+    assert (sampler_module._apply_top_p(logits, [0.5]) > -math.inf).sum() == 5
 
 
 # ---- seeds ------------------------------------------------------------------------------
