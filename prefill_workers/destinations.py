@@ -9,8 +9,8 @@ Lifecycle of one request's destination:
 
     expect(rid) ─▶ WAITING (a future) ─ deliver(rid, d) ─▶ KNOWN (the future's result)
                                       └ forget(rid) (the prefill stream ended) ─▶ gone
-    deliver(rid, d) before expect(rid) ─▶ HELD (the notice overtook its request, over
-        two connections) ─ expect(rid) within `hold_s` ─▶ KNOWN;  else dropped
+    deliver(rid, d) before expect(rid) ─▶ HELD (the notice overtook its request: two
+        calls, handled by two tasks) ─ expect(rid) within `hold_s` ─▶ KNOWN;  else dropped
 
 Invariants (`check_invariants`): a request id is never both waiting and held; at most
 `max_held` notices are held, each for at most `hold_s`.

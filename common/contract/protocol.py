@@ -206,7 +206,7 @@ class DestinationNotice(Message, tag="destination_notice", frozen=True, kw_only=
 class DestinationAck(Message, tag="destination_ack", frozen=True, kw_only=True):
     request_id: Id
     # False: no such prefill here yet; the notice is held for a while in case the request
-    # is still on its way (two connections need not deliver in order).
+    # is still on its way (two calls need not be handled in the order they were sent).
     waiting: bool
 
 

@@ -178,3 +178,40 @@ def test_refusal_names_what_ran_out() -> None:
                       WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=8))
     assert message == ("KV cache full: the prompt needs 3 blocks, 1 of 8 are free within "
                        "1500 ms; retry later or on another worker")
+
+
+def test_an_abort_during_the_first_try_releases_what_it_took() -> None:
+    async def main() -> None:
+        pool = Pool(free=10)
+        line = BlockWaiters()
+        task = asyncio.create_task(line.reserve(pool, request("r", 3), lambda: False))
+        await asyncio.sleep(0)  # the first try is on the "engine thread" now
+        assert "r" in line and line.cancel("r")
+        with pytest.raises(ReservationAborted, match="aborted while reserving"):
+            await task
+        assert pool.tries == ["r"] and pool.held == {} and pool.free == 10
+        line.check_invariants()
+
+    asyncio.run(main())
+
+
+def test_an_abort_handled_before_its_reservation_refuses_it_for_a_while() -> None:
+    async def main() -> None:
+        pool = Pool(free=10)
+        line = BlockWaiters(abort_memory_s=10.0, max_aborts_remembered=2)
+        with ManualClock() as clock:
+            assert not line.cancel("early")  # nothing to cancel yet: remembered
+            with pytest.raises(ReservationAborted, match="before the reservation"):
+                await line.reserve(pool, request("early", 2), lambda: False)
+            assert pool.tries == []  # never reached the pool
+            line.cancel("late")
+            await clock.advance(11.0)
+            assert await line.reserve(pool, request("late", 2), lambda: False) == ("held", "late")
+            for rid in ("a", "b", "c"):  # bounded: the oldest is forgotten
+                line.cancel(rid)
+            line.check_invariants()
+            assert await line.reserve(pool, request("a", 1), lambda: False) == ("held", "a")
+            with pytest.raises(ReservationAborted):
+                await line.reserve(pool, request("c", 1), lambda: False)
+
+    asyncio.run(main())
