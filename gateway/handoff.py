@@ -30,17 +30,14 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from aiohttp import ClientError
-
 from common.contract.control_client import ControlClient, FrameBatches
-from common.contract.control_errors import ControlError
 from common.contract.protocol import (DestinationAck, DestinationNotice, Message, ReserveRequest,
                                       ReserveResponse, TokenFrame, TransferResult, TransferStatus)
 from common.contract.worker_load import WorkerLoad
 from gateway.backend import GenerationRequest
 from gateway.relay import TokenRelay
 from gateway.retry_policy import FailureKind, LegFailed, Phase, leg_failed
-from gateway.router import RoutePlan
+from gateway.router import RoutePlan, load_has_room
 from gateway.worker_clients import CALL_FAILURES
 
 log = logging.getLogger(__name__)
@@ -143,7 +140,7 @@ async def watch_transfer(prefill_frames: AsyncGenerator[Message, None], attempt:
                     return
             failure = LegFailed(prefill_id, Phase.TRANSFER, FailureKind.WORKER_ERROR,
                                 "stream ended before the KV transfer finished")
-    except (ControlError, ClientError, OSError, TimeoutError) as exc:
+    except CALL_FAILURES as exc:
         failure = leg_failed(prefill_id, Phase.TRANSFER, exc)
     finally:
         if failure is not None:
@@ -159,11 +156,8 @@ def should_prefill_early(num_prompt_tokens: int, block_size: int,
     Early only where the decode worker's last report shows room for the prompt's blocks
     `EARLY_PREFILL_ROOM` times over: a reservation that may queue for blocks goes first,
     so the prefill worker does not hold a computed prompt while it waits."""
-    if decode_load is None or decode_load.num_kv_blocks_total <= 0:
-        return False
-    needed = -(-(num_prompt_tokens + 1) // block_size)
-    free = decode_load.num_kv_blocks_total - decode_load.num_kv_blocks_used
-    return free >= EARLY_PREFILL_ROOM * needed
+    return decode_load is not None and load_has_room(decode_load, num_prompt_tokens, block_size,
+                                                     EARLY_PREFILL_ROOM)
 
 
 async def reserve_and_forward(decoder: ControlClient, decode_id: str, message: ReserveRequest,

@@ -247,9 +247,14 @@ def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan,
 def has_room(worker: WorkerView, prompt_len: int, block_size: int) -> bool:
     """Whether the worker's last published KV pool has the blocks for the prompt and its
     first token (prefix-cache hits not counted: a conservative guess)."""
-    load = worker.load
+    return load_has_room(worker.load, prompt_len, block_size)
+
+
+def load_has_room(load: WorkerLoad, prompt_len: int, block_size: int, times: int = 1) -> bool:
+    """Whether `load`'s free KV blocks hold the prompt and its first token `times` times
+    over (an unknown, empty pool has no room)."""
     needed = -(-(prompt_len + 1) // block_size)
-    return load.num_kv_blocks_total - load.num_kv_blocks_used >= needed
+    return load.num_kv_blocks_total - load.num_kv_blocks_used >= times * needed
 
 
 def _load_cost(load: WorkerLoad, weights: RoutingWeights) -> float:
