@@ -20,7 +20,8 @@ while its reserve command is on the engine thread queues a release right behind 
 engine runs commands in order), so no blocks are left behind. The first try of a
 reservation that finds nobody waiting is findable by `cancel` too: an abort that arrives
 while that try is on the engine thread releases what it took. An abort that finds nothing
-is remembered for `abort_memory_s` (at most `max_aborts_remembered` ids): a reservation
+is remembered for `abort_memory_s` (at most `max_aborts_remembered` ids;
+common/worker/recent_entries.py): a reservation
 handled after its own abort (two calls need not be handled in the order they were sent)
 is refused, not held until its timeout. Invariants
 (check_invariants): the line is sorted by (-priority, arrival), holds each place once,
@@ -32,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.contract.protocol import ReserveRequest
 from common.contract.worker_load import WorkerLoad
+from common.worker.recent_entries import RecentEntries
 
 if TYPE_CHECKING:
     from engine.engine_thread import EngineThread
@@ -64,9 +65,8 @@ class BlockWaiters:
         """`on_change(length, outcome)` after each join (outcome None) and each wait's end
         (outcome "served", "timed_out" or "cancelled"): the worker's metrics."""
         self.poll_s = poll_s
-        self.abort_memory_s = abort_memory_s
-        self.max_aborts_remembered = max_aborts_remembered
-        self._aborted: OrderedDict[str, float] = OrderedDict()  # id -> loop time of its abort
+        # Aborts that found nothing: their reservations may still be on their way.
+        self._aborted: RecentEntries[bool] = RecentEntries(abort_memory_s, max_aborts_remembered)
         self._on_change = on_change or (lambda length, outcome: None)
         self._line: list[Place] = []
         self._by_id: dict[str, Place] = {}
@@ -100,19 +100,11 @@ class BlockWaiters:
         """End the wait of `request_id` (an abort); True when it was waiting."""
         place = self._by_id.get(request_id) or self._trying.get(request_id)
         if place is None:
-            self._remember_abort(request_id)
+            self._aborted.put(request_id, True, asyncio.get_running_loop().time())
             return False
         place.cancelled = True
         place.woken.set()
         return True
-
-    def _remember_abort(self, request_id: str) -> None:
-        now = asyncio.get_running_loop().time()
-        while self._aborted and (len(self._aborted) >= self.max_aborts_remembered or
-                                 now - next(iter(self._aborted.values())) > self.abort_memory_s):
-            self._aborted.popitem(last=False)
-        self._aborted.pop(request_id, None)
-        self._aborted[request_id] = now
 
     def is_head(self, place: Place) -> bool:
         return bool(self._line) and self._line[0] is place
@@ -136,9 +128,7 @@ class BlockWaiters:
         `wait_ms`; None when none came in time (or `stopped()`). Raises ReservationAborted
         when `cancel`led, ValueError when the prompt can never fit the pool."""
         rid, prompt = request.request_id, request.prompt_token_ids
-        aborted_at = self._aborted.pop(rid, None)
-        if aborted_at is not None and \
-                asyncio.get_running_loop().time() - aborted_at <= self.abort_memory_s:
+        if self._aborted.pop(rid, asyncio.get_running_loop().time()):
             raise ReservationAborted(f"{rid}: aborted before the reservation was handled")
         if not self._line:  # nobody waits: try at once (else a newcomer would pass the line)
             trying = self._trying[rid] = Place((0, 0), rid)
@@ -192,7 +182,7 @@ class BlockWaiters:
             "a waiter in line is not findable by its request id"
         assert len(self._by_id) <= len(self._line), "a request id names no waiter in line"
         assert not any(p in self._line for p in self._trying.values()), "a first try in line"
-        assert len(self._aborted) <= self.max_aborts_remembered, "too many aborts remembered"
+        self._aborted.check_invariants()
 
 
 def refusal(request: ReserveRequest, block_size: int, load: WorkerLoad) -> str:

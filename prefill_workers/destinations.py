@@ -19,17 +19,15 @@ Invariants (`check_invariants`): a request id is never both waiting and held; at
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 
 from common.contract.protocol import DecodeDestination
+from common.worker.recent_entries import RecentEntries
 
 
 class FollowingDestinations:
     def __init__(self, hold_s: float = 10.0, max_held: int = 4096) -> None:
-        self.hold_s = hold_s
-        self.max_held = max_held
         self._waiting: dict[str, asyncio.Future[DecodeDestination]] = {}
-        self._held: OrderedDict[str, tuple[float, DecodeDestination]] = OrderedDict()
+        self._held: RecentEntries[DecodeDestination] = RecentEntries(hold_s, max_held)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -43,9 +41,9 @@ class FollowingDestinations:
         if request_id in self._waiting:
             raise ValueError(f"{request_id}: a destination is already expected")
         future: asyncio.Future[DecodeDestination] = asyncio.get_running_loop().create_future()
-        held = self._held.pop(request_id, None)
-        if held is not None and now - held[0] <= self.hold_s:
-            future.set_result(held[1])
+        held = self._held.pop(request_id, now)
+        if held is not None:
+            future.set_result(held)
         self._waiting[request_id] = future
         return future
 
@@ -56,11 +54,7 @@ class FollowingDestinations:
             if not future.done():
                 future.set_result(destination)
             return True
-        self._expire(now)
-        self._held.pop(request_id, None)
-        while len(self._held) >= self.max_held:
-            self._held.popitem(last=False)  # the oldest: its request is the least likely to come
-        self._held[request_id] = (now, destination)
+        self._held.put(request_id, destination, now)
         return False
 
     def forget(self, request_id: str) -> None:
@@ -69,16 +63,7 @@ class FollowingDestinations:
         if future is not None and not future.done():
             future.cancel()
 
-    def _expire(self, now: float) -> None:
-        while self._held:
-            request_id, (held_at, _) = next(iter(self._held.items()))
-            if now - held_at <= self.hold_s:
-                return
-            del self._held[request_id]
-
     def check_invariants(self) -> None:
-        both = self._waiting.keys() & self._held.keys()
+        both = [request_id for request_id in self._waiting if request_id in self._held]
         assert not both, f"waiting and held at once: {sorted(both)[:5]}"
-        assert len(self._held) <= self.max_held, f"{len(self._held)} notices held"
-        times = [held_at for held_at, _ in self._held.values()]
-        assert times == sorted(times), "held notices out of arrival order"
+        self._held.check_invariants()
