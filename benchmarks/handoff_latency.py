@@ -171,7 +171,6 @@ async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    samples = []
     background: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with session.get(f"{cluster.url}/v1/models", headers={
@@ -185,17 +184,17 @@ async def run_mode(cluster: UpCluster, prompts: dict[int, list[list[int]]],
                 session, cluster.url, cluster.token, model, prompt, started)))
             await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
         try:
-            await measure(session, cluster, model, prompts, warm_up, samples)
+            return await measure(session, cluster, model, prompts, warm_up)
         finally:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-    return samples
 
 
 async def measure(session, cluster: UpCluster, model: str, prompts: dict[int, list[list[int]]],
-                  warm_up: int, samples: list[Sample]) -> None:
-    """The prompts one at a time, each length's warm-up first; appends to `samples`."""
+                  warm_up: int) -> list[Sample]:
+    """The prompts one at a time, each length's warm-up first."""
+    samples = []
     for n, batch in prompts.items():
         for prompt in batch[:warm_up]:  # discarded: first use of this length's shapes
             await stream_one(session, cluster.url, cluster.token, model, prompt)
@@ -207,6 +206,7 @@ async def measure(session, cluster: UpCluster, model: str, prompts: dict[int, li
             print(f"   {n} tokens, request {i + 1}: TTFT {sample.ttft_ms:.1f} ms, "
                   f"token 2 {sample.token2_ms:.1f} ms, prefill steps "
                   f"{sample.prefill_steps_ms:.1f} ms", file=sys.stderr)
+    return samples
 
 
 def push_counts(cluster: UpCluster) -> dict[str, float]:

@@ -6,7 +6,8 @@ token (not the last, not an error) leaves from the engine thread's delivery call
 straight through the lane (`RequestStream.direct`), one frame per output, while this
 generator waits; the last token, an end and anything the lane refuses come here. An end
 put on the stream by the worker (abort, shutdown, failure) wins over outputs read with it:
-after an end, no token is sent (the abort's `num_tokens_sent` relies on it). The request's outcome is counted once, in `pdserve_requests_total`.
+after an end, no token is sent (the abort's `num_tokens_sent` relies on it). The
+request's outcome is counted once, in `pdserve_requests_total`.
 """
 
 from __future__ import annotations

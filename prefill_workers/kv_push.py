@@ -87,7 +87,7 @@ class KVPusher:
             if early is None or early.counted:
                 self.metrics.handoff_failures.inc(reason=f"transfer_{name}")
             log.info("KV push of %s failed: %s", spec.request_id, exc)
-            return transfer_result(spec, destination, TransferStatus.FAILED,
+            return transfer_result(spec.request_id, destination, TransferStatus.FAILED,
                                    error=f"{name}: {exc}")
         num_blocks = len(spec.src_block_ids)
         num_bytes = transfer_bytes(self.kv_layout, num_blocks, len(spec.layers))
@@ -102,7 +102,7 @@ class KVPusher:
         self.metrics.kv_transfers.inc(direction="sent",
                                       path="mapped" if handle.mapped else "data_plane")
         self.metrics.kv_pushes.inc(start=start)
-        return transfer_result(spec, destination, TransferStatus.DONE,
+        return transfer_result(spec.request_id, destination, TransferStatus.DONE,
                                num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
 
 
@@ -123,9 +123,9 @@ async def unless(awaitable: Awaitable[T], stop: asyncio.Event, reason: Callable[
     raise TransferCancelled(reason())
 
 
-def transfer_result(spec: TransferSpec, destination: DecodeDestination, status: TransferStatus,
+def transfer_result(request_id: str, destination: DecodeDestination, status: TransferStatus,
                     num_blocks_sent: int = 0, num_bytes_sent: int = 0,
                     error: str | None = None) -> TransferResult:
-    return TransferResult(request_id=spec.request_id, destination_worker_id=destination.worker_id,
+    return TransferResult(request_id=request_id, destination_worker_id=destination.worker_id,
                           destination_epoch=destination.epoch, status=status, error=error,
                           num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent)

@@ -58,7 +58,7 @@ from common.contract.control_server import add_call, add_stream
 from common.contract.finish_reason import FinishReason
 from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination,
                                       DestinationAck, DestinationNotice, ErrorCode, Message,
-                                      PrefillRequest, PrefillResult, TransferResult, TransferStatus)
+                                      PrefillRequest, PrefillResult, TransferStatus)
 from common.worker.metrics import WorkerMetrics
 from common.worker.output_frames import error_frame, to_token_logprob
 from engine.engine_thread import EngineThread
@@ -71,7 +71,7 @@ from kv_transfer.errors import TransferCancelled
 from kv_transfer.interface import KVSender
 from prefill_workers.destinations import FollowingDestinations
 from prefill_workers.early_push import EarlyPush, log_push_error
-from prefill_workers.kv_push import KVPusher, unless
+from prefill_workers.kv_push import KVPusher, transfer_result, unless
 from prefill_workers.push_plan import plan_push
 
 log = logging.getLogger(__name__)
@@ -262,9 +262,7 @@ class PrefillWorker:
         destination = request.destination
         if not pushing:
             if destination is not None:  # (a destination that follows is never needed)
-                yield TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
-                                     destination_epoch=destination.epoch,
-                                     status=TransferStatus.SKIPPED)
+                yield transfer_result(rid, destination, TransferStatus.SKIPPED)
         elif early is not None:
             yield await early.task
         else:
@@ -300,9 +298,7 @@ class PrefillWorker:
                          destination.num_prefix_blocks_held, num_prompt_tokens,
                          engine.block_size, engine.num_layers)
         if spec is None:  # the destination holds it all: nothing to send
-            return TransferResult(request_id=rid, destination_worker_id=destination.worker_id,
-                                  destination_epoch=destination.epoch,
-                                  status=TransferStatus.SKIPPED)
+            return transfer_result(rid, destination, TransferStatus.SKIPPED)
         return await self.pusher.push(spec, destination, stop, reason, deadline, early)
 
     # ---------------------------------------------------------------- abort
