@@ -132,7 +132,8 @@ class PrefillWorker:
                                self.transfer_layer_delay_s, self.fault_request_prefix)
 
     def state(self) -> dict[str, object]:
-        return {"num_active": len(self._active), "active": sorted(self._active)}
+        return {"num_active": len(self._active), "active": sorted(self._active),
+                "num_held_destinations": self.destinations.num_held}
 
     def check_invariants(self) -> None:
         for rid, active in self._active.items():

@@ -23,17 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from common.contract.channel_client import ChannelPool
 from common.contract.control_client import ControlClient
 from common.contract.control_errors import ControlError, RemoteError
+from common.contract.frames import MSGPACK_CONTENT_TYPE
 from common.contract.metrics import parse_samples
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest,
-                                      DestinationAck, DestinationNotice, ErrorCode,
-                                      PrefillRequest, PrefillResponseFrame, PrefillResult,
-                                      ReserveRequest, ReserveResponse, TokenFrame, TransferResult,
-                                      TransferStatus)
+from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination,
+                                      DecodeRequest, DestinationAck, DestinationNotice,
+                                      ErrorCode, ErrorFrame, MessageDecoder, PrefillRequest,
+                                      PrefillResponseFrame, PrefillResult, ReserveRequest,
+                                      ReserveResponse, TokenFrame, TransferResult, TransferStatus,
+                                      encode)
 from common.contract.redis_state import RedisState, connect
 from common.contract.sampling_params import SamplingParams
 from launcher.redis_server import RedisServer
@@ -325,6 +328,34 @@ def test_a_destination_notice_that_overtakes_its_prefill_request_is_used(cluster
         assert result.tokens == cluster.reference["long"]
         await wait_no_blocks_held(p, 2.0)
         await wait_no_blocks_held(d, 2.0)
+
+    asyncio.run(run())
+
+
+def test_bad_destination_notices_get_a_clear_error_and_hold_nothing(cluster: Cluster) -> None:
+    p = cluster.workers["p-ucx"]
+    good = msgspec.msgpack.decode(encode(DestinationNotice(request_id="bad-notice", destination=(
+        DecodeDestination(worker_id="d", epoch=1, kv_address="x", block_ids=[1, 2])))))
+    no_destination = [good[0], {k: v for k, v in good[1].items() if k != "destination"}]
+    too_many_held = [good[0], {**good[1], "destination": {**good[1]["destination"],
+                                                          "num_prefix_blocks_held": 3}}]
+    bodies = {"garbage": b"\xc1not msgpack", "no destination": msgspec.msgpack.encode(no_destination),
+              "more blocks held than reserved": msgspec.msgpack.encode(too_many_held),
+              "empty request id": msgspec.msgpack.encode([good[0], {**good[1], "request_id": ""}])}
+
+    async def run() -> None:
+        before = await worker_state(p)
+        async with aiohttp.ClientSession() as session:
+            for what, body in bodies.items():
+                async with session.post(p.control_url + "/internal/destination", data=body,
+                                        headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as resp:
+                    assert resp.status == 400, what
+                    frame = MessageDecoder(ErrorFrame).decode(await resp.read())
+                    assert frame.code in (ErrorCode.BAD_REQUEST, ErrorCode.PROTOCOL_VERSION), what
+                    assert frame.message, what
+        after = await worker_state(p)
+        assert after["invariant_error"] is None, after
+        assert after["num_held_destinations"] == before["num_held_destinations"]
 
     asyncio.run(run())
 

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from common.contract.protocol import (AbortRequest, AbortResponse, AnyMessage, DecodeDestination,
-                                      DecodeRequest, ErrorCode, ErrorFrame, FinishReason,
+                                      DecodeRequest, DestinationAck, DestinationNotice, ErrorCode, ErrorFrame, FinishReason,
                                       LoadReport, MessageDecoder, MessageTooLargeError,
                                       PrefillRequest, PrefillResponseFrame, PrefillResult,
                                       PrefixIndexEvent, ProtocolError, ProtocolVersionError,
@@ -43,6 +43,10 @@ EXAMPLES = [
                                prefill_tokens_per_s=1.5e4)),
     PrefixIndexEvent(worker_id="prefill-1", epoch=3, inserted=[2**63 + 1, -7], evicted=[5],
                      reset=True),
+    PrefillRequest(request_id="r", prompt_token_ids=[1, 2], timeout_ms=900,
+                   destination_follows=True),
+    DestinationNotice(request_id="r", destination=DEST),
+    DestinationAck(request_id="r", waiting=False),
 ]
 
 
@@ -118,3 +122,17 @@ def test_sampling_params_cross_the_wire_unchanged_and_are_validated_on_decode() 
     raw[1]["sampling"]["top_p"] = 0.0
     with pytest.raises(ProtocolError, match="top_p"):
         decode(msgspec.msgpack.encode(raw), PrefillRequest)
+
+
+def test_a_prefill_request_names_its_destination_or_says_it_follows_not_both() -> None:
+    with pytest.raises(ValueError, match="pick one"):
+        PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=9, destination=DEST,
+                       destination_follows=True)
+    raw = msgspec.msgpack.decode(encode(EXAMPLES[2]))  # a PrefillRequest with a destination
+    raw[1]["destination_follows"] = True
+    with pytest.raises(ProtocolError, match="pick one"):
+        decode(msgspec.msgpack.encode(raw), PrefillRequest)
+    raw = msgspec.msgpack.decode(encode(DestinationNotice(request_id="r", destination=DEST)))
+    del raw[1]["destination"]
+    with pytest.raises(ProtocolError, match="destination"):
+        decode(msgspec.msgpack.encode(raw), DestinationNotice)
