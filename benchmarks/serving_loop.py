@@ -11,6 +11,9 @@ would. Per concurrency, the engine runs each mode in turn, `--repeats` times, al
     overlapped  LLMEngine.step(overlap=True): the next step is planned and queued before this
                 step's tokens reach the host (engine/inflight_step.py)
 
+and each with the suffix `-eager` (`overlapped-eager`): steps that carry prefill chunks
+launched kernel by kernel instead of replayed from their CUDA graphs (engine/mixed_graphs.py).
+
 Per concurrency: `--warm-steps` steps to reach the steady state (the first requests end
 at random lengths, so no wave finishes together); then per run (modes in ABBA order) one
 step to change mode, `--steps` steps timed for
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("plain", "pipelined", "overlapped")
+EAGER = "-eager"  # a mode's suffix: steps with prefill chunks launched eagerly, not replayed
 
 
 def log(message: str) -> None:
@@ -56,6 +60,7 @@ class Run:
     mode: str
     tokens_per_s: float
     wall_ms_per_step: float
+    mixed_graph_steps: int  # of the timed steps, those replayed from a mixed CUDA graph
     device_busy: float | None  # the device's share of the profiled window's wall time
     device_ms_per_step: float | None
 
@@ -135,32 +140,49 @@ def device_window(loop: ClosedLoop, num_steps: int, mode: str) -> tuple[float, f
     return min(busy_us / wall_us, 1.0), busy_us / num_steps / 1e3
 
 
+def parse_mode(mode: str) -> tuple[str, int | None, bool] | None:
+    """(base mode, split threshold or None, mixed graphs on) of `MODE[-eager][@N]`; None
+    when it is not one."""
+    rest, _, split = mode.partition("@")
+    base, eager = (rest[:-len(EAGER)], True) if rest.endswith(EAGER) else (rest, False)
+    if base not in MODES or ("@" in mode and not split.isdigit()):
+        return None
+    return base, int(split) if split else None, not eager
+
+
 def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namespace, cuda: bool,
             profiler: cProfile.Profile | None) -> Run:
-    base, _, split = mode.partition("@")
+    parsed = parse_mode(mode)
+    assert parsed is not None  # main checked every mode
+    base, split, mixed_graphs = parsed
     runner = loop.engine.runner
-    if split:
-        runner.mixed_split_min_tokens, default_split = int(split), runner.mixed_split_min_tokens
+    runner.use_mixed_graphs = mixed_graphs
+    if split is not None:
+        runner.mixed_split_min_tokens, default_split = split, runner.mixed_split_min_tokens
     loop.step(base)  # the other mode's last outputs leave
     if cuda:
         import torch
         torch.cuda.synchronize()
     num_tokens = 0
+    mixed = runner.mixed_graphs
+    mixed_before = 0 if mixed is None else mixed.num_runs
     if profiler is not None:
         profiler.enable()
     started = time.perf_counter()
     for _ in range(args.steps):
         num_tokens += loop.step(base)
     wall_s = time.perf_counter() - started
+    mixed_steps = 0 if mixed is None else mixed.num_runs - mixed_before
     if profiler is not None:
         profiler.disable()
     busy = per_step = None
     if cuda and args.profile_steps:
         busy, per_step = device_window(loop, args.profile_steps, base)
-    if split:
+    if split is not None:
         runner.mixed_split_min_tokens = default_split
-    return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, busy,
-               per_step)
+    runner.use_mixed_graphs = True
+    return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, mixed_steps,
+               busy, per_step)
 
 
 def build(args: argparse.Namespace):
@@ -209,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="32,128,256",
                         help="comma-separated numbers of requests in flight")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="any of plain, pipelined, overlapped; MODE@N runs MODE with a "
-                        "mixed step's decode rows split off to the decode kernel from N "
-                        "context tokens (engine/attention.py)")
+                        help="any of plain, pipelined, overlapped; MODE-eager runs MODE "
+                        "with steps that carry prefill chunks launched eagerly instead of "
+                        "replayed from their CUDA graphs (engine/mixed_graphs.py); MODE@N "
+                        "with an eager mixed step's decode rows split off to the decode "
+                        "kernel from N context tokens (engine/attention.py)")
     parser.add_argument("--repeats", type=int, default=4,
                         help="runs per mode, alternating (ABBA)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
@@ -233,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape and not args.tokenizer:
         parser.error("--shape needs --tokenizer")
     modes = args.modes.split(",")
-    if any(m.partition("@")[0] not in MODES or not m.partition("@")[2].isdigit()
-           and "@" in m for m in modes):
-        parser.error(f"--modes: choose from {', '.join(MODES)}, each optionally with @N")
+    if any(parse_mode(m) is None for m in modes):
+        parser.error(f"--modes: choose from {', '.join(MODES)}, each optionally with "
+                     f"{EAGER} and @N")
 
     import torch
     torch.manual_seed(args.seed)
@@ -253,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = measure(loop, concurrency, mode, args, cuda, profiler)
                 runs.append(run)
                 log(f"{name} c={concurrency} {mode} #{repeat + 1}: "
-                    f"{run.tokens_per_s:.0f} tok/s, {run.wall_ms_per_step:.2f} ms/step"
+                    f"{run.tokens_per_s:.0f} tok/s, {run.wall_ms_per_step:.2f} ms/step, "
+                    f"{run.mixed_graph_steps} of {args.steps} steps from mixed graphs"
                     + (f", device busy {run.device_busy:.0%}, "
                        f"{run.device_ms_per_step:.2f} device ms/step" if run.device_busy else ""))
         loop.drain()

@@ -72,6 +72,10 @@ class KernelAttentionMetadata:
     # rest as a step of their own (the prefill kernel's); 0 and None otherwise.
     num_decode_chunks: int = 0
     prefill_part: KernelAttentionMetadata | None = None
+    # True: the prefill part's cu_seqlens_q count rows from the step's row 0, and its
+    # kernel reads q and writes out over the whole step (a mixed CUDA graph, whose decode
+    # rows are padded: engine/mixed_graphs.py); False: from row num_decode_chunks.
+    prefill_rows_absolute: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -197,7 +201,7 @@ class AttentionMetadata:
                 raise ValueError(
                     f"chunk of {chunk.request_id}: {len(chunk.block_ids)} blocks of "
                     f"{block_size} cannot hold {chunk.end_pos} positions")
-            slots.extend(_chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos,
+            slots.extend(chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos,
                                       block_size))
             query_start.append(query_start[-1] + len(chunk.token_ids))
         meta_without_groups = cls(
@@ -229,7 +233,7 @@ class AttentionMetadata:
         return dataclasses.replace(meta_without_groups, groups=tuple(groups))
 
 
-def _chunk_slots(table: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
+def chunk_slots(table: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slots of positions [start, end) through one block table. Vectorised for
     long chunks: a 2048-token prefill would otherwise spend milliseconds in Python."""
     if end - start == 1:
@@ -244,7 +248,7 @@ def _build_kernel_metadata(schedule: ScheduleOutput, slot_mapping: torch.Tensor,
                            mixed_split_min_tokens: int) -> KernelAttentionMetadata:
     chunks = schedule.chunks
     device = torch.device(device)
-    num_decodes = next((i for i, c in enumerate(chunks) if len(c.token_ids) != 1), len(chunks))
+    num_decodes = schedule.num_leading_decodes
     splits = 1
     mixed = False
     if num_decodes:
@@ -384,12 +388,15 @@ def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v:
                                              meta.num_decode_splits, out=out)
     n, rest = meta.num_decode_chunks, meta.prefill_part
     if rest is not None:  # a mixed step (see the module docstring)
+        # The decode kernel first: with padded decode rows (a mixed graph) it writes zeros
+        # to rows that are prefill tokens, which the prefill kernel then overwrites.
         paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
                                       meta.context_lens[:n], scale, meta.num_decode_splits,
                                       out=out[:n])
-        prefill_attention_triton(q[n:], kv_layer_k, kv_layer_v, rest.block_tables,
+        lo = 0 if meta.prefill_rows_absolute else n
+        prefill_attention_triton(q[lo:], kv_layer_k, kv_layer_v, rest.block_tables,
                                  rest.cu_seqlens_q, rest.context_lens, scale,
-                                 rest.max_query_len, out=out[n:])
+                                 rest.max_query_len, out=out[lo:])
         return out
     return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                     meta.cu_seqlens_q, meta.context_lens, scale,

@@ -49,6 +49,23 @@ def padded_batch_size(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:
     return batch_sizes[i] if i < len(batch_sizes) else None
 
 
+def capture_step(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None,
+                 device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture one step into a graph of the memory pool `pool`: (the graph, the output
+    tensor its replays overwrite). The step runs once first, on a side stream and outside
+    the capture: Triton compiles its kernels and cuBLAS picks its algorithms then, neither
+    of which may happen while capturing."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output
+
+
 class DecodeGraphs:
     """Captured decode steps of one model over one KV pool."""
 
@@ -81,28 +98,20 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def capture(self) -> None:
-        """Build (and on CUDA capture) one step per batch size; called exactly once."""
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """Build (and on CUDA capture) one step per batch size; called exactly once. `pool`:
+        a graph memory pool shared with other graphs of this runner (engine/mixed_graphs.py);
+        None: one of its own."""
         if self.captured:
             raise RuntimeError("decode graphs are captured exactly once")
         before = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
-        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        if self.use_graphs and pool is None:
+            pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):
             step = self._make_step(size)
             self._steps[size] = step
-            if not self.use_graphs:
-                continue
-            # Warm-up outside the capture: compiles the Triton kernels and lets cuBLAS pick
-            # its algorithms, neither of which may happen while capturing.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                step()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                logits = step()
-            self._graphs[size] = (graph, logits)
+            if self.use_graphs:
+                self._graphs[size] = capture_step(step, pool, self.device)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             self.pool_bytes = torch.cuda.memory_reserved(self.device) - before

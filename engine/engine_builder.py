@@ -37,13 +37,16 @@ def build_engine(model: str, config: EngineConfig,
     if config.gpu_memory_fraction is not None and str(config.device).startswith("cuda"):
         from engine.cuda_graphs import DEFAULT_BATCH_SIZES
         from engine.memory_plan import plan_for_model
+        from engine.mixed_graphs import logits_rows
 
         graph_sizes = config.cuda_graph_batch_sizes
         if graph_sizes is None:
             graph_sizes = DEFAULT_BATCH_SIZES
         plan = plan_for_model(loaded.model, config.block_size, config.dtype,
                               config.gpu_memory_fraction, config.max_num_batched_tokens,
-                              max(graph_sizes, default=0))
+                              max(graph_sizes, default=0),
+                              logits_rows(config.max_num_batched_tokens)
+                              if config.mixed_cuda_graphs else 0)
         if progress is not None:
             progress(plan.report())
         config = dataclasses.replace(config, num_kv_blocks=plan.num_kv_blocks)

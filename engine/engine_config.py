@@ -23,6 +23,9 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs; None: the runner's default set on CUDA,
     # none on CPU (see engine/cuda_graphs.py).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Steps with prefill chunks (up to max_num_batched_tokens, at most 512 tokens) captured
+    # as CUDA graphs too, where decode steps are (engine/mixed_graphs.py); False: eager.
+    mixed_cuda_graphs: bool = True
     # On CUDA: size the KV pool to this fraction of device memory (engine/memory_plan.py)
     # instead of num_kv_blocks; None keeps num_kv_blocks.
     gpu_memory_fraction: float | None = None

@@ -4,7 +4,9 @@
     budget
       - in use after loading     weights, rope tables, CUDA context's allocator reserve
       - peak activations         measured: the largest eager step (a full prefill batch)
-      - CUDA graph pool          measured: the largest captured decode step
+      - CUDA graph pool          measured: the largest captured decode step; with mixed
+                                 graphs also the largest eager step again, and their
+                                 static logits (engine/mixed_graphs.py)
       = KV pool, rounded down to whole blocks (all layers, K and V)
 
 The pool is also capped by what is actually free now, less the same activation and graph
@@ -123,9 +125,22 @@ def profile_step_memory(model, block_size: int, dtype: torch.dtype, num_tokens: 
     return peaks[0], peaks[1]
 
 
+def graph_reserve_bytes(decode_step_bytes: int, activation_bytes: int,
+                        mixed_logits_rows: int, vocab_size: int) -> int:
+    """What the CUDA graphs need besides the KV pool; pure. One pool for every graph holds
+    the largest step's activations (a mixed step's are an eager step's, counted again, on
+    top of the decode steps': a plain sum, an upper bound), and the mixed graphs write
+    their logits into one float32 buffer of `mixed_logits_rows` rows (0: no mixed graphs)."""
+    if not mixed_logits_rows:
+        return decode_step_bytes
+    return decode_step_bytes + activation_bytes + mixed_logits_rows * vocab_size * 4
+
+
 def plan_for_model(model, block_size: int, dtype: torch.dtype, gpu_memory_fraction: float,
-                   max_num_batched_tokens: int, max_graph_batch: int) -> MemoryPlan:
-    """Measure, then plan: call after loading weights and before allocating the pool."""
+                   max_num_batched_tokens: int, max_graph_batch: int,
+                   mixed_logits_rows: int = 0) -> MemoryPlan:
+    """Measure, then plan: call after loading weights and before allocating the pool.
+    `mixed_logits_rows`: the mixed graphs' logits rows (engine/mixed_graphs.py), 0: none."""
     device = model.model.embed_tokens.weight.device
     activation, decode_step = profile_step_memory(model, block_size, dtype,
                                                   max_num_batched_tokens, max_graph_batch)
@@ -133,7 +148,8 @@ def plan_for_model(model, block_size: int, dtype: torch.dtype, gpu_memory_fracti
     return plan_kv_pool(total_bytes=total, free_bytes=free,
                         in_use_bytes=torch.cuda.memory_reserved(device),
                         activation_bytes=activation,
-                        # Graphs share one pool sized by the largest step, plus its logits.
-                        cuda_graph_bytes=decode_step if max_graph_batch else 0,
+                        cuda_graph_bytes=graph_reserve_bytes(
+                            decode_step if max_graph_batch else 0, activation,
+                            mixed_logits_rows, model.config.vocab_size),
                         gpu_memory_fraction=gpu_memory_fraction,
                         block_bytes=kv_block_bytes(model.config, block_size, dtype))

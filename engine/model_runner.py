@@ -6,10 +6,11 @@ side effect is writing the K/V of the scheduled tokens into their slots of `KVSt
 blocks shared through prefix caching or owned by other requests are never clobbered.
 It keeps no state between steps: the schedule carries everything (positions, block tables).
 
-Paths: on CUDA (with triton) the model runs its Triton kernel path, and pure decode steps
-replay CUDA graphs captured here at start-up (engine/cuda_graphs.py); any other step (a
-prefill chunk, or a decode batch larger than the largest graph) runs the kernel path
-eagerly. Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors
+Paths: on CUDA (with triton) the model runs its Triton kernel path, and it replays CUDA
+graphs captured here at start-up: pure decode steps (engine/cuda_graphs.py), and steps with
+prefill chunks of up to 512 tokens and 8 chunks, decode rows beside them or not
+(engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
+largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly. Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors
 runs the kernel path under Triton's interpreter (tests only: it is slow).
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -90,14 +92,19 @@ class ModelRunner:
     """`cuda_graph_batch_sizes`: None captures DEFAULT_BATCH_SIZES where graphs can run (the
     kernel path on CUDA) and none elsewhere; () captures none. With `use_kernels=True` on
     CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs).
-    `mixed_split_min_tokens`: from what size a mixed step's decode rows get the decode
-    kernel (engine/attention.py's `split_mixed_step`); None: the model width's default
-    (`mixed_split_threshold`)."""
+    `mixed_split_min_tokens`: from what size an eager mixed step's decode rows get the
+    decode kernel (engine/attention.py's `split_mixed_step`); None: the model width's
+    default (`mixed_split_threshold`). `mixed_graph_tokens`: the largest step with prefill
+    chunks captured as a graph (engine/mixed_graphs.py's `mixed_token_sizes`); None: 512
+    where graphs can run and none elsewhere, 0: none; given on CPU with `use_kernels=True`,
+    the padded steps run eagerly. `use_mixed_graphs` turns their replay off and on at run
+    time (the warm-up and benchmarks compare both paths in one process)."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
                  use_kernels: bool | None = None,
                  cuda_graph_batch_sizes: Sequence[int] | None = None,
-                 mixed_split_min_tokens: int | None = None) -> None:
+                 mixed_split_min_tokens: int | None = None,
+                 mixed_graph_tokens: int | None = None) -> None:
         if kv.layout.block_size != block_size:
             raise ValueError(f"KV storage block size {kv.layout.block_size} != {block_size}")
         if kv.layout.num_layers != model.config.num_layers:
@@ -118,20 +125,32 @@ class ModelRunner:
             use_kernels = False
         self.use_kernels = kernels_available(self.device) if use_kernels is None else use_kernels
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self.use_mixed_graphs = True
         if not self.use_kernels:
             return
         model.prepare_kernels()
         on_cuda = self.device.type == "cuda"
         if cuda_graph_batch_sizes is None:
             cuda_graph_batch_sizes = DEFAULT_BATCH_SIZES if on_cuda else ()
+        if mixed_graph_tokens is None:
+            mixed_graph_tokens = DEFAULT_TOKEN_SIZES[-1] if on_cuda else 0
+        # A table never needs more columns than the pool has blocks or a sequence of the
+        # model's longest context needs.
+        width = min(kv.layout.num_blocks,
+                    math.ceil(model.config.max_position_embeddings / block_size))
+        # One memory pool for every graph: they replay one at a time, on one stream.
+        pool = torch.cuda.graph_pool_handle() if on_cuda else None
+        token_sizes = mixed_token_sizes(mixed_graph_tokens)
+        if token_sizes:
+            # Largest first: the mixed steps' activations outgrow any decode step's.
+            self.mixed_graphs = MixedGraphs(model, kv, block_size, token_sizes, width,
+                                            use_graphs=on_cuda)
+            self.mixed_graphs.capture(pool)
         if cuda_graph_batch_sizes:
-            # A table never needs more columns than the pool has blocks or a sequence of
-            # the model's longest context needs.
-            width = min(kv.layout.num_blocks,
-                        math.ceil(model.config.max_position_embeddings / block_size))
             self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
                                        use_graphs=on_cuda)
-            self.graphs.capture()
+            self.graphs.capture(pool)
         if on_cuda:
             # Eager decode rows (a mixed step's, or a batch past the largest graph) may use
             # any split count: compile them all now rather than one mid-traffic.
@@ -171,6 +190,10 @@ class ModelRunner:
                     previous.token_ids[to_device(src, torch.long, previous.token_ids.device)])
         if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
             return self.graphs.run(schedule, fill)
+        if on_layer is None and self.mixed_graphs is not None and self.use_mixed_graphs:
+            shape = self.mixed_graphs.shape_for(schedule)
+            if shape is not None:
+                return self.mixed_graphs.run(schedule, shape, fill)
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

@@ -46,3 +46,10 @@ class ScheduleOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many chunks, from the first, have one token each: the decode rows, which the
+        scheduler puts first (engine/attention.py gives them the decode kernel)."""
+        return next((i for i, c in enumerate(self.chunks) if len(c.token_ids) != 1),
+                    len(self.chunks))

@@ -17,6 +17,10 @@ start-up already (engine/cuda_graphs.py); `warm_up` covers the rest:
     sampling    greedy, temperature with top-p / top-k / min-p, penalties, seeded, with
                 logprobs
 
+Every step runs eagerly here, with the runner's mixed CUDA graphs off: those were compiled
+and captured with the runner (engine/mixed_graphs.py), and the eager path still serves
+what they do not hold (longer steps, more prefill chunks, steps that signal each layer).
+
 What it leaves behind: nothing running, no block referenced (it checks), and no cache
 event for the registry (they are drained: its prompts are not traffic). Its prompts stay
 in the local prefix cache as free blocks, evicted first when blocks run short. The caller
@@ -84,27 +88,48 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] | None = None,
     max_len = min(engine.model_config.max_position_embeddings - 8, pool_tokens // 4)
     started = time.perf_counter()
     steps_before = engine.num_steps
-    num_requests = 0
 
     def prompt(length: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(max(1, min(length, max_len)))]
 
-    def run(prompts: list[list[int]], samplings: list[SamplingParams], what: str) -> None:
-        nonlocal num_requests
+    def run(prompts: list[list[int]], samplings: list[SamplingParams], what: str) -> int:
         say(f"warming up: {what}")
         engine.generate(prompts, samplings)
-        num_requests += len(prompts)
+        return len(prompts)
 
+    runner = engine.runner
+    graphs_on = isinstance(runner, ModelRunner) and runner.use_mixed_graphs
+    if isinstance(runner, ModelRunner):
+        runner.use_mixed_graphs = False
+    try:
+        num_requests = _warm_steps(engine, prompt, run, budget, say)
+    finally:
+        if isinstance(runner, ModelRunner):
+            runner.use_mixed_graphs = graphs_on
+    engine.kv_cache.drain_events()  # its prompts are not traffic: nothing for the index
+    if engine.kv_cache.num_used_blocks:
+        raise AssertionError(f"warm-up left {engine.kv_cache.num_used_blocks} block(s) held")
+    return WarmUpReport(seconds=time.perf_counter() - started, num_requests=num_requests,
+                        num_steps=engine.num_steps - steps_before)
+
+
+def _warm_steps(engine: LLMEngine, prompt: Callable[[int], list[int]],
+                run: Callable[[list[list[int]], list[SamplingParams], str], int],
+                budget: int, say: Callable[[str], None]) -> int:
+    """Every kind of step once (the module docstring's list); returns the requests run."""
+    num_requests = 0
     greedy, sampled, penalized = _samplings(2)
     lengths = sorted({*[n for n in LENGTHS if n < budget], budget})
     for index, length in enumerate(lengths):
-        run([prompt(length)], [(greedy, sampled, penalized)[index % 3]],
-            f"prefill of {length} token(s) ({index + 1}/{len(lengths)})")
-    run([prompt(n) for n in (7, 33, 64, 130)], [greedy, sampled, penalized, greedy],
-        "several prefills in one step")
+        num_requests += run([prompt(length)], [(greedy, sampled, penalized)[index % 3]],
+                            f"prefill of {length} token(s) ({index + 1}/{len(lengths)})")
+    num_requests += run([prompt(n) for n in (7, 33, 64, 130)],
+                        [greedy, sampled, penalized, greedy], "several prefills in one step")
     long_prompt = prompt(2 * budget + 37)
-    run([long_prompt], [greedy], f"a chunked prefill of {len(long_prompt)} tokens")
-    run([long_prompt + prompt(20)], [sampled], "a prefill over cached prefix blocks")
+    num_requests += run([long_prompt], [greedy],
+                        f"a chunked prefill of {len(long_prompt)} tokens")
+    num_requests += run([long_prompt + prompt(20)], [sampled],
+                        "a prefill over cached prefix blocks")
     # Mixed steps: decodes running while new prompts arrive; then the same with the decode
     # rows split off to the decode kernel, as steps over long contexts are (attention.py).
     num_requests += _mixed_steps(engine, prompt, budget, say, "prefills joining running decodes")
@@ -116,8 +141,4 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] | None = None,
                                          "prefills joining running decodes, split")
         finally:
             runner.mixed_split_min_tokens = threshold
-    engine.kv_cache.drain_events()  # its prompts are not traffic: nothing for the index
-    if engine.kv_cache.num_used_blocks:
-        raise AssertionError(f"warm-up left {engine.kv_cache.num_used_blocks} block(s) held")
-    return WarmUpReport(seconds=time.perf_counter() - started, num_requests=num_requests,
-                        num_steps=engine.num_steps - steps_before)
+    return num_requests

@@ -72,7 +72,8 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          dtype=getattr(torch, dtype), device=options.device)
+                          dtype=getattr(torch, dtype), device=options.device,
+                          mixed_cuda_graphs=options.mixed_graphs)
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)

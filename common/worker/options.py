@@ -56,6 +56,7 @@ class WorkerOptions:
     gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     kv_push: str = "layerwise"  # layerwise | after-step (prefill_workers/worker.py)
+    mixed_graphs: bool = True  # steps with prefill chunks as CUDA graphs (engine/mixed_graphs.py)
 
     @property
     def warms_up(self) -> bool:
@@ -138,6 +139,11 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "CUDA (on for a worker started in the prefill role: its event loop answers KV "
         "handshakes), off elsewhere (on the CPU the model runs on the same cores, so "
         "nothing would overlap)", choices=STEP_MODE_CHOICES)
+    add("--mixed-graphs", "on", "CUDA: replay steps that carry prefill chunks (up to 512 "
+        "tokens and 8 chunks, decode rows beside them or not) from CUDA graphs captured at "
+        "start-up, as decode steps are, instead of launching every kernel from Python; "
+        "costs about a second of start-up and an eager step's activations; off: eager",
+        choices=("on", "off"))
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
@@ -194,7 +200,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         pipelined_steps=getattr(args, "pipelined_steps", "auto"),
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
-        kv_push=getattr(args, "kv_push", "layerwise"))
+        kv_push=getattr(args, "kv_push", "layerwise"),
+        mixed_graphs=getattr(args, "mixed_graphs", "on") == "on")
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

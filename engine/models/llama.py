@@ -322,7 +322,12 @@ class LlamaForCausalLM(nn.Module):
             add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, hidden]."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, hidden]; written into `out`
+        (float32 [N, vocab]) when given, which is returned."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        logits = linear(hidden, weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)

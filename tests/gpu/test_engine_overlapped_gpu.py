@@ -1,6 +1,7 @@
 """Overlapped engine steps on a CUDA device: the next step reads the previous step's tokens
-on the device (decode CUDA graphs and eager mixed steps), the host gets them through pinned
-copies and events, and every token, logprob and finish equals a plain run's.
+on the device (decode CUDA graphs, and mixed steps from their graphs or eager), the host
+gets them through pinned copies and events, and every token, logprob and finish equals a
+plain run's.
 
 CUDA only: on the CPU the same bookkeeping runs in tests/integration/test_engine_overlapped.py
 on the real default model (the model runs inside `execute` there, so nothing overlaps).
@@ -47,10 +48,10 @@ def model():
     return build_random_model(CONFIG, seed=3, device=torch.device("cuda"), dtype=torch.bfloat16)
 
 
-def run(model, overlap: bool) -> dict[str, tuple]:
+def run(model, overlap: bool, mixed_graphs: bool) -> dict[str, tuple]:
     engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
         num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
-        dtype=torch.bfloat16, device="cuda"))
+        dtype=torch.bfloat16, device="cuda", mixed_cuda_graphs=mixed_graphs))
     rng = random.Random(0)
     requests = {}
     for i in range(12):
@@ -78,12 +79,17 @@ def run(model, overlap: bool) -> dict[str, tuple]:
         engine.check_invariants()
     assert engine.kv_cache.num_used_blocks == 0
     assert engine.runner.graphs is not None  # the decode steps replayed graphs
+    mixed = engine.runner.mixed_graphs
+    # With mixed graphs the prefill and mixed steps replayed them (their decode rows
+    # reading the previous step's tokens on the device when overlapped).
+    assert (mixed is not None and mixed.num_runs > 0) == mixed_graphs
     return {rid: (tuple(t), tuple(lp), f[-1]) for rid, (t, lp, f) in seen.items()}
 
 
-def test_overlapped_steps_on_cuda_give_the_plain_steps_tokens(model):
-    plain = run(model, overlap=False)
-    overlapped = run(model, overlap=True)
+@pytest.mark.parametrize("mixed_graphs", [True, False], ids=["mixed-graphs", "mixed-eager"])
+def test_overlapped_steps_on_cuda_give_the_plain_steps_tokens(model, mixed_graphs):
+    plain = run(model, overlap=False, mixed_graphs=mixed_graphs)
+    overlapped = run(model, overlap=True, mixed_graphs=mixed_graphs)
     assert overlapped == plain
     for rid, (tokens, _, finish) in plain.items():
         assert finish == "length" and len(tokens) > 0

@@ -60,3 +60,10 @@ def test_no_room_for_one_block_is_an_error_that_says_why():
 def test_fraction_outside_zero_to_one_is_rejected(fraction):
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
         plan_kv_pool(140 * GIB, 123 * GIB, 17 * GIB, 0, 0, fraction, BLOCK)
+
+
+def test_mixed_graphs_reserve_an_eager_step_and_their_logits():
+    from engine.memory_plan import graph_reserve_bytes
+
+    assert graph_reserve_bytes(100, 1000, 0, 50) == 100
+    assert graph_reserve_bytes(100, 1000, 264, 128256) == 100 + 1000 + 264 * 128256 * 4
