@@ -24,16 +24,13 @@ class StepMode(enum.Enum):
 STEP_MODE_CHOICES = ("auto", "on", "off", "overlap")
 
 
-def choose_step_mode(option: str, device: str, prefill_role: bool = False) -> StepMode:
-    """`option` is one of STEP_MODE_CHOICES. auto, on CUDA: OVERLAPPED (measured against
-    PIPELINED on one H200: docs/benchmarks.md "Overlapped steps"), except for a worker that
-    starts in the prefill role (`prefill_role`): its steps are long prompt chunks, whose
-    host work already hides behind the device, while its event loop must answer each KV
-    handshake at once, which an overlapped step (it rarely waits for the device, so it
-    rarely lets go of the interpreter lock) delays; PIPELINED there. Elsewhere PLAIN: on the
-    CPU the model runs on the host's cores, so nothing would overlap."""
+def choose_step_mode(option: str, device: str) -> StepMode:
+    """`option` is one of STEP_MODE_CHOICES. auto, on CUDA: OVERLAPPED, for every role
+    (measured against PIPELINED on one H200: docs/benchmarks.md "Overlapped steps" for the
+    decode loop, "The handoff on the H200 with early prefill" for a prefill worker, whose
+    chunked prompts lost about 1.5 ms between chunks while each step waited for the device,
+    and whose KV pushes were not slower overlapped). Elsewhere PLAIN: on the CPU the model
+    runs on the host's cores, so nothing would overlap."""
     if option == "auto":
-        if not device.startswith("cuda"):
-            return StepMode.PLAIN
-        return StepMode.PIPELINED if prefill_role else StepMode.OVERLAPPED
+        return StepMode.OVERLAPPED if device.startswith("cuda") else StepMode.PLAIN
     return StepMode(option)

@@ -67,7 +67,7 @@ class WorkerOptions:
     @property
     def step_mode(self) -> StepMode:
         """Plain, pipelined or overlapped steps (engine/step_mode.py's policy)."""
-        return choose_step_mode(self.pipelined_steps, self.device, self.role is Role.PREFILL)
+        return choose_step_mode(self.pipelined_steps, self.device)
 
     def __post_init__(self) -> None:
         for name in ("threads", "kv_cache_mb", "block_size", "max_num_seqs",
@@ -136,8 +136,7 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "computes it, instead of between the two; overlap: also plan and queue the next "
         "step before this step's tokens reach the host (its decode inputs read them on the "
         "device; not with tensor parallelism, which falls back to on); auto: overlap for "
-        "CUDA (on for a worker started in the prefill role: its event loop answers KV "
-        "handshakes), off elsewhere (on the CPU the model runs on the same cores, so "
+        "CUDA, off elsewhere (on the CPU the model runs on the same cores, so "
         "nothing would overlap)", choices=STEP_MODE_CHOICES)
     add("--mixed-graphs", "on", "CUDA: replay steps that carry prefill chunks (up to 512 "
         "tokens and 8 chunks, decode rows beside them or not) from CUDA graphs captured at "
