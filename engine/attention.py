@@ -72,9 +72,8 @@ class KernelAttentionMetadata:
     # rest as a step of their own (the prefill kernel's); 0 and None otherwise.
     num_decode_chunks: int = 0
     prefill_part: KernelAttentionMetadata | None = None
-    # True: the prefill part's cu_seqlens_q count rows from the step's row 0, and its
-    # kernel reads q and writes out over the whole step (a mixed CUDA graph, whose decode
-    # rows are padded: engine/mixed_graphs.py); False: from row num_decode_chunks.
+    # The prefill part's cu_seqlens_q count rows from the step's row 0 (True: a mixed
+    # graph's padded decode rows, engine/mixed_graphs.py), else from num_decode_chunks.
     prefill_rows_absolute: bool = False
 
     @property
@@ -201,8 +200,7 @@ class AttentionMetadata:
                 raise ValueError(
                     f"chunk of {chunk.request_id}: {len(chunk.block_ids)} blocks of "
                     f"{block_size} cannot hold {chunk.end_pos} positions")
-            slots.extend(chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos,
-                                      block_size))
+            slots.extend(chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos, block_size))
             query_start.append(query_start[-1] + len(chunk.token_ids))
         meta_without_groups = cls(
             slot_mapping=to_device(slots, torch.long, torch.device(device)),
@@ -388,8 +386,7 @@ def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v:
                                              meta.num_decode_splits, out=out)
     n, rest = meta.num_decode_chunks, meta.prefill_part
     if rest is not None:  # a mixed step (see the module docstring)
-        # The decode kernel first: with padded decode rows (a mixed graph) it writes zeros
-        # to rows that are prefill tokens, which the prefill kernel then overwrites.
+        # Decode first: padded decode rows' zeros land on prefill rows, overwritten next.
         paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
                                       meta.context_lens[:n], scale, meta.num_decode_splits,
                                       out=out[:n])

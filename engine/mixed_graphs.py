@@ -30,13 +30,13 @@ smallest captured D >= d, then the smallest T >= max(n, D); a graph exists for e
 (the eager path keeps small ones in the prefill kernel only to save launches).
 
 Lifecycle: constructed (buffers allocated) -> `capture(pool)` exactly once, at start-up,
-after the KV pool exists -> `shape_for(schedule)` then `run(schedule, shape)` for every
-step that has a shape. Without CUDA (`use_graphs=False`: Triton's interpreter in tests)
-`run` executes the very same padded step eagerly.
+after the KV pool exists -> `try_run(schedule)` for every step (None, nothing done, for
+a step with no captured shape). Without CUDA (`use_graphs=False`: Triton's interpreter in
+tests) it executes the very same padded step eagerly.
 
 Invariants: token and decode sizes are sorted and unique, the decode sizes start at 0 and
 no token size is below 2 (a one-token step is a decode); after capture a step exists for
-every (T, D <= T); after `run`, the host buffer's rows past the step are padding (slot -1,
+every (T, D <= T); after a run, the host buffer's rows past the step are padding (slot -1,
 context 0, empty prefill slots).
 """
 
@@ -175,9 +175,35 @@ class MixedGraphs:
 
     def shape_for(self, schedule: ScheduleOutput) -> MixedShape | None:
         """The captured shape that runs `schedule`; None for a pure decode step (the decode
-        graphs' work), a step too large or with too many prefill chunks, or before capture."""
-        chunks = schedule.chunks
+        graphs' work), a step too large or with too many prefill chunks, or before capture.
+        Side-effect free."""
+        return self._shape(schedule, schedule.num_leading_decodes)
+
+    def try_run(self, schedule: ScheduleOutput,
+                fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """float32 logits [sampling chunks, vocab], in chunk order, from a replay (or,
+        without graphs, a run) of the step of `shape_for(schedule)`; None, with nothing
+        done, where that is None. `fill` (flat token positions, token ids, on the device)
+        overwrites those input ids: decode rows whose token the previous step sampled and
+        the host has not seen yet."""
         num_decodes = schedule.num_leading_decodes
+        shape = self._shape(schedule, num_decodes)
+        if shape is None:
+            return None
+        num_samples = self._fill(schedule.chunks, num_decodes)
+        if fill is not None:
+            self._device_views.input_ids[fill[0]] = fill[1].to(self._ints.dtype)
+        self.num_runs += 1
+        if self.use_graphs:
+            self._graphs[shape].replay()
+        else:
+            with torch.inference_mode():
+                self._steps[shape]()
+        # A copy: the static logits are overwritten by the next replay.
+        return self._logits[:num_samples].clone()
+
+    def _shape(self, schedule: ScheduleOutput, num_decodes: int) -> MixedShape | None:
+        chunks = schedule.chunks
         num_prefills = len(chunks) - num_decodes
         if not self.captured or not 0 < num_prefills <= self.max_prefill_chunks:
             return None
@@ -186,17 +212,10 @@ class MixedGraphs:
         return padded_shape(schedule.num_tokens, num_decodes, self.token_sizes,
                             self.decode_sizes)
 
-    def run(self, schedule: ScheduleOutput, shape: MixedShape,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """float32 logits [sampling chunks, vocab], in chunk order: replay (or, without
-        graphs, run) the step of `shape`, which must be `shape_for(schedule)`. `fill` (flat
-        token positions, token ids, on the device) overwrites those input ids: decode rows
-        whose token the previous step sampled and the host has not seen yet."""
-        if shape != self.shape_for(schedule):
-            raise ValueError(f"mixed graphs: {shape} is not this schedule's shape")
+    def _fill(self, chunks: tuple[ScheduledChunk, ...], num_decodes: int) -> int:
+        """Write the step into the static buffers (host, then device); returns the number
+        of sampled rows."""
         host, bs = self._host, self.block_size
-        chunks = schedule.chunks
-        num_decodes = schedule.num_leading_decodes
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -230,16 +249,7 @@ class MixedGraphs:
         host.reset_padding(num_tokens, num_decodes, num_prefills, len(sample_rows))
         self._live = (num_tokens, num_decodes, num_prefills, len(sample_rows))
         self._upload(chunks, num_decodes)
-        if fill is not None:
-            self._device_views.input_ids[fill[0]] = fill[1].to(self._ints.dtype)
-        self.num_runs += 1
-        if self.use_graphs:
-            self._graphs[shape].replay()
-        else:
-            with torch.inference_mode():
-                self._steps[shape]()
-        # A copy: the static logits are overwritten by the next replay.
-        return self._logits[:len(sample_rows)].clone()
+        return len(sample_rows)
 
     def check_invariants(self) -> None:
         if list(self.token_sizes) != sorted(set(self.token_sizes)) or self.token_sizes[0] < 2:

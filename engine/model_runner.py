@@ -10,13 +10,15 @@ Paths: on CUDA (with triton) the model runs its Triton kernel path, and it repla
 graphs captured here at start-up: pure decode steps (engine/cuda_graphs.py), and steps with
 prefill chunks of up to 512 tokens and 8 chunks, decode rows beside them or not
 (engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
-largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly. Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors
-runs the kernel path under Triton's interpreter (tests only: it is slow).
+largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly.
+Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors runs the
+kernel path under Triton's interpreter (tests only: it is slow).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,6 +129,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.use_mixed_graphs = True
+        self.capture_seconds = 0.0  # building (on CUDA capturing) both kinds of graphs
         if not self.use_kernels:
             return
         model.prepare_kernels()
@@ -139,6 +142,7 @@ class ModelRunner:
         # model's longest context needs.
         width = min(kv.layout.num_blocks,
                     math.ceil(model.config.max_position_embeddings / block_size))
+        started = time.perf_counter()
         # One memory pool for every graph: they replay one at a time, on one stream.
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
         token_sizes = mixed_token_sizes(mixed_graph_tokens)
@@ -151,6 +155,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
                                        use_graphs=on_cuda)
             self.graphs.capture(pool)
+        self.capture_seconds = time.perf_counter() - started
         if on_cuda:
             # Eager decode rows (a mixed step's, or a batch past the largest graph) may use
             # any split count: compile them all now rather than one mid-traffic.
@@ -191,9 +196,9 @@ class ModelRunner:
         if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
             return self.graphs.run(schedule, fill)
         if on_layer is None and self.mixed_graphs is not None and self.use_mixed_graphs:
-            shape = self.mixed_graphs.shape_for(schedule)
-            if shape is not None:
-                return self.mixed_graphs.run(schedule, shape, fill)
+            logits = self.mixed_graphs.try_run(schedule, fill)
+            if logits is not None:
+                return logits
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

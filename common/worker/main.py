@@ -61,6 +61,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.dtype_choice import resolve_dtype
     from engine.engine_builder import build_engine
     from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_runner import ModelRunner
 
     tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
                             options.worker_id)
@@ -77,10 +78,17 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+        log = logging.getLogger(__name__)
+        runner = engine.runner
+        if isinstance(runner, ModelRunner) and (runner.graphs or runner.mixed_graphs):
+            runtime.metrics.graph_capture_seconds.set(runner.capture_seconds)
+            log.info("captured %d decode and %d mixed-step CUDA graphs in %.1f s",
+                     len(runner.graphs.batch_sizes) if runner.graphs else 0,
+                     len(runner.mixed_graphs.shapes) if runner.mixed_graphs else 0,
+                     runner.capture_seconds)
         if options.warms_up:
             from engine.warm_up import warm_up
 
-            log = logging.getLogger(__name__)
             report = warm_up(engine, lambda line: print(f"{options.worker_id}: {line}",
                                                         file=sys.stderr, flush=True))
             runtime.metrics.warmup_seconds.set(report.seconds)

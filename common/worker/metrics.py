@@ -82,6 +82,9 @@ class WorkerMetrics:
                                          "reservations waiting in line for free KV blocks now")
         self.warmup_seconds = registry.gauge(
             "pdserve_warmup_seconds", "the start-up warm-up's time (0: none ran)")
+        self.graph_capture_seconds = registry.gauge(
+            "pdserve_graph_capture_seconds", "the start-up capture of the engine's CUDA "
+            "graphs, decode and mixed steps (0: none)")
         self.role_changes = registry.counter("pdserve_role_changes_total",
                                              "role changes of this worker, by new role",
                                              ("role",))

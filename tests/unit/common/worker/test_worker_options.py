@@ -34,14 +34,30 @@ def test_steps_are_pipelined_on_cuda_unless_told(extra, mode) -> None:
     assert options(*extra).step_mode is mode
 
 
-def test_a_prefill_worker_pipelines_its_steps_on_cuda_unless_told() -> None:
-    assert options("--device", "cuda", kind="prefill").step_mode is StepMode.PIPELINED
-    assert options("--device", "cuda", "--pipelined-steps", "overlap",
-                   kind="prefill").step_mode is StepMode.OVERLAPPED
+def test_a_prefill_worker_overlaps_its_steps_on_cuda_unless_told() -> None:
+    assert options("--device", "cuda", kind="prefill").step_mode is StepMode.OVERLAPPED
+    assert options("--device", "cuda", "--pipelined-steps", "on",
+                   kind="prefill").step_mode is StepMode.PIPELINED
     assert options(kind="prefill").step_mode is StepMode.PLAIN
 
 
-@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps"])
+@pytest.mark.parametrize("extra, on", [((), True), (("--mixed-graphs", "off"), False),
+                                       (("--mixed-graphs", "on"), True)])
+def test_mixed_graphs_are_on_unless_told(extra, on) -> None:
+    assert options(*extra).mixed_graphs is on
+
+
+def test_mixed_graphs_come_from_the_environment_too() -> None:
+    import argparse
+
+    from common.worker.options import add_worker_options
+
+    parser = argparse.ArgumentParser()
+    add_worker_options(parser, "decode", env={"PDSERVE_MIXED_GRAPHS": "off"})
+    assert parser.parse_args([]).mixed_graphs == "off"
+
+
+@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps", "--mixed-graphs"])
 def test_an_unknown_auto_on_off_choice_is_a_usage_error(option, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["decode-worker", "--redis-url", "redis://x:1/0", option, "maybe"])
