@@ -208,6 +208,9 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
             result.ack = await pc.call("/internal/destination", notice, DestinationAck, 5.0)
 
     reserving = asyncio.create_task(reserve_and_forward())
+    # The client waits past the request's own deadline: a worker's answer at its deadline
+    # (a failed TransferResult) must reach the test, not race the client's own timeout.
+    wait_s = timeout_ms / 1000 + 5.0
     try:
         if start != "early":
             await reserving
@@ -217,7 +220,7 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                     timeout_ms=timeout_ms, destination_follows=early,
                     destination=None if early else result.reserve.destination),
-                    PrefillResponseFrame, timeout_ms / 1000, timeout_ms / 1000):
+                    PrefillResponseFrame, wait_s, wait_s):
                 if isinstance(frame, PrefillResult):
                     result.prefill = frame
                     result.tokens.append(frame.first_token_id)
@@ -250,7 +253,7 @@ async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: Samp
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                 timeout_ms=timeout_ms, first_token_id=first.first_token_id,
                 epoch=result.reserve.destination.epoch), TokenFrame,
-                timeout_ms / 1000, timeout_ms / 1000):
+                timeout_ms / 1000 + 5.0, timeout_ms / 1000 + 5.0):
             result.tokens.extend(frame.token_ids)
     except (ControlError, aiohttp.ClientError) as exc:
         result.decode_error = exc
