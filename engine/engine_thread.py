@@ -46,6 +46,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request_stream import RequestStream
 from engine.step_mode import StepMode
 from engine.step_shape import StepShape, queue_shape, step_shape
+from engine.step_timer import StepTimer, TimedStep
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +66,16 @@ class StepReport:
     # outputs[:num_delivered] reached their streams mid-step (a pipelined step's early
     # outputs); the report still carries them for the counters.
     num_delivered: int = 0
+    # Overlapped CUDA steps are timed on the device (engine/step_timer.py): the steps the
+    # device finished since the last report; None where the wall time above is the step's.
+    device_steps: tuple[TimedStep, ...] | None = None
+
+    def timed_steps(self) -> tuple[TimedStep, ...]:
+        """What each step cost, with its own shape: the device-timed steps where the engine
+        times them, else this report's step (none after a command)."""
+        if self.device_steps is not None:
+            return self.device_steps
+        return (TimedStep(self.shape, self.step_s),) if self.step_s > 0 else ()
 
 
 def _checked_load(engine: LLMEngine) -> WorkerLoad:
@@ -97,6 +108,9 @@ class EngineThread:
                         "(not tensor parallelism): running pipelined steps")
             step_mode = StepMode.PIPELINED
         self.step_mode = step_mode
+        if step_mode is StepMode.OVERLAPPED and str(engine.config.device).startswith("cuda"):
+            # An overlapped step's wall time is not its cost (engine/step_timer.py).
+            engine.step_timer = StepTimer()
         self.loop = loop
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
@@ -302,8 +316,11 @@ class EngineThread:
 
     def _post(self, outputs: list[RequestOutput], step_s: float, num_delivered: int = 0) -> None:
         shape = step_shape(self._engine.last_schedule) if step_s > 0 else StepShape()
+        timer = self._engine.step_timer
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine), shape, num_delivered)
+                            engine_load(self._engine), shape, num_delivered,
+                            # After a command nothing is drained: its report is no step's.
+                            None if timer is None else tuple(timer.drain()) if step_s > 0 else ())
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from common.contract.finish_reason import FinishReason
 from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.generation_result import GenerationResult
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
@@ -38,18 +37,9 @@ from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
+from engine.step_shape import step_shape
+from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """A whole finished request, as `LLMEngine.generate` returns it."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None  # None until it finishes
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -82,6 +72,7 @@ class LLMEngine:
         self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
         self._inflight: InFlightStep | None = None  # an overlapped step's, tokens pending
+        self.step_timer: StepTimer | None = None  # set: each step timed on the device (CUDA)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
@@ -294,7 +285,12 @@ class LLMEngine:
         recorder = LayerEventRecorder() if ready and self.runner.records_layer_events else None
         if ready and recorder is None:
             self._announce_kv_ready(ready, None, on_kv_ready)
+        timer = self.step_timer
+        if timer is not None:
+            timer.start(step_shape(schedule))
         logits = self.runner.execute(schedule, recorder, previous)
+        if timer is not None:
+            timer.stop()
         if ready and recorder is not None:
             self._announce_kv_ready(ready, tuple(recorder.events), on_kv_ready)
         return logits

@@ -27,7 +27,9 @@ class WorkerMetrics:
         self.batch_size = registry.histogram("pdserve_batch_size",
                                              "requests that produced a token per step",
                                              BATCH_BUCKETS)
-        self.step_seconds = registry.histogram("pdserve_step_seconds", "engine step time")
+        self.step_seconds = registry.histogram(
+            "pdserve_step_seconds", "engine step time (overlapped CUDA steps: on the device, "
+            "from CUDA events)")
         # Steps that only decoded: comparable across workers whatever their prompt mix (the
         # operations agent's "slow" rule reads these).
         self.decode_step_seconds = registry.histogram(
@@ -100,11 +102,12 @@ class WorkerMetrics:
         self.kv_usage.set(load.num_kv_blocks_used / max(1, load.num_kv_blocks_total))
         if report.step_s <= 0.0:
             return  # a command, not a step
-        self.step_seconds.observe(report.step_s)
-        if report.shape.prefill_tokens == 0 and report.shape.decode_seqs > 0:
-            self.decode_step_seconds.observe(report.step_s)
-            self.decode_step_seqs.inc(report.shape.decode_seqs)
-            self.decode_step_context.inc(report.shape.context_tokens)
+        for step in report.timed_steps():
+            self.step_seconds.observe(step.seconds)
+            if step.shape.prefill_tokens == 0 and step.shape.decode_seqs > 0:
+                self.decode_step_seconds.observe(step.seconds)
+                self.decode_step_seqs.inc(step.shape.decode_seqs)
+                self.decode_step_context.inc(step.shape.context_tokens)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
         prefill_tokens = decode_tokens = generated = 0

@@ -210,7 +210,8 @@ class WorkerRuntime:
 
     def _on_step(self, report: StepReport) -> None:
         self.metrics.on_step(report)
-        self.step_fit.observe(report.shape, report.step_s)
+        for step in report.timed_steps():
+            self.step_fit.observe(step.shape, step.seconds)
         if self.publisher is None or not report.cache_events:
             return
         # Keep the order of events: a hash may be evicted and inserted again in one step.

@@ -93,3 +93,29 @@ def test_overlapped_steps_on_cuda_give_the_plain_steps_tokens(model, mixed_graph
     assert overlapped == plain
     for rid, (tokens, _, finish) in plain.items():
         assert finish == "length" and len(tokens) > 0
+
+
+def test_overlapped_steps_are_timed_on_the_device_with_their_own_shapes(model):
+    """A chunked prompt beside decodes: every launched step is timed once, in order, with
+    its own shape, although the chunks that sample nothing are never waited for."""
+    from engine.step_shape import step_shape
+    from engine.step_timer import StepTimer
+
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+        num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
+        dtype=torch.bfloat16, device="cuda"))
+    engine.step_timer = StepTimer()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", [5, 6, 7], params)
+    engine.add_request("long", [(3 * i) % VOCAB + 1 for i in range(300)], params)
+    launched, timed = [], []
+    while engine.has_unfinished():
+        engine.step(overlap=True)
+        if engine.last_schedule is not None and not engine.last_schedule.is_empty:
+            launched.append(step_shape(engine.last_schedule))
+        timed += engine.step_timer.drain()
+    torch.cuda.synchronize()
+    timed += engine.step_timer.drain()
+    assert [t.shape for t in timed] == launched
+    assert sum(1 for s in launched if s.prefill_tokens >= 60) >= 4  # the prompt's chunks
+    assert all(t.seconds > 0 for t in timed)

@@ -28,9 +28,10 @@ class ScriptedEngine:
         self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
                                         request_ids=lambda: frozenset(self.requests),
                                         drain_events=lambda: [])
-        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64)
+        self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64, device="cpu")
         self.scheduler = SimpleNamespace(live_requests=lambda: ())
         self.last_schedule = None
+        self.step_timer = None  # a CPU engine: its steps' wall time is their cost
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
         self.invariant_broken = False
         self.kv_ready_for: set[str] = set()  # requests owed a KVReady at their next step
@@ -197,3 +198,18 @@ def test_overlapped_steps_need_a_runner_that_reads_device_tokens(reads_device_to
         return thread.step_mode
 
     assert asyncio.run(run()) is expected
+
+
+@pytest.mark.parametrize("device, mode, timed", [
+    ("cuda", StepMode.OVERLAPPED, True), ("cuda:1", StepMode.OVERLAPPED, True),
+    ("cuda", StepMode.PIPELINED, False), ("cpu", StepMode.OVERLAPPED, False)])
+def test_overlapped_cuda_steps_are_timed_on_the_device(device, mode, timed) -> None:
+    """Only there is a step's wall time not its cost (engine/step_timer.py)."""
+    async def run() -> bool:
+        engine = ScriptedEngine()
+        engine.config.device = device
+        engine.runner = SimpleNamespace(reads_device_tokens=True)
+        EngineThread(engine, asyncio.get_running_loop(), lambda report: None, step_mode=mode)
+        return engine.step_timer is not None
+
+    assert asyncio.run(run()) is timed

@@ -1,0 +1,17 @@
+"""GenerationResult: a whole finished request, as `LLMEngine.generate` returns it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.contract.finish_reason import FinishReason
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None  # None until it finishes
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
