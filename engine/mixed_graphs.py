@@ -312,12 +312,17 @@ class _Views:
     layout is the module docstring's."""
 
     @staticmethod
+    def sizes(t: int, d: int, p: int, w: int) -> list[int]:
+        """The parts' lengths, in the buffer's order."""
+        return [t, t, t, d, d + p, p + 1, p, d * w, p * w]
+
+    @staticmethod
     def length(t: int, d: int, p: int, w: int) -> int:
-        return 3 * t + d + (d + p) + (p + 1) + p + d * w + p * w
+        return sum(_Views.sizes(t, d, p, w))
 
     def __init__(self, flat, t: int, d: int, p: int, w: int) -> None:
         self.flat = flat
-        ends = np.cumsum([t, t, t, d, d + p, p + 1, p, d * w, p * w])
+        ends = np.cumsum(_Views.sizes(t, d, p, w))
         parts = [flat[lo:hi] for lo, hi in zip([0, *ends[:-1]], ends)]
         (self.input_ids, self.positions, self.slot_mapping, self.decode_context_lens,
          self.sample_rows, self.prefill_cu_seqlens, self.prefill_context_lens) = parts[:7]
