@@ -16,7 +16,8 @@ so every input lives in one static int32 buffer, refilled before each replay:
 Lifecycle: constructed (buffers allocated) -> `capture()` exactly once, at start-up, after
 the KV pool exists (graphs bake in its address) -> `run(schedule)` for every decode step
 that `can_run`. Graphs are captured largest first into one shared memory pool, so they
-cost about one step's activations in all, not one per size.
+cost about one step's activations in all, not one per size; their logits go to one
+static buffer outside the pool, [largest size, vocab] float32.
 
 Invariants: `batch_sizes` is sorted and unique; a graph exists for each size after capture;
 padding rows always carry slot -1 and context 0 when a graph is replayed.
@@ -85,6 +86,10 @@ class DecodeGraphs:
         b, w = self.max_batch_size, max_blocks_per_seq
         self._host = np.zeros(4 * b + b * w, dtype=np.int32)
         self._ints = torch.zeros(4 * b + b * w, dtype=torch.int32, device=self.device)
+        # Every graph writes its logits here, outside the graph pool: one buffer for all
+        # sizes, not one per size held in the pool (0.6 GB with a 128k vocabulary).
+        self._logits = torch.empty(b, model.config.vocab_size, dtype=torch.float32,
+                                   device=self.device)
         self._views = _Views(self._host, b, w)
         self._views.reset_padding(0)
         self._ints.copy_(torch.from_numpy(self._host))
@@ -186,10 +191,11 @@ class DecodeGraphs:
                                  start_pos=(), end_pos=(), block_tables=(),
                                  block_size=self.block_size, groups=(), kernels=kernels)
         input_ids, positions = dev.input_ids[:size], dev.positions[:size]
+        logits = self._logits[:size]
 
         def step() -> torch.Tensor:
             hidden = self.model(input_ids, positions, self.kv, attn)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden, out=logits)
 
         return step
 
