@@ -181,7 +181,8 @@ def test_a_mixed_step_runs_its_leading_decode_rows_through_the_decode_kernel(pai
     """As the scheduler orders a mixed step: decode rows first, then prefill chunks. The
     decode rows go to the decode kernel and the rest to the prefill kernel; logits and
     cache match the torch path. (The split threshold is lowered: this tiny step is below
-    the size where the split pays, and is kept whole by default.)"""
+    the size where the split pays, and is kept whole by default. No mixed graphs: this is
+    the eager path; tests/gpu/test_mixed_graphs_gpu.py covers the graphs.)"""
     from engine.attention import AttentionMetadata
 
     _, model = pair
@@ -189,7 +190,7 @@ def test_a_mixed_step_runs_its_leading_decode_rows_through_the_decode_kernel(pai
     kernel_runner = ModelRunner(model, KVStorage.for_model(model.config, 40, BLOCK_SIZE, DTYPE,
                                                            DEVICE),
                                 BLOCK_SIZE, use_kernels=True, cuda_graph_batch_sizes=(),
-                                mixed_split_min_tokens=1)
+                                mixed_split_min_tokens=1, mixed_graph_tokens=0)
     for runner in (torch_runner, kernel_runner):
         step(runner, ("a", PROMPTS[0], 0, TABLES[0], True), ("c", PROMPTS[2], 0, TABLES[2], True))
     chunks = (("a", [13], len(PROMPTS[0]), TABLES[0], True),
