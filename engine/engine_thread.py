@@ -315,12 +315,16 @@ class EngineThread:
         return sink
 
     def _post(self, outputs: list[RequestOutput], step_s: float, num_delivered: int = 0) -> None:
-        shape = step_shape(self._engine.last_schedule) if step_s > 0 else StepShape()
         timer = self._engine.step_timer
+        shape, device_steps = StepShape(), None
+        if timer is not None:
+            # Each step's shape comes with its timing. After a command nothing is drained:
+            # its report is no step's.
+            device_steps = tuple(timer.drain()) if step_s > 0 else ()
+        elif step_s > 0:
+            shape = step_shape(self._engine.last_schedule)
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine), shape, num_delivered,
-                            # After a command nothing is drained: its report is no step's.
-                            None if timer is None else tuple(timer.drain()) if step_s > 0 else ())
+                            engine_load(self._engine), shape, num_delivered, device_steps)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:
