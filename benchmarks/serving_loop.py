@@ -156,7 +156,7 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
     assert parsed is not None  # main checked every mode
     base, split, mixed_graphs = parsed
     runner = loop.engine.runner
-    runner.use_mixed_graphs = mixed_graphs
+    runner.use_mixed_graphs, graphs_before = mixed_graphs, runner.use_mixed_graphs
     if split is not None:
         runner.mixed_split_min_tokens, default_split = split, runner.mixed_split_min_tokens
     loop.step(base)  # the other mode's last outputs leave
@@ -180,7 +180,7 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
         busy, per_step = device_window(loop, args.profile_steps, base)
     if split is not None:
         runner.mixed_split_min_tokens = default_split
-    runner.use_mixed_graphs = True
+    runner.use_mixed_graphs = graphs_before
     return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, mixed_steps,
                busy, per_step)
 

@@ -220,12 +220,14 @@ class MixedGraphs:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        decode_width = prefill_width = 0  # the widest table of each part
         for row, chunk in enumerate(chunks[:num_decodes]):
             pos = chunk.start_pos
             token_ids.append(chunk.token_ids[0])
             positions.append(pos)
             slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
             host.decode_tables[row, :len(chunk.block_ids)] = chunk.block_ids
+            decode_width = max(decode_width, len(chunk.block_ids))
             if chunk.sample:
                 sample_rows.append(row)
         cu_seqlens = [num_decodes]
@@ -234,6 +236,7 @@ class MixedGraphs:
             positions.extend(range(chunk.start_pos, chunk.end_pos))
             slots.extend(chunk_slots(chunk.block_ids, chunk.start_pos, chunk.end_pos, bs))
             host.prefill_tables[i, :len(chunk.block_ids)] = chunk.block_ids
+            prefill_width = max(prefill_width, len(chunk.block_ids))
             cu_seqlens.append(cu_seqlens[-1] + len(chunk.token_ids))
             if chunk.sample:
                 sample_rows.append(cu_seqlens[-1] - 1)
@@ -248,7 +251,7 @@ class MixedGraphs:
         host.sample_rows[:len(sample_rows)] = sample_rows
         host.reset_padding(num_tokens, num_decodes, num_prefills, len(sample_rows))
         self._live = (num_tokens, num_decodes, num_prefills, len(sample_rows))
-        self._upload(chunks, num_decodes)
+        self._upload((num_decodes, decode_width), (num_prefills, prefill_width))
         return len(sample_rows)
 
     def check_invariants(self) -> None:
@@ -262,17 +265,17 @@ class MixedGraphs:
             raise AssertionError("a captured shape has no graph")
         self._host.check_padding(*self._live)
 
-    def _upload(self, chunks: tuple[ScheduledChunk, ...], num_decodes: int) -> None:
-        """The scalars, then only the table rows and columns this step uses."""
+    def _upload(self, decode_part: tuple[int, int], prefill_part: tuple[int, int]) -> None:
+        """The scalars, then only the table rows and columns this step uses; each part is
+        (rows, widest table)."""
         host, dev = self._host, self._device_views
         copy_to_device(dev.scalars, host.scalars)
-        for rows, host_table, dev_table in (
-                (chunks[:num_decodes], host.decode_tables, dev.decode_tables),
-                (chunks[num_decodes:], host.prefill_tables, dev.prefill_tables)):
+        for (rows, width), host_table, dev_table in (
+                (decode_part, host.decode_tables, dev.decode_tables),
+                (prefill_part, host.prefill_tables, dev.prefill_tables)):
             if rows:
-                width = max(len(c.block_ids) for c in rows)
-                copy_to_device(dev_table[:len(rows), :width],
-                               np.ascontiguousarray(host_table[:len(rows), :width]))
+                copy_to_device(dev_table[:rows, :width],
+                               np.ascontiguousarray(host_table[:rows, :width]))
 
     def _make_step(self, shape: MixedShape) -> Callable[[], torch.Tensor]:
         dev = self._device_views

@@ -27,9 +27,9 @@ import torch
 
 from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
-from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
+from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
