@@ -12,7 +12,11 @@ For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head
            the pool's memfd on the host): one-pass copies, no data messages; timed like ucx
   mapped_data  the same, timed from the first send_layer (the announce round trip, which
            a prefill worker can start before its prompt is computed, left out)
+  mapped_recv  the same, timed from the first send_layer until the receiver's transfer
+           completed (its clock: one host), not until the sender heard back: when a decode
+           worker may use the blocks
   raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
+  raw_ucx_recv  the same, timed until the receiver's recv completed (as mapped_recv)
   raw_tcp  a uvloop TCP stream into a preallocated buffer (BufferedProtocol)
   copy     one copy in one process (numpy on CPU, device-to-device torch copy on CUDA)
 Destination blocks are fragmented into runs of --run-blocks (what a paged cache looks like).
@@ -95,7 +99,7 @@ def _backend(mode: str, device: str) -> tuple[str, bool]:
 
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
     if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check", "check_mapped",
-                "mapped", "mapped_data"):
+                "mapped", "mapped_data", "mapped_recv"):
         import torch
 
         from kv_transfer.backend import make_receiver
@@ -115,8 +119,10 @@ async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
             await handle.wait()
             if mode.startswith("check"):
                 conn.send(_check_pool(storage.kv, job))
+            else:
+                conn.send(time.perf_counter())  # CLOCK_MONOTONIC: the sender's clock too
         await receiver.close()
-    elif mode == "raw_ucx":
+    elif mode.startswith("raw_ucx"):
         from ucxx._lib.arr import Array
         from ucxx.types import Tag
 
@@ -130,6 +136,7 @@ async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
             request = worker.ctx.worker.tag_recv(Array(buffer), Tag(tag))
             conn.send("ready")
             await request.wait()
+            conn.send(time.perf_counter())
             tag += 1
     else:  # raw_tcp
         loop = asyncio.get_running_loop()
@@ -245,7 +252,8 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
     times = []
     try:
-        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "mapped", "mapped_data"):
+        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "mapped", "mapped_data",
+                    "mapped_recv"):
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
             from kv_transfer.packing import PackingLimits
@@ -273,14 +281,16 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
                 if handle.mapped != mapping:
                     raise RuntimeError(f"{mode}: the transfer was {'' if handle.mapped else 'not '}"
                                        "mapped")
-                if mode == "mapped_data":
+                if mode in ("mapped_data", "mapped_recv"):
                     started = time.perf_counter()
                 for layer in range(num_layers):
                     handle.send_layer(layer)
                 await handle.finish()
-                times.append(time.perf_counter() - started)
+                finished = time.perf_counter()
+                landed = await _pipe_recv(parent, proc)
+                times.append((landed if mode == "mapped_recv" else finished) - started)
             await sender.close()
-        elif mode == "raw_ucx":
+        elif mode.startswith("raw_ucx"):
             from kv_transfer.ucx import UcxWorker
             worker = UcxWorker(transports=args.transports)
             endpoint = await worker.endpoint_to(address)
@@ -290,7 +300,9 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
                 await _pipe_recv(parent, proc)
                 started = time.perf_counter()
                 await endpoint.send(src, tag=i + 1, force_tag=True)
-                times.append(time.perf_counter() - started)
+                finished = time.perf_counter()
+                landed = await _pipe_recv(parent, proc)
+                times.append((landed if mode == "raw_ucx_recv" else finished) - started)
             endpoint.abort(period=10**8)
         else:
             _, writer = await asyncio.open_connection("127.0.0.1", address)
@@ -334,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--modes", default=None,
                         help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,"
-                             "raw_ucx,raw_tcp,copy (default: all that apply to the device)")
+                             "mapped_recv,raw_ucx,raw_ucx_recv,raw_tcp,copy (default: all "
+                             "that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -352,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         return 0 if result["ok"] else 1
-    default = ("ucx,mapped,mapped_data,raw_ucx,copy" if args.device == "cuda"
-               else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,raw_ucx,raw_tcp,copy")
+    default = ("ucx,mapped,mapped_data,mapped_recv,raw_ucx,raw_ucx_recv,copy"
+               if args.device == "cuda" else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,mapped_recv,raw_ucx,"
+                    "raw_ucx_recv,raw_tcp,copy")
     modes = (args.modes or default).split(",")
     rows = []
     print(f"{'size':>9} " + " ".join(f"{m:>8}" for m in modes) + "   (GB/s)")

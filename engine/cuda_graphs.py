@@ -29,7 +29,9 @@ same padded step eagerly, so the buffer logic is testable where graphs are not.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
 from typing import Callable
 
 import numpy as np
@@ -50,19 +52,40 @@ def padded_batch_size(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:
     return batch_sizes[i] if i < len(batch_sizes) else None
 
 
+@contextlib.contextmanager
+def capture_phase() -> Iterator[None]:
+    """Around a batch of captures: no cyclic garbage collection inside it.
+
+    A collection frees whatever it finds unreachable, CUDA objects included (events,
+    pinned host buffers whose release queries their events), in the middle of a capture;
+    a call the capture forbids invalidates it. Collected once before, off during, back to
+    the state found after."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture_step(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None,
                  device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture one step into a graph of the memory pool `pool`: (the graph, the output
     tensor its replays overwrite). The step runs once first, on a side stream and outside
     the capture: Triton compiles its kernels and cuBLAS picks its algorithms then, neither
-    of which may happen while capturing."""
+    of which may happen while capturing. Only this thread's calls are checked against the
+    capture ("thread_local"): another thread of the process (a worker's event loop polling
+    a KV copy's event) may go on using the device meanwhile."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), torch.inference_mode():
         step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool,
+                                                  capture_error_mode="thread_local"):
         output = step()
     return graph, output
 

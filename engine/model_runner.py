@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
-from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, capture_phase
 from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
@@ -143,18 +143,19 @@ class ModelRunner:
         width = min(kv.layout.num_blocks,
                     math.ceil(model.config.max_position_embeddings / block_size))
         started = time.perf_counter()
-        # One memory pool for every graph: they replay one at a time, on one stream.
-        pool = torch.cuda.graph_pool_handle() if on_cuda else None
-        token_sizes = mixed_token_sizes(mixed_graph_tokens)
-        if token_sizes:
-            # Largest first: the mixed steps' activations outgrow any decode step's.
-            self.mixed_graphs = MixedGraphs(model, kv, block_size, token_sizes, width,
-                                            use_graphs=on_cuda)
-            self.mixed_graphs.capture(pool)
-        if cuda_graph_batch_sizes:
-            self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
-                                       use_graphs=on_cuda)
-            self.graphs.capture(pool)
+        with capture_phase():
+            # One memory pool for every graph: they replay one at a time, on one stream.
+            pool = torch.cuda.graph_pool_handle() if on_cuda else None
+            token_sizes = mixed_token_sizes(mixed_graph_tokens)
+            if token_sizes:
+                # Largest first: the mixed steps' activations outgrow any decode step's.
+                self.mixed_graphs = MixedGraphs(model, kv, block_size, token_sizes, width,
+                                                use_graphs=on_cuda)
+                self.mixed_graphs.capture(pool)
+            if cuda_graph_batch_sizes:
+                self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,
+                                           use_graphs=on_cuda)
+                self.graphs.capture(pool)
         self.capture_seconds = time.perf_counter() - started
         if on_cuda:
             # Eager decode rows (a mixed step's, or a batch past the largest graph) may use

@@ -11,6 +11,10 @@ copy per block run, on the sender's copy thread so the event loop never waits on
                   ─ per layer n: stream waits for events[n], then its kernel ─
                     event recorded ─ a thread waits for it ─────────────────▶ returns
 
+On CUDA the launches go through the link's `BlockCopier` (made once when the pool is mapped:
+the layout checks and word views are not redone per transfer or per layer), on the copy
+stream made current once per call (`torch.cuda.stream` also makes its device current).
+
 Precondition of `copy` (that of SendHandle.send_layer): the source layers are written, and
 on CUDA their producing stream synchronized, so the copy stream needs no wait. `copy_after`
 needs only that each event was recorded behind the work that writes its layer: the GPU
@@ -28,7 +32,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from engine.kernels.block_copy import copy_blocks_triton
+from engine.kernels.block_copy import BlockCopier
 from kv_transfer.interface import TransferSpec
 from kv_transfer.layout import BlockRun, plan_runs
 
@@ -65,9 +69,12 @@ class CopyContext:
 
 class MappedCopy:
     def __init__(self, spec: TransferSpec, src: torch.Tensor, dst: torch.Tensor,
-                 context: CopyContext) -> None:
+                 context: CopyContext, copier: BlockCopier | None = None) -> None:
+        """`copier` (CUDA): the link's, from `src` into `dst`; None makes one."""
         self.spec, self.src, self.dst, self.context = spec, src, dst, context
         if context.stream is not None:
+            self.copier = copier if copier is not None else BlockCopier(src, dst)
+            self._done = torch.cuda.Event()
             # Uploaded on the copy stream (ordered before this transfer's kernels there)
             # from pinned memory, so the host never waits: a pageable upload on the
             # default stream would first wait for whatever the engine queued on it (a
@@ -92,12 +99,11 @@ class MappedCopy:
             raise ValueError("copy_after needs a CUDA pool")
         if len(layer_events) < layers.stop:
             raise ValueError(f"{len(layer_events)} layer events for layers up to {layers.stop}")
-        with torch.cuda.device(self.src.device), torch.cuda.stream(stream):
+        launch, src_ids, dst_ids, done = self.copier.launch, self.src_ids, self.dst_ids, self._done
+        with torch.cuda.stream(stream):
             for layer in layers:
                 stream.wait_event(layer_events[layer])
-                copy_blocks_triton(self.src, self.dst, self.src_ids, self.dst_ids,
-                                   range(layer, layer + 1))
-            done = torch.cuda.Event()
+                launch(src_ids, dst_ids, range(layer, layer + 1))
             done.record(stream)
         # The wait spans the prompt's remaining compute (up to a whole prefill step): a
         # thread blocks on the event (without the GIL) rather than the loop polling it.
@@ -109,9 +115,9 @@ class MappedCopy:
             await asyncio.get_running_loop().run_in_executor(
                 self.context.executor, copy_runs, self.src, self.dst, self.runs, layers)
             return
-        with torch.cuda.device(self.src.device), torch.cuda.stream(stream):
-            copy_blocks_triton(self.src, self.dst, self.src_ids, self.dst_ids, layers)
-            done = torch.cuda.Event()
+        done = self._done
+        with torch.cuda.stream(stream):
+            self.copier.launch(self.src_ids, self.dst_ids, layers)
             done.record(stream)
         await wait_event(done)
 

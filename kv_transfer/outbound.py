@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.kernels.block_copy import BlockCopier
 from kv_transfer.errors import KVTransferError, PeerLost, TransferCancelled, TransferTimeout
 from kv_transfer.framing import FrameConnection
 from kv_transfer.interface import TransferState
@@ -57,6 +58,7 @@ class PeerLink:
         self.epoch: str | None = None
         self.data: Any = None  # the plane's per-peer state (a UCX endpoint)
         self.mapped: MappedPool | None = None  # the receiver's pool, when mapped here
+        self.copier: BlockCopier | None = None  # CUDA: the copies into `mapped`, set up once
         self.transfers: dict[str, OutboundTransfer] = {}
         self.accepts: dict[str, asyncio.Future[Accepted | Rejected]] = {}
         self.lost = False

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from engine.kernels.block_copy import BlockCopier
 from engine.kv_storage import KVStorage
 from kv_transfer.errors import (LayoutMismatch, PeerLost, TransferCancelled, TransferRejected,
                                 TransferTimeout)
@@ -130,7 +131,7 @@ class TransferSender:
         copy = None
         if link.mapped is not None:
             assert self._copies is not None  # made when the link was mapped
-            copy = MappedCopy(spec, self.kv, link.mapped.tensor, self._copies)
+            copy = MappedCopy(spec, self.kv, link.mapped.tensor, self._copies, link.copier)
         transfer = OutboundTransfer(self, link, plan, reply.transfer_seq, deadline, copy)
         link.transfers[rid] = transfer
         return transfer
@@ -218,6 +219,8 @@ class TransferSender:
                 log.info("KV receiver %s: its pool cannot be mapped here (%s); using the "
                          "data plane", link.address, exc)
             return
+        if self.kv.is_cuda:
+            link.copier = BlockCopier(self.kv, link.mapped.tensor)
         if self._copies is None:
             executor = (None if self.kv.is_cuda else
                         ThreadPoolExecutor(1, thread_name_prefix="kv-copy"))
@@ -227,6 +230,7 @@ class TransferSender:
         if link.mapped is not None:
             if self._copies is not None:
                 self._copies.synchronize()  # no copy may still write into the mapping
+            link.copier = None  # its views would keep the mapping open
             link.mapped.close()
             link.mapped = None
 
