@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.block_copy import copy_blocks_reference, copy_blocks_triton
+from engine.kernels.block_copy import BlockCopier, copy_blocks_reference, copy_blocks_triton
 from kv_transfer.layout import plan_runs
 from kv_transfer.mapped_copy import copy_runs
 
@@ -61,3 +61,22 @@ def test_mismatched_pools_are_refused(target):
                            range(0, 1))
     with pytest.raises(ValueError, match="outside the pool"):
         copy_blocks_triton(src, src.clone(), ids, ids, range(1, 3))
+
+
+def test_one_copier_serves_many_copies_between_its_pools(target):
+    """A sender keeps one copier per mapped pool: each launch copies its own ids and layers."""
+    src = _pool(3, 10, target.device, target.dtype, seed=3)
+    dst = _pool(3, 7, target.device, target.dtype, seed=None)
+    want = dst.clone()
+    copier = BlockCopier(src, dst)
+    as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int32, device=target.device)
+    for src_ids, dst_ids, layers in (([9, 0], [6, 1], range(0, 3)), ([2], [3], range(1, 2)),
+                                     ([5, 6, 7], [0, 2, 4], range(2, 3))):
+        copy_blocks_reference(src, want, as_tensor(src_ids).long(), as_tensor(dst_ids).long(),
+                              layers)
+        copier.launch(as_tensor(src_ids), as_tensor(dst_ids), layers)
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="outside the pool"):
+        copier.launch(as_tensor([0]), as_tensor([0]), range(2, 4))
+    with pytest.raises(ValueError, match="one source and one destination"):
+        copier.launch(as_tensor([0, 1]), as_tensor([0]), range(0, 1))
