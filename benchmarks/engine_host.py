@@ -18,7 +18,7 @@ model's own next-token logits over a fixed English text (real distributions, mos
 peaked), each step taking the next window of positions.
 
     python -m benchmarks.random_model .tok --tokenizer-only     # once: the tokenizer
-    python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 \\
+    python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 [--overlapped] \\
         [--baseline-tree /tmp/base] [--repeats 3] [--logits-from /tmp/hf]
 
 Output: a markdown table on stdout; progress on stderr.
@@ -73,8 +73,11 @@ def model_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> int:
 
 
 def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
-            logits_path: str | None = None) -> float:
-    """Seconds per engine step, this process's tree (`logits_path`: model_logits' file)."""
+            logits_path: str | None = None, vocab_size: int = 49152,
+            overlapped: bool = False) -> float:
+    """Seconds per engine step, this process's tree (`logits_path`: model_logits' file).
+    `vocab_size`: the logits' width (the tokenizer's first ids); `overlapped`: the steps a
+    CUDA worker runs (LLMEngine.step(overlap=True)), the runner reading device tokens."""
     import dataclasses
     import random
 
@@ -89,7 +92,7 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
 
     class NullRunner:
         records_layer_events = False
-        reads_device_tokens = False  # computes nothing: plain steps only
+        reads_device_tokens = overlapped  # its logits never depend on the tokens
 
         def __init__(self, vocab_size: int) -> None:
             self.logits = (torch.load(logits_path) if logits_path is not None else
@@ -108,7 +111,7 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
             return None
 
     torch.set_num_threads(1)
-    model_config = dataclasses.replace(SHAPES["llama3-1b"], vocab_size=49152)
+    model_config = dataclasses.replace(SHAPES["llama3-1b"], vocab_size=vocab_size)
     blocks = batch * (128 + num_steps + 64) // 16 + 64
     config = EngineConfig(num_kv_blocks=blocks, block_size=16, max_num_seqs=max(batch, 1),
                           max_num_batched_tokens=max(2048, batch))
@@ -121,12 +124,14 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
               if mode == "greedy" else
               SamplingParams(max_tokens=1 << 20, temperature=0.8, top_p=0.95, ignore_eos=True))
     for i in range(batch):
-        engine.add_request(f"r{i}", [rng.randrange(1000, 40000) for _ in range(128)], params)
+        engine.add_request(f"r{i}", [rng.randrange(min(1000, vocab_size // 40),
+                                                    min(40000, vocab_size * 5 // 6))
+                                     for _ in range(128)], params)
     for _ in range(8):  # prefill, then a few decode steps
-        engine.step()
+        engine.step(overlap=overlapped)
     started = time.perf_counter()
     for _ in range(num_steps):
-        engine.step()
+        engine.step(overlap=overlapped)
     return (time.perf_counter() - started) / num_steps
 
 
@@ -135,7 +140,7 @@ def run_tree(tree: Path, args: argparse.Namespace, batch: int, mode: str) -> flo
     env = {**os.environ, "PYTHONPATH": str(tree)}
     code = ("import json, sys; from benchmarks.engine_host import measure; "
             f"print(json.dumps(measure({str(args.tokenizer)!r}, {batch}, {mode!r}, "
-            f"{args.steps}, {args.logits_path!r})))")
+            f"{args.steps}, {args.logits_path!r}, {args.vocab}, {args.overlapped})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True,
                          capture_output=True, text=True, timeout=600)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -158,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(default %(default)s)")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout to measure alternately (optional)")
+    parser.add_argument("--vocab", type=int, default=49152,
+                        help="the logits' width (default %(default)s, the default model's "
+                             "vocabulary); a small one leaves out the CPU argmax, which a "
+                             "GPU runs on the device, so what is left is the host's own work")
+    parser.add_argument("--overlapped", action="store_true",
+                        help="overlapped steps (what a CUDA worker runs) instead of plain ones")
     parser.add_argument("--logits-from", type=Path, default=None,
                         help="a Hugging Face model directory whose own logits over a fixed "
                              "text the null runner returns (default: random logits)")
@@ -168,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             any(m not in MODES for m in modes):
         parser.error("batches, steps and repeats must be >= 1; modes from "
                      + ", ".join(MODES))
+    if not 2 <= args.vocab <= 49152:
+        parser.error("--vocab must be in [2, 49152] (ids the default model's tokenizer has)")
     if not (args.tokenizer / "tokenizer.json").is_file():
         parser.error(f"{args.tokenizer}/tokenizer.json not found")
     args.tokenizer = args.tokenizer.resolve()
