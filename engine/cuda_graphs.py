@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Callable
 
@@ -68,6 +69,21 @@ def capture_phase() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def write_block_tables(table: np.ndarray, block_ids: Sequence[Sequence[int]]) -> int:
+    """Row r of `table` (int32 [rows, W]) starts with block_ids[r]; the columns after it
+    keep whatever they held. Returns the widest row's length (0 for no rows). One pass in
+    numpy for all rows: a step's tables, not one Python-to-numpy conversion per row."""
+    lengths = [len(ids) for ids in block_ids]
+    width = max(lengths, default=0)
+    if width == 0:
+        return 0
+    flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32,
+                       count=sum(lengths))
+    part = table[:len(lengths), :width]
+    part[np.arange(width) < np.asarray(lengths)[:, None]] = flat  # row-major, as flat is
+    return width
 
 
 def capture_step(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None,
@@ -165,16 +181,15 @@ class DecodeGraphs:
         size = padded_batch_size(num_seqs, self.batch_sizes)
         assert size is not None  # can_run checked the largest size
         host = self._views
-        width = 1
         bs = self.block_size
-        for row, chunk in enumerate(chunks):
-            pos = chunk.start_pos
-            host.input_ids[row] = chunk.token_ids[0]
-            host.positions[row] = pos
-            host.slot_mapping[row] = chunk.block_ids[pos // bs] * bs + pos % bs
-            host.context_lens[row] = pos + 1
-            host.block_tables[row, :len(chunk.block_ids)] = chunk.block_ids
-            width = max(width, len(chunk.block_ids))
+        positions = [c.start_pos for c in chunks]
+        host.input_ids[:num_seqs] = [c.token_ids[0] for c in chunks]
+        host.positions[:num_seqs] = positions
+        host.slot_mapping[:num_seqs] = [c.block_ids[p // bs] * bs + p % bs
+                                        for c, p in zip(chunks, positions)]
+        host.context_lens[:num_seqs] = positions
+        host.context_lens[:num_seqs] += 1
+        width = max(1, write_block_tables(host.block_tables, [c.block_ids for c in chunks]))
         host.reset_padding(num_seqs)
         dev = self._device_views
         # Two copies: the per-row scalars, then only the table columns this batch uses.

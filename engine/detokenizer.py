@@ -82,9 +82,11 @@ class IncrementalDetokenizer:
         """Appends one sampled token; returns the text it completes (often "" or one piece)."""
         if self._finished:
             raise RuntimeError("add() after flush(): the request already finished")
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         self._num_output_tokens += 1
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        new_text = self._tokenizer.decode(ids[self._prefix_offset:] if self._prefix_offset
+                                          else ids, skip_special_tokens=self._skip_special_tokens)
         if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text):
             # Incomplete character, or a token with no text (a skipped special token): wait.
             # Nothing is emitted, so the window is not slid either.

@@ -50,7 +50,7 @@ import torch
 
 from engine.attention import (AttentionMetadata, KernelAttentionMetadata, choose_decode_splits,
                               chunk_slots)
-from engine.cuda_graphs import capture_step, padded_batch_size
+from engine.cuda_graphs import capture_step, padded_batch_size, write_block_tables
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -220,16 +220,17 @@ class MixedGraphs:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decode_width = prefill_width = 0  # the widest table of each part
-        for row, chunk in enumerate(chunks[:num_decodes]):
+        decodes = chunks[:num_decodes]
+        for row, chunk in enumerate(decodes):
             pos = chunk.start_pos
             token_ids.append(chunk.token_ids[0])
             positions.append(pos)
             slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
-            host.decode_tables[row, :len(chunk.block_ids)] = chunk.block_ids
-            decode_width = max(decode_width, len(chunk.block_ids))
             if chunk.sample:
                 sample_rows.append(row)
+        # The widest table of each part.
+        decode_width = write_block_tables(host.decode_tables, [c.block_ids for c in decodes])
+        prefill_width = 0
         cu_seqlens = [num_decodes]
         for i, chunk in enumerate(chunks[num_decodes:]):
             token_ids.extend(chunk.token_ids)

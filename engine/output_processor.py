@@ -192,7 +192,7 @@ class OutputProcessor:
         tracked.text += delta
         check = check_stop(request.sampling_params, self._eos_token_ids,
                            request.output_token_ids, tracked.text, len(delta))
-        if check.finished:
+        if check.finish_reason is not None:
             tracked.stop = check.finish_reason
             if check.stop_reason is not None and isinstance(check.stop_reason, str):
                 tracked.text = tracked.text[:check.emit_end]
@@ -211,9 +211,11 @@ class OutputProcessor:
     def _emit(self, tracked: Tracked, token_ids: list[int], logprobs: list[TokenLogprobs | None],
               emit_end: int) -> RequestOutput:
         request = tracked.request
-        text = tracked.text[tracked.num_emitted_chars:emit_end]
-        tracked.num_emitted_chars = max(tracked.num_emitted_chars, emit_end)
+        emitted = tracked.num_emitted_chars
+        text = tracked.text[emitted:emit_end]
+        if emit_end > emitted:
+            tracked.num_emitted_chars = emit_end
         return RequestOutput(
-            request.request_id, token_ids, text, logprobs, None, request.num_prompt_tokens,
-            request.num_output_tokens, request.num_cached_tokens,
-            prefilled=request.status is RequestStatus.PREFILLED, num_steps=request.num_steps)
+            request.request_id, token_ids, text, logprobs, None, len(request.prompt_token_ids),
+            len(request.output_token_ids), request.num_cached_tokens,
+            request.status is RequestStatus.PREFILLED, request.num_steps)

@@ -101,15 +101,18 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} vs {len(params)} params, "
                              f"{len(states)} states")
         logits = logits.float()
-        raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(p.logprobs is not None for p in params) else None)
-        if any(_edits_logits(p, s) for p, s in zip(params, states)):
+        # One pass over the rows for what the batch needs (a row per request at every step).
+        greedy, random, wants_logprobs, edits = [], [], False, False
+        for i, (p, s) in enumerate(zip(params, states)):
+            (greedy if p.is_greedy else random).append(i)
+            wants_logprobs = wants_logprobs or p.logprobs is not None
+            edits = edits or _edits_logits(p, s)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        if edits:
             logits = logits.clone()  # the caller's logits stay as they were
             self._apply_min_tokens(logits, params, states)
             _apply_penalties(logits, params, states)
 
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        random = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random:
             # The common serving batch: no copy of the logits, no gather, one kernel.
             token_ids = logits.argmax(dim=-1)

@@ -53,3 +53,18 @@ class ScheduleOutput:
         scheduler puts first (engine/attention.py gives them the decode kernel)."""
         return next((i for i, c in enumerate(self.chunks) if len(c.token_ids) != 1),
                     len(self.chunks))
+
+
+class ScheduleDraft:
+    """What one `Scheduler.schedule()` call has decided so far: the chunks by request (a
+    preempted request's chunk is withdrawn), the token budget left, the preempted ids."""
+
+    __slots__ = ("budget", "chunks", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.chunks: dict[str, ScheduledChunk] = {}
+        self.preempted: list[str] = []
+
+    def output(self) -> ScheduleOutput:
+        return ScheduleOutput(tuple(self.chunks.values()), tuple(self.preempted))

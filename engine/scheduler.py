@@ -54,21 +54,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from engine.kv_cache import KVCacheManager
 from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.request_rank import rank_key
-from engine.schedule_output import ScheduledChunk, ScheduleOutput
+from engine.schedule_output import ScheduleDraft, ScheduledChunk, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-class _Step:
-    """What one `schedule()` call has decided so far."""
-
-    __slots__ = ("budget", "chunks", "preempted")
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.chunks: dict[str, ScheduledChunk] = {}
-        self.preempted: list[str] = []
 
 
 class Scheduler:
@@ -205,17 +194,20 @@ class Scheduler:
         if self._outstanding is not None:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
-        step = _Step(self.config.max_num_batched_tokens)
-        seated = sorted(self._running.values(), key=self._key)[:self.config.max_num_seqs]
-        decodes = [r for r in seated if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in seated if r.num_tokens - r.num_computed_tokens > 1]
+        step = ScheduleDraft(self.config.max_num_batched_tokens)
+        keys = self._keys
+        seated = sorted(self._running.values(),
+                        key=lambda r: keys[r.request_id])[:self.config.max_num_seqs]
+        todo = [(r.num_tokens - r.num_computed_tokens, r) for r in seated]
+        decodes, prefills = [r for n, r in todo if n == 1], [r for n, r in todo if n > 1]
+        running = RequestStatus.RUNNING
         for request in decodes + prefills:
             # Earlier requests in this loop may have preempted this one.
-            if request.status is RequestStatus.RUNNING and step.budget > 0:
+            if request.status is running and step.budget > 0:
                 self._schedule_running(request, step)
         if not step.preempted:
             self._admit(step)
-        out = ScheduleOutput(tuple(step.chunks.values()), tuple(step.preempted))
+        out = step.output()
         if not out.is_empty:
             self._outstanding = out
             self._scheduled = {rid: self._requests[rid] for rid in step.chunks}
@@ -231,44 +223,49 @@ class Scheduler:
             return
         if schedule is not self._outstanding:
             raise RuntimeError("update_from_output() got a schedule that is not outstanding")
-        live = [(chunk, self._requests[chunk.request_id]) for chunk in schedule.chunks
-                if self._requests.get(chunk.request_id) is self._scheduled[chunk.request_id]
-                and self._scheduled[chunk.request_id].status is RequestStatus.RUNNING]
+        requests, scheduled, running = self._requests, self._scheduled, RequestStatus.RUNNING
+        live = [(c, r) for c in schedule.chunks if (r := scheduled[c.request_id]).status
+                is running and requests.get(c.request_id) is r]
         # Validate everything first so a bad call leaves the step outstanding and unchanged.
-        missing = [c.request_id for c, _ in live if c.sample and sampled_token_ids is not None
-                   and c.request_id not in sampled_token_ids]
-        if missing:
-            raise ValueError(f"no sampled token for {missing}")
+        if sampled_token_ids is not None:
+            missing = [c.request_id for c, _ in live
+                       if c.sample and c.request_id not in sampled_token_ids]
+            if missing:
+                raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
+        cache_full_blocks = self.kv_cache.cache_full_blocks
         for chunk, request in live:
             # schedule() set start_pos from num_computed_tokens and nothing moves it between.
             assert chunk.start_pos == request.num_computed_tokens
-            request.num_computed_tokens, request.num_steps = chunk.end_pos, request.num_steps + 1
+            request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            request.num_steps += 1
             if chunk.sample:
                 request.output_token_ids.append(PLACEHOLDER if sampled_token_ids is None
                                                 else int(sampled_token_ids[chunk.request_id]))
-            self.kv_cache.cache_full_blocks(request)
+            cache_full_blocks(request)
             if chunk.sample:
                 self._after_sample(request)
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _schedule_running(self, request: Request, step: _Step) -> None:
+    def _schedule_running(self, request: Request, step: ScheduleDraft) -> None:
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, step.budget)
-        if self.config.prefill_chunk_tokens is not None:
-            num_new = min(num_new, self.config.prefill_chunk_tokens)
-        if self.kv_cache.blocks_needed(start + num_new) > self.kv_cache.num_blocks:
+        chunk_limit = self.config.prefill_chunk_tokens
+        if chunk_limit is not None and num_new > chunk_limit:
+            num_new = chunk_limit
+        kv_cache = self.kv_cache
+        if kv_cache.blocks_needed(start + num_new) > kv_cache.num_blocks:
             self._end_unfittable(request)
             return
-        while not self.kv_cache.allocate_for(request, num_new):
+        while not kv_cache.allocate_for(request, num_new):
             victim = max(self._running.values(), key=self._key)
             self._preempt(victim, step)
             if victim is request:
                 return
         self._add_chunk(request, num_new, step)
 
-    def _admit(self, step: _Step) -> None:
+    def _admit(self, step: ScheduleDraft) -> None:
         while (self._waiting and step.budget > 0
                and len(self._running) < self.config.max_num_seqs
                and len(step.chunks) < self.config.max_num_seqs):
@@ -295,7 +292,7 @@ class Scheduler:
             self._running[request.request_id] = request
             self._add_chunk(request, num_new, step)
 
-    def _add_chunk(self, request: Request, num_new: int, step: _Step) -> None:
+    def _add_chunk(self, request: Request, num_new: int, step: ScheduleDraft) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         step.chunks[request.request_id] = ScheduledChunk(
@@ -303,7 +300,7 @@ class Scheduler:
             start_pos=start, block_ids=tuple(request.block_ids), sample=end == request.num_tokens)
         step.budget -= num_new
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: ScheduleDraft) -> None:
         withdrawn = step.chunks.pop(victim.request_id, None)
         if withdrawn is not None:
             step.budget += len(withdrawn.token_ids)

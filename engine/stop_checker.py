@@ -95,6 +95,9 @@ def check_stop(params: SamplingParams, eos_token_ids: Sequence[int], output_toke
         return StopCheck(FinishReason.STOP, token_id, len(text))
     if token_id in params.stop_token_ids:
         return StopCheck(FinishReason.STOP, token_id, len(text))
+    if not params.stop:  # the common request: nothing to search, nothing held back
+        return StopCheck(FinishReason.LENGTH if num_tokens >= params.max_tokens else None,
+                         None, len(text))
     # A stop string completed before min_tokens is not searched again: the caller asked for
     # at least min_tokens tokens, so the text they produced stands.
     found = find_stop_string(text, params.stop, num_new_chars, params.include_stop_str_in_output)
