@@ -169,11 +169,12 @@ class DecodeGraphs:
                 and max(len(c.block_ids) for c in chunks) <= self.max_blocks_per_seq)
 
     def run(self, schedule: ScheduleOutput,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None) -> torch.Tensor:
         """float32 logits [number of sampling chunks, vocab]: replay (or, without graphs, run)
         the step of the smallest captured size >= the batch. Requires `can_run`. `fill`
-        (rows, token ids, on the device) overwrites those rows' input ids: a decode row's
-        token sampled by the previous step and not on the host yet (model_runner.py)."""
+        (rows as indices or a slice, token ids, on the device) overwrites those rows' input
+        ids: a decode row's token sampled by the previous step and not on the host yet
+        (model_runner.py)."""
         if not self.can_run(schedule):
             raise ValueError("decode graphs: this schedule is not a decode step that fits")
         chunks = schedule.chunks

@@ -62,6 +62,25 @@ def placeholder_sources(schedule: ScheduleOutput, previous: DeviceTokens | None
     return dst, src
 
 
+TokenFill = tuple[torch.Tensor | slice, torch.Tensor]  # (rows of the step's tokens, tokens)
+
+
+def placeholder_fill(previous: DeviceTokens, dst: list[int], src: list[int],
+                     device: torch.device) -> TokenFill:
+    """Where the PLACEHOLDERs' tokens go in the step's flat token list, and those tokens,
+    on the device (`placeholder_sources`' lists). The usual decode step needs no upload:
+    its placeholders are its first rows (decodes lead a schedule; `dst` is increasing, so
+    it ends at n - 1 only as 0..n-1), and they read the previous step's rows in the same
+    order unless a request ended or joined since."""
+    n = len(dst)
+    rows: torch.Tensor | slice = (slice(0, n) if dst[-1] == n - 1
+                                  else to_device(dst, torch.long, device))
+    tokens = previous.token_ids
+    if src == dst and isinstance(rows, slice):
+        return rows, tokens[:n]
+    return rows, tokens[to_device(src, torch.long, tokens.device)]
+
+
 class StepRunner(Protocol):
     """What the engine loop needs from whatever runs the model (this module's ModelRunner,
     or tensor parallelism's DrivingRunner)."""
@@ -192,8 +211,7 @@ class ModelRunner:
         fill = None
         if dst:
             assert previous is not None  # placeholder_sources checked it
-            fill = (to_device(dst, torch.long, self.device),
-                    previous.token_ids[to_device(src, torch.long, previous.token_ids.device)])
+            fill = placeholder_fill(previous, dst, src, self.device)
         if on_layer is None and self.graphs is not None and self.graphs.can_run(schedule):
             return self.graphs.run(schedule, fill)
         if on_layer is None and self.mixed_graphs is not None and self.use_mixed_graphs:

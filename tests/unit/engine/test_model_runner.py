@@ -8,7 +8,7 @@ import torch
 from engine.attention import AttentionMetadata, mixed_split_threshold, split_mixed_step
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import DeviceTokens, ModelRunner, placeholder_fill
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -212,3 +212,23 @@ def test_runner_rejects_a_pool_of_another_shape(model):
     kv = KVStorage.for_model(model.config, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="block size 16 != 8"):
         ModelRunner(model, kv, block_size=8)
+
+
+def test_placeholder_fill_reads_the_previous_rows_in_order_without_an_upload():
+    previous = DeviceTokens(torch.tensor([40, 41, 42, 43]), {"a": 0, "b": 1, "c": 2, "d": 3})
+    rows, tokens = placeholder_fill(previous, [0, 1, 2], [0, 1, 2], torch.device("cpu"))
+    assert rows == slice(0, 3) and tokens.tolist() == [40, 41, 42]
+    assert tokens.data_ptr() == previous.token_ids.data_ptr()  # a view: nothing copied
+
+
+@pytest.mark.parametrize("dst, src", [([0, 1, 2], [1, 3, 0]),  # a request ended: rows moved
+                                      ([1, 2], [2, 3]),  # the first row's token is known
+                                      ([0, 3], [0, 1])])  # a prefill chunk between them
+def test_placeholder_fill_gathers_rows_that_moved(dst, src):
+    previous = DeviceTokens(torch.tensor([40, 41, 42, 43]), {})
+    ids = torch.zeros(5, dtype=torch.long)
+    rows, tokens = placeholder_fill(previous, dst, src, torch.device("cpu"))
+    ids[rows] = tokens
+    want = torch.zeros(5, dtype=torch.long)
+    want[dst] = torch.tensor([40 + s for s in src])
+    assert torch.equal(ids, want)
