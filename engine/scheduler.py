@@ -249,12 +249,15 @@ class Scheduler:
     # ---- internals ---------------------------------------------------------------------------
 
     def _schedule_running(self, request: Request, step: ScheduleDraft) -> None:
-        start = request.num_computed_tokens
+        start, kv_cache = request.num_computed_tokens, self.kv_cache
+        # A decode whose slot its table already has: the checks below cannot fail for it
+        # (its table fits the pool; allocate_for has nothing to do), so they are skipped.
+        if request.num_tokens - start == 1 and start < len(request.block_ids) * kv_cache.block_size:
+            self._add_chunk(request, 1, step)
+            return
         num_new = min(request.num_tokens - start, step.budget)
-        chunk_limit = self.config.prefill_chunk_tokens
-        if chunk_limit is not None and num_new > chunk_limit:
-            num_new = chunk_limit
-        kv_cache = self.kv_cache
+        if self.config.prefill_chunk_tokens is not None:
+            num_new = min(num_new, self.config.prefill_chunk_tokens)
         if kv_cache.blocks_needed(start + num_new) > kv_cache.num_blocks:
             self._end_unfittable(request)
             return
