@@ -37,7 +37,7 @@ from torch import nn
 from engine.attention import (AttentionMetadata, KernelAttentionMetadata, attend_cached_kernels,
                               paged_attention)
 from engine.config import Llama3RopeScaling, ModelConfig
-from engine.kernels.gemv import linear
+from engine.kernels.gemv import GemvWorkspace, linear
 from engine.kv_storage import KVStorage
 
 
@@ -153,12 +153,13 @@ class LlamaAttention(nn.Module):
 
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor,
                         rope_tables: tuple[torch.Tensor, torch.Tensor], kv_k: torch.Tensor,
-                        kv_v: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
+                        kv_v: torch.Tensor, meta: KernelAttentionMetadata,
+                        workspace: GemvWorkspace | None) -> torch.Tensor:
         from engine.kernels.rope_kv_write import rope_write_kv_triton_
 
         t = x.shape[0]
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, workspace)
         # Strided views into the one projection output: the kernels take strides.
         q = qkv[:, :q_out].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_out:q_out + kv_out].view(t, self.num_kv_heads, self.head_dim)
@@ -166,7 +167,7 @@ class LlamaAttention(nn.Module):
         # One kernel rotates q and k and writes this step's K/V into the cache.
         rope_write_kv_triton_(q, k, v, positions, *rope_tables, kv_k, kv_v, meta.slot_mapping)
         out = attend_cached_kernels(q, kv_k, kv_v, meta, self.scale)
-        return linear(out.view(t, q_out), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.view(t, q_out), self.o_proj.weight, self.o_proj.bias, workspace)
 
 
 class LlamaMLP(nn.Module):
@@ -187,13 +188,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(gate, requires_grad=False)
         self.up_proj.weight = nn.Parameter(up, requires_grad=False)
 
-    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
         from engine.kernels.silu_mul import silu_mul_triton
 
-        gate_up = linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, workspace=workspace)
         size = gate_up.shape[1] // 2
         return linear(silu_mul_triton(gate_up[:, :size], gate_up[:, size:]),
-                      self.down_proj.weight)
+                      self.down_proj.weight, workspace=workspace)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -243,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
         # The kernel path's state, built by prepare_kernels(): cos/sin tables
         # [max_position_embeddings, head_dim / 2] fp32, and the fused projections.
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Scratch of the split-K linear layers (engine/kernels/gemv.py), on the kernel path.
+        self.gemv_workspace: GemvWorkspace | None = None
         # Ranks holding a shard each (config then describes the shard); see enable_tensor_parallel.
         self.tp_size = 1
 
@@ -267,6 +270,10 @@ class LlamaForCausalLM(nn.Module):
             self.rope_tables = rope_cos_sin(
                 self.config.head_dim, self.config.max_position_embeddings,
                 self.config.rope_theta, self.config.rope_scaling, device)
+        workspace = self.gemv_workspace
+        if workspace is None or workspace.partials.device != device:
+            self.gemv_workspace = GemvWorkspace.for_shapes(self.linear_shapes_of(self.config),
+                                                           device)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = getattr(attn, "qkv_weight", None)
@@ -277,6 +284,15 @@ class LlamaForCausalLM(nn.Module):
             fused = getattr(mlp, "gate_up_weight", None)
             if fused is None or mlp.gate_proj.weight.data_ptr() != fused.data_ptr():
                 mlp.fuse_projections()
+
+    @staticmethod
+    def linear_shapes_of(c: ModelConfig) -> list[tuple[int, int]]:
+        """[n, k] of each linear layer the kernel path runs: fused q/k/v, attention output,
+        fused gate/up, down, the vocabulary head."""
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return [(q_out + 2 * kv_out, c.hidden_size), (c.hidden_size, q_out),
+                (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
+                (c.vocab_size, c.hidden_size)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
                 attn: AttentionMetadata,
@@ -312,12 +328,13 @@ class LlamaForCausalLM(nn.Module):
                             layers[0].input_layernorm.eps)
         for n, layer in enumerate(layers):
             kv_k, kv_v = kv.layer(n)
-            x = layer.self_attn.forward_kernels(x, positions, self.rope_tables, kv_k, kv_v, meta)
+            x = layer.self_attn.forward_kernels(x, positions, self.rope_tables, kv_k, kv_v, meta,
+                                                self.gemv_workspace)
             if on_layer is not None:
                 on_layer(n)
             norm = layer.post_attention_layernorm
             add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
-            x = layer.mlp.forward_kernels(x)
+            x = layer.mlp.forward_kernels(x, self.gemv_workspace)
             norm = layers[n + 1].input_layernorm if n + 1 < len(layers) else self.model.norm
             add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
         return x
@@ -327,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab] for hidden states [N, hidden]; written into `out`
         (float32 [N, vocab]) when given, which is returned."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight)
+        logits = linear(hidden, weight, workspace=self.gemv_workspace)
         if out is None:
             return logits.float()
         return out.copy_(logits)
