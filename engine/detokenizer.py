@@ -1,5 +1,9 @@
 """Incremental detokenization for streaming: one token in, the new text out.
 
+`new_detokenizer` picks the implementation: byte-level vocabularies stream through a table
+of each token's bytes (engine/byte_detokenizer.py); the window decode below serves the
+rest (SentencePiece decoders, for instance).
+
 Decoding each token alone is wrong twice over: a byte-level token may hold only part of a
 multi-byte UTF-8 character (the decoder then yields U+FFFD), and some decoders change a
 token's text depending on what precedes it (SentencePiece drops a leading space at the start).
@@ -35,7 +39,12 @@ and `flush` equals `tokenizer.decode(output_ids)` (held bytes never leak out bro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from engine.byte_detokenizer import ByteDetokenizer
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 # Prompt tokens used as context for the first output token: enough for any decoder's
 # look-behind (a leading space, a byte sequence), small enough to stay cheap.
@@ -48,6 +57,30 @@ _REPLACEMENT = "\ufffd"
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class Detokenizer(Protocol):
+    """What streaming needs of a detokenizer (IncrementalDetokenizer, ByteDetokenizer)."""
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+    def check_invariants(self) -> None: ...
+
+
+def new_detokenizer(tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> Detokenizer:
+    """The detokenizer of one request: a table lookup per token where the vocabulary is
+    byte-level (engine/byte_detokenizer.py), else a decode of a window of ids. Every side
+    that streams a request's text (the engine, the gateway's first token of a handoff)
+    makes its detokenizer here, so that their deltas split the text at the same places."""
+    token_bytes = tokenizer.token_bytes()
+    if token_bytes is not None:
+        return ByteDetokenizer(token_bytes)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids)
 
 
 class IncrementalDetokenizer:

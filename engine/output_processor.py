@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.contract.finish_reason import FinishReason
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import Detokenizer, new_detokenizer
 from engine.request import Request, RequestStatus
 from engine.sampler import SamplingState, TokenLogprobs
 from engine.scheduler import Scheduler
@@ -65,7 +65,7 @@ class Tracked:
 
     request: Request
     sampling: SamplingState
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     text: str = ""
     num_emitted_chars: int = 0
     stop: FinishReason | None = None
@@ -84,6 +84,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
         self._tokenizer = tokenizer
+        tokenizer.token_bytes()  # built now, not at the first request
         self._eos_token_ids = tokenizer.eos_token_ids
         self._scheduler = scheduler
         self.tracked: dict[str, Tracked] = {}
@@ -95,7 +96,7 @@ class OutputProcessor:
 
     def track(self, request: Request, sampling: SamplingState) -> Tracked:
         tracked = Tracked(request, sampling,
-                          IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids))
+                          new_detokenizer(self._tokenizer, request.prompt_token_ids))
         self.tracked[request.request_id] = tracked
         return tracked
 

@@ -4,7 +4,7 @@ Prompts are tokenized once here (`PromptTokenizer` protocol of gateway/backend.p
 
 The first token of a handed-off request comes from the prefill worker as a bare id
 (`PrefillResult.first_token_id`); its text is produced here exactly as the engine produces
-it on the prefill side: an incremental detokenizer seeded with the prompt, then the stop
+it on the prefill side: the engine's detokenizer (`new_detokenizer`), then the stop
 check that may hold back the start of a stop string. The decode worker replays the same
 token through the same two steps (engine `add_decode_request`), so its later frames start
 exactly where this text ends:
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.contract.sampling_params import SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import new_detokenizer
 from engine.stop_checker import check_stop
 from engine.tokenizer import Tokenizer
 
@@ -26,6 +26,7 @@ from engine.tokenizer import Tokenizer
 class GatewayTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        tokenizer.token_bytes()  # built now (as the engine's), not at the first handoff
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
         # No token's text is longer than its vocabulary entry (byte-level entries spell one
         # byte per character), so a text of n characters has at least n / this many tokens.
@@ -52,7 +53,7 @@ class GatewayTokenizer:
         `finished`: the prefill worker reported that token 1 already ends the request, so
         held-back text is released as the engine releases it at the end.
         """
-        detokenizer = IncrementalDetokenizer(self._tokenizer, prompt_token_ids)
+        detokenizer = new_detokenizer(self._tokenizer, prompt_token_ids)
         text = detokenizer.add(token_id)
         check = check_stop(params, self.eos_token_ids, [token_id], text, len(text))
         if check.finished and isinstance(check.stop_reason, str):
