@@ -12,7 +12,7 @@ from tokenizers import decoders, models
 from engine.byte_detokenizer import ByteDetokenizer
 from engine.detokenizer import IncrementalDetokenizer, new_detokenizer
 from engine.token_bytes import TokenBytes
-from tests.unit.engine.test_detokenizer import BYTE_IDS, SPECIAL_IDS, TOK, byte_ids
+from tests.unit.engine.test_detokenizer import BYTE_IDS, SPECIAL_IDS, TOK, byte_ids, mixed_ids
 
 TABLE = TOK.token_bytes()
 
@@ -53,10 +53,7 @@ def test_deltas_concatenate_to_the_tokenizers_decode(ids: list[int]) -> None:
 @given(text=st.text(alphabet=st.sampled_from("aé中🤖ß€ \n𝄞Ω"), max_size=30),
        mixed=st.lists(st.booleans(), max_size=30))
 def test_split_characters_are_never_emitted_broken(text: str, mixed: list[bool]) -> None:
-    ids: list[int] = []
-    for i, ch in enumerate(text):
-        ids.extend(byte_ids(ch) if (mixed[i] if i < len(mixed) else True) else TOK.encode(ch))
-    deltas = run(ids)
+    deltas = run(mixed_ids(text, mixed))
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
 

@@ -50,6 +50,16 @@ def byte_ids(text: str) -> list[int]:
     return [BYTE_IDS[b] for b in text.encode("utf-8")]
 
 
+def mixed_ids(text: str, byte_by_byte: list[bool]) -> list[int]:
+    """Each character of `text` as its real tokens or, where `byte_by_byte` says so (and
+    past its end), one token per UTF-8 byte."""
+    ids: list[int] = []
+    for i, ch in enumerate(text):
+        split = byte_by_byte[i] if i < len(byte_by_byte) else True
+        ids.extend(byte_ids(ch) if split else TOK.encode(ch))
+    return ids
+
+
 def run(ids: list[int], prompt: list[int] | None = None, skip: bool = True) -> list[str]:
     detok = IncrementalDetokenizer(TOK, prompt or [], skip_special_tokens=skip)
     deltas = []
@@ -77,11 +87,7 @@ def test_deltas_concatenate_to_full_decode(ids: list[int], skip: bool) -> None:
 @settings(max_examples=200, deadline=None)
 @given(text=multibyte_text, mixed=st.lists(st.booleans(), max_size=30))
 def test_split_characters_are_never_emitted_broken(text: str, mixed: list[bool]) -> None:
-    # Each character is encoded either as its real tokens or byte by byte.
-    ids: list[int] = []
-    for i, ch in enumerate(text):
-        ids.extend(byte_ids(ch) if (mixed[i] if i < len(mixed) else True) else TOK.encode(ch))
-    deltas = run(ids)
+    deltas = run(mixed_ids(text, mixed))
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
 
