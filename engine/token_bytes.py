@@ -21,9 +21,8 @@ have no text either, as in a decode.
 
 from __future__ import annotations
 
-import json
-
 import tokenizers
+from tokenizers import decoders
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -70,8 +69,7 @@ class TokenBytes:
                   skip_special_tokens: bool = True) -> TokenBytes | None:
         """The table of `backend`, or None where its decoder is not plain ByteLevel or
         some id's bytes do not decode as the tokenizer decodes that id."""
-        decoder = json.loads(backend.to_str()).get("decoder")
-        if not isinstance(decoder, dict) or decoder.get("type") != "ByteLevel":
+        if type(backend.decoder) is not decoders.ByteLevel:  # a Sequence of steps, say
             return None
         byte_of_char = _byte_of_char()
         size = backend.get_vocab_size(with_added_tokens=True)
