@@ -27,12 +27,15 @@ ROW_COUNTS = (1, 2, 4, 8)
 L2_BYTES = 60 << 20  # H100/H200: 50-60 MiB; copies of the weight fill several times this
 
 
+LAYER_NAMES = ("qkv", "o", "gate_up", "down", "lm_head")  # linear_shapes_of's order
+
+
 def layer_shapes(config) -> list[tuple[str, int, int]]:
     """(name, n, k) of every linear layer of one decoder layer, and the vocabulary head."""
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_heads * d, config.num_kv_heads * d
-    return [("qkv", q + 2 * kv, h), ("o", h, q), ("gate_up", 2 * config.intermediate_size, h),
-            ("down", h, config.intermediate_size), ("lm_head", config.vocab_size, h)]
+    from engine.models.llama import LlamaForCausalLM
+
+    return [(name, n, k) for name, (n, k) in
+            zip(LAYER_NAMES, LlamaForCausalLM.linear_shapes_of(config), strict=True)]
 
 
 def graph_us(torch, calls, reps: int = 10) -> float:

@@ -51,9 +51,8 @@ def _token_bytes(token: str, byte_of_char: dict[str, int]) -> bytes:
 class TokenBytes:
     """Immutable: `table[token_id]` is that token's bytes."""
 
-    def __init__(self, table: list[bytes], skip_special_tokens: bool) -> None:
+    def __init__(self, table: list[bytes]) -> None:
         self.table = table
-        self.skip_special_tokens = skip_special_tokens
 
     def __len__(self) -> int:
         return len(self.table)
@@ -86,4 +85,4 @@ class TokenBytes:
         for token_id, text in enumerate(decoded):
             if table[token_id].decode("utf-8", "replace") != text:
                 return None
-        return cls(table, skip_special_tokens)
+        return cls(table)

@@ -229,4 +229,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if config is not None:
             return gemv_triton(x, weight, bias, config=config, workspace=workspace)
     return F.linear(x, weight, bias)
-
