@@ -302,14 +302,9 @@ class LLMEngine:
         if __debug__:
             result.check_invariants([t.request.sampling_params for t in step.tracked],
                                     self.model_config.vocab_size)
-        outputs = []
-        for tracked, token_id, logprobs in zip(step.tracked, result.token_ids, result.logprobs):
+        for tracked, token_id in zip(step.tracked, result.token_ids):
             tracked.request.resolve_placeholder(token_id)
-            if self._tracked.get(tracked.request.request_id) is tracked:  # not aborted since
-                out = self.outputs.process(tracked.request.request_id, token_id, logprobs, False)
-                assert out is not None  # never deferred
-                outputs.append(out)
-        return outputs
+        return self.outputs.process_resolved(step.tracked, result.token_ids, result.logprobs)
 
     def _finished_outputs(self, held: Collection[str]) -> list[RequestOutput]:
         """The last output of each request the scheduler ended since, unless its token's

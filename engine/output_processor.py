@@ -66,6 +66,13 @@ class Tracked:
     request: Request
     sampling: SamplingState
     detokenizer: Detokenizer
+    # The token ids that end this request once min_tokens is reached: its stop_token_ids,
+    # and the EOS ids unless it ignores them (check_stop's token rules, as one set).
+    stop_token_ids: frozenset[int] = frozenset()
+    # The output's text, text[:num_emitted_chars] of it streamed already. Only a stop
+    # string's search reads streamed text, so a request without stop strings drops it
+    # once emitted (`_emit`): its text is what is held back, not a copy of the whole
+    # output made again at every token.
     text: str = ""
     num_emitted_chars: int = 0
     stop: FinishReason | None = None
@@ -95,8 +102,13 @@ class OutputProcessor:
         return len(self._deferred)
 
     def track(self, request: Request, sampling: SamplingState) -> Tracked:
+        params = request.sampling_params
+        stop_token_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_token_ids |= frozenset(self._eos_token_ids)
         tracked = Tracked(request, sampling,
-                          new_detokenizer(self._tokenizer, request.prompt_token_ids))
+                          new_detokenizer(self._tokenizer, request.prompt_token_ids),
+                          stop_token_ids)
         self.tracked[request.request_id] = tracked
         return tracked
 
@@ -140,6 +152,38 @@ class OutputProcessor:
             self._deferred.append(_Deferred(tracked, token_id, logprobs))
             return None
         return self._postprocess(tracked, token_id, logprobs)
+
+    def process_resolved(self, rows: Sequence[Tracked], token_ids: Sequence[int],
+                         logprobs: Sequence[TokenLogprobs | None]) -> list[RequestOutput]:
+        """`process(..., defer=False)` of each row's token, just recorded in place of its
+        PLACEHOLDER, in row order; rows no longer tracked (aborted since) are skipped.
+
+        The common row (RUNNING, no stop strings, neither a stop token nor max_tokens) is
+        handled here in a few lines: a step makes one output per running request, so this
+        loop is the host's per-row cost at every step. Its result is what `_postprocess`
+        would make: for such a row `check_stop` says "go on, emit all the text", before
+        min_tokens too (without a stop string nothing is held back)."""
+        tracked_by_id, running = self.tracked, RequestStatus.RUNNING
+        outputs = []
+        for tracked, token_id, token_logprobs in zip(rows, token_ids, logprobs):
+            request = tracked.request
+            request_id = request.request_id
+            if tracked_by_id.get(request_id) is not tracked:
+                continue  # aborted (or untracked) since the step was planned
+            params = request.sampling_params
+            num_output = len(request.output_token_ids)
+            if (request.status is not running or params.stop or token_id in tracked.stop_token_ids
+                    or num_output >= params.max_tokens):
+                outputs.append(self._postprocess(tracked, token_id, token_logprobs))
+                continue
+            # `_emit` without stop strings: all the text goes out, none is kept.
+            new_text = (tracked.text + tracked.detokenizer.add(token_id))[tracked.num_emitted_chars:]
+            tracked.text, tracked.num_emitted_chars = "", 0
+            outputs.append(RequestOutput(
+                request_id, [token_id], new_text, [token_logprobs], None,
+                len(request.prompt_token_ids), num_output, request.num_cached_tokens,
+                False, request.num_steps))
+        return outputs
 
     def flush_deferred(self) -> list[RequestOutput]:
         """The outputs of the deferred tokens (none of them finishes its request)."""
@@ -216,6 +260,9 @@ class OutputProcessor:
         text = tracked.text[emitted:emit_end]
         if emit_end > emitted:
             tracked.num_emitted_chars = emit_end
+        if not request.sampling_params.stop:  # streamed text is never read again
+            tracked.text = tracked.text[tracked.num_emitted_chars:]
+            tracked.num_emitted_chars = 0
         return RequestOutput(
             request.request_id, token_ids, text, logprobs, None, len(request.prompt_token_ids),
             len(request.output_token_ids), request.num_cached_tokens,

@@ -104,9 +104,12 @@ class Sampler:
         # One pass over the rows for what the batch needs (a row per request at every step).
         greedy, random, wants_logprobs, edits = [], [], False, False
         for i, (p, s) in enumerate(zip(params, states)):
-            (greedy if p.is_greedy else random).append(i)
+            (greedy if p.temperature == 0.0 else random).append(i)  # p.is_greedy, inline
             wants_logprobs = wants_logprobs or p.logprobs is not None
-            edits = edits or _edits_logits(p, s)
+            # Only a row with min_tokens or a penalty can edit its logits.
+            if not edits and (p.min_tokens or p.repetition_penalty != 1.0
+                              or p.frequency_penalty or p.presence_penalty):
+                edits = _edits_logits(p, s)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if edits:
             logits = logits.clone()  # the caller's logits stay as they were

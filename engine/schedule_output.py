@@ -66,5 +66,12 @@ class ScheduleDraft:
         self.chunks: dict[str, ScheduledChunk] = {}
         self.preempted: list[str] = []
 
+    def add_decode(self, request_id: str, token_id: int, start_pos: int,
+                   block_ids: tuple[int, ...]) -> None:
+        """A decode chunk: the request's last token, computed at `start_pos`, sampled."""
+        self.chunks[request_id] = ScheduledChunk(request_id, (token_id,), start_pos, block_ids,
+                                                 True)
+        self.budget -= 1
+
     def output(self) -> ScheduleOutput:
         return ScheduleOutput(tuple(self.chunks.values()), tuple(self.preempted))

@@ -200,9 +200,20 @@ class Scheduler:
                         key=lambda r: keys[r.request_id])[:self.config.max_num_seqs]
         todo = [(r.num_tokens - r.num_computed_tokens, r) for r in seated]
         decodes, prefills = [r for n, r in todo if n == 1], [r for n, r in todo if n > 1]
-        running = RequestStatus.RUNNING
-        for request in decodes + prefills:
+        running, block_size = RequestStatus.RUNNING, self.kv_cache.block_size
+        for request in decodes:
             # Earlier requests in this loop may have preempted this one.
+            if request.status is not running or step.budget <= 0:
+                continue
+            start = request.num_computed_tokens
+            if start < len(request.block_ids) * block_size:
+                # Its slot is in its table already: no pool check can fail, nothing to
+                # allocate (the step of nearly every request, nearly every time).
+                step.add_decode(request.request_id, request.last_token_id, start,
+                                tuple(request.block_ids))
+            else:
+                self._schedule_running(request, step)
+        for request in prefills:
             if request.status is running and step.budget > 0:
                 self._schedule_running(request, step)
         if not step.preempted:
@@ -233,28 +244,28 @@ class Scheduler:
             if missing:
                 raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
-        cache_full_blocks = self.kv_cache.cache_full_blocks
+        cache_full_blocks, prefill_only = self.kv_cache.cache_full_blocks, RequestMode.PREFILL_ONLY
         for chunk, request in live:
             # schedule() set start_pos from num_computed_tokens and nothing moves it between.
             assert chunk.start_pos == request.num_computed_tokens
             request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             request.num_steps += 1
             if chunk.sample:
-                request.output_token_ids.append(PLACEHOLDER if sampled_token_ids is None
-                                                else int(sampled_token_ids[chunk.request_id]))
-            cache_full_blocks(request)
-            if chunk.sample:
-                self._after_sample(request)
+                output = request.output_token_ids
+                output.append(PLACEHOLDER if sampled_token_ids is None
+                              else int(sampled_token_ids[chunk.request_id]))
+                cache_full_blocks(request)
+                # _after_sample's two cases, tested here first: most rows go on as they are.
+                if request.mode is prefill_only or \
+                        len(output) >= request.sampling_params.max_tokens:
+                    self._after_sample(request)
+            else:
+                cache_full_blocks(request)
 
     # ---- internals ---------------------------------------------------------------------------
 
     def _schedule_running(self, request: Request, step: ScheduleDraft) -> None:
         start, kv_cache = request.num_computed_tokens, self.kv_cache
-        # A decode whose slot its table already has: the checks below cannot fail for it
-        # (its table fits the pool; allocate_for has nothing to do), so they are skipped.
-        if request.num_tokens - start == 1 and start < len(request.block_ids) * kv_cache.block_size:
-            self._add_chunk(request, 1, step)
-            return
         num_new = min(request.num_tokens - start, step.budget)
         if self.config.prefill_chunk_tokens is not None:
             num_new = min(num_new, self.config.prefill_chunk_tokens)

@@ -116,6 +116,17 @@ def test_prefill_chunk_tokens_caps_each_request() -> None:
     assert [len(c.token_ids) for c in out.chunks] == [3, 3]
 
 
+def test_a_last_prompt_chunk_of_one_token_is_the_prompts_token() -> None:
+    # One token left to compute, like a decode, but it is the prompt's last: the chunk
+    # carries that token (not an output's) and samples the first output token.
+    scheduler, checker = make(max_num_batched_tokens=16, prefill_chunk_tokens=3)
+    scheduler.add_request(request("a", range(10, 17)))
+    chunks = [step(scheduler, checker).chunks for _ in range(4)]
+    assert [(c.token_ids, c.start_pos, c.sample) for (c,) in chunks] == [
+        ((10, 11, 12), 0, False), ((13, 14, 15), 3, False), ((16,), 6, True),
+        ((next_token(list(range(10, 17))),), 7, True)]
+
+
 def test_decodes_are_never_stalled_by_a_long_prompt() -> None:
     scheduler, checker = make(num_blocks=64, max_num_batched_tokens=8)
     scheduler.add_request(request("short", range(3), max_tokens=12))
