@@ -111,6 +111,7 @@ def child(args: argparse.Namespace) -> int:
     from benchmarks.shapes import SHAPES
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.memory_plan import plan_for_model
+    from engine.start_up_heap import freeze_start_up_heap
     from engine.tokenizer import Tokenizer
     from engine.warm_up import warm_up
 
@@ -135,6 +136,7 @@ def child(args: argparse.Namespace) -> int:
         report = warm_up(engine, log)
         warm_s = report.seconds
         log(f"{args.shape}: warmed up in {warm_s:.1f} s ({report.num_steps} steps)")
+        freeze_start_up_heap()  # as a worker does after its warm-up
     rng = random.Random(args.seed)
     lengths = [rng.randrange(32, 2049) for _ in range(NUM_REQUESTS)]
     compiled_before = compiled_kernels()

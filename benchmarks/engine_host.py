@@ -89,6 +89,7 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
     from engine.engine_config import EngineConfig
     from engine.kv_storage import KVStorage
     from engine.llm_engine import LLMEngine
+    from engine.start_up_heap import freeze_start_up_heap
 
     class NullRunner:
         records_layer_events = False
@@ -119,6 +120,7 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
                                   torch.float32)
     engine = LLMEngine(NullRunner(model_config.vocab_size), storage, model_config,
                        load_tokenizer(Path(tokenizer_dir)), config, sampler_seed=0)
+    freeze_start_up_heap()  # as a worker does before traffic
     rng = random.Random(0)
     params = (SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
               if mode == "greedy" else

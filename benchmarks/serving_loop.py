@@ -189,6 +189,7 @@ def build(args: argparse.Namespace):
     import torch
 
     from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.start_up_heap import freeze_start_up_heap
     from engine.warm_up import warm_up
 
     cuda = args.device == "cuda"
@@ -217,6 +218,7 @@ def build(args: argparse.Namespace):
     if cuda:
         report = warm_up(engine, log)
         log(f"warmed up in {report.seconds:.1f} s")
+    freeze_start_up_heap()  # as a worker does before traffic
     return engine, cuda
 
 

@@ -33,11 +33,9 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
   full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
   waiting queue, and a chunk already scheduled for it this step is withdrawn.
 
-Rank and starvation: `engine/request_rank.py` (the order, and why every request finishes).
-
+Rank and starvation: `engine/request_rank.py`. Lifecycle: drawn in `engine/request.py`.
 No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
 (FINISHED_ERROR); a request that grows past the pool while decoding ends FINISHED_LENGTH.
-Lifecycle: the request states and their transitions are drawn in `engine/request.py`.
 
 Invariants (`check_invariants`, plus the KV cache manager's):
     each live request is in exactly one of waiting / running / prefilled, per its status
@@ -199,22 +197,19 @@ class Scheduler:
         seated = sorted(self._running.values(),
                         key=lambda r: keys[r.request_id])[:self.config.max_num_seqs]
         todo = [(r.num_tokens - r.num_computed_tokens, r) for r in seated]
-        decodes, prefills = [r for n, r in todo if n == 1], [r for n, r in todo if n > 1]
         running, block_size = RequestStatus.RUNNING, self.kv_cache.block_size
-        for request in decodes:
+        # Decodes (one token each) first, then partial prefills.
+        for n, request in [t for t in todo if t[0] == 1] + [t for t in todo if t[0] > 1]:
             # Earlier requests in this loop may have preempted this one.
             if request.status is not running or step.budget <= 0:
                 continue
             start = request.num_computed_tokens
-            if start < len(request.block_ids) * block_size:
+            if n == 1 and start < len(request.block_ids) * block_size:
                 # Its slot is in its table already: no pool check can fail, nothing to
-                # allocate (the step of nearly every request, nearly every time).
+                # allocate (nearly every request, nearly every step).
                 step.add_decode(request.request_id, request.last_token_id, start,
                                 tuple(request.block_ids))
             else:
-                self._schedule_running(request, step)
-        for request in prefills:
-            if request.status is running and step.budget > 0:
                 self._schedule_running(request, step)
         if not step.preempted:
             self._admit(step)
@@ -244,23 +239,18 @@ class Scheduler:
             if missing:
                 raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
-        cache_full_blocks, prefill_only = self.kv_cache.cache_full_blocks, RequestMode.PREFILL_ONLY
+        cache_full_blocks = self.kv_cache.cache_full_blocks
         for chunk, request in live:
             # schedule() set start_pos from num_computed_tokens and nothing moves it between.
             assert chunk.start_pos == request.num_computed_tokens
             request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             request.num_steps += 1
             if chunk.sample:
-                output = request.output_token_ids
-                output.append(PLACEHOLDER if sampled_token_ids is None
-                              else int(sampled_token_ids[chunk.request_id]))
-                cache_full_blocks(request)
-                # _after_sample's two cases, tested here first: most rows go on as they are.
-                if request.mode is prefill_only or \
-                        len(output) >= request.sampling_params.max_tokens:
-                    self._after_sample(request)
-            else:
-                cache_full_blocks(request)
+                request.output_token_ids.append(PLACEHOLDER if sampled_token_ids is None
+                                                else int(sampled_token_ids[chunk.request_id]))
+            cache_full_blocks(request)
+            if chunk.sample:
+                self._after_sample(request)
 
     # ---- internals ---------------------------------------------------------------------------
 
