@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Callable
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, KernelAttentionMetadata, choose_decode_splits
+from engine.block_table_rows import BlockTableRows
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -69,21 +69,6 @@ def capture_phase() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def write_block_tables(table: np.ndarray, block_ids: Sequence[Sequence[int]]) -> int:
-    """Row r of `table` (int32 [rows, W]) starts with block_ids[r]; the columns after it
-    keep whatever they held. Returns the widest row's length (0 for no rows). One pass in
-    numpy for all rows: a step's tables, not one Python-to-numpy conversion per row."""
-    lengths = [len(ids) for ids in block_ids]
-    width = max(lengths, default=0)
-    if width == 0:
-        return 0
-    flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32,
-                       count=sum(lengths))
-    part = table[:len(lengths), :width]
-    part[np.arange(width) < np.asarray(lengths)[:, None]] = flat  # row-major, as flat is
-    return width
 
 
 def capture_step(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None,
@@ -130,6 +115,7 @@ class DecodeGraphs:
         self._logits = torch.empty(b, model.config.vocab_size, dtype=torch.float32,
                                    device=self.device)
         self._views = _Views(self._host, b, w)
+        self._tables = BlockTableRows()  # fills self._views.block_tables
         self._views.reset_padding(0)
         self._ints.copy_(torch.from_numpy(self._host))
         self._device_views = _Views(self._ints, b, w)
@@ -190,7 +176,7 @@ class DecodeGraphs:
                                         for c, p in zip(chunks, positions)]
         host.context_lens[:num_seqs] = positions
         host.context_lens[:num_seqs] += 1
-        width = max(1, write_block_tables(host.block_tables, [c.block_ids for c in chunks]))
+        width = max(1, self._tables.write(host.block_tables, [c.block_ids for c in chunks]))
         host.reset_padding(num_seqs)
         dev = self._device_views
         # Two copies: the per-row scalars, then only the table columns this batch uses.

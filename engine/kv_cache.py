@@ -135,7 +135,8 @@ class KVCacheManager:
         num_computed_tokens, plus prefix.num_cached_tokens when `prefix` is given (first
         allocation of an admission only: the request holds no blocks and has computed nothing;
         the caller then sets num_computed_tokens to prefix.num_cached_tokens). Returns False,
-        changing nothing, when the pool has too few blocks. `request.block_ids` is the table.
+        changing nothing, when the pool has too few blocks. `request.block_ids` is the table,
+        as a tuple replaced at each change (the same object while the table stays the same).
         """
         table = self._tables.get(request.request_id)
         if (prefix is None and table is not None and num_new_tokens >= 0
@@ -147,10 +148,10 @@ class KVCacheManager:
             return False
         if table is None:
             table = self._tables[request.request_id] = _BlockTable()
-            request.block_ids = table.block_ids
         if prefix is not None:
             self._take_prefix(table, prefix)
         table.block_ids.extend(self.pool.allocate(num_new_blocks))
+        request.block_ids = tuple(table.block_ids)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -174,7 +175,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return the request's blocks; published ones stay findable until evicted."""
         self.release(request.request_id)
-        request.block_ids = []
+        request.block_ids = ()
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int]) -> Reservation:
         """Set aside blocks for a whole prompt plus one position, reusing cached prefix blocks.
@@ -203,7 +204,7 @@ class KVCacheManager:
         table = self._tables[request.request_id]
         if len(table.block_ids) * self.block_size < request.num_prompt_tokens + 1:
             raise ValueError(f"reservation of {request.request_id} is too small for its prompt")
-        request.block_ids = table.block_ids
+        request.block_ids = tuple(table.block_ids)
         request.num_cached_tokens = table.num_prefix_cached_tokens
 
     def release(self, request_id: str) -> None:

@@ -50,7 +50,8 @@ import torch
 
 from engine.attention import (AttentionMetadata, KernelAttentionMetadata, choose_decode_splits,
                               chunk_slots)
-from engine.cuda_graphs import capture_step, padded_batch_size, write_block_tables
+from engine.block_table_rows import BlockTableRows
+from engine.cuda_graphs import capture_step, padded_batch_size
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.llama import LlamaForCausalLM
@@ -134,6 +135,7 @@ class MixedGraphs:
         t, d, p, w = (self.token_sizes[-1], self.decode_sizes[-1], max_prefill_chunks,
                       max_blocks_per_seq)
         self._host = _Views(np.zeros(_Views.length(t, d, p, w), dtype=np.int32), t, d, p, w)
+        self._tables = BlockTableRows()  # fills self._host.decode_tables
         self._host.reset_padding(0, 0, 0, 0)
         self._ints = torch.from_numpy(self._host.flat).to(self.device, copy=True)
         self._device_views = _Views(self._ints, t, d, p, w)
@@ -217,20 +219,14 @@ class MixedGraphs:
         """Write the step into the static buffers (host, then device); returns the number
         of sampled rows."""
         host, bs = self._host, self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
         decodes = chunks[:num_decodes]
-        for row, chunk in enumerate(decodes):
-            pos = chunk.start_pos
-            token_ids.append(chunk.token_ids[0])
-            positions.append(pos)
-            slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
-            if chunk.sample:
-                sample_rows.append(row)
+        # One pass per column (list comprehensions): a step's decode rows are most of it.
+        token_ids = [c.token_ids[0] for c in decodes]
+        positions = [c.start_pos for c in decodes]
+        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(decodes, positions)]
+        sample_rows = [row for row, c in enumerate(decodes) if c.sample]
         # The widest table of each part.
-        decode_width = write_block_tables(host.decode_tables, [c.block_ids for c in decodes])
+        decode_width = self._tables.write(host.decode_tables, [c.block_ids for c in decodes])
         prefill_width = 0
         cu_seqlens = [num_decodes]
         for i, chunk in enumerate(chunks[num_decodes:]):

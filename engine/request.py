@@ -89,9 +89,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
     num_steps: int = 0  # engine steps that computed some of its tokens (prefill chunks + decodes)
-    # The request's block table; position p lives in block_ids[p // block_size]. The KV
-    # cache manager owns the list object: read it, never mutate it.
-    block_ids: list[int] = field(default_factory=list)
+    # The request's block table; position p lives in block_ids[p // block_size]. Set by the
+    # KV cache manager only, a new tuple at each change: the same object while it is the
+    # same table, so a step's chunk takes it as it is (no copy per row per step).
+    block_ids: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self) -> None:

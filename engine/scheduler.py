@@ -208,7 +208,7 @@ class Scheduler:
                 # Its slot is in its table already: no pool check can fail, nothing to
                 # allocate (nearly every request, nearly every step).
                 step.add_decode(request.request_id, request.last_token_id, start,
-                                tuple(request.block_ids))
+                                request.block_ids)
             else:
                 self._schedule_running(request, step)
         if not step.preempted:
@@ -301,7 +301,7 @@ class Scheduler:
         end = start + num_new
         step.chunks[request.request_id] = ScheduledChunk(
             request_id=request.request_id, token_ids=request.token_ids_between(start, end),
-            start_pos=start, block_ids=tuple(request.block_ids), sample=end == request.num_tokens)
+            start_pos=start, block_ids=request.block_ids, sample=end == request.num_tokens)
         step.budget -= num_new
 
     def _preempt(self, victim: Request, step: ScheduleDraft) -> None:
@@ -396,5 +396,5 @@ class Scheduler:
         for request in [*self._running.values(), *self._prefilled.values()]:
             assert self._requests[request.request_id] is request
             assert self.kv_cache.holds_blocks(request.request_id), "live request lost its table"
-            assert tuple(request.block_ids) == self.kv_cache.block_table(request.request_id)
+            assert request.block_ids == self.kv_cache.block_table(request.request_id)
             assert len(request.block_ids) * bs >= request.num_computed_tokens

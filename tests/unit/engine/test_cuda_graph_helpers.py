@@ -1,4 +1,5 @@
-"""The host-side helpers of engine/cuda_graphs.py: a step's block tables, the capture phase."""
+"""The host-side helpers of the CUDA graphs: a step's block tables
+(engine/block_table_rows.py), the capture phase (engine/cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import gc
 import numpy as np
 import pytest
 
-from engine.cuda_graphs import capture_phase, write_block_tables
+from engine.block_table_rows import BlockTableRows
+from engine.cuda_graphs import capture_phase
+
+
+def write_block_tables(table, tables) -> int:
+    return BlockTableRows().write(table, tables)
 
 
 def test_block_tables_fill_each_rows_first_columns_and_keep_the_rest():
@@ -29,6 +35,17 @@ def test_block_tables_of_no_rows_write_nothing():
 def test_block_tables_wider_than_the_table_are_an_error():
     with pytest.raises((IndexError, ValueError)):
         write_block_tables(np.zeros((2, 2), dtype=np.int32), [(1, 2, 3)])
+
+
+def test_rows_kept_from_step_to_step_are_the_tables_of_this_step():
+    rows, table = BlockTableRows(), np.full((3, 8), -9, dtype=np.int32)
+    a, b, c = (1, 2), (3, 4, 5), (6,)
+    for step in ([a, b, c], [b, c], [b + (7,), a], [(3, 4, 5), c, a]):  # shifts, growth
+        width = rows.write(table, step)
+        rows.check_invariants()
+        assert width == max(len(ids) for ids in step)
+        for r, ids in enumerate(step):
+            assert table[r, :len(ids)].tolist() == list(ids)
 
 
 def test_the_capture_phase_turns_cyclic_collection_off_and_back():

@@ -120,7 +120,7 @@ def test_freed_blocks_stay_findable_until_evicted_tail_first() -> None:
     request = make_request("a", prompt)
     compute(kv, request, 12)
     kv.free(request)
-    assert request.block_ids == []
+    assert request.block_ids == ()
     assert kv.num_free_blocks == 3 and kv.num_used_blocks == 0
     assert kv.find_cached_prefix(prompt + [0]).num_cached_tokens == 12
     kv.drain_events()

@@ -218,7 +218,7 @@ def _abort_and_check(scheduler: Scheduler, request_id: str) -> None:
     others = {b for rid in kv.request_ids() if rid != request_id for b in kv.block_table(rid)}
     used = kv.num_used_blocks
     aborted = scheduler.abort_request(request_id)
-    assert aborted.status is RequestStatus.FINISHED_ABORTED and aborted.block_ids == []
+    assert aborted.status is RequestStatus.FINISHED_ABORTED and aborted.block_ids == ()
     assert kv.num_used_blocks == used - len(held - others)
     assert not kv.holds_blocks(request_id)
     assert scheduler.abort_request(request_id) is None
