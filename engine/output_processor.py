@@ -177,7 +177,8 @@ class OutputProcessor:
                 outputs.append(self._postprocess(tracked, token_id, token_logprobs))
                 continue
             # `_emit` without stop strings: all the text goes out, none is kept.
-            new_text = (tracked.text + tracked.detokenizer.add(token_id))[tracked.num_emitted_chars:]
+            text = tracked.text + tracked.detokenizer.add(token_id)
+            new_text = text[tracked.num_emitted_chars:]
             tracked.text, tracked.num_emitted_chars = "", 0
             outputs.append(RequestOutput(
                 request_id, [token_id], new_text, [token_logprobs], None,
