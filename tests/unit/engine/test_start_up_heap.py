@@ -15,6 +15,7 @@ class Node:
 
 
 def test_start_up_objects_are_frozen_and_later_cycles_are_still_collected() -> None:
+    threshold = gc.get_threshold()
     try:
         start_up = [Node() for _ in range(1000)]
         start_up_cycle = Node()
@@ -26,6 +27,7 @@ def test_start_up_objects_are_frozen_and_later_cycles_are_still_collected() -> N
         heap = freeze_start_up_heap()
         assert garbage_ref() is None  # start-up's garbage collected first, not frozen
         assert heap.num_objects >= len(start_up) and heap.seconds >= 0
+        assert gc.get_threshold()[0] == 10_000  # young collections every 10k allocations
         tracked = {id(o) for o in gc.get_objects()}  # what collections traverse
         assert id(start_up[0]) not in tracked and id(start_up_cycle) not in tracked
         later = Node()
@@ -37,3 +39,4 @@ def test_start_up_objects_are_frozen_and_later_cycles_are_still_collected() -> N
         assert later_ref() is None
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
