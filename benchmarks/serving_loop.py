@@ -17,9 +17,11 @@ launched kernel by kernel instead of replayed from their CUDA graphs (engine/mix
 Per concurrency: `--warm-steps` steps to reach the steady state (the first requests end
 at random lengths, so no wave finishes together); then per run (modes in ABBA order) one
 step to change mode, `--steps` steps timed for
-output tokens per second, then (CUDA) `--profile-steps` steps under the torch profiler for
-the device's share of the wall time (the union of its kernel and copy intervals over the
-window, the profiler's own host cost included) and its time per step. The last columns
+output tokens per second, then (CUDA) `--profile-steps` steps with CUDA events around each
+graph replay for the device's share of the wall time without a profiler (`replay_window`),
+then as many under the torch profiler for that share again (the union of its kernel and
+copy intervals over the window, the profiler's own host cost included) and the device's
+time per step. The last columns
 set tokens/s against concurrency / (device time per step): what the loop would serve if
 the device never waited for the host.
 
@@ -63,6 +65,7 @@ class Run:
     mixed_graph_steps: int  # of the timed steps, those replayed from a mixed CUDA graph
     device_busy: float | None  # the device's share of the profiled window's wall time
     device_ms_per_step: float | None
+    replay_busy: float | None = None  # the same share from events around graph replays
 
 
 class ClosedLoop:
@@ -140,6 +143,37 @@ def device_window(loop: ClosedLoop, num_steps: int, mode: str) -> tuple[float, f
     return min(busy_us / wall_us, 1.0), busy_us / num_steps / 1e3
 
 
+def replay_window(loop: ClosedLoop, num_steps: int, mode: str) -> float:
+    """The device's busy fraction over `num_steps` steps without the profiler (whose own
+    host cost slows a host-bound loop): CUDA events recorded on the stream right before and
+    after each CUDA-graph replay, their spans summed over the window's wall time. It leans
+    low: an eager step and the sampler's kernels count as idle (on the device's side only
+    the launch latency of a replay on an idle device counts as busy)."""
+    import torch
+
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph: torch.cuda.CUDAGraph) -> None:
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        replay(graph)
+        end.record()
+        spans.append((start, end))
+
+    torch.cuda.synchronize()
+    torch.cuda.CUDAGraph.replay = timed_replay  # this window only; restored below
+    try:
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            loop.step(mode)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    return min(sum(start.elapsed_time(end) for start, end in spans) / wall_ms, 1.0)
+
+
 def parse_mode(mode: str) -> tuple[str, int | None, bool] | None:
     """(base mode, split threshold or None, mixed graphs on) of `MODE[-eager][@N]`; None
     when it is not one."""
@@ -175,14 +209,15 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
     mixed_steps = 0 if mixed is None else mixed.num_runs - mixed_before
     if profiler is not None:
         profiler.disable()
-    busy = per_step = None
+    busy = per_step = replay_busy = None
     if cuda and args.profile_steps:
+        replay_busy = replay_window(loop, args.profile_steps, base)
         busy, per_step = device_window(loop, args.profile_steps, base)
     if split is not None:
         runner.mixed_split_min_tokens = default_split
     runner.use_mixed_graphs = graphs_before
     return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, mixed_steps,
-               busy, per_step)
+               busy, per_step, replay_busy)
 
 
 def build(args: argparse.Namespace):
@@ -247,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps before timing, per concurrency")
     parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
     parser.add_argument("--profile-steps", type=int, default=30,
-                        help="steps under the profiler per run (CUDA; 0: none)")
+                        help="steps per run timed with replay events, then as many under "
+                        "the profiler (CUDA; 0: neither)")
     parser.add_argument("--max-batched-tokens", type=int, default=512,
                         help="tokens per engine step, as a worker's --max-num-batched-tokens")
     parser.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
@@ -281,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name} c={concurrency} {mode} #{repeat + 1}: "
                     f"{run.tokens_per_s:.0f} tok/s, {run.wall_ms_per_step:.2f} ms/step, "
                     f"{run.mixed_graph_steps} of {args.steps} steps from mixed graphs"
-                    + (f", device busy {run.device_busy:.0%}, "
-                       f"{run.device_ms_per_step:.2f} device ms/step" if run.device_busy else ""))
+                    + (f", device busy {run.device_busy:.0%} (replay events "
+                       f"{run.replay_busy or 0:.0%}), {run.device_ms_per_step:.2f} device "
+                       "ms/step" if run.device_busy else ""))
         loop.drain()
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
@@ -295,22 +332,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name} on {torch.cuda.get_device_name() if cuda else 'cpu'}; medians of "
           f"{args.repeats} runs of {args.steps} steps")
     print()
-    print("| concurrency | mode | output tok/s | wall ms/step | device busy | device ms/step "
+    print("| concurrency | mode | output tok/s | wall ms/step | device busy (profiler) "
+          "| device busy (replay events) | device ms/step "
           "| concurrency / device step, tok/s | tok/s of that |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for concurrency in sorted({r.concurrency for r in runs}):
         for mode in modes:
             mine = [r for r in runs if r.concurrency == concurrency and r.mode == mode]
             tps = statistics.median(r.tokens_per_s for r in mine)
             wall = statistics.median(r.wall_ms_per_step for r in mine)
             if mine[0].device_busy is None:
-                print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | - | - | - | - |")
+                print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | - | - | - | - | - |")
                 continue
             busy = statistics.median(r.device_busy or 0.0 for r in mine)
+            replay_busy = statistics.median(r.replay_busy or 0.0 for r in mine)
             dev = statistics.median(r.device_ms_per_step or 0.0 for r in mine)
             bound = concurrency / dev * 1e3
-            print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | {busy:.0%} | {dev:.2f} "
-                  f"| {bound:.0f} | {tps / bound:.0%} |")
+            print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | {busy:.0%} "
+                  f"| {replay_busy:.0%} | {dev:.2f} | {bound:.0f} | {tps / bound:.0%} |")
     engine.close()
     return 0
 
