@@ -34,12 +34,7 @@ class ByteDetokenizer:
     def __init__(self, token_bytes: TokenBytes) -> None:
         self._table = token_bytes.table
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._num_output_tokens = 0
         self._finished = False
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._num_output_tokens
 
     @property
     def num_held_bytes(self) -> int:
@@ -50,7 +45,6 @@ class ByteDetokenizer:
         """Appends one sampled token; returns the text it completes (often "" or one piece)."""
         if self._finished:
             raise RuntimeError("add() after flush(): the request already finished")
-        self._num_output_tokens += 1
         try:
             data = self._table[token_id]
         except IndexError:  # past the vocabulary (a padded embedding): no text, as a decode

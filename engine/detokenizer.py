@@ -62,9 +62,6 @@ class Decoder(Protocol):
 class Detokenizer(Protocol):
     """What streaming needs of a detokenizer (IncrementalDetokenizer, ByteDetokenizer)."""
 
-    @property
-    def num_output_tokens(self) -> int: ...
-
     def add(self, token_id: int) -> str: ...
 
     def flush(self) -> str: ...
@@ -99,12 +96,7 @@ class IncrementalDetokenizer:
             self._ids.clear()
             self._read_offset = 0
             self._prefix_text = ""
-        self._num_output_tokens = 0
         self._finished = False
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._num_output_tokens
 
     @property
     def num_pending_tokens(self) -> int:
@@ -117,7 +109,6 @@ class IncrementalDetokenizer:
             raise RuntimeError("add() after flush(): the request already finished")
         ids = self._ids
         ids.append(token_id)
-        self._num_output_tokens += 1
         new_text = self._tokenizer.decode(ids[self._prefix_offset:] if self._prefix_offset
                                           else ids, skip_special_tokens=self._skip_special_tokens)
         if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text):
