@@ -1,4 +1,7 @@
-"""What a worker builds at start-up, kept out of Python's cyclic garbage collections.
+"""What a process builds at start-up, kept out of Python's cyclic garbage collections.
+
+Both long-lived processes call it once start-up is done: a worker after its warm-up, the
+gateway before it listens. For a worker:
 
 A worker builds its model, KV pool, CUDA graphs and compiled kernels once and keeps them
 for its whole life: many thousands of objects. The engine loop allocates thousands of small
@@ -29,7 +32,7 @@ class FrozenHeap:
     seconds: float
 
 
-YOUNG_THRESHOLD = 10_000  # allocations between young collections (the gateway's too)
+YOUNG_THRESHOLD = 10_000  # allocations between young collections
 
 
 def freeze_start_up_heap(young_threshold: int = YOUNG_THRESHOLD) -> FrozenHeap:

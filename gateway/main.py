@@ -19,7 +19,6 @@ is awaited or cancelled, so no task outlives the app.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import random
 import signal
@@ -35,6 +34,7 @@ from common.contract.channel_client import ChannelPool
 from common.contract.prefix_index_mirror import PrefixIndexMirror
 from common.contract.redis_state import RedisState, connect
 from common.contract.tracing import Tracing, start_tracing
+from engine.start_up_heap import freeze_start_up_heap
 from gateway import cluster_page, startup
 from gateway.admission import AdmissionController
 from gateway.admission_gate import AdmissionGate
@@ -57,9 +57,6 @@ from gateway.tiers import load_tier_config
 from gateway.upstream import WorkerBackend
 
 log = logging.getLogger(__name__)
-
-GC_GEN0_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
-
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -188,12 +185,10 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
     # what aborts its request on the workers within milliseconds.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    # What start-up allocated (tokenizer, tiers, modules) lives as long as the process: move
-    # it out of the collector's sight, and collect the young generation less often, so the
+    # What start-up allocated (tokenizer, tiers, modules) lives as long as the process: out
+    # of the collector's sight, and the young generation collected less often, so the
     # per-token allocations of many streams do not trigger a collection every few tokens.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    freeze_start_up_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
