@@ -74,10 +74,17 @@ def model_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> int:
 
 def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
             logits_path: str | None = None, vocab_size: int = 49152,
-            overlapped: bool = False) -> float:
-    """Seconds per engine step, this process's tree (`logits_path`: model_logits' file).
-    `vocab_size`: the logits' width (the tokenizer's first ids); `overlapped`: the steps a
-    CUDA worker runs (LLMEngine.step(overlap=True)), the runner reading device tokens."""
+            overlapped: bool = False, runner: str = "null", closed_loop: bool = False) -> float:
+    """Seconds per engine step, with the engine found on sys.path (`logits_path`:
+    model_logits' file). `vocab_size`: the logits' width (the tokenizer's first ids);
+    `overlapped`: the steps a CUDA worker runs (LLMEngine.step(overlap=True)), the runner
+    reading device tokens. `runner`: "null" returns logits and does nothing else; "graphs"
+    is engine/model_runner.py's ModelRunner with its decode and mixed graphs, run without
+    CUDA and with the model's compute replaced by fixed logits: every step's host work of a
+    CUDA worker's runner (the static buffers' fill and uploads, the previous step's tokens
+    read on the device) is done. `closed_loop`: each request ends after 128-384 tokens and
+    a new one takes its place (one step in about one carries a 128-token prompt, as
+    benchmarks/serving_loop.py at the same concurrency); else requests never end."""
     import dataclasses
     import random
 
@@ -111,40 +118,78 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
         def close(self) -> None:
             return None
 
+    def graphs_runner(storage, logits: torch.Tensor):
+        """ModelRunner over a one-layer model of the shape's widths, its captured steps
+        returning `logits` instead of computing (no step here runs eagerly: every one
+        fits a decode graph or a mixed graph)."""
+        from engine.model_runner import ModelRunner
+        from engine.models.llama import LlamaForCausalLM
+
+        layer = dataclasses.replace(model_config, num_layers=1, hidden_size=512,
+                                    intermediate_size=512, num_heads=model_config.num_kv_heads)
+        model_runner = ModelRunner(LlamaForCausalLM(layer), storage, 16, use_kernels=True,
+                                   mixed_graph_tokens=512,
+                                   cuda_graph_batch_sizes=DEFAULT_BATCH_SIZES)
+        for steps in (model_runner.graphs._steps, model_runner.mixed_graphs._steps):
+            for key in steps:
+                steps[key] = lambda: logits
+        # A mixed step's logits are read from the graphs' static buffer.
+        static = model_runner.mixed_graphs._logits
+        static.copy_(torch.randn(static.shape, generator=torch.Generator().manual_seed(1)))
+        return model_runner
+
+    from engine.cuda_graphs import DEFAULT_BATCH_SIZES
+
     torch.set_num_threads(1)
     model_config = dataclasses.replace(SHAPES["llama3-1b"], vocab_size=vocab_size)
-    blocks = batch * (128 + num_steps + 64) // 16 + 64
+    longest = 128 + (384 if closed_loop else num_steps + 64)
+    blocks = batch * (longest // 16 + 2) + 64
     config = EngineConfig(num_kv_blocks=blocks, block_size=16, max_num_seqs=max(batch, 1),
-                          max_num_batched_tokens=max(2048, batch))
+                          max_num_batched_tokens=512 if runner == "graphs" else max(2048, batch))
     storage = KVStorage.for_model(dataclasses.replace(model_config, num_layers=1), blocks, 16,
                                   torch.float32)
-    engine = LLMEngine(NullRunner(model_config.vocab_size), storage, model_config,
-                       load_tokenizer(Path(tokenizer_dir)), config, sampler_seed=0)
+    null = NullRunner(model_config.vocab_size)
+    engine = LLMEngine(null if runner == "null" else graphs_runner(storage, null.logits),
+                       storage, model_config, load_tokenizer(Path(tokenizer_dir)), config,
+                       sampler_seed=0)
     freeze_start_up_heap()  # as a worker does before traffic
     rng = random.Random(0)
-    params = (SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
-              if mode == "greedy" else
-              SamplingParams(max_tokens=1 << 20, temperature=0.8, top_p=0.95, ignore_eos=True))
-    for i in range(batch):
-        engine.add_request(f"r{i}", [rng.randrange(min(1000, vocab_size // 40),
-                                                    min(40000, vocab_size * 5 // 6))
-                                     for _ in range(128)], params)
-    for _ in range(8):  # prefill, then a few decode steps
-        engine.step(overlap=overlapped)
+    ids = iter(range(1 << 30))
+
+    def add() -> None:
+        max_tokens = rng.randrange(128, 385) if closed_loop else 1 << 20
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                  if mode == "greedy" else
+                  SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95,
+                                 ignore_eos=True))
+        engine.add_request(f"r{next(ids)}", [rng.randrange(min(1000, vocab_size // 40),
+                                                           min(40000, vocab_size * 5 // 6))
+                                             for _ in range(128)], params)
+
+    def step() -> None:
+        for out in engine.step(overlap=overlapped):
+            if out.finish_reason is not None:
+                add()
+
+    for _ in range(batch):
+        add()
+    for _ in range(8 if not closed_loop else 400):  # prefill, a few decodes (closed: mixed)
+        step()
     started = time.perf_counter()
     for _ in range(num_steps):
-        engine.step(overlap=overlapped)
+        step()
     return (time.perf_counter() - started) / num_steps
 
 
 def run_tree(tree: Path, args: argparse.Namespace, batch: int, mode: str) -> float:
     """One measurement in a fresh process on `tree`'s code."""
+    # This file's measure() on `tree`'s engine: the script's own folder is first on
+    # sys.path, `tree` next, so every `engine.` import is the tree's.
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    code = ("import json, sys; from benchmarks.engine_host import measure; "
-            f"print(json.dumps(measure({str(args.tokenizer)!r}, {batch}, {mode!r}, "
-            f"{args.steps}, {args.logits_path!r}, {args.vocab}, {args.overlapped})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True,
-                         capture_output=True, text=True, timeout=600)
+    call = json.dumps([str(args.tokenizer), batch, mode, args.steps, args.logits_path,
+                       args.vocab, args.overlapped, args.runner, args.closed_loop])
+    out = subprocess.run([sys.executable, __file__, "--measure", call], cwd=tree, env=env,
+                         check=True, capture_output=True, text=True, timeout=900)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -174,6 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logits-from", type=Path, default=None,
                         help="a Hugging Face model directory whose own logits over a fixed "
                              "text the null runner returns (default: random logits)")
+    parser.add_argument("--runner", choices=("null", "graphs"), default="null",
+                        help="null: the runner returns logits and does nothing else (the "
+                             "engine's own host work); graphs: engine/model_runner.py with its "
+                             "decode and mixed graphs, the model's compute replaced by fixed "
+                             "logits (adds a CUDA worker's runner-side host work)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="requests end after 128-384 tokens and new ones replace them "
+                             "(steps carry prompts, as in benchmarks/serving_loop.py); "
+                             "default: requests never end, every step decodes")
+    parser.add_argument("--measure", metavar="JSON",
+                        help="internal: one measurement in this process, the arguments of "
+                             "measure() as a JSON list; prints seconds per step")
+    if argv is None and "--measure" in sys.argv[1:3]:
+        print(json.dumps(measure(*json.loads(sys.argv[sys.argv.index("--measure") + 1]))))
+        return 0
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")

@@ -149,10 +149,10 @@ class DecodeGraphs:
 
     def can_run(self, schedule: ScheduleOutput) -> bool:
         """True for a pure decode step that fits a captured size and the table width."""
-        chunks = schedule.chunks
-        return (self.captured and 0 < len(chunks) <= self.max_batch_size
-                and all(len(c.token_ids) == 1 for c in chunks)
-                and max(len(c.block_ids) for c in chunks) <= self.max_blocks_per_seq)
+        num_chunks = len(schedule.chunks)
+        return (self.captured and 0 < num_chunks <= self.max_batch_size
+                and schedule.num_tokens == num_chunks  # one token each
+                and schedule.max_table_len <= self.max_blocks_per_seq)
 
     def run(self, schedule: ScheduleOutput,
             fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None) -> torch.Tensor:

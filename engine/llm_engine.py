@@ -17,7 +17,7 @@ request produces exactly one output with `finish_reason` set. Outputs count engi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from engine.kv_storage import KVStorage
 from engine.inflight_step import InFlightStep
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
-from engine.request import Request, RequestMode, RequestStatus
+from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
@@ -244,23 +244,26 @@ class LLMEngine:
         if schedule.is_empty:
             outputs += self._resolve(previous) if previous is not None else []
             return outputs + self._finished_outputs(set())
-        # The requests as scheduled: one may be aborted, and its id reused, by the time
-        # its row is sampled.
-        scheduled = [(c.request_id, self._tracked.get(c.request_id))
+        tracked_by_id = self._tracked  # the requests as scheduled
+        scheduled = [(c.request_id, tracked_by_id.get(c.request_id))
                      for c in schedule.chunks if c.sample]
+        num_running = self.scheduler.num_running
         logits = self._launch(schedule, on_kv_ready,
                               previous.device_tokens if previous is not None else None)
         outputs += self._resolve(previous) if previous is not None else []
-        # Rows of requests that ended meanwhile (an EOS just resolved, an abort) are not
-        # sampled; the scheduler skips their chunks too (not RUNNING, or not the same).
-        kept = [(row, t) for row, (rid, t) in enumerate(scheduled) if t is not None
-                and self._tracked.get(rid) is t and t.request.status is RequestStatus.RUNNING]
-        tracked = tuple(t for _, t in kept)
-        inflight = None
-        if tracked:  # sampled before the PLACEHOLDERs are recorded: states hold real tokens
-            if len(kept) < len(scheduled):
+        # Rows of requests that ended meanwhile (an EOS just resolved) are not sampled, nor
+        # their chunks applied. Nothing joins RUNNING in between (admissions are schedule()'s):
+        # with as many running as before, every row still runs (no look at each row).
+        tracked = tuple(t for _, t in scheduled if t is not None)
+        if num_running != self.scheduler.num_running or len(tracked) < len(scheduled):
+            kept = [(row, t) for row, (rid, t) in enumerate(scheduled) if t is not None
+                    and tracked_by_id.get(rid) is t and t.request.status is RequestStatus.RUNNING]
+            tracked = tuple(t for _, t in kept)
+            if tracked and len(kept) < len(scheduled):
                 logits = logits[torch.tensor([row for row, _ in kept], dtype=torch.long,
                                              device=logits.device)]
+        inflight = None
+        if tracked:  # sampled before the PLACEHOLDERs are recorded: states hold real tokens
             inflight = InFlightStep(tracked, self.sampler.launch(
                 logits, [t.request.sampling_params for t in tracked],
                 [t.sampling for t in tracked]))
@@ -268,7 +271,7 @@ class LLMEngine:
         self._inflight = inflight
         if __debug__ and inflight is not None:
             inflight.check_invariants()
-        return outputs + self._finished_outputs({t.request.request_id for t in tracked})
+        return outputs + self._finished_outputs(t.request.request_id for t in tracked)
 
     def _schedule(self) -> ScheduleOutput:
         schedule = self.last_schedule = self.scheduler.schedule()
@@ -303,16 +306,22 @@ class LLMEngine:
             result.check_invariants([t.request.sampling_params for t in step.tracked],
                                     self.model_config.vocab_size)
         for tracked, token_id in zip(step.tracked, result.token_ids):
-            tracked.request.resolve_placeholder(token_id)
+            output = tracked.request.output_token_ids  # resolve_placeholder, inline
+            if output[-1] != PLACEHOLDER:  # (an in-flight row has one output at least)
+                raise AssertionError(f"{tracked.request.request_id} has no token pending")
+            output[-1] = token_id
         return self.outputs.process_resolved(step.tracked, result.token_ids, result.logprobs)
 
-    def _finished_outputs(self, held: Collection[str]) -> list[RequestOutput]:
+    def _finished_outputs(self, held: Iterable[str]) -> list[RequestOutput]:
         """The last output of each request the scheduler ended since, unless its token's
-        output carries the finish (`held`: sampled now, or in flight)."""
+        output carries the finish (`held`: sampled now, or in flight; read, lazily, only
+        when some request ended)."""
+        finished = self.scheduler.drain_finished()
+        held_ids = set(held) if finished else set()
         outputs = []
-        for request in self.scheduler.drain_finished():
+        for request in finished:
             tracked_request = self._tracked.get(request.request_id)
-            if tracked_request is None or request.request_id in held:
+            if tracked_request is None or request.request_id in held_ids:
                 continue
             outputs.append(self.outputs.finish_output(tracked_request, []))
         return outputs

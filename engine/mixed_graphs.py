@@ -210,7 +210,7 @@ class MixedGraphs:
         num_prefills = len(chunks) - num_decodes
         if not self.captured or not 0 < num_prefills <= self.max_prefill_chunks:
             return None
-        if max(len(c.block_ids) for c in chunks) > self.max_blocks_per_seq:
+        if schedule.max_table_len > self.max_blocks_per_seq:
             return None
         return padded_shape(schedule.num_tokens, num_decodes, self.token_sizes,
                             self.decode_sizes)

@@ -13,25 +13,46 @@ whose K/V is computed this step, starting at a known position of the sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
+class _ChunkFields(NamedTuple):
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose K/V is written this step (at least one)
     start_pos: int  # number of the sequence's tokens already in the KV cache
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # True when this chunk ends at the last known token: sample the next one
 
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            raise ValueError(f"chunk of {self.request_id} has no tokens")
-        if self.start_pos < 0:
-            raise ValueError(f"chunk of {self.request_id} has negative start_pos")
+
+class ScheduledChunk(_ChunkFields):
+    """One request's tokens in a step. Immutable (a named tuple: a step makes one per running
+    request, so its construction is part of the host's cost per row); the constructor checks
+    the fields, and `decode` makes the one-token chunk of a decode step, valid by
+    construction, without the checks."""
+
+    __slots__ = ()
+
+    def __new__(cls, request_id: str, token_ids: tuple[int, ...], start_pos: int,
+                block_ids: tuple[int, ...], sample: bool) -> "ScheduledChunk":
+        if not token_ids:
+            raise ValueError(f"chunk of {request_id} has no tokens")
+        if start_pos < 0:
+            raise ValueError(f"chunk of {request_id} has negative start_pos")
+        return tuple.__new__(cls, (request_id, token_ids, start_pos, block_ids, sample))
+
+    @classmethod
+    def decode(cls, request_id: str, token_id: int, start_pos: int,
+               block_ids: tuple[int, ...]) -> "ScheduledChunk":
+        """The request's last token, computed at `start_pos` (>= 0), sampled."""
+        return tuple.__new__(cls, (request_id, (token_id,), start_pos, block_ids, True))
 
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+
+_TOKEN_IDS, _BLOCK_IDS = itemgetter(1), itemgetter(3)  # ScheduledChunk's fields, by position
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +62,7 @@ class ScheduleOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return sum(map(len, map(_TOKEN_IDS, self.chunks)))  # in C: a runner asks every step
 
     @property
     def is_empty(self) -> bool:
@@ -51,8 +72,14 @@ class ScheduleOutput:
     def num_leading_decodes(self) -> int:
         """How many chunks, from the first, have one token each: the decode rows, which the
         scheduler puts first (engine/attention.py gives them the decode kernel)."""
-        return next((i for i, c in enumerate(self.chunks) if len(c.token_ids) != 1),
-                    len(self.chunks))
+        ones = bytes(map((1).__eq__, map(len, map(_TOKEN_IDS, self.chunks))))  # 1: a decode
+        first_other = ones.find(0)
+        return len(ones) if first_other < 0 else first_other
+
+    @property
+    def max_table_len(self) -> int:
+        """The longest block table of the step's chunks (0 for none)."""
+        return max(map(len, map(_BLOCK_IDS, self.chunks)), default=0)
 
 
 class ScheduleDraft:
@@ -65,13 +92,6 @@ class ScheduleDraft:
         self.budget = budget
         self.chunks: dict[str, ScheduledChunk] = {}
         self.preempted: list[str] = []
-
-    def add_decode(self, request_id: str, token_id: int, start_pos: int,
-                   block_ids: tuple[int, ...]) -> None:
-        """A decode chunk: the request's last token, computed at `start_pos`, sampled."""
-        self.chunks[request_id] = ScheduledChunk(request_id, (token_id,), start_pos, block_ids,
-                                                 True)
-        self.budget -= 1
 
     def output(self) -> ScheduleOutput:
         return ScheduleOutput(tuple(self.chunks.values()), tuple(self.preempted))

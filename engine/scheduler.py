@@ -46,7 +46,6 @@ Invariants (`check_invariants`, plus the KV cache manager's):
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
@@ -54,8 +53,7 @@ from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.request_rank import rank_key
 from engine.schedule_output import ScheduleDraft, ScheduledChunk, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
-
-_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+from engine.waiting_queue import WAITING_STATES, WaitingQueue
 
 
 class Scheduler:
@@ -64,8 +62,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self._requests: dict[str, Request] = {}  # every live request
         self._keys: dict[str, tuple[int, float, int]] = {}  # sort key: smaller = better rank
-        self._waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap, lazy deletes
-        self._num_waiting = 0
+        self._waiting = WaitingQueue()
         self._running: dict[str, Request] = {}
         self._prefilled: dict[str, Request] = {}
         self._finished: list[Request] = []
@@ -76,7 +73,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -196,20 +193,30 @@ class Scheduler:
         keys = self._keys
         seated = sorted(self._running.values(),
                         key=lambda r: keys[r.request_id])[:self.config.max_num_seqs]
-        todo = [(r.num_tokens - r.num_computed_tokens, r) for r in seated]
         running, block_size = RequestStatus.RUNNING, self.kv_cache.block_size
-        # Decodes (one token each) first, then partial prefills.
-        for n, request in [t for t in todo if t[0] == 1] + [t for t in todo if t[0] > 1]:
-            # Earlier requests in this loop may have preempted this one.
-            if request.status is not running or step.budget <= 0:
+        chunks, decode = step.chunks, ScheduledChunk.decode
+        # Decodes first, in rank order, then partial prefills (either may preempt later ones).
+        prefills = []
+        for request in seated:
+            if request.status is not running:
                 continue
             start = request.num_computed_tokens
-            if n == 1 and start < len(request.block_ids) * block_size:
-                # Its slot is in its table already: no pool check can fail, nothing to
-                # allocate (nearly every request, nearly every step).
-                step.add_decode(request.request_id, request.last_token_id, start,
-                                request.block_ids)
+            output = request.output_token_ids
+            if len(request.prompt_token_ids) + len(output) - start != 1:
+                prefills.append(request)
+            elif step.budget <= 0:
+                continue
+            elif start < len(request.block_ids) * block_size:
+                # Its slot is in its table already (nearly every request, every step): no
+                # pool check, nothing to allocate. Its token: the last output or prompt one.
+                chunks[request.request_id] = decode(
+                    request.request_id, output[-1] if output else request.prompt_token_ids[-1],
+                    start, request.block_ids)
+                step.budget -= 1
             else:
+                self._schedule_running(request, step)
+        for request in prefills:
+            if request.status is running and step.budget > 0:
                 self._schedule_running(request, step)
         if not step.preempted:
             self._admit(step)
@@ -239,18 +246,23 @@ class Scheduler:
             if missing:
                 raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
-        cache_full_blocks = self.kv_cache.cache_full_blocks
+        cache_full_blocks, block_size = self.kv_cache.cache_full_blocks, self.kv_cache.block_size
         for chunk, request in live:
-            # schedule() set start_pos from num_computed_tokens and nothing moves it between.
-            assert chunk.start_pos == request.num_computed_tokens
-            request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            start = chunk.start_pos
+            assert start == request.num_computed_tokens  # set by schedule(), unmoved since
+            end = request.num_computed_tokens = start + len(chunk.token_ids)
             request.num_steps += 1
+            # Blocks publish once full (cache_full_blocks is idempotent): a chunk that
+            # completes no block has none to publish, as every earlier chunk published its own.
+            if end // block_size != start // block_size:
+                cache_full_blocks(request)
             if chunk.sample:
-                request.output_token_ids.append(PLACEHOLDER if sampled_token_ids is None
-                                                else int(sampled_token_ids[chunk.request_id]))
-            cache_full_blocks(request)
-            if chunk.sample:
-                self._after_sample(request)
+                output = request.output_token_ids
+                output.append(PLACEHOLDER if sampled_token_ids is None
+                              else int(sampled_token_ids[chunk.request_id]))
+                if request.mode is RequestMode.PREFILL_ONLY or \
+                        len(output) >= request.sampling_params.max_tokens:
+                    self._after_sample(request)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -263,23 +275,17 @@ class Scheduler:
             self._end_unfittable(request)
             return
         while not kv_cache.allocate_for(request, num_new):
-            victim = max(self._running.values(), key=self._key)
+            victim = max(self._running.values(), key=lambda r: self._keys[r.request_id])
             self._preempt(victim, step)
             if victim is request:
                 return
         self._add_chunk(request, num_new, step)
 
     def _admit(self, step: ScheduleDraft) -> None:
-        while (self._waiting and step.budget > 0
-               and len(self._running) < self.config.max_num_seqs
-               and len(step.chunks) < self.config.max_num_seqs):
-            request = self._waiting[0][1]
-            if self._requests.get(request.request_id) is not request \
-                    or request.status not in _WAITING_STATES:
-                heapq.heappop(self._waiting)  # aborted while waiting
-                continue
+        while (step.budget > 0 and len(self._running) < self.config.max_num_seqs
+               and len(step.chunks) < self.config.max_num_seqs
+               and (request := self._waiting.head()) is not None):
             if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
-                heapq.heappop(self._waiting)
                 self._end_unfittable(request)
                 continue
             prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
@@ -288,8 +294,7 @@ class Scheduler:
                 num_new = min(num_new, self.config.prefill_chunk_tokens)
             if not self.kv_cache.allocate_for(request, num_new, prefix):
                 return  # strict rank order: nobody overtakes the head
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            self._waiting.pop()
             request.num_computed_tokens = prefix.num_cached_tokens
             request.num_cached_tokens = prefix.num_cached_tokens
             request.status = RequestStatus.RUNNING
@@ -342,8 +347,8 @@ class Scheduler:
         request_id = request.request_id
         del self._requests[request_id]
         del self._keys[request_id]
-        if request.status in _WAITING_STATES:
-            self._num_waiting -= 1  # its heap entry is dropped lazily (status no longer waits)
+        if request.status in WAITING_STATES:
+            self._waiting.forget(request)  # its status is set next
         else:  # RUNNING or PREFILLED: the only states that hold blocks
             (self._running if request.status is RequestStatus.RUNNING
              else self._prefilled).pop(request_id)
@@ -364,21 +369,16 @@ class Scheduler:
         self._requests[request.request_id] = request
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (self._keys[request.request_id], request))
-        self._num_waiting += 1
-
-    def _key(self, request: Request) -> tuple[int, float, int]:
-        return self._keys[request.request_id]
+        self._waiting.push(self._keys[request.request_id], request)
 
     # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()
         bs = self.kv_cache.block_size
-        waiting = [r for _, r in self._waiting
-                   if self._requests.get(r.request_id) is r and r.status in _WAITING_STATES]
-        assert len(waiting) == len({id(r) for r in waiting}) == self._num_waiting, \
-            "waiting queue and num_waiting disagree"
+        self._waiting.check_invariants()
+        waiting = self._waiting.waiting()
+        assert all(self._requests.get(r.request_id) is r for r in waiting)
         assert len(waiting) + len(self._running) + len(self._prefilled) == len(self._requests)
         assert set(self._keys) == set(self._requests)
         for request in waiting:
