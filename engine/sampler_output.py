@@ -27,9 +27,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask (logprobs is None)
 
     def check_invariants(self, params: Sequence[SamplingParams], vocab_size: int) -> None:
-        assert len(self.token_ids) == len(self.logprobs) == len(params), "one row per request"
-        for token_id, logprobs, p in zip(self.token_ids, self.logprobs, params):
-            assert 0 <= token_id < vocab_size, f"token {token_id} outside [0, {vocab_size})"
+        token_ids, rows_logprobs = self.token_ids, self.logprobs
+        assert len(token_ids) == len(rows_logprobs) == len(params), "one row per request"
+        # The usual batch (no logprobs) without a loop: the engine checks every step.
+        assert not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size), \
+            f"tokens outside [0, {vocab_size}): {[t for t in token_ids if not 0 <= t < vocab_size]}"
+        asked = [p.logprobs for p in params]
+        if asked.count(None) == len(asked) == rows_logprobs.count(None):
+            return
+        for token_id, logprobs, p in zip(token_ids, rows_logprobs, params):
             assert (logprobs is None) == (p.logprobs is None), "logprobs where none asked"
             if logprobs is not None and p.logprobs is not None:
                 assert logprobs.token_id == token_id, "logprobs of another token"

@@ -293,3 +293,20 @@ def test_logprobs_are_raw_log_softmax() -> None:
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError):
         Sampler((EOS,)).sample(torch.zeros(2, VOCAB), [SamplingParams()], [SamplingState([])])
+
+
+def test_a_sampler_output_that_breaks_its_invariants_is_caught() -> None:
+    from engine.sampler_output import SamplerOutput, TokenLogprobs
+
+    plain, asks = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1)
+    SamplerOutput([3, 0], [None, None]).check_invariants([plain, plain], 4)
+    with pytest.raises(AssertionError, match="outside"):
+        SamplerOutput([3, 4], [None, None]).check_invariants([plain, plain], 4)
+    with pytest.raises(AssertionError, match="outside"):
+        SamplerOutput([-1], [None]).check_invariants([plain], 4)
+    with pytest.raises(AssertionError, match="where none asked"):
+        SamplerOutput([1], [None]).check_invariants([asks], 4)
+    with pytest.raises(AssertionError, match="where none asked"):
+        SamplerOutput([1], [TokenLogprobs(1, -0.1, (), ())]).check_invariants([plain], 4)
+    with pytest.raises(AssertionError, match="another token"):
+        SamplerOutput([1], [TokenLogprobs(2, -0.1, (), ())]).check_invariants([asks], 4)
