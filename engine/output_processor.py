@@ -240,8 +240,10 @@ class OutputProcessor:
                            request.output_token_ids, tracked.text, len(delta))
         if check.finish_reason is not None:
             tracked.stop = check.finish_reason
-            if check.stop_reason is not None and isinstance(check.stop_reason, str):
+            if isinstance(check.stop_reason, str):  # a stop string: the text ends at it
                 tracked.text = tracked.text[:check.emit_end]
+            else:  # a stop token or a length: bytes held for a character are output too
+                tracked.text += tracked.detokenizer.flush()
             if request.status is RequestStatus.PREFILLED:
                 self._scheduler.release_prefilled(request_id)
             elif not request.status.is_finished:  # RUNNING (or preempted since it sampled)

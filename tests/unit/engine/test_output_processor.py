@@ -79,10 +79,26 @@ def test_the_batched_loop_makes_what_process_makes(data, params) -> None:
     assert sum(o.finished for o in batched) == len(params)  # every request ends, once
     for i, p in enumerate(params):  # without stop strings, all of the output's text streams
         mine = [o for o in batched if o.request_id == f"r{i}"]
-        if not p.stop:
-            # (an incomplete last character that a stop rule cut is left out)
+        if not p.stop:  # an incomplete last character too, as U+FFFD, whatever the finish
             text = TOK.decode([t for o in mine for t in o.new_token_ids])
-            assert "".join(o.new_text for o in mine) in (text, text.removesuffix("\ufffd"))
+            assert "".join(o.new_text for o in mine) == text
+
+
+def test_bytes_held_for_a_character_are_output_at_every_finish_but_a_stop_string() -> None:
+    """A request that ends mid-character (max_tokens, EOS, a stop token) outputs what its
+    tokens decode to, the incomplete character as U+FFFD, as the tokenizer's decode and a
+    request ended by the pool's limit do; a stop string cuts the text where it starts."""
+    ends = {"length": (SamplingParams(max_tokens=2, temperature=0.0), [WORDS[0], BYTE[0]]),
+            "EOS": (SamplingParams(max_tokens=8, temperature=0.0), [WORDS[0], BYTE[0], EOS]),
+            "stop token": (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(EOS,)), [WORDS[0], BYTE[0], EOS])}
+    for name, (params, tokens) in ends.items():
+        made, _ = drive([params], [tokens + [WORDS[2]] * (12 - len(tokens))], batched=True)
+        assert "".join(o.new_text for o in made) == " the\ufffd", name
+        assert made[-1].finished
+    made, _ = drive([SamplingParams(max_tokens=8, temperature=0.0, stop=(" end",))],
+                    [[WORDS[0], WORDS[1], BYTE[0]] + [WORDS[2]] * 9], batched=True)
+    assert "".join(o.new_text for o in made) == " the"
 
 
 def test_the_common_row_streams_its_text_and_goes_on() -> None:
