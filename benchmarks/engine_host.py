@@ -17,9 +17,14 @@ vocabulary (benchmarks/export_hf.py writes the default model's): then they are t
 model's own next-token logits over a fixed English text (real distributions, mostly
 peaked), each step taking the next window of positions.
 
+`--runner graphs` adds the model runner's own host work (engine/model_runner.py with its
+decode and mixed graphs, built without CUDA, their compute replaced by fixed logits);
+`--closed-loop` replaces each request that ends, so steps carry prompts beside decodes.
+
     python -m benchmarks.random_model .tok --tokenizer-only     # once: the tokenizer
     python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 [--overlapped] \\
-        [--baseline-tree /tmp/base] [--repeats 3] [--logits-from /tmp/hf]
+        [--baseline-tree /tmp/base] [--repeats 3] [--logits-from /tmp/hf] \\
+        [--runner graphs] [--closed-loop]
 
 Output: a markdown table on stdout; progress on stderr.
 """
