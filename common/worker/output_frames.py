@@ -28,6 +28,11 @@ def merge_outputs(request_id: str, outputs: Sequence[RequestOutput]
     ErrorFrame (the tokens before it were already delivered or are dropped with it).
     Merged one-token outputs keep their texts apart (`texts`).
     """
+    if len(outputs) == 1:  # the usual frame, one per token: one output, more to come
+        out = outputs[0]
+        if out.finish_reason is None and not any(out.logprobs):
+            return TokenFrame(request_id=request_id, token_ids=list(out.new_token_ids),
+                              text=out.new_text)
     token_ids: list[int] = []
     text: list[str] = []
     logprobs: list[TokenLogprob] = []

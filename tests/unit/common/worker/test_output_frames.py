@@ -5,6 +5,7 @@ from __future__ import annotations
 from common.contract.finish_reason import FinishReason
 from common.worker.output_frames import merge_outputs
 from engine.llm_engine import RequestOutput
+from engine.sampler import TokenLogprobs
 
 
 def output(token_ids: list[int], text: str, finish: FinishReason | None = None) -> RequestOutput:
@@ -28,3 +29,15 @@ def test_several_one_token_outputs_keep_their_texts_and_the_last_finishes() -> N
 def test_an_output_of_several_tokens_falls_back_to_one_text() -> None:
     frame = merge_outputs("r", [output([5, 6], "ab"), output([7], "c")])
     assert (frame.text, frame.texts) == ("abc", None)
+
+
+def test_the_one_plain_output_frame_is_what_the_general_merge_makes() -> None:
+    """A single unfinished output without logprobs takes a shortcut; same frame."""
+    from common.contract.protocol import TokenFrame
+
+    plain = merge_outputs("r", [output([5], "a")])
+    assert plain == TokenFrame(request_id="r", token_ids=[5], text="a")
+    with_logprobs = RequestOutput("r", [5], "a", [TokenLogprobs(5, -0.5, (5,), (-0.5,))],
+                                  None, 3, 2, 0)
+    assert merge_outputs("r", [with_logprobs]).logprobs is not None
+    assert merge_outputs("r", [output([5], "a", FinishReason.LENGTH)]).usage is not None
