@@ -30,6 +30,9 @@ the device never waited for the host.
         --concurrency 32,128,256
     python -m benchmarks.serving_loop --model default --concurrency 4,16 --steps 40  # CPU
 
+`--host-split` adds a table of the host's milliseconds per step by engine phase
+(benchmarks/host_split.py: timers, not a profiler).
+
 Output: a markdown table on stdout (and `--json`); progress on stderr.
 """
 
@@ -47,6 +50,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.host_split import PHASES, HostSplit
 
 MODES = ("plain", "pipelined", "overlapped")
 EAGER = "-eager"  # a mode's suffix: steps with prefill chunks launched eagerly, not replayed
@@ -66,6 +71,7 @@ class Run:
     device_busy: float | None  # the device's share of the profiled window's wall time
     device_ms_per_step: float | None
     replay_busy: float | None = None  # the same share from events around graph replays
+    host_ms: dict[str, float] | None = None  # per step, by phase (--host-split)
 
 
 class ClosedLoop:
@@ -200,12 +206,17 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
     num_tokens = 0
     mixed = runner.mixed_graphs
     mixed_before = 0 if mixed is None else mixed.num_runs
+    phases = HostSplit(loop.engine) if args.host_split else None
     if profiler is not None:
         profiler.enable()
     started = time.perf_counter()
     for _ in range(args.steps):
         num_tokens += loop.step(base)
     wall_s = time.perf_counter() - started
+    host_ms = None
+    if phases is not None:
+        host_ms = phases.per_step_ms(args.steps)
+        phases.close()
     mixed_steps = 0 if mixed is None else mixed.num_runs - mixed_before
     if profiler is not None:
         profiler.disable()
@@ -217,7 +228,7 @@ def measure(loop: ClosedLoop, concurrency: int, mode: str, args: argparse.Namesp
         runner.mixed_split_min_tokens = default_split
     runner.use_mixed_graphs = graphs_before
     return Run(concurrency, mode, num_tokens / wall_s, wall_s / args.steps * 1e3, mixed_steps,
-               busy, per_step, replay_busy)
+               busy, per_step, replay_busy, host_ms)
 
 
 def build(args: argparse.Namespace):
@@ -288,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens per engine step, as a worker's --max-num-batched-tokens")
     parser.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
     parser.add_argument("--json", help="also write the runs here")
+    parser.add_argument("--host-split", action="store_true",
+                        help="time the engine's phases over the timed steps (schedule, "
+                        "runner, sampler, resolve, update: benchmarks/host_split.py) and "
+                        "print host ms per step by phase")
     parser.add_argument("--cprofile", help="profile the host over the timed steps (cProfile) "
                         "and write the top functions here")
     args = parser.parse_args(argv)
@@ -350,8 +365,26 @@ def main(argv: list[str] | None = None) -> int:
             bound = concurrency / dev * 1e3
             print(f"| {concurrency} | {mode} | {tps:.0f} | {wall:.2f} | {busy:.0%} "
                   f"| {replay_busy:.0%} | {dev:.2f} | {bound:.0f} | {tps / bound:.0%} |")
+    if args.host_split:
+        print_host_split(runs, modes)
     engine.close()
     return 0
+
+
+def print_host_split(runs: list[Run], modes: list[str]) -> None:
+    print()
+    print("| concurrency | mode | wall ms/step | " + " | ".join(PHASES)
+          + " | rest (glue, the loop) |")
+    print("|---:|---|---:|" + "---:|" * (len(PHASES) + 1))
+    for concurrency in sorted({r.concurrency for r in runs}):
+        for mode in modes:
+            mine = [r for r in runs if r.concurrency == concurrency and r.mode == mode]
+            wall = statistics.median(r.wall_ms_per_step for r in mine)
+            parts = [statistics.median((r.host_ms or {}).get(p, 0.0) for r in mine)
+                     for p in PHASES]
+            print(f"| {concurrency} | {mode} | {wall:.2f} | "
+                  + " | ".join(f"{ms:.3f}" for ms in parts)
+                  + f" | {wall - sum(parts):.3f} |")
 
 
 if __name__ == "__main__":
