@@ -107,8 +107,7 @@ class LLMEngine:
         if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
             raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
-        tracked = self._track(request)
-        tracked.notify_kv_ready = notify_kv_ready
+        tracked = self._track(request, notify_kv_ready)
         if not resumed_token_ids:
             self.scheduler.add_request(request)
             return
@@ -282,9 +281,9 @@ class LLMEngine:
     def _launch(self, schedule: ScheduleOutput, on_kv_ready: Callable[[KVReady], None] | None,
                 previous: DeviceTokens | None) -> torch.Tensor:
         """Queue the model for a non-empty schedule (on the CPU: run it); the KVReadys."""
-        ready = ([c for c in schedule.chunks if c.sample and c.request_id in self._tracked
-                  and self._tracked[c.request_id].notify_kv_ready]
-                 if on_kv_ready is not None else [])
+        owed = self.outputs.owe_kv_ready  # usually empty: no look at each chunk
+        ready = ([c for c in schedule.chunks if c.sample and c.request_id in owed]
+                 if on_kv_ready is not None and owed else [])
         recorder = LayerEventRecorder() if ready and self.runner.records_layer_events else None
         if ready and recorder is None:
             self._announce_kv_ready(ready, None, on_kv_ready)
@@ -354,7 +353,7 @@ class LLMEngine:
         assert on_kv_ready is not None  # only called when chunks were collected for it
         for chunk in chunks:
             tracked = self._tracked[chunk.request_id]
-            tracked.notify_kv_ready = False  # once
+            self.outputs.kv_ready_sent(chunk.request_id)  # once
             ready = KVReady(chunk.request_id, chunk.block_ids,
                             tracked.request.num_prompt_tokens, events)
             if __debug__:
@@ -371,12 +370,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
 
-    def _track(self, request: Request) -> Tracked:
+    def _track(self, request: Request, notify_kv_ready: bool = False) -> Tracked:
         sampling = SamplingState.create(request.sampling_params, request.prompt_token_ids,
                                         self.config.device)
         # The scheduler's list is the one record of output tokens; the sampler reads it.
         sampling.output_token_ids = request.output_token_ids
-        return self.outputs.track(request, sampling)
+        return self.outputs.track(request, sampling, notify_kv_ready)
 
     def close(self) -> None:
         """Release tensor-parallel followers (they exit); nothing to do at TP 1. Idempotent."""

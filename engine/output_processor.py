@@ -76,7 +76,6 @@ class Tracked:
     text: str = ""
     num_emitted_chars: int = 0
     stop: FinishReason | None = None
-    notify_kv_ready: bool = False  # a KVReady is owed at the final prompt chunk (kv_ready.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +94,17 @@ class OutputProcessor:
         self._eos_token_ids = tokenizer.eos_token_ids
         self._scheduler = scheduler
         self.tracked: dict[str, Tracked] = {}
+        self.owe_kv_ready: set[str] = set()  # tracked ids owed a KVReady (kv_ready.py)
         self._deferred: list[_Deferred] = []
 
     @property
     def num_deferred(self) -> int:
         return len(self._deferred)
 
-    def track(self, request: Request, sampling: SamplingState) -> Tracked:
+    def track(self, request: Request, sampling: SamplingState,
+              notify_kv_ready: bool = False) -> Tracked:
+        """`notify_kv_ready`: a KVReady is owed at its final prompt chunk (kv_ready.py);
+        its id is in `owe_kv_ready` until `kv_ready_sent` or until it leaves."""
         params = request.sampling_params
         stop_token_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -110,10 +113,16 @@ class OutputProcessor:
                           new_detokenizer(self._tokenizer, request.prompt_token_ids),
                           stop_token_ids)
         self.tracked[request.request_id] = tracked
+        if notify_kv_ready:
+            self.owe_kv_ready.add(request.request_id)
         return tracked
 
     def untrack(self, request_id: str) -> Tracked | None:
+        self.owe_kv_ready.discard(request_id)
         return self.tracked.pop(request_id, None)
+
+    def kv_ready_sent(self, request_id: str) -> None:
+        self.owe_kv_ready.discard(request_id)  # once
 
     def replay(self, tracked: Tracked, token_ids: Sequence[int], vocab_size: int) -> None:
         """Feed output produced elsewhere through the detokenizer and the stop rules, so the
@@ -206,7 +215,7 @@ class OutputProcessor:
         if tracked.stop is None:
             # Not stopped by a stop rule: whatever was held back turned out to be plain text.
             tracked.text += tracked.detokenizer.flush()
-        self.tracked.pop(request.request_id, None)
+        self.untrack(request.request_id)
         out = self._emit(tracked, token_ids, logprobs or [], len(tracked.text))
         out.finish_reason = (tracked.stop if tracked.stop is not None
                              else request.status.finish_reason)
@@ -214,6 +223,8 @@ class OutputProcessor:
         return out
 
     def check_invariants(self) -> None:
+        if stray := self.owe_kv_ready - self.tracked.keys():
+            raise AssertionError(f"a KVReady owed to untracked requests {stray}")
         ids = [item.tracked.request.request_id for item in self._deferred]
         if len(ids) != len(set(ids)):
             raise AssertionError(f"more than one deferred token for a request: {ids}")

@@ -259,3 +259,22 @@ def test_kv_ready_comes_once_from_the_step_of_the_final_prompt_chunk(loaded) -> 
     engine.check_invariants()
     with pytest.raises(ValueError, match="PREFILL_ONLY"):
         engine.add_request("d", ids, params, notify_kv_ready=True)
+
+
+def test_an_aborted_request_owes_no_kv_ready_and_its_id_starts_clean(loaded) -> None:
+    from engine.request import RequestMode
+
+    engine = make_engine(loaded, prefill_chunk_tokens=8)
+    ids = engine.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[4])
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("p", ids, params, mode=RequestMode.PREFILL_ONLY, notify_kv_ready=True)
+    seen: list[str] = []
+    engine.step(lambda ready: seen.append(ready.request_id))  # its first chunk only
+    assert engine.abort_request("p")
+    engine.check_invariants()
+    engine.add_request("p", ids, params, mode=RequestMode.PREFILL_ONLY)  # the id, reused
+    while not any(o.request_id == "p" for o in engine.step(
+            lambda ready: seen.append(ready.request_id))):
+        pass
+    assert seen == []
+    engine.check_invariants()
