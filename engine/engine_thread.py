@@ -45,7 +45,7 @@ from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request_stream import RequestStream
 from engine.step_mode import StepMode
-from engine.step_shape import StepShape, queue_shape, step_shape
+from engine.step_shape import QueueShape, StepShape, queue_shape, step_shape
 from engine.step_timer import StepTimer, TimedStep
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,17 @@ def _checked_load(engine: LLMEngine) -> WorkerLoad:
     return engine_load(engine)
 
 
-def engine_load(engine: LLMEngine) -> WorkerLoad:
-    """The engine's counters as a WorkerLoad (rates left at zero); engine thread only."""
-    queued = queue_shape(engine.scheduler.live_requests())
+# The queue's shape (tokens left to prefill, decoding sequences, their context) reads every
+# live request: at most once per this period while steps run (it goes out with heartbeats,
+# hundreds of milliseconds apart), at every report after a command or when work runs out.
+QUEUE_SHAPE_PERIOD_S = 0.02
+
+
+def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLoad:
+    """The engine's counters as a WorkerLoad (rates left at zero); engine thread only.
+    `queued`: the queue's shape if known (else read from every live request now)."""
+    if queued is None:
+        queued = queue_shape(engine.scheduler.live_requests())
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
                       num_kv_blocks_used=engine.kv_cache.num_used_blocks,
                       num_kv_blocks_total=engine.kv_cache.num_blocks,
@@ -115,6 +123,7 @@ class EngineThread:
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
         self.load = engine_load(engine)
+        self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
         self.fault_step_delay_s = 0.0  # fault injection only (/internal/fault): a slow worker
@@ -323,8 +332,13 @@ class EngineThread:
             device_steps = tuple(timer.drain()) if step_s > 0 else ()
         elif step_s > 0:
             shape = step_shape(self._engine.last_schedule)
+        now = time.monotonic()
+        if step_s <= 0 or now >= self._queued_until or not self._engine.has_unfinished():
+            self._queued = queue_shape(self._engine.scheduler.live_requests())
+            self._queued_until = now + QUEUE_SHAPE_PERIOD_S
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine), shape, num_delivered, device_steps)
+                            engine_load(self._engine, self._queued), shape, num_delivered,
+                            device_steps)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

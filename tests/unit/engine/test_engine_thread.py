@@ -125,6 +125,33 @@ def test_outputs_reach_their_own_stream_and_commands_return_results() -> None:
     asyncio.run(run())
 
 
+def test_the_queue_shape_is_read_once_a_period_while_steps_run_and_at_the_end() -> None:
+    """Reading every live request for the queue's shape is rate-limited between steps
+    (engine_thread.QUEUE_SHAPE_PERIOD_S), but the report of the step after which no work is
+    left reads it again: an idle worker's load is exact."""
+    async def run() -> None:
+        engine, reads, reports = ScriptedEngine(), [], []
+        engine.scheduler = SimpleNamespace(
+            live_requests=lambda: reads.append(len(engine.requests)) or ())
+        thread = EngineThread(engine, asyncio.get_running_loop(), reports.append)
+        thread.start()
+        stream = thread.open_stream("a")
+        try:
+            await thread.call(lambda e: e.add("a", 300))
+            await collect(stream)
+            for _ in range(100):
+                if reports and reports[-1].step_s > 0 and not engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await thread.stop()
+        steps = [r for r in reports if r.step_s > 0]
+        assert len(steps) >= 300 and len(reads) < len(steps) / 2  # 300 steps in few periods
+        assert reads[-1] == 0  # read again once the work ran out
+
+    asyncio.run(run())
+
+
 def test_a_pipelined_step_delivers_early_outputs_once_and_counts_them_in_its_report() -> None:
     async def run() -> None:
         reports = []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from common.contract.sampling_params import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
@@ -36,3 +39,15 @@ def test_the_queue_counts_prompt_tokens_left_and_decoding_context() -> None:
                 request("done", 80, RequestStatus.PREFILLED, computed=80)]
     assert queue_shape(requests) == QueueShape(prefill_tokens=300 + 300, decode_seqs=1,
                                                context_tokens=60)
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3)), max_size=10))
+def test_a_step_shape_is_the_rule_applied_to_each_chunk(shapes: list[tuple[int, int]]) -> None:
+    """A one-token chunk after position 0 is a decode (context: its end), anything else
+    prefills its tokens, whatever the order of the chunks."""
+    schedule = ScheduleOutput(tuple(chunk(f"r{i}", n, start) for i, (n, start)
+                                    in enumerate(shapes)))
+    decodes = [(n, start) for n, start in shapes if n == 1 and start > 0]
+    assert step_shape(schedule) == StepShape(
+        prefill_tokens=sum(n for n, start in shapes if not (n == 1 and start > 0)),
+        decode_seqs=len(decodes), context_tokens=sum(start + 1 for _, start in decodes))
