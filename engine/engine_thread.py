@@ -97,7 +97,7 @@ def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLo
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
                       num_kv_blocks_used=engine.kv_cache.num_used_blocks,
                       num_kv_blocks_total=engine.kv_cache.num_blocks,
-                      num_held_tables=len(engine.kv_cache.request_ids()),
+                      num_held_tables=engine.kv_cache.num_tables,
                       num_steps=engine.num_steps,
                       num_queued_prefill_tokens=queued.prefill_tokens,
                       num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens)

@@ -104,6 +104,11 @@ class KVCacheManager:
         """Ids of every live table (requests and reservations)."""
         return frozenset(self._tables)
 
+    @property
+    def num_tables(self) -> int:
+        """How many live tables (requests and reservations): `len(request_ids())`, no copy."""
+        return len(self._tables)
+
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._tables[request_id].block_ids)
 

@@ -18,6 +18,22 @@ from engine.step_mode import StepMode
 pytestmark = [pytest.mark.timeout(20)]
 
 
+class ScriptedCache:
+    """The KV cache's counters a worker's load reads: a table per scripted request."""
+
+    num_used_blocks, num_blocks = 0, 8
+
+    def __init__(self, requests: dict[str, list[int]]) -> None:
+        self._requests = requests
+
+    @property
+    def num_tables(self) -> int:
+        return len(self._requests)
+
+    def drain_events(self) -> list:
+        return []
+
+
 class ScriptedEngine:
     """Emits one token per step for each added request until it has `n` of them."""
 
@@ -25,9 +41,7 @@ class ScriptedEngine:
         self.requests: dict[str, list[int]] = {}
         self.num_steps = 0
         self.fail_at_step = fail_at_step
-        self.kv_cache = SimpleNamespace(num_used_blocks=0, num_blocks=8,
-                                        request_ids=lambda: frozenset(self.requests),
-                                        drain_events=lambda: [])
+        self.kv_cache = ScriptedCache(self.requests)
         self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64, device="cpu")
         self.scheduler = SimpleNamespace(live_requests=lambda: ())
         self.last_schedule = None

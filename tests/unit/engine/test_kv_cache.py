@@ -214,3 +214,14 @@ def test_adopted_reservation_becomes_the_request_table() -> None:
     kv.free(request)
     assert not kv.holds_blocks("d")
     kv.check_invariants()
+
+
+def test_the_table_count_is_the_number_of_live_tables() -> None:
+    kv = KVCacheManager(BlockPool(num_blocks=16, block_size=4))
+    request = Request("a", (1, 2, 3, 4, 5), SamplingParams())
+    assert kv.allocate_for(request, 5)
+    kv.reserve("b", [9, 9, 9])
+    assert kv.num_tables == len(kv.request_ids()) == 2
+    kv.free(request)
+    kv.release("b")
+    assert kv.num_tables == 0
