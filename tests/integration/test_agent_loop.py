@@ -149,10 +149,17 @@ def make_loop(state: RedisState, session: aiohttp.ClientSession, **config) -> Co
                        metrics)
 
 
+# run_until's deadlines are how long a rule may take on an idle machine; a loaded CI host
+# (the stub workers answer within the agent's 0.3 s control timeout or count as silent)
+# gets this many times as long. Waiting longer cannot make a test pass that should fail:
+# each one waits for an action to happen, never for one not to.
+DEADLINE_SLACK = 3
+
+
 async def run_until(loop: ControlLoop, predicate, timeout_s: float) -> list:
     """Tick every 0.2 s until predicate(events so far) holds; returns the events."""
     seen: list = []
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s * DEADLINE_SLACK):
         while True:
             await loop.tick()
             seen = await loop.actuator.agent_state.recent_events(1000)
