@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
+from engine.ranked_requests import RankedRequests
 from engine.request_rank import rank_key
 from engine.schedule_output import ScheduleDraft, ScheduledChunk, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
@@ -63,7 +64,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every live request
         self._keys: dict[str, tuple[int, float, int]] = {}  # sort key: smaller = better rank
         self._waiting = WaitingQueue()
-        self._running: dict[str, Request] = {}
+        self._running = RankedRequests()  # in rank order (engine/ranked_requests.py)
         self._prefilled: dict[str, Request] = {}
         self._finished: list[Request] = []
         self._outstanding: ScheduleOutput | None = None
@@ -111,7 +112,7 @@ class Scheduler:
             self._finished.append(request)
             return
         self._register(request)
-        self._push_waiting(request)
+        self._waiting.push(self._keys[request.request_id], request)
 
     def add_resumed_request(self, request: Request, output_token_ids: Sequence[int]) -> None:
         """Queue a PREFILL_AND_DECODE request continuing after `output_token_ids` (produced
@@ -128,7 +129,7 @@ class Scheduler:
             self._finished.append(request)
             return
         self._register(request)
-        self._push_waiting(request)
+        self._waiting.push(self._keys[request.request_id], request)
 
     def add_decode_request(self, request: Request, first_token_id: int) -> None:
         """Join a DECODE_ONLY request whose prompt KV now fills its reservation.
@@ -148,7 +149,7 @@ class Scheduler:
         request.output_token_ids.append(first_token_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        self._running[request.request_id] = request
+        self._running.add(request, self._keys[request.request_id])
         self.kv_cache.cache_full_blocks(request)
         self._after_sample(request)
 
@@ -190,11 +191,8 @@ class Scheduler:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
         step = ScheduleDraft(self.config.max_num_batched_tokens)
-        keys = self._keys
-        seated = sorted(self._running.values(),
-                        key=lambda r: keys[r.request_id])[:self.config.max_num_seqs]
-        running, block_size = RequestStatus.RUNNING, self.kv_cache.block_size
-        chunks, decode = step.chunks, ScheduledChunk.decode
+        seated = self._running.best(self.config.max_num_seqs)
+        running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
         # Decodes first, in rank order, then partial prefills (either may preempt later ones).
         prefills = []
         for request in seated:
@@ -209,7 +207,7 @@ class Scheduler:
             elif start < len(request.block_ids) * block_size:
                 # Its slot is in its table already (nearly every request, every step): no
                 # pool check, nothing to allocate. Its token: the last output or prompt one.
-                chunks[request.request_id] = decode(
+                chunks[request.request_id] = ScheduledChunk.decode(
                     request.request_id, output[-1] if output else request.prompt_token_ids[-1],
                     start, request.block_ids)
                 step.budget -= 1
@@ -275,7 +273,7 @@ class Scheduler:
             self._end_unfittable(request)
             return
         while not kv_cache.allocate_for(request, num_new):
-            victim = max(self._running.values(), key=lambda r: self._keys[r.request_id])
+            victim = self._running.worst()
             self._preempt(victim, step)
             if victim is request:
                 return
@@ -298,7 +296,7 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_cached_tokens
             request.num_cached_tokens = prefix.num_cached_tokens
             request.status = RequestStatus.RUNNING
-            self._running[request.request_id] = request
+            self._running.add(request, self._keys[request.request_id])
             self._add_chunk(request, num_new, step)
 
     def _add_chunk(self, request: Request, num_new: int, step: ScheduleDraft) -> None:
@@ -313,17 +311,17 @@ class Scheduler:
         withdrawn = step.chunks.pop(victim.request_id, None)
         if withdrawn is not None:
             step.budget += len(withdrawn.token_ids)
-        del self._running[victim.request_id]
+        self._running.remove(victim)
         self.kv_cache.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         step.preempted.append(victim.request_id)
-        self._push_waiting(victim)
+        self._waiting.push(self._keys[victim.request_id], victim)
 
     def _after_sample(self, request: Request) -> None:
         if request.mode is RequestMode.PREFILL_ONLY:
-            del self._running[request.request_id]
+            self._running.remove(request)
             request.status = RequestStatus.PREFILLED
             self._prefilled[request.request_id] = request
             self._finished.append(request)
@@ -349,10 +347,12 @@ class Scheduler:
         del self._keys[request_id]
         if request.status in WAITING_STATES:
             self._waiting.forget(request)  # its status is set next
-        else:  # RUNNING or PREFILLED: the only states that hold blocks
-            (self._running if request.status is RequestStatus.RUNNING
-             else self._prefilled).pop(request_id)
-            self.kv_cache.free(request)
+            return
+        if request.status is RequestStatus.RUNNING:  # RUNNING or PREFILLED: they hold blocks
+            self._running.remove(request)
+        else:
+            del self._prefilled[request_id]
+        self.kv_cache.free(request)
 
     def _check_fresh(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -368,15 +368,13 @@ class Scheduler:
         self._num_added += 1
         self._requests[request.request_id] = request
 
-    def _push_waiting(self, request: Request) -> None:
-        self._waiting.push(self._keys[request.request_id], request)
-
     # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()
         bs = self.kv_cache.block_size
         self._waiting.check_invariants()
+        self._running.check_invariants()
         waiting = self._waiting.waiting()
         assert all(self._requests.get(r.request_id) is r for r in waiting)
         assert len(waiting) + len(self._running) + len(self._prefilled) == len(self._requests)
