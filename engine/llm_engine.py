@@ -32,7 +32,7 @@ from engine.kv_storage import KVStorage
 from engine.inflight_step import InFlightStep
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
-from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
+from engine.request import Request, RequestMode, RequestStatus
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
@@ -305,10 +305,7 @@ class LLMEngine:
             result.check_invariants([t.request.sampling_params for t in step.tracked],
                                     self.model_config.vocab_size)
         for tracked, token_id in zip(step.tracked, result.token_ids):
-            output = tracked.request.output_token_ids  # resolve_placeholder, inline
-            if output[-1] != PLACEHOLDER:  # (an in-flight row has one output at least)
-                raise AssertionError(f"{tracked.request.request_id} has no token pending")
-            output[-1] = token_id
+            tracked.request.resolve_placeholder(token_id)
         return self.outputs.process_resolved(step.tracked, result.token_ids, result.logprobs)
 
     def _finished_outputs(self, held: Iterable[str]) -> list[RequestOutput]:

@@ -117,10 +117,6 @@ class Request:
         """Prompt followed by output: a new list every call (O(num_tokens))."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
     def token_ids_between(self, start: int, end: int) -> tuple[int, ...]:
         """all_token_ids[start:end] without building the whole list."""
         num_prompt = len(self.prompt_token_ids)
@@ -141,6 +137,7 @@ class Request:
 
     def resolve_placeholder(self, token_id: int) -> None:
         """An overlapped step's token replaces its PLACEHOLDER, whatever the state since."""
-        if not self.token_pending:
+        output = self.output_token_ids  # token_pending, read once: called for every row
+        if not output or output[-1] != PLACEHOLDER:
             raise AssertionError(f"{self.request_id} has no token pending")
-        self.output_token_ids[-1] = token_id
+        output[-1] = token_id

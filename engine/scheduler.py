@@ -200,13 +200,14 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             output = request.output_token_ids
-            if len(request.prompt_token_ids) + len(output) - start != 1:
+            if len(request.prompt_token_ids) + len(output) - start != 1:  # num_tokens, inline
                 prefills.append(request)
             elif step.budget <= 0:
                 continue
             elif start < len(request.block_ids) * block_size:
                 # Its slot is in its table already (nearly every request, every step): no
-                # pool check, nothing to allocate. Its token: the last output or prompt one.
+                # pool check, nothing to allocate. Its token: the last output or prompt one
+                # (inline, as num_tokens above: properties here cost ~3% of a 256-row step).
                 chunks[request.request_id] = ScheduledChunk.decode(
                     request.request_id, output[-1] if output else request.prompt_token_ids[-1],
                     start, request.block_ids)
