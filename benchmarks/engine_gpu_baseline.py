@@ -188,10 +188,12 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compiled-child", action="store_true", required=True)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--context", type=int, required=True)
+    parser.add_argument("--compiled-child", action="store_true", required=True,
+                        help="internal: run one compiled transformers measurement")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                        help="model shape (default llama3-8b)")
+    parser.add_argument("--seed", type=int, required=True, help="random weights' seed")
+    parser.add_argument("--batch", type=int, required=True, help="decode batch size")
+    parser.add_argument("--context", type=int, required=True, help="context tokens per row")
     a = parser.parse_args()
     sys.exit(compiled_child(a.shape, a.seed, a.batch, a.context))

@@ -278,10 +278,14 @@ def print_row(relay: str, pacing: str, row: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-tokens", type=int, default=64)
-    parser.add_argument("--interval-ms", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100])
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measured rounds per setting; medians are reported (default 3)")
+    parser.add_argument("--num-tokens", type=int, default=64,
+                        help="tokens the stub worker streams per request (default 64)")
+    parser.add_argument("--interval-ms", type=float, default=10.0,
+                        help="the stub worker's gap between tokens when paced (default 10)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 100],
+                        help="concurrent streams per run (default 1 16 100)")
     parser.add_argument("--pacings", nargs="+", choices=("back-to-back", "paced"),
                         default=["back-to-back", "paced"],
                         help="tokens back to back, and/or paced --interval-ms apart")

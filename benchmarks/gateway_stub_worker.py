@@ -266,12 +266,16 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--role", default="decode", choices=["prefill", "decode"])
-    parser.add_argument("--worker-id")
-    parser.add_argument("--namespace", default="pdserve")
-    parser.add_argument("--num-tokens", type=int, default=64)
-    parser.add_argument("--token-interval-ms", type=float, default=0.0)
+    parser.add_argument("--redis-url", required=True, help="the registry to register in")
+    parser.add_argument("--role", default="decode", choices=["prefill", "decode"],
+                        help="the pool to register in (default decode)")
+    parser.add_argument("--worker-id", help="registry id (default: a fresh one)")
+    parser.add_argument("--namespace", default="pdserve",
+                        help="registry key prefix (default pdserve)")
+    parser.add_argument("--num-tokens", type=int, default=64,
+                        help="tokens streamed per request (default 64)")
+    parser.add_argument("--token-interval-ms", type=float, default=0.0,
+                        help="gap between tokens (default 0: back to back)")
     parser.add_argument("--tokenizer-model", default="default",
                         help="whose tokenizer spells the reply: \"default\" or a model path")
     import uvloop

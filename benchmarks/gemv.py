@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", action="store_true", help="also time whole decode steps")
     parser.add_argument("--breakdown", action="store_true",
                         help="also list the kernels of one batch-1 decode step by device time")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="random weights' seed (default 1)")
     args = parser.parse_args(argv)
 
     import torch

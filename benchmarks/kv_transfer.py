@@ -342,16 +342,24 @@ def _copy_gbps(num_bytes: int, device: str, args) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both pools live (default cpu)")
+    parser.add_argument("--max-mib", type=int, default=256,
+                        help="largest transfer in MiB; the sizes are 1 MiB, then 16 MiB up "
+                             "by 4x (default 256)")
     parser.add_argument("--modes", default=None,
                         help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,"
                              "mapped_recv,raw_ucx,raw_ucx_recv,raw_tcp,copy (default: all "
                              "that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
-    parser.add_argument("--run-blocks", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--run-blocks", type=int, default=4,
+                        help="destination blocks per contiguous run (the fragmentation; "
+                             "default 4)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed transfers per mode and size (default 2)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed transfers per mode and size; the median is "
+                             "reported (default 5)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--check", action="store_true",
                         help="only check correctness (bitwise, poison untouched), over UCX and "

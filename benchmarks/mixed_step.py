@@ -54,10 +54,14 @@ def time_ms(fn, iters: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decodes", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--decodes", type=int, nargs="+", default=[16, 64, 256],
+                        help="decode rows beside the prefill chunk (default 16 64 256)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192],
+                        help="context tokens per decode row (default 512 2048 8192)")
+    parser.add_argument("--prefill", type=int, default=512,
+                        help="the prefill chunk's tokens (default 512)")
+    parser.add_argument("--iters", type=int, default=50,
+                        help="timed calls per case; the median is reported (default 50)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mixed_step: needs a CUDA device")

@@ -93,8 +93,9 @@ def main() -> int:
     parser.add_argument("out", type=Path, help="the model directory to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
                         help="model shape (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="the weights' dtype (default bfloat16)")
+    parser.add_argument("--seed", type=int, default=0, help="random weights' seed (default 0)")
     parser.add_argument("--tokenizer-from", type=Path, default=None,
                         help="copy tokenizer files from this directory instead of exporting "
                              "them from the default model")

@@ -304,7 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        '"--prefill 1 --decode 1 --model /m --device cuda"')
         p.add_argument("--workload", default="mixed",
                        help="bench workload preset or TOML file (default mixed)")
-        p.add_argument("--api", choices=("chat", "completions"), default="chat")
+        p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                       help="the endpoint the load uses (default chat)")
         p.add_argument("--duration", type=float, default=60.0,
                        help="seconds of load per run (default 60)")
         p.add_argument("--warmup", type=float, default=10.0,

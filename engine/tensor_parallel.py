@@ -365,14 +365,15 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
 def main(argv: Sequence[str] | None = None) -> int:
     """A follower rank: `python -m engine.tensor_parallel --rank R --tp N --port P ...`."""
     parser = argparse.ArgumentParser(prog="engine.tensor_parallel")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--rank", type=int, required=True, help="this follower's rank (>= 1)")
+    parser.add_argument("--tp", type=int, required=True, help="the tensor-parallel degree")
+    parser.add_argument("--port", type=int, required=True, help="the leader's rendezvous port")
+    parser.add_argument("--model", required=True, help="the leader's model path")
+    parser.add_argument("--dtype", default="float32", help="weights' dtype (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="limit on each wait for the leader (default %(default)s)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -159,11 +159,15 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--ttft-ms", type=float, default=100.0)
-    parser.add_argument("--tpot-ms", type=float, default=20.0)
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ttft-ms", type=float, default=100.0,
+                        help="delay before the first token (default 100)")
+    parser.add_argument("--tpot-ms", type=float, default=20.0,
+                        help="delay between later tokens (default 20)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests served at once; more wait for a slot "
+                             "(default: no limit)")
     parser.add_argument("--faults", default="ok", help=f"comma list cycled per request: {FAULTS}")
     args = parser.parse_args(argv)
     try:

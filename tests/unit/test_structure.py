@@ -235,3 +235,26 @@ def test_typed_packages_have_no_any_in_public_signatures(package: str) -> None:
             elif "Any" in _annotation_names(fn.returns):
                 problems.append(f"{rel}:{fn.lineno} {name}: returns Any")
     assert not problems, "\n".join(problems)
+
+
+def _options_without_help(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """`add_argument` calls naming their option without a help text (a call forwarding
+    `**kwargs`, as the CLIs' `opt` helpers do, is checked where those helpers are called)."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            continue
+        keywords = {k.arg for k in node.keywords}
+        if "help" in keywords or None in keywords:
+            continue
+        names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if names and isinstance(names[0], str) and names[0].startswith("-"):
+            yield node.lineno, names[0]
+
+
+def test_every_command_line_option_explains_itself() -> None:
+    """`--help` explains every option of every command, benchmarks and internal ones too."""
+    missing = [f"{path.relative_to(ROOT)}:{line} {name}"
+               for path in source_files()
+               for line, name in _options_without_help(ast.parse(path.read_text()))]
+    assert not missing, f"options without help: {missing}"
