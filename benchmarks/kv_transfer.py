@@ -10,9 +10,10 @@ For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head
   tcp_per_run  the same with packing off
   mapped   this backend with the receiver's pool mapped by the sender (CUDA IPC on a GPU,
            the pool's memfd on the host): one-pass copies, no data messages; timed like ucx
-  mapped_data  the same, timed from the first send_layer (the announce round trip, which
-           a prefill worker can start before its prompt is computed, left out)
-  mapped_recv  the same, timed from the first send_layer until the receiver's transfer
+  MODE_data  any of the five above (ucx_data, ucx_per_run_data, tcp_data, ...,
+           mapped_data), timed from the first send_layer: the announce round trip, which a
+           prefill worker starts before its prompt is computed, left out
+  MODE_recv  the same, timed from the first send_layer until the receiver's transfer
            completed (its clock: one host), not until the sender heard back: when a decode
            worker may use the blocks
   raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
@@ -89,6 +90,19 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
     uvloop.run(_receiver_loop(mode, device, num_blocks, transports, conn))
 
 
+BACKEND_MODES = ("ucx", "ucx_per_run", "tcp", "tcp_per_run", "mapped")
+RAW_MODES = ("raw_ucx", "raw_ucx_recv", "raw_tcp", "copy")
+
+
+def _split(mode: str) -> tuple[str, str]:
+    """(backend mode, timing: "all", "data" or "recv") of a mode of this backend; ("", "")
+    for the raw modes and the checks."""
+    for timing in ("data", "recv"):
+        if mode.endswith("_" + timing) and mode[:-len(timing) - 1] in BACKEND_MODES:
+            return mode[:-len(timing) - 1], timing
+    return (mode, "all") if mode in BACKEND_MODES else ("", "")
+
+
 def _backend(mode: str, device: str) -> tuple[str, bool]:
     """(data plane, mapping on) of a backend mode; mapped GPU pools keep UCX as their
     (idle) data plane, since the TCP plane takes host pools only."""
@@ -98,8 +112,7 @@ def _backend(mode: str, device: str) -> tuple[str, bool]:
 
 
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
-    if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "check", "check_mapped",
-                "mapped", "mapped_data", "mapped_recv"):
+    if _split(mode)[0] or mode in ("check", "check_mapped"):
         import torch
 
         from kv_transfer.backend import make_receiver
@@ -252,8 +265,8 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
     times = []
     try:
-        if mode in ("ucx", "tcp", "ucx_per_run", "tcp_per_run", "mapped", "mapped_data",
-                    "mapped_recv"):
+        base, timing = _split(mode)
+        if base:
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
             from kv_transfer.packing import PackingLimits
@@ -262,7 +275,7 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
                 from kv_transfer.ucx import UcxWorker
                 worker = UcxWorker(transports=args.transports)
             limits = PackingLimits.for_device(device == "cuda")
-            if mode.endswith("_per_run"):
+            if base.endswith("_per_run"):
                 limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
                                        min_message_bytes=0, pack_below_run_bytes=0)
             sender = make_sender(_storage(pool_blocks, device, 0), backend, ucx_worker=worker,
@@ -281,14 +294,14 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
                 if handle.mapped != mapping:
                     raise RuntimeError(f"{mode}: the transfer was {'' if handle.mapped else 'not '}"
                                        "mapped")
-                if mode in ("mapped_data", "mapped_recv"):
+                if timing != "all":
                     started = time.perf_counter()
                 for layer in range(num_layers):
                     handle.send_layer(layer)
                 await handle.finish()
                 finished = time.perf_counter()
                 landed = await _pipe_recv(parent, proc)
-                times.append((landed if mode == "mapped_recv" else finished) - started)
+                times.append((landed if timing == "recv" else finished) - started)
             await sender.close()
         elif mode.startswith("raw_ucx"):
             from kv_transfer.ucx import UcxWorker
@@ -348,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest transfer in MiB; the sizes are 1 MiB, then 16 MiB up "
                              "by 4x (default 256)")
     parser.add_argument("--modes", default=None,
-                        help="comma list of ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,"
-                             "mapped_recv,raw_ucx,raw_ucx_recv,raw_tcp,copy (default: all "
-                             "that apply to the device)")
+                        help="comma list of ucx, ucx_per_run, tcp, tcp_per_run, mapped, each "
+                             "also as MODE_data and MODE_recv (e.g. ucx_data: the module's "
+                             "doc says how each is timed), raw_ucx, raw_ucx_recv, raw_tcp, "
+                             "copy (default: all that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4,
                         help="destination blocks per contiguous run (the fragmentation; "
@@ -377,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                if args.device == "cuda" else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,mapped_recv,raw_ucx,"
                     "raw_ucx_recv,raw_tcp,copy")
     modes = (args.modes or default).split(",")
+    import uvloop  # both processes run the event loop a worker runs
+    unknown = [m for m in modes if not _split(m)[0] and m not in RAW_MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; see --help")
     rows = []
     print(f"{'size':>9} " + " ".join(f"{m:>8}" for m in modes) + "   (GB/s)")
     for num_layers, num_blocks in _sizes(args.max_mib):
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"bytes": num_bytes}
         for mode in modes:
             row[mode] = (_copy_gbps(num_bytes, args.device, args) if mode == "copy" else
-                         asyncio.run(_measure(mode, args.device, num_layers, num_blocks, args)))
+                         uvloop.run(_measure(mode, args.device, num_layers, num_blocks, args)))
         rows.append(row)
         print(f"{num_bytes / 2**20:>7.0f}Mi " + " ".join(f"{row[m]:>8.2f}" for m in modes),
               flush=True)
