@@ -8,6 +8,10 @@ bytes of an incomplete one until the bytes that complete it (or prove it invalid
     token -> table[token] -> utf8.decode(bytes, final=False) -> new text ("" while incomplete)
     finish               -> utf8.decode(b"", final=True)     -> a held incomplete tail as U+FFFD
 
+While no byte is held, a token whose bytes are whole characters (`TokenBytes.texts`, most
+tokens) is its own text, as the decoder would return it: one lookup, the decoder untouched
+(about 3x cheaper per token, and a step adds one token to every running request).
+
 Against engine/detokenizer.py's window decode, the text is the same (the deltas concatenate
 to the tokenizer's decode of the output); invalid bytes come out as U+FFFD as soon as they
 are known to be invalid, where a window decode holds any text that ends in U+FFFD until a
@@ -18,7 +22,7 @@ Lifecycle: constructed per request -> `add` once per sampled token -> `flush` on
 request finishes.
 
 Invariants: the concatenation of all deltas equals `TokenBytes.text(output_ids)`; no byte
-is held once `flush` ran.
+is held once `flush` ran; `_holding` says whether the decoder holds bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class ByteDetokenizer:
 
     def __init__(self, token_bytes: TokenBytes) -> None:
         self._table = token_bytes.table
+        self._texts = token_bytes.texts
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._holding = False  # the decoder holds the bytes of an incomplete character
         self._finished = False
 
     @property
@@ -46,19 +52,26 @@ class ByteDetokenizer:
         if self._finished:
             raise RuntimeError("add() after flush(): the request already finished")
         try:
+            if not self._holding and (text := self._texts[token_id]) is not None:
+                return text  # whole characters after whole characters: the decoder's answer
             data = self._table[token_id]
         except IndexError:  # past the vocabulary (a padded embedding): no text, as a decode
             return ""
-        return self._utf8.decode(data)
+        text = self._utf8.decode(data)
+        self._holding = bool(self._utf8.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Called exactly once when the request finishes: releases held bytes as decoded."""
         if self._finished:
             raise RuntimeError("flush() called twice")
         self._finished = True
+        self._holding = False
         return self._utf8.decode(b"", final=True)
 
     def check_invariants(self) -> None:
         held = self.num_held_bytes
         assert held < 4, f"{held} bytes held: no UTF-8 character is that long"
         assert not (self._finished and held), "bytes held after flush()"
+        assert self._holding == bool(held) or self._finished, \
+            f"holding {self._holding} with {held} bytes held"

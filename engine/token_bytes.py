@@ -48,11 +48,21 @@ def _token_bytes(token: str, byte_of_char: dict[str, int]) -> bytes:
         return token.encode("utf-8")
 
 
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class TokenBytes:
-    """Immutable: `table[token_id]` is that token's bytes."""
+    """Immutable: `table[token_id]` is that token's bytes; `texts[token_id]` their text
+    where they are whole UTF-8 characters on their own (most tokens), else None (a token
+    that starts or ends mid-character, or holds invalid bytes)."""
 
     def __init__(self, table: list[bytes]) -> None:
         self.table = table
+        self.texts = [_whole_text(data) for data in table]
 
     def __len__(self) -> int:
         return len(self.table)
