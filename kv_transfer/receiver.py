@@ -255,10 +255,15 @@ class TransferReceiver:
         transfer.accept(plan, seq, conn, mapped=message.mapped)
         self._by_seq[seq] = transfer
         self._session_transfers[conn].add(transfer)
-        # Receives are posted before Accepted leaves, so no byte can arrive unexpected.
+        # Accepted leaves first, then the receives are posted in the same callback: the
+        # sender plans and posts its sends while this side posts its receives (a few
+        # microseconds each, thousands for a long prompt), and no other callback (a flush,
+        # a data frame on TCP) runs before every receive is posted. A UCX message arriving
+        # before its receive waits in UCX's unexpected queue and is matched when posted,
+        # as a packed transfer's receives always are (posted as slots free up).
+        conn.send_message(Accepted(request_id=spec.request_id, transfer_seq=seq))
         if not message.mapped:
             self.plane.post(transfer, self._on_landed, self._on_data_failed)
-        conn.send_message(Accepted(request_id=spec.request_id, transfer_seq=seq))
 
     def _on_landed(self, transfer: InboundTransfer) -> None:
         if transfer.message_landed():

@@ -20,7 +20,8 @@ Choices (measured on a 2-core host; see docs/kv_transfer.md):
   * Tags: transfer_seq (assigned by the receiver, unique in its worker) << 20 | message
     index: concurrent transfers, from any number of senders, cannot collide.
 
-Receiver side: all receives of a transfer are posted before Accepted is sent. ucxx cannot
+Receiver side: all receives of a transfer are posted in the callback that sends Accepted
+(right after it: a send that arrives first waits in UCX's unexpected queue). ucxx cannot
 cancel one receive, so `flush()` completes the not-yet-matched ones with zero-byte sends
 to our own worker (a zero-byte message writes nothing) and drains any such message left
 unmatched; after flush no receive of the transfer is posted, so no byte can land.
