@@ -263,7 +263,10 @@ class TransferReceiver:
         # as a packed transfer's receives always are (posted as slots free up).
         conn.send_message(Accepted(request_id=spec.request_id, transfer_seq=seq))
         if not message.mapped:
-            self.plane.post(transfer, self._on_landed, self._on_data_failed)
+            try:
+                self.plane.post(transfer, self._on_landed, self._on_data_failed)
+            except Exception as exc:  # noqa: BLE001 - UCX refused a receive: abort, flush
+                self._on_data_failed(transfer, exc)
 
     def _on_landed(self, transfer: InboundTransfer) -> None:
         if transfer.message_landed():

@@ -153,13 +153,14 @@ class UcxReceivePlane:
 
     def post(self, transfer: InboundTransfer, on_landed: OnLanded, on_failed: OnFailed) -> None:
         seq, worker = transfer.seq, self._worker.ctx.worker
+        # Listed before the first post: should a post raise, those before it are flushed.
         requests: list[PostedReceive] = []
+        self._requests[seq] = requests
         if not isinstance(transfer.accepted_plan, PackedPlan):
             for m in transfer.accepted_plan.all_messages():
                 tag = tag_for(seq, m.index)
                 view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
                 requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
-        self._requests[seq] = requests
         self._worker.progress.kick()
         packed = isinstance(transfer.accepted_plan, PackedPlan)
         watch = self._watch_packed if packed else self._watch
