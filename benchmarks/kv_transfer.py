@@ -2,24 +2,7 @@
 
 For each transfer size, with a Llama-3-8B-like pool (32 layers, 8 KV heads, head dim 128,
 16-token blocks, bf16: 32 KiB per block per layer for K and again for V), it reports GB/s
-(median of --repeats) of:
-  ucx      this backend over UCX (announce + every layer + receiver confirmation); packed
-           (gather -> one message per layer group -> scatter) where the policy says so
-  ucx_per_run  the same with packing off: one zero-copy message per (layer, K|V, run)
-  tcp      this backend over TCP
-  tcp_per_run  the same with packing off
-  mapped   this backend with the receiver's pool mapped by the sender (CUDA IPC on a GPU,
-           the pool's memfd on the host): one-pass copies, no data messages; timed like ucx
-  MODE_data  any of the five above (ucx_data, ucx_per_run_data, tcp_data, ...,
-           mapped_data), timed from the first send_layer: the announce round trip, which a
-           prefill worker starts before its prompt is computed, left out
-  MODE_recv  the same, timed from the first send_layer until the receiver's transfer
-           completed (its clock: one host), not until the sender heard back: when a decode
-           worker may use the blocks
-  raw_ucx  ucxx tag send/recv of one contiguous buffer of the same size, same path
-  raw_ucx_recv  the same, timed until the receiver's recv completed (as mapped_recv)
-  raw_tcp  a uvloop TCP stream into a preallocated buffer (BufferedProtocol)
-  copy     one copy in one process (numpy on CPU, device-to-device torch copy on CUDA)
+(median of --repeats) of each mode (benchmarks/kv_modes.py says what each one times).
 Destination blocks are fragmented into runs of --run-blocks (what a paged cache looks like).
 
     python -m benchmarks.kv_transfer --device cpu
@@ -38,6 +21,8 @@ import statistics
 import sys
 import time
 from typing import Any
+
+from benchmarks.kv_modes import RAW_MODES, backend_of, split_mode
 
 LAYOUT = dict(dtype="bfloat16", num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
 BLOCK_LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K and V of one block in one layer
@@ -90,33 +75,12 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
     uvloop.run(_receiver_loop(mode, device, num_blocks, transports, conn))
 
 
-BACKEND_MODES = ("ucx", "ucx_per_run", "tcp", "tcp_per_run", "mapped")
-RAW_MODES = ("raw_ucx", "raw_ucx_recv", "raw_tcp", "copy")
-
-
-def _split(mode: str) -> tuple[str, str]:
-    """(backend mode, timing: "all", "data" or "recv") of a mode of this backend; ("", "")
-    for the raw modes and the checks."""
-    for timing in ("data", "recv"):
-        if mode.endswith("_" + timing) and mode[:-len(timing) - 1] in BACKEND_MODES:
-            return mode[:-len(timing) - 1], timing
-    return (mode, "all") if mode in BACKEND_MODES else ("", "")
-
-
-def _backend(mode: str, device: str) -> tuple[str, bool]:
-    """(data plane, mapping on) of a backend mode; mapped GPU pools keep UCX as their
-    (idle) data plane, since the TCP plane takes host pools only."""
-    if mode.startswith("mapped") or mode == "check_mapped":
-        return ("ucx" if device == "cuda" else "tcp"), True
-    return ("ucx" if mode == "check" else mode.split("_")[0]), False
-
-
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
-    if _split(mode)[0] or mode in ("check", "check_mapped"):
+    if split_mode(mode)[0] or mode in ("check", "check_mapped"):
         import torch
 
         from kv_transfer.backend import make_receiver
-        worker, (backend, mapping) = None, _backend(mode, device)
+        worker, (backend, mapping) = None, backend_of(mode, device)
         if backend == "ucx":
             from kv_transfer.ucx import UcxWorker
             worker = UcxWorker(transports=transports)
@@ -205,7 +169,7 @@ async def _check(args, mode: str) -> dict:
         address = await _pipe_recv(parent, proc)
         storage = _storage(pool_blocks, args.device, None)
         storage.kv.view(torch.int16).copy_(_pattern(storage.kv.numel()).view(storage.kv.shape))
-        backend, mapping = _backend(mode, args.device)
+        backend, mapping = backend_of(mode, args.device)
         worker = None
         if backend == "ucx":
             from kv_transfer.ucx import UcxWorker
@@ -265,12 +229,12 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     num_bytes = num_layers * num_blocks * BLOCK_LAYER_BYTES
     times = []
     try:
-        base, timing = _split(mode)
+        base, timing = split_mode(mode)
         if base:
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
             from kv_transfer.packing import PackingLimits
-            worker, (backend, mapping) = None, _backend(mode, device)
+            worker, (backend, mapping) = None, backend_of(mode, device)
             if backend == "ucx":
                 from kv_transfer.ucx import UcxWorker
                 worker = UcxWorker(transports=args.transports)
@@ -362,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                              "by 4x (default 256)")
     parser.add_argument("--modes", default=None,
                         help="comma list of ucx, ucx_per_run, tcp, tcp_per_run, mapped, each "
-                             "also as MODE_data and MODE_recv (e.g. ucx_data: the module's "
-                             "doc says how each is timed), raw_ucx, raw_ucx_recv, raw_tcp, "
+                             "also as MODE_data and MODE_recv (e.g. ucx_data; benchmarks/"
+                             "kv_modes.py says how each is timed), raw_ucx, raw_ucx_recv, raw_tcp, "
                              "copy (default: all that apply to the device)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4,
@@ -388,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(result, f, indent=1)
         return 0 if result["ok"] else 1
     default = ("ucx,mapped,mapped_data,mapped_recv,raw_ucx,raw_ucx_recv,copy"
-               if args.device == "cuda" else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,mapped_recv,raw_ucx,"
-                    "raw_ucx_recv,raw_tcp,copy")
+               if args.device == "cuda" else "ucx,ucx_per_run,tcp,tcp_per_run,mapped,mapped_data,"
+                                             "mapped_recv,raw_ucx,raw_ucx_recv,raw_tcp,copy")
     modes = (args.modes or default).split(",")
     import uvloop  # both processes run the event loop a worker runs
-    unknown = [m for m in modes if not _split(m)[0] and m not in RAW_MODES]
+    unknown = [m for m in modes if not split_mode(m)[0] and m not in RAW_MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; see --help")
     rows = []
