@@ -100,20 +100,24 @@ class TransferPlan:
                              f"exceed {MAX_MESSAGES}; send fewer layers or blocks at once")
         self.num_bytes = transfer_bytes(layout, len(spec.src_block_ids),
                                         spec.layer_end - spec.layer_begin)
+        # layout.offset_bytes(layer, kv, block) = (layer * 2 + kv) * unit + block * block
+        # bytes: each run's part is the same in every (layer, K|V), so it is taken once
+        # (both sides list every message of a transfer: thousands for a long prompt).
+        block_bytes = layout.block_bytes
+        self._unit_bytes = layout.num_blocks * block_bytes
+        self._run_bytes = [(r.src_start * block_bytes, r.dst_start * block_bytes,
+                            r.num_blocks * block_bytes) for r in self.runs]
 
     def layer_messages(self, layer: int) -> list[Message]:
         if layer not in self.spec.layers:
             raise ValueError(f"transfer {self.spec.request_id}: layer {layer} not in "
                              f"{self.spec.layers}")
-        layout, out = self.layout, []
+        out, num_runs = [], len(self._run_bytes)
         for kv_index in (0, 1):
-            base = ((layer - self.spec.layer_begin) * 2 + kv_index) * len(self.runs)
-            for run_index, run in enumerate(self.runs):
-                out.append(Message(
-                    base + run_index,
-                    layout.offset_bytes(layer, kv_index, run.src_start),
-                    layout.offset_bytes(layer, kv_index, run.dst_start),
-                    run.num_blocks * layout.block_bytes))
+            index = ((layer - self.spec.layer_begin) * 2 + kv_index) * num_runs
+            base = (layer * 2 + kv_index) * self._unit_bytes
+            out += [Message(index + i, base + src, base + dst, num_bytes)
+                    for i, (src, dst, num_bytes) in enumerate(self._run_bytes)]
         return out
 
     def all_messages(self) -> list[Message]:

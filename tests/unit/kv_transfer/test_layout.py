@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.kv_storage import KVLayout
 from kv_transfer.errors import LayoutMismatch
@@ -33,6 +35,22 @@ def test_messages_cover_exactly_the_blocks_of_each_layer_once():
                 for b in (10, 11, 12, 0)}
     assert covered == expected
     assert plan.num_bytes == 2 * 2 * 4 * LAYOUT.block_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), min_size=1, max_size=20,
+                      unique_by=(lambda p: p[0], lambda p: p[1])),
+       begin=st.integers(0, 3), width=st.integers(1, 4))
+def test_each_message_is_its_run_at_the_layouts_offsets(pairs, begin, width):
+    end = min(begin + width, LAYOUT.num_layers)
+    plan = TransferPlan(LAYOUT, spec([s for s, _ in pairs], [d for _, d in pairs], begin, end))
+    expected = [(LAYOUT.offset_bytes(layer, kv, run.src_start),
+                 LAYOUT.offset_bytes(layer, kv, run.dst_start),
+                 run.num_blocks * LAYOUT.block_bytes)
+                for layer in range(begin, end) for kv in (0, 1) for run in plan.runs]
+    assert [(m.src_offset_bytes, m.dst_offset_bytes, m.num_bytes)
+            for m in plan.all_messages()] == expected
+    assert [m.index for m in plan.all_messages()] == list(range(plan.num_messages))
 
 
 def test_tags_of_different_transfers_never_collide():
