@@ -157,8 +157,9 @@ class UcxReceivePlane:
         requests: list[PostedReceive] = []
         self._requests[seq] = requests
         if not isinstance(transfer.accepted_plan, PackedPlan):
+            first_tag = tag_for(seq, 0)  # a plan's indices are < MAX_MESSAGES: tag = first | i
             for m in transfer.accepted_plan.all_messages():
-                tag = tag_for(seq, m.index)
+                tag = first_tag | m.index
                 view = self._dst[m.dst_offset_bytes:m.dst_offset_bytes + m.num_bytes]
                 requests.append((tag, worker.tag_recv(Array(view), Tag(tag)), None))
         self._worker.progress.kick()
@@ -333,11 +334,12 @@ class UcxSendPlane:
         # Python), then wait for them in order; UCX progresses them all meanwhile.
         endpoint = link.data._ep
         requests = []
+        first_tag = tag_for(transfer_seq, 0)  # a plan's indices are < MAX_MESSAGES
         for m in messages:
             if transfer.stopped:
                 break
             view = src[m.src_offset_bytes:m.src_offset_bytes + m.num_bytes]
-            requests.append(endpoint.tag_send(Array(view), Tag(tag_for(transfer_seq, m.index))))
+            requests.append(endpoint.tag_send(Array(view), Tag(first_tag | m.index)))
         self._worker.progress.kick()
         for request in requests:
             if not request.completed:
