@@ -172,7 +172,9 @@ class UcxReceivePlane:
                      on_landed: OnLanded, on_failed: OnFailed) -> None:
         try:
             for _, request, _ in requests:
-                await request.wait()
+                if not request.completed:  # most have landed by the time one is awaited
+                    await request.wait()
+                request.check_error()
                 on_landed(transfer)
         except asyncio.CancelledError:
             raise
