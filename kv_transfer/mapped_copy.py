@@ -3,7 +3,8 @@
 With the receiver's pool mapped (pool_mapping.py), a layer range moves in one pass: on CUDA
 one kernel (engine/kernels/block_copy.py) queued on the sender's copy stream, then an event
 polled from the event loop (no stream synchronize, no thread); on the host one strided
-copy per block run, on the sender's copy thread so the event loop never waits on a memcpy.
+copy per block run, on the sender's copy thread so the event loop never waits long on a
+memcpy (a copy of up to INLINE_COPY_BYTES runs on the loop: the hand-off costs more).
 
     copy(layers)  ─ CUDA: kernel on `stream`, event recorded ─ poll event ─▶ returns
                   └ host: copy_runs on the copy thread (up to 2 MiB: inline) ▶ returns
