@@ -204,6 +204,7 @@ class DecodeGraphs:
             raise AssertionError("a captured size has no step")
         if self.use_graphs and self.captured and set(self._graphs) != set(self.batch_sizes):
             raise AssertionError("a captured size has no graph")
+        self._tables.check_table(self._views.block_tables)
 
     def _make_step(self, size: int) -> Callable[[], torch.Tensor]:
         dev = self._device_views

@@ -262,6 +262,7 @@ class MixedGraphs:
         if self.use_graphs and self.captured and set(self._graphs) != set(self.shapes):
             raise AssertionError("a captured shape has no graph")
         self._host.check_padding(*self._live)
+        self._tables.check_table(self._host.decode_tables)
 
     def _upload(self, decode_part: tuple[int, int], prefill_part: tuple[int, int]) -> None:
         """The scalars, then only the table rows and columns this step uses; each part is

@@ -7,6 +7,8 @@ import gc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_table_rows import BlockTableRows
 from engine.cuda_graphs import capture_phase
@@ -48,6 +50,31 @@ def test_rows_kept_from_step_to_step_are_the_tables_of_this_step():
             assert table[r, :len(ids)].tolist() == list(ids)
 
 
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 40), max_size=40), min_size=1, max_size=12),
+       grow=st.lists(st.booleans(), max_size=40))
+def test_every_step_leaves_each_row_starting_with_its_table(steps, grow):
+    """Random batches from a pool of tuples (kept, dropped, shifted, grown): after every
+    write, through the one-by-one and the scatter paths, each live row starts with its
+    table and the rows past the step are untouched."""
+    pool = [tuple(range(10 * i, 10 * i + 1 + i % 7)) for i in range(41)]
+    rows, table = BlockTableRows(), np.full((40, 16), -9, dtype=np.int32)
+    for step_index, picks in enumerate(steps):
+        step = []
+        for k, i in enumerate(dict.fromkeys(picks)):  # a request appears once a step
+            if k < len(grow) and grow[k] and len(pool[i]) < 16:
+                pool[i] = pool[i] + (step_index,)  # a new block: a new tuple
+            step.append(pool[i])
+        before = table[len(step):].copy()
+        width = rows.write(table, step)
+        rows.check_invariants()
+        rows.check_table(table)
+        assert width == max((len(ids) for ids in step), default=0)
+        for r, ids in enumerate(step):
+            assert table[r, :len(ids)].tolist() == list(ids)
+        assert (table[len(step):] == before).all()
+
+
 def test_the_capture_phase_turns_cyclic_collection_off_and_back():
     assert gc.isenabled()
     with capture_phase():
@@ -63,3 +90,12 @@ def test_the_capture_phase_turns_cyclic_collection_off_and_back():
         assert not gc.isenabled()  # left as it was found
     finally:
         gc.enable()
+
+
+def test_a_table_written_behind_its_back_is_caught():
+    rows, table = BlockTableRows(), np.zeros((2, 4), dtype=np.int32)
+    rows.write(table, [(1, 2), (3,)])
+    rows.check_table(table)
+    table[1, 0] = 7  # not through `write`: the next step would keep it as it is
+    with pytest.raises(AssertionError, match="row 1"):
+        rows.check_table(table)
