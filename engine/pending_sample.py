@@ -32,12 +32,15 @@ class PendingSample:
     __slots__ = ("token_ids", "_params", "_host", "_done", "_lp_rows", "_output")
 
     def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                 params: Sequence[SamplingParams]) -> None:
+                 params: Sequence[SamplingParams], no_logprobs: bool = False) -> None:
+        """`no_logprobs`: the caller knows no row asks for logprobs (no pass to find them)."""
         if token_ids.dim() != 1 or token_ids.shape[0] != len(params):
             raise ValueError(f"{tuple(token_ids.shape)} sampled tokens for {len(params)} rows")
         self.token_ids = token_ids
         self._params = list(params)
-        self._lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self._lp_rows = [] if no_logprobs else [i for i, p in enumerate(params)
+                                                if p.logprobs is not None]
+        assert not (no_logprobs and raw_logprobs is not None), "logprobs computed for nobody"
         device_parts = [token_ids]
         if self._lp_rows:
             assert raw_logprobs is not None, "logprobs asked for but not computed"

@@ -62,6 +62,7 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # set iff the request has a seed
+    plain: bool = False  # is_plain(params): its rows need an argmax and nothing else
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -69,11 +70,22 @@ class SamplingState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)  # re-seeded at every position
-        return cls(prompt_token_ids=prompt_token_ids, generator=generator)
+        return cls(prompt_token_ids=prompt_token_ids, generator=generator,
+                   plain=is_plain(params))
 
     def check_invariants(self, params: SamplingParams) -> None:
         assert (self.generator is not None) == (params.seed is not None), \
             "a seeded request must draw from its own generator, and only then"
+        assert self.plain == is_plain(params), "plain, but its parameters say otherwise"
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Greedy, no logprobs, nothing that edits logits (min_tokens, penalties): the row's
+    token is the argmax of its logits. Decided once per request (its parameters are
+    frozen), so a batch of such rows skips the per-row pass of `Sampler.launch`."""
+    return (params.temperature == 0.0 and params.logprobs is None and not params.min_tokens
+            and params.repetition_penalty == 1.0 and not params.frequency_penalty
+            and not params.presence_penalty)
 
 class Sampler:
     """Stateless apart from the generator used by unseeded rows."""
@@ -101,6 +113,11 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} vs {len(params)} params, "
                              f"{len(states)} states")
         logits = logits.float()
+        for state in states:
+            if not state.plain:
+                break
+        else:  # every row plain (the usual greedy serving batch): one kernel, nothing else
+            return PendingSample(logits.argmax(dim=-1), None, params, no_logprobs=True)
         # One pass over the rows for what the batch needs (a row per request at every step).
         greedy, random, wants_logprobs, edits = [], [], False, False
         for i, (p, s) in enumerate(zip(params, states)):

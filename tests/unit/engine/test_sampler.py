@@ -310,3 +310,31 @@ def test_a_sampler_output_that_breaks_its_invariants_is_caught() -> None:
         SamplerOutput([1], [TokenLogprobs(1, -0.1, (), ())]).check_invariants([plain], 4)
     with pytest.raises(AssertionError, match="another token"):
         SamplerOutput([1], [TokenLogprobs(2, -0.1, (), ())]).check_invariants([asks], 4)
+
+
+@pytest.mark.parametrize("params, plain", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.0, max_tokens=3, stop=["x"], ignore_eos=True), True),
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(temperature=0.0, logprobs=2), False),
+    (SamplingParams(temperature=0.0, min_tokens=4), False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.2), False),
+    (SamplingParams(temperature=0.0, frequency_penalty=0.5), False),
+    (SamplingParams(temperature=0.0, presence_penalty=0.5), False),
+])
+def test_a_plain_row_is_greedy_with_nothing_to_edit_or_report(params, plain) -> None:
+    assert SamplingState.create(params, [1]).plain is plain
+
+
+def test_a_batch_of_plain_rows_gets_the_argmax_and_one_other_row_the_general_pass() -> None:
+    logits = logits_rows(6, seed=4)
+    plain = [SamplingParams(temperature=0.0)] * 6
+    out = Sampler((EOS,), seed=0).sample(logits, plain,
+                                         [SamplingState.create(p, [1]) for p in plain])
+    assert out.token_ids == logits.argmax(dim=-1).tolist() and out.logprobs == [None] * 6
+    # One row asking for logprobs: every row goes through the general pass, same tokens.
+    mixed = [*plain[:5], SamplingParams(temperature=0.0, logprobs=1)]
+    out = Sampler((EOS,), seed=0).sample(logits, mixed,
+                                         [SamplingState.create(p, [1]) for p in mixed])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs[:5] == [None] * 5 and out.logprobs[5] is not None
