@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# Changed rows written one by one up to this many; more go through one masked copy.
+# Changed rows written one by one up to this many; more go through one scatter.
 FEW_ROWS = 8
 
 

@@ -79,13 +79,18 @@ class SamplingState:
         assert self.plain == is_plain(params), "plain, but its parameters say otherwise"
 
 
+def may_edit_logits(params: SamplingParams) -> bool:
+    """Only a row with min_tokens or a penalty can ever have its logits edited."""
+    return bool(params.min_tokens or params.repetition_penalty != 1.0
+                or params.frequency_penalty or params.presence_penalty)
+
+
 def is_plain(params: SamplingParams) -> bool:
     """Greedy, no logprobs, nothing that edits logits (min_tokens, penalties): the row's
     token is the argmax of its logits. Decided once per request (its parameters are
     frozen), so a batch of such rows skips the per-row pass of `Sampler.launch`."""
-    return (params.temperature == 0.0 and params.logprobs is None and not params.min_tokens
-            and params.repetition_penalty == 1.0 and not params.frequency_penalty
-            and not params.presence_penalty)
+    return (params.temperature == 0.0 and params.logprobs is None
+            and not may_edit_logits(params))
 
 class Sampler:
     """Stateless apart from the generator used by unseeded rows."""
@@ -123,9 +128,7 @@ class Sampler:
         for i, (p, s) in enumerate(zip(params, states)):
             (greedy if p.temperature == 0.0 else random).append(i)  # p.is_greedy, inline
             wants_logprobs = wants_logprobs or p.logprobs is not None
-            # Only a row with min_tokens or a penalty can edit its logits.
-            if not edits and (p.min_tokens or p.repetition_penalty != 1.0
-                              or p.frequency_penalty or p.presence_penalty):
+            if not edits and may_edit_logits(p):
                 edits = _edits_logits(p, s)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if edits:
