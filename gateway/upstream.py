@@ -94,15 +94,9 @@ class WorkerBackend:
         a long prompt's prefill beside its reservation where the policy allows
         (gateway/handoff.py); False: always after it."""
         self.early_prefill = early_prefill
-        self.cluster = cluster
-        self.channels = channels
-        self.tokenizer = tokenizer
-        self.session = session
-        self.tiers = tiers
-        self.metrics = metrics
-        self.internal_token = internal_token
-        self.timeouts = timeouts
-        self.limits = limits
+        self.cluster, self.channels, self.tokenizer = cluster, channels, tokenizer
+        self.session, self.tiers, self.metrics = session, tiers, metrics
+        self.internal_token, self.timeouts, self.limits = internal_token, timeouts, limits
         self.ttft_window = ttft_window or TtftWindow()  # feeds the concurrency limit
         self.clients = WorkerClients(session, internal_token, channels, timeouts.abort_s)
         self._decode_frames: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(
@@ -284,26 +278,33 @@ class WorkerBackend:
             if not isinstance(first, PrefillResult):
                 raise LegFailed(prefill_id, Phase.PREFILL, FailureKind.WORKER_ERROR,
                                 f"sent {type(first).__name__} before the first token")
+            # Token 1 is the client's from here (the relay counts it, and a retry resumes
+            # after it): it goes out before any failure of D below is raised.
             first_delta, delivered = relay.first_token(first), False
             if relay.finished:
                 # Nothing to decode: free the reservation on D now rather than at its timeout.
                 self._abort_legs(attempt)
                 yield [first_delta]
                 return
-            if reserving is not None:
-                if not reserving.done():  # token 1 goes out while D still reserves
+            try:
+                if reserving is not None:
+                    if not reserving.done():  # token 1 goes out while D still reserves
+                        yield [first_delta]
+                        delivered = True
+                    reserved = await reserving
+                assert reserved is not None
+                decode_frames = self._decode_stream(decode_id, attempt, DecodeRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
+                    priority=priority, timeout_ms=t.request_ms,
+                    first_token_id=first.first_token_id, first_logprob=first.first_logprob,
+                    epoch=reserved.destination.epoch, traceparent=generation.traceparent))
+                # Sent now, while token 1 is written to the client: D's wait for the KV
+                # starts at once instead of after the client write.
+                next_frame = asyncio.create_task(anext(decode_frames))
+            except LegFailed:
+                if not delivered:
                     yield [first_delta]
-                    delivered = True
-                reserved = await reserving
-            assert reserved is not None
-            decode_frames = self._decode_stream(decode_id, attempt, DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-                priority=priority, timeout_ms=t.request_ms,
-                first_token_id=first.first_token_id, first_logprob=first.first_logprob,
-                epoch=reserved.destination.epoch, traceparent=generation.traceparent))
-            # Sent now, while token 1 is written to the client: D's wait for the KV starts
-            # at once instead of after the client write.
-            next_frame = asyncio.create_task(anext(decode_frames))
+                raise
             watcher = asyncio.create_task(watch_transfer(prefill_frames, attempt, prefill_id,
                                                          self._abort_legs))
             if not delivered:

@@ -30,7 +30,7 @@ def reset_stubs(cluster: GatewayCluster):
     for stub in (cluster.prefill, cluster.decode):
         stub.token_interval_s = stub.prefill_delay_s = stub.transfer_delay_s = 0.0
         stub.fail_transfer = stub.fail_reserve = False
-        stub.reserve_gate = None
+        stub.reserve_gate = stub.prefill_gate = None
         stub.decode_gate, stub.decode_hold_after = None, 0
         stub.tokens_sent.clear()
         stub.requests.clear()
@@ -203,6 +203,53 @@ def test_decode_worker_cut_mid_stream_migrates_without_losing_a_token(
     deadline = time.monotonic() + 15
     while any(w["id"] == other.worker_id for w in httpx.get(cluster.url + "/admin/workers")
               .json()["workers"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    wait_ready(cluster.url)
+
+
+def test_token_one_is_not_lost_when_the_decode_worker_leaves_during_the_prefill(
+        cluster: GatewayCluster, redis_url: str) -> None:
+    """Token 1 is the client's once the prefill worker sent it: a decode worker gone from the
+    registry before its stream opened fails the attempt after token 1, and the resumed attempt
+    continues after it, so token 1's text must reach the client all the same."""
+    other = StubWorker(redis_url, Role.DECODE, f"stub-d3-{uuid.uuid4().hex[:6]}", cluster.reply,
+                       namespace=cluster.namespace)
+    cluster.loop.run(other.start())
+    victim: StubWorker | None = None
+    try:
+        wait_workers(cluster, 3)
+        gate = cluster.prefill.prefill_gate = threading.Event()  # until the victim is gone
+        answer: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: answer.append(httpx.post(
+            cluster.url + "/v1/completions", timeout=30,
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 50})))
+        client.start()
+        deadline = time.monotonic() + 10
+        while victim is None:
+            assert time.monotonic() < deadline, "no decode worker was asked to reserve"
+            victim = next((s for s in (cluster.decode, other)
+                           if any(r.startswith("reserve:") for r in s.requests)), None)
+            time.sleep(0.01)
+        cluster.loop.run(victim.stop())  # leaves the registry; the prefill still computes
+        while any(w["id"] == victim.worker_id for w in httpx.get(
+                cluster.url + "/admin/workers").json()["workers"]):
+            assert time.monotonic() < deadline, "the gateway still lists the stopped worker"
+            time.sleep(0.05)
+        gate.set()
+        client.join(30)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        body = answer[0].json()
+        assert body["choices"][0]["text"] == cluster.reply_text
+        assert body["usage"]["completion_tokens"] == len(cluster.reply)
+    finally:
+        cluster.loop.run(other.stop())
+        if victim is cluster.decode:  # a restarted worker holds nothing of its past run
+            cluster.decode.held.clear()
+            cluster.loop.run(cluster.decode.start())
+    deadline = time.monotonic() + 15
+    while {w["id"] for w in httpx.get(cluster.url + "/admin/workers").json()["workers"]} \
+            != {cluster.prefill.worker_id, cluster.decode.worker_id}:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     wait_ready(cluster.url)
