@@ -80,6 +80,8 @@ async def _run_receiver(cfg: dict) -> None:
     from kv_transfer.backend import make_receiver
     storage = _pool(cfg.get("layout", LAYOUT), None)
     backend, mapping = _plane(cfg)
+    if cfg.get("refuse_receive"):
+        _refuse_receive(cfg["refuse_receive"])
     receiver = await make_receiver(storage, backend, token=cfg.get("token", ""),
                                    abort_timeout_s=0.5, mapping=mapping)
     _emit(event="address", address=receiver.address)
@@ -128,6 +130,19 @@ async def _run_receiver(cfg: dict) -> None:
           if hasattr(receiver.plane, "num_posted") else receiver.plane.num_registered)
     await asyncio.sleep(cfg.get("linger_s", 0.5))
     await receiver.close()
+
+
+def _refuse_receive(n: int) -> None:
+    """Fault injection: UCX refuses this process's n-th receive buffer (once)."""
+    from kv_transfer import ucx
+    real, made = ucx.Array, [0]
+
+    def array(view):
+        made[0] += 1
+        if made[0] == n:
+            raise RuntimeError("injected: UCX refused a receive")
+        return real(view)
+    ucx.Array = array
 
 
 async def _receive_loop(receiver, loop_cfg: dict) -> None:
@@ -322,6 +337,31 @@ def test_sender_killed_mid_transfer_receiver_raises_and_releases_once(backend):
     assert done["outcome"] == "PeerLost" and done["releases"] == 1
     assert time.monotonic() - killed_at < 3.0  # seen via the control connection, not the deadline
     assert receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ucxx") is None,
+                    reason="ucxx not installed")
+def test_a_receive_ucx_refuses_fails_that_transfer_alone_and_releases_once():
+    # Two transfers on one session, 4 layers x K|V x 2 runs = 16 receives each; the third
+    # receive buffer of the process is refused, after two of the first transfer's were
+    # posted. That transfer fails at its Announce and releases once; the other lands.
+    ta = transfer("a", [1, 2, 9], [4, 5, 20], seed=3, timeout_s=5.0, layer_delay_s=0.1)
+    tb = transfer("b", [1, 2, 9], [30, 31, 40], seed=3, timeout_s=5.0, layer_delay_s=0.1)
+    receiver, (sender,) = start_pair("ucx", dict(transfers=[ta, tb], refuse_receive=3),
+                                     [dict(seed=3, transfers=[ta, tb], unpacked=True)])
+    sent = {d["request_id"]: d["outcome"] for d in sender.events("done", 2)}
+    done = {d["request_id"]: d for d in receiver.events("done", 2)}
+    failed = [rid for rid, d in done.items() if d["outcome"] != "ok"]
+    assert len(failed) == 1, done
+    (bad,), (good,) = failed, set(done) - set(failed)
+    assert done[bad]["outcome"] == "PeerLost" and done[bad]["releases"] == 1, done
+    assert done[bad]["elapsed_s"] < 3.0, done  # at its Announce, not at the deadline
+    assert sent[bad] != "ok" and sent[good] == "ok", sent
+    assert done[good]["bitwise"] and done[good]["releases"] == 0, done
+    # The two receives posted before the refusal were flushed: none is left posted.
+    assert receiver.next_event("stats")["num_posted"] == 0
+    assert sender.finish() == 0 and receiver.finish() == 0
 
 
 @pytest.mark.timeout(60)
