@@ -8,7 +8,7 @@ back).
 
     reserve: ReserveResponse (after `reserve_gate` is set; refused when `fail_reserve`)
     prefill: PrefillResult(reply[0]) after prefill_delay_s (and after `prefill_gate` is
-             set), then TransferResult after
+             set; the stream dies instead when `prefill_cut`), then TransferResult after
              transfer_delay_s (FAILED when fail_transfer); a request sent with
              `destination_follows` first waits for its DestinationNotice
     decode:  with first_token_id: checks it is reply[0], streams reply[1:]
@@ -86,6 +86,7 @@ class StubWorker:
         self.decode_gate: threading.Event | None = None
         self.decode_hold_after = 0
         self.prefill_gate: threading.Event | None = None  # token 1 waits until it is set
+        self.prefill_cut = False  # the next prefill stream dies before token 1, once
         self.tokens_sent: dict[str, int] = {}  # request id -> decode tokens produced
         self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
         self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
@@ -179,6 +180,9 @@ class StubWorker:
             gate = self.prefill_gate
             while gate is not None and not gate.is_set():
                 await asyncio.sleep(0.005)
+            if self.prefill_cut:
+                self.prefill_cut = False
+                raise ConnectionResetError("stub: prefill stream cut (fault injection)")
             token_id, _ = self.reply[0]
             finish = FinishReason.LENGTH if message.sampling.max_tokens == 1 else None
             yield PrefillResult(request_id=rid, first_token_id=token_id,
