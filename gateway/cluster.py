@@ -15,6 +15,11 @@ last poll are applied to it (`router.with_assignment`) so a burst between two po
 not all land on one worker. When Redis comes back empty (restarted without its data) every
 worker vanishes from one poll to the next: the last snapshot stays in use for up to
 `vanish_grace_s`, while the workers re-register (they republish in full on reconnect).
+They come back one by one, so for `vanish_grace_s` after Redis answered again (or was
+found empty) a worker known before and not back yet is kept (`keep_vanished`): a request
+planned on it goes on, and new ones spread as before, instead of all landing on the first
+worker back. A worker kept that is really gone is found by the first call to it
+(`mark_unreachable`) and ends with the window.
 
 A worker a request could not reach is marked unreachable (`mark_unreachable`): routed
 nothing until it registers with a new epoch or the mark lapses, without waiting for its
@@ -25,8 +30,8 @@ The operations agent's ejections (common/contract/agent_state.py) are read with 
 poll: an ejected worker (at its live epoch, entry not lapsed) is routed nothing new, and
 its streams already running go on. When that read fails the last list stays in use.
 
-Invariants: every worker in `snapshot()` is live (lease held at the last poll), not
-draining, not ejected, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
+Invariants: every worker in `snapshot()` is live (lease held at the last poll, or kept
+through a recovery window), not draining, not ejected, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
 lists only holders at their live epoch.
 """
 
@@ -89,6 +94,8 @@ class ClusterView:
         # they register with another epoch or the mark lapses (a worker that was only cut off).
         self._unreachable: dict[str, tuple[int, float]] = {}
         self._last_seen_workers_at = 0.0  # monotonic time of the last poll that found workers
+        # Until then (monotonic), workers not back in the registry are kept (keep_vanished).
+        self._recovery_until = 0.0
         self._last_purge = 0.0
         self._task: asyncio.Task[None] | None = None
         self._mirror_started = False
@@ -222,8 +229,14 @@ class ClusterView:
         except REDIS_FAILURES as exc:
             raise_if_cancelling(exc)  # the registry answered: route on, with the last list
         now = time.monotonic()
+        if not self.redis_connected and self.workers:  # Redis answers again
+            self._recovery_until = now + self.vanish_grace_s
         if workers:
             self._last_seen_workers_at = now
+            if now < self._recovery_until:
+                workers, loads = keep_vanished(self.workers, self.loads, workers, loads)
+                if workers.keys() == registry.workers.keys():
+                    self._recovery_until = 0.0  # every worker is back
         elif self.workers and now - self._last_seen_workers_at < self.vanish_grace_s:
             # Every worker vanished at once: Redis restarted empty. Keep routing on what was
             # known until they re-register (within a lease or two), rather than answer 503.
@@ -231,6 +244,7 @@ class ClusterView:
                 log.warning("the registry is empty (Redis restarted?): keeping the last "
                             "%d worker(s) for up to %.0f s", len(self.workers),
                             self.vanish_grace_s)
+            self._recovery_until = self._last_seen_workers_at + self.vanish_grace_s
             self.redis_connected = True
             self.last_poll_monotonic = now
             return
@@ -277,6 +291,18 @@ class ClusterView:
             if view.worker_id in active_ejections(self.ejected, self._live_epochs,
                                                   now_unix_ms() - 1000):
                 raise AssertionError(f"{view.worker_id} routable but ejected")
+
+
+def keep_vanished(known: Mapping[str, WorkerInfo], known_loads: Mapping[str, LoadReport],
+                  workers: dict[str, WorkerInfo], loads: dict[str, LoadReport]
+                  ) -> tuple[dict[str, WorkerInfo], dict[str, LoadReport]]:
+    """The registry's workers and loads, plus every `known` worker it lacks (with its last
+    load): what routing uses while workers re-register after Redis lost them. Pure."""
+    missing = {w: info for w, info in known.items() if w not in workers}
+    if not missing:
+        return workers, loads
+    kept_loads = {w: known_loads[w] for w in missing if w in known_loads}
+    return {**missing, **workers}, {**kept_loads, **loads}
 
 
 def build_snapshot(workers: dict[str, WorkerInfo], loads: dict[str, LoadReport],

@@ -3,7 +3,8 @@
 What is checked: a worker marked unreachable leaves routing at once and comes back when it
 registers with a new epoch (or the mark lapses); excluded workers are skipped for one
 request only; an empty registry right after a full one (Redis restarted) keeps the last
-snapshot for the grace period; the largest decoding KV pool bounds the context.
+snapshot for the grace period, and workers not back yet are kept while the others
+re-register (or after Redis was unreachable), but not when one leaves while Redis answers; the largest decoding KV pool bounds the context.
 """
 
 from __future__ import annotations
@@ -106,6 +107,47 @@ def test_a_registry_emptied_by_a_redis_restart_keeps_the_last_snapshot_for_a_whi
     asyncio.run(asyncio.sleep(0.6))  # past the grace: the workers are really gone
     asyncio.run(cluster.poll())
     assert isinstance(plan(cluster), NoWorkers)
+
+
+def test_workers_coming_back_one_by_one_after_a_restart_keep_the_others(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    state.workers = {}  # Redis restarted empty
+    asyncio.run(cluster.poll())
+    state.workers = {"d1": info("d1", Role.DECODE)}  # d1 republished first
+    asyncio.run(cluster.poll())
+    assert {plan(cluster).decode_worker_id for _ in range(30)} == {"d0", "d1"}
+    assert cluster.num_decode_workers() == 2 and "d0" in cluster.workers
+    cluster.check_invariants()
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())  # every worker is back: the window ends
+    state.workers = {"d1": info("d1", Role.DECODE)}  # d0 leaves for real (deregistered)
+    asyncio.run(cluster.poll())
+    assert {plan(cluster).decode_worker_id for _ in range(10)} == {"d1"}
+
+
+def test_after_redis_was_unreachable_a_worker_not_back_is_kept_for_the_grace(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    cluster.redis_connected = False  # as the poll loop marks a failed read
+    state.workers = {"d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    assert cluster.num_decode_workers() == 2
+    asyncio.run(asyncio.sleep(0.6))  # past the grace: d0 did not come back, it is gone
+    asyncio.run(cluster.poll())
+    assert {plan(cluster).decode_worker_id for _ in range(10)} == {"d1"}
+    assert "d0" not in cluster.workers
+
+
+def test_a_worker_leaving_while_redis_answers_leaves_at_once(view) -> None:
+    cluster, state = view
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    state.workers = {"d1": info("d1", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    assert cluster.num_decode_workers() == 1 and "d0" not in cluster.workers
 
 
 def test_the_largest_decoding_pool_bounds_the_context(view) -> None:
