@@ -18,8 +18,11 @@ soak: one cluster under steady open-loop load while a worker (decode and prefill
 is killed with SIGKILL every --kill-every seconds; `pdserve up` restarts it and the gateway
 retries or migrates the requests it held. Reports requests sent, refused by admission
 (429: the load was more than the cluster could serve in its tiers' targets, not a fault),
-failed (by kind), kills, and whether the cluster was whole again afterwards; exits 1 when
-a request failed or a worker did not come back.
+failed (by kind), kills, and whether the cluster was whole again afterwards; beside the
+load, fixed prompts are asked over and over with logprobs, and each answer must have
+received exactly the tokens its usage counts (benchmarks/answer_check.py: a token lost or
+repeated at a retry or migration shows there). Exits 1 when a request failed, an answer
+was broken or a worker did not come back.
 
 Both write a JSON report (--output) and print a markdown table (also --markdown FILE).
 """
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from benchmarks.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
 from benchmarks.bench.corpus import Corpus
 from benchmarks.bench.goodput import SearchParams, search_goodput
 from benchmarks.bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
@@ -229,6 +233,7 @@ class SoakReport(msgspec.Struct):
     kills: list[str]
     workers_before: int
     workers_after: int
+    answers: CheckSummary | None = None  # tokens billed vs received (answer_check.py)
 
 
 async def _kill_loop(cluster: UpCluster, every_s: float, kills: list[str]) -> None:
@@ -252,21 +257,29 @@ async def _kill_loop(cluster: UpCluster, every_s: float, kills: list[str]) -> No
 def run_soak(bench: Bench) -> int:
     a = bench.args
 
-    async def soak(cluster: UpCluster) -> tuple[RunResult, list[str]]:
+    async def soak(cluster: UpCluster) -> tuple[RunResult, list[str], CheckSummary | None]:
         kills: list[str] = []
-        killer = asyncio.create_task(_kill_loop(cluster, a.kill_every, kills))
+        checks: list[CheckRecord] = []
+        stop = asyncio.Event()
+        tasks = []
+        if a.check_answers:
+            model = await fetch_model_id(cluster.url, 10.0, None)
+            tasks.append(asyncio.create_task(run_checks(
+                cluster.url, model, a.check_tokens, a.request_timeout, stop, checks)))
+        tasks.append(asyncio.create_task(_kill_loop(cluster, a.kill_every, kills)))
         try:
             result = await bench.load(cluster.url, "soak", rate=a.rate)
         finally:
-            killer.cancel()
-            await asyncio.gather(killer, return_exceptions=True)
-        return result, kills
+            stop.set()  # the checker ends after its answer in flight
+            tasks[-1].cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return result, kills, summarize_checks(checks) if a.check_answers else None
 
     with bench.cluster("soak", "adaptive") as cluster:
         cluster.wait_ready()
         before = len(cluster.workers())
         bench.warm_up(cluster.url)
-        result, kills = asyncio.run(soak(cluster))
+        result, kills, answers = asyncio.run(soak(cluster))
         deadline = time.monotonic() + a.ready_timeout
         after = 0
         while time.monotonic() < deadline:
@@ -281,15 +294,22 @@ def run_soak(bench: Bench) -> int:
     refused = sum(r.error == "http_429" for r in result.records)
     report = SoakReport(a.duration, a.rate, len(result.records),
                         sum(r.error is None for r in result.records), refused, failed, kills,
-                        before, after)
+                        before, after, answers)
+    checked = "-" if answers is None else \
+        f"{answers.checked} / {answers.broken} / {answers.failed}"
     markdown = ("| duration s | rate req/s | sent | completed | refused (429) | failed "
-                "| workers killed | workers ready before / after |\n"
-                "|---:|---:|---:|---:|---:|---|---:|---|\n"
+                "| workers killed | workers ready before / after "
+                "| answers checked / broken / failed |\n"
+                "|---:|---:|---:|---:|---:|---|---:|---|---|\n"
                 f"| {a.duration:g} | {a.rate:g} | {report.sent} | {report.completed} | "
                 f"{refused} | {', '.join(f'{k} {v}' for k, v in failed.items()) or '0'} | "
-                f"{len(kills)} | {before} / {after} |")
+                f"{len(kills)} | {before} / {after} | {checked} |")
+    for wrong in answers.broken_records if answers is not None else ():
+        print(f"prompt {wrong.prompt_index} ({'streamed' if wrong.streamed else 'whole'}): "
+              f"{wrong.detail}", file=sys.stderr)
     bench.write(report, markdown)
-    return 0 if not failed and after >= before else 1
+    broken = answers is not None and answers.broken > 0
+    return 0 if not failed and after >= before and not broken else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -347,6 +367,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     soak.add_argument("--rate", type=float, default=0.5, help="open-loop req/s (default 0.5)")
     soak.add_argument("--kill-every", type=float, default=20.0,
                       help="seconds between worker kills (default 20)")
+    soak.add_argument("--check-answers", action=argparse.BooleanOptionalAction, default=True,
+                      help="beside the load, ask fixed prompts over and over with logprobs "
+                           "and check that each answer received exactly the tokens its "
+                           "usage counts (benchmarks/answer_check.py); a token lost or "
+                           "repeated fails the run (default on)")
+    soak.add_argument("--check-tokens", type=int, default=32,
+                      help="max_tokens of the checked answers (default 32)")
     return parser.parse_args(argv)
 
 
