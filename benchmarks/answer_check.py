@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from benchmarks.bench.sse_client import StreamFault, StreamState, read_stream
+
 PROMPTS = (
     "The history of the printing press begins",
     "Write a short poem about the sea.",
@@ -56,9 +58,8 @@ class CheckSummary(msgspec.Struct):
 
 
 class Answer(msgspec.Struct):
-    """What a completed answer carried: its text, its logprob entries, its usage."""
+    """What a completed answer carried: its logprob entries and its usage."""
 
-    text: str
     num_logprobs: int
     completion_tokens: int | None
 
@@ -79,45 +80,15 @@ def judge(index: int, streamed: bool, answer: Answer | None, error: str,
     if not answer.num_logprobs == answer.completion_tokens == max_tokens:
         return CheckRecord(index, streamed, "broken",
                            f"{answer.num_logprobs} tokens received, usage "
-                           f"{answer.completion_tokens}, max_tokens {max_tokens}: "
-                           f"{answer.text!r}")
+                           f"{answer.completion_tokens}, max_tokens {max_tokens}")
     return CheckRecord(index, streamed, "whole")
-
-
-def _entries(choice: dict[str, Any]) -> tuple[str, int]:
-    logprobs = choice.get("logprobs") or {}
-    return choice.get("text") or "", len(logprobs.get("tokens") or ())
 
 
 def body_answer(body: dict[str, Any]) -> Answer:
     """The answer of a non-streamed completion's body; pure."""
-    text, num = _entries(body["choices"][0])
-    return Answer(text, num, (body.get("usage") or {}).get("completion_tokens"))
-
-
-def sse_answer(lines: Sequence[str]) -> tuple[Answer | None, str]:
-    """(the answer, "") of a streamed completion that ended with [DONE] and no error
-    event, else (None, why); pure."""
-    text, num, usage, done = [], 0, None, False
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
-            done = True
-            continue
-        event = json.loads(payload)
-        if "error" in event:
-            return None, f"error event: {event['error'].get('message', '')}"
-        for choice in event.get("choices") or ():
-            piece, n = _entries(choice)
-            text.append(piece)
-            num += n
-        if event.get("usage"):
-            usage = event["usage"].get("completion_tokens")
-    if not done:
-        return None, "stream ended without [DONE]"
-    return Answer("".join(text), num, usage), ""
+    logprobs = body["choices"][0].get("logprobs") or {}
+    return Answer(len(logprobs.get("tokens") or ()),
+                  (body.get("usage") or {}).get("completion_tokens"))
 
 
 async def ask(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
@@ -131,12 +102,15 @@ async def ask(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
         body["stream_options"] = {"include_usage": True}
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
-            raw = await response.read()
             if response.status != 200:
-                return None, f"HTTP {response.status}: {raw[:200]!r}"
-        if streamed:
-            return sse_answer(raw.decode().splitlines())
-        return body_answer(json.loads(raw)), ""
+                return None, f"HTTP {response.status}: {(await response.read())[:200]!r}"
+            if streamed:  # the load generator's parser: events, error events, [DONE]
+                state = StreamState("completions", 0.0)
+                await read_stream(response, state)
+                return Answer(state.num_logprob_entries, state.usage_completion_tokens), ""
+            return body_answer(json.loads(await response.read())), ""
+    except StreamFault as fault:
+        return None, f"{fault.kind}: {fault.detail}"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
             IndexError) as exc:
         return None, f"{type(exc).__name__}: {exc}"

@@ -261,18 +261,19 @@ def run_soak(bench: Bench) -> int:
         kills: list[str] = []
         checks: list[CheckRecord] = []
         stop = asyncio.Event()
-        tasks = []
+        checker = None
         if a.check_answers:
             model = await fetch_model_id(cluster.url, 10.0, None)
-            tasks.append(asyncio.create_task(run_checks(
-                cluster.url, model, a.check_tokens, a.request_timeout, stop, checks)))
-        tasks.append(asyncio.create_task(_kill_loop(cluster, a.kill_every, kills)))
+            checker = asyncio.create_task(run_checks(
+                cluster.url, model, a.check_tokens, a.request_timeout, stop, checks))
+        killer = asyncio.create_task(_kill_loop(cluster, a.kill_every, kills))
         try:
             result = await bench.load(cluster.url, "soak", rate=a.rate)
         finally:
             stop.set()  # the checker ends after its answer in flight
-            tasks[-1].cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            killer.cancel()
+            await asyncio.gather(killer, *([checker] if checker else []),
+                                 return_exceptions=True)
         return result, kills, summarize_checks(checks) if a.check_answers else None
 
     with bench.cluster("soak", "adaptive") as cluster:

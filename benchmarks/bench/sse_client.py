@@ -87,6 +87,7 @@ class StreamState:
         self.num_content_chunks = 0
         self.usage_completion_tokens: int | None = None
         self.usage_prompt_tokens: int | None = None
+        self.num_logprob_entries = 0  # tokens the logprobs listed (requests that ask for them)
         self.done_t: float | None = None
 
     def _chunk_text(self, choice: dict) -> str:
@@ -114,6 +115,11 @@ class StreamState:
             if usage.get("prompt_tokens") is not None:
                 self.usage_prompt_tokens = int(usage["prompt_tokens"])
         choices = event.get("choices") or []
+        for choice in choices:
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            if isinstance(logprobs, dict):  # completions: tokens; chat: content
+                self.num_logprob_entries += len(logprobs.get("tokens") or
+                                                logprobs.get("content") or ())
         if any(isinstance(c, dict) and self._chunk_text(c) for c in choices):
             if self.first_token_t is None:
                 self.first_token_t = now
@@ -164,7 +170,9 @@ def build_headers(request: PlannedRequest, default_api_key: str | None) -> dict[
     return headers
 
 
-async def _read_stream(response: aiohttp.ClientResponse, state: StreamState) -> None:
+async def read_stream(response: aiohttp.ClientResponse, state: StreamState) -> None:
+    """Feed `state` each event of a 200 response's SSE body until [DONE]; raises
+    StreamFault (the stream's own error event, bad JSON, no [DONE])."""
     data_lines: list[str] = []
     async for raw in response.content:
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
@@ -206,7 +214,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, api: Api, paylo
                     record.retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
                     body = await response.text(errors="replace")
                     raise StreamFault(f"http_{response.status}", body[:200])
-                await _read_stream(response, state)
+                await read_stream(response, state)
         if state.num_content_chunks == 0:
             raise StreamFault(ErrorKind.NO_OUTPUT, "[DONE] without any content")
     except StreamFault as fault:
