@@ -31,8 +31,8 @@ poll: an ejected worker (at its live epoch, entry not lapsed) is routed nothing 
 its streams already running go on. When that read fails the last list stays in use.
 
 Invariants: every worker in `snapshot()` is live (lease held at the last poll, or kept
-through a recovery window), not draining, not ejected, and has a `WorkerInfo` in `workers`; `prefix_index` of a planning snapshot
-lists only holders at their live epoch.
+through a recovery window), not draining, not ejected, and has a `WorkerInfo` in
+`workers`; `prefix_index` of a planning snapshot lists only holders at their live epoch.
 """
 
 from __future__ import annotations

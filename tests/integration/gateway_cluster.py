@@ -135,6 +135,33 @@ def wait_workers(cluster: GatewayCluster, num_workers: int, timeout_s: float = 1
         time.sleep(0.05)
 
 
+def leave_during_prefill(cluster: GatewayCluster, decodes: list[StubWorker],
+                         gate: threading.Event, timeout_s: float = 10.0) -> StubWorker:
+    """With the prefill held by `gate`: stop the decode stub that was asked to reserve,
+    wait until the gateway no longer lists it, then let the prefill answer; returns it
+    (`restart` brings it back)."""
+    deadline = time.monotonic() + timeout_s
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline, "no decode worker was asked to reserve"
+        victim = next((s for s in decodes if any(r.startswith("reserve:") for r in s.requests)),
+                      None)
+        time.sleep(0.005)
+    cluster.loop.run(victim.stop())  # leaves the registry; the prefill still computes
+    while any(w["id"] == victim.worker_id
+              for w in httpx.get(cluster.url + "/admin/workers").json()["workers"]):
+        assert time.monotonic() < deadline, "the gateway still lists the stopped worker"
+        time.sleep(0.02)
+    gate.set()
+    return victim
+
+
+def restart(cluster: GatewayCluster, stub: StubWorker) -> None:
+    """A stopped stub back in the registry, holding nothing of its past run."""
+    stub.held.clear()
+    cluster.loop.run(stub.start())
+
+
 def shutdown(cluster: GatewayCluster) -> int:
     cluster.process.terminate()
     try:

@@ -26,7 +26,8 @@ import uuid
 
 import httpx2 as httpx
 import pytest
-from gateway_cluster import GatewayCluster, launch, shutdown, sse_events, wait_workers
+from gateway_cluster import (GatewayCluster, launch, leave_during_prefill, restart, shutdown,
+                             sse_events, wait_workers)
 
 from benchmarks.gateway_stub_worker import DecodeCut, StubWorker
 from common.contract.protocol import Role
@@ -68,26 +69,6 @@ def wait_all_released(stubs: list[StubWorker], timeout_s: float = 5.0) -> None:
     while any(stub.held for stub in stubs):
         assert time.monotonic() < deadline, {s.worker_id: s.held for s in stubs}
         time.sleep(0.005)
-
-
-def leave_during_prefill(cluster: GatewayCluster, decodes: list[StubWorker],
-                         gate: threading.Event) -> StubWorker:
-    """Stop the decode stub that was asked to reserve, once the gateway no longer lists it;
-    then let the held prefill answer."""
-    deadline = time.monotonic() + 10
-    victim = None
-    while victim is None:
-        assert time.monotonic() < deadline, "no decode worker was asked to reserve"
-        victim = next((s for s in decodes if any(r.startswith("reserve:") for r in s.requests)),
-                      None)
-        time.sleep(0.005)
-    cluster.loop.run(victim.stop())
-    while any(w["id"] == victim.worker_id
-              for w in httpx.get(cluster.url + "/admin/workers").json()["workers"]):
-        assert time.monotonic() < deadline, "the gateway still lists the stopped worker"
-        time.sleep(0.02)
-    gate.set()
-    return victim
 
 
 def test_random_faults_lose_or_repeat_no_token(cluster: GatewayCluster, redis_url: str) -> None:
@@ -140,9 +121,8 @@ def test_random_faults_lose_or_repeat_no_token(cluster: GatewayCluster, redis_ur
             assert not cluster.prefill.prefill_cut, f"no prefill was cut: {drawn[-1]}"
             cluster.prefill.fail_transfer = False
             cluster.prefill.prefill_gate = None
-            if victim is not None:  # a restarted worker holds nothing of its past run
-                victim.held.clear()
-                cluster.loop.run(victim.start())
+            if victim is not None:
+                restart(cluster, victim)
             wait_all_released(stubs)
             state = httpx.get(cluster.url + "/admin/state", timeout=5).json()
             assert state["invariant_error"] is None, state

@@ -9,7 +9,8 @@ import uuid
 
 import httpx2 as httpx
 import pytest
-from gateway_cluster import GatewayCluster, launch, shutdown, sse_events, wait_ready, wait_workers
+from gateway_cluster import (GatewayCluster, launch, leave_during_prefill, restart, shutdown,
+                             sse_events, wait_ready, wait_workers)
 
 from benchmarks.gateway_stub_worker import DecodeCut, StubWorker
 from common.contract.protocol import Role
@@ -225,18 +226,7 @@ def test_token_one_is_not_lost_when_the_decode_worker_leaves_during_the_prefill(
             cluster.url + "/v1/completions", timeout=30,
             json={"model": MODEL, "prompt": "Hi", "max_tokens": 50})))
         client.start()
-        deadline = time.monotonic() + 10
-        while victim is None:
-            assert time.monotonic() < deadline, "no decode worker was asked to reserve"
-            victim = next((s for s in (cluster.decode, other)
-                           if any(r.startswith("reserve:") for r in s.requests)), None)
-            time.sleep(0.01)
-        cluster.loop.run(victim.stop())  # leaves the registry; the prefill still computes
-        while any(w["id"] == victim.worker_id for w in httpx.get(
-                cluster.url + "/admin/workers").json()["workers"]):
-            assert time.monotonic() < deadline, "the gateway still lists the stopped worker"
-            time.sleep(0.05)
-        gate.set()
+        victim = leave_during_prefill(cluster, [cluster.decode, other], gate)
         client.join(30)
         assert answer and answer[0].status_code == 200, answer and answer[0].text
         body = answer[0].json()
@@ -244,9 +234,8 @@ def test_token_one_is_not_lost_when_the_decode_worker_leaves_during_the_prefill(
         assert body["usage"]["completion_tokens"] == len(cluster.reply)
     finally:
         cluster.loop.run(other.stop())
-        if victim is cluster.decode:  # a restarted worker holds nothing of its past run
-            cluster.decode.held.clear()
-            cluster.loop.run(cluster.decode.start())
+        if victim is cluster.decode:
+            restart(cluster, cluster.decode)
     deadline = time.monotonic() + 15
     while {w["id"] for w in httpx.get(cluster.url + "/admin/workers").json()["workers"]} \
             != {cluster.prefill.worker_id, cluster.decode.worker_id}:
