@@ -193,8 +193,9 @@ class DecodeGraphs:
                 logits = self._steps[size]()
         sample_rows = [i for i, c in enumerate(chunks) if c.sample]
         if len(sample_rows) == num_seqs:
-            # A copy: the static output is overwritten by the next replay.
-            return logits[:num_seqs].clone()
+            # The static output itself (no copy of batch x vocabulary floats per step): the
+            # caller queues its reads before the next replay (StepRunner.execute).
+            return logits[:num_seqs]
         return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
 
     def check_invariants(self) -> None:

@@ -202,8 +202,8 @@ class MixedGraphs:
         else:
             with torch.inference_mode():
                 self._steps[shape]()
-        # A copy: the static logits are overwritten by the next replay.
-        return self._logits[:num_samples].clone()
+        # The static logits themselves: read before the next replay (StepRunner.execute).
+        return self._logits[:num_samples]
 
     def _shape(self, schedule: ScheduleOutput, num_decodes: int) -> MixedShape | None:
         chunks = schedule.chunks

@@ -129,7 +129,7 @@ def greedy_batch(runner: ModelRunner, num_tokens: int, chunked: bool,
     outs: list[list[int]] = [[] for _ in PROMPTS]
     history = []
     for n in range(num_tokens):
-        history.append(logits.float().cpu())
+        history.append(logits.float().cpu().clone())  # a graph's output is its static buffer
         for i, row in enumerate(logits):
             outs[i].append(int(row.argmax()) if forced is None else forced[i][n])
             seqs[i].append(outs[i][-1])
@@ -252,7 +252,8 @@ def test_cuda_graph_replay_gives_eager_logits(pair):
               for i, (p, t) in enumerate(zip(PROMPTS, TABLES))]
     assert graphed.graphs.can_run(ScheduleOutput(tuple(
         ScheduledChunk(r, tuple(ids), s, tuple(b), smp) for r, ids, s, b, smp in chunks)))
-    got, expected = step(graphed, *chunks), step(eager, *chunks)
+    # A replay's logits are the graph's static output: copied before the next replay.
+    got, expected = step(graphed, *chunks).clone(), step(eager, *chunks)
     for row in range(len(chunks)):
         assert rel_error(got[row], expected[row]) < TOLERANCE
     # Replaying again with other inputs gives other logits: the graph reads the new inputs.
