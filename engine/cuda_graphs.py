@@ -157,7 +157,8 @@ class DecodeGraphs:
     def run(self, schedule: ScheduleOutput,
             fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None) -> torch.Tensor:
         """float32 logits [number of sampling chunks, vocab]: replay (or, without graphs, run)
-        the step of the smallest captured size >= the batch. Requires `can_run`. `fill`
+        the step of the smallest captured size >= the batch; when every row samples, a view
+        of the static output, overwritten by the next run. Requires `can_run`. `fill`
         (rows as indices or a slice, token ids, on the device) overwrites those rows' input
         ids: a decode row's token sampled by the previous step and not on the host yet
         (model_runner.py)."""

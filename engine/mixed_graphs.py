@@ -185,10 +185,11 @@ class MixedGraphs:
                 fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None
                 ) -> torch.Tensor | None:
         """float32 logits [sampling chunks, vocab], in chunk order, from a replay (or,
-        without graphs, a run) of the step of `shape_for(schedule)`; None, with nothing
-        done, where that is None. `fill` (flat token positions as indices or a slice, token
-        ids, on the device) overwrites those input ids: decode rows whose token the
-        previous step sampled and the host has not seen yet."""
+        without graphs, a run) of the step of `shape_for(schedule)`: a view of the static
+        logits, overwritten by the next run; None, with nothing done, where that is None.
+        `fill` (flat token positions as indices or a slice, token ids, on the device)
+        overwrites those input ids: decode rows whose token the previous step sampled and
+        the host has not seen yet."""
         num_decodes = schedule.num_leading_decodes
         shape = self._shape(schedule, num_decodes)
         if shape is None:

@@ -98,12 +98,13 @@ class StepRunner(Protocol):
     def execute(self, schedule: ScheduleOutput,
                 on_layer: Callable[[int], None] | None = None,
                 previous: DeviceTokens | None = None) -> torch.Tensor:
-        """float32 logits [sampling chunks, vocab] for one step's schedule: on CUDA possibly
-        a graph's static output, which the next `execute` overwrites, so the caller queues
-        every read of it (the sampler's) before calling again. Where
-        `records_layer_events`, `on_layer(n)` runs once per layer, in order, right after the
-        work writing layer n's K/V was queued on the current stream. A PLACEHOLDER token
-        of the schedule is read from `previous` (`placeholder_sources`)."""
+        """float32 logits [sampling chunks, vocab] for one step's schedule: possibly a
+        captured step's static output (replayed on CUDA, run eagerly in CPU tests), which
+        the next `execute` overwrites, so the caller queues every read of it (the
+        sampler's) before calling again. Where `records_layer_events`, `on_layer(n)` runs
+        once per layer, in order, right after the work writing layer n's K/V was queued on
+        the current stream. A PLACEHOLDER token of the schedule is read from `previous`
+        (`placeholder_sources`)."""
         ...
 
     def close(self) -> None:
