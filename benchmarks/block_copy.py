@@ -16,8 +16,9 @@ block per layer for K and again for V; destination blocks shuffled in runs of 4)
   contiguous       one torch copy_ of as many contiguous bytes (the ceiling)
 
 every variant checked bit for bit against the torch reference; and the host time of a
-launch: back to back, after the thread idled 2 ms and 20 ms (what a sender does between
-transfers), one launch over every layer against one per layer (the layer-wise push).
+launch: back to back, after the thread idled 2 ms and 20 ms asleep (what a sender does
+between transfers) or spinning (the CPU busy, the GPU idle), one launch over every layer
+against one per layer (the layer-wise push).
 
     python -m benchmarks.block_copy --sizes-mib 16,64,256,1024      # on a GPU
     python -m benchmarks.block_copy --check-only                     # any machine: variants
@@ -168,8 +169,12 @@ def launch_costs(device: torch.device, repeats: int) -> list[str]:
     copier = BlockCopier(src, dst)
     a = torch.empty(1 << 20, device=device)
     b = torch.empty_like(a)
-    rows = ["| launch | back to back | after 2 ms idle | after 20 ms idle |",
-            "|---|---:|---:|---:|"]
+    # Idle by sleeping (the thread's core may drop into a sleep state) or by spinning (the
+    # core stays busy, only the GPU idles): which of the two idles makes a launch slow.
+    idles = ((0.0, False), (0.002, False), (0.02, False), (0.002, True), (0.02, True))
+    rows = ["| launch | back to back | after 2 ms asleep | after 20 ms asleep "
+            "| after 2 ms spinning | after 20 ms spinning |",
+            "|---|---:|---:|---:|---:|---:|"]
     cases: dict[str, Callable[[], None]] = {
         "BlockCopier, all 32 layers in one": lambda: copier.launch(src_ids, dst_ids,
                                                                    range(LAYERS)),
@@ -180,10 +185,14 @@ def launch_costs(device: torch.device, repeats: int) -> list[str]:
     for name, fn in cases.items():
         per = 32 if "x32" in name else 1
         cells = []
-        for idle in (0.0, 0.002, 0.02):
+        for idle, spin in idles:
             times = []
             for i in range(repeats):
-                if idle:
+                if idle and spin:
+                    until = time.perf_counter() + idle
+                    while time.perf_counter() < until:
+                        pass
+                elif idle:
                     time.sleep(idle)
                 started = time.perf_counter()
                 fn()
