@@ -255,7 +255,9 @@ def test_kv_ready_comes_once_from_the_step_of_the_final_prompt_chunk(loaded) -> 
     assert num_full >= 1
     got = engine.kv_storage.kv[:, :, list(ready.block_ids)[:num_full]]
     want = fresh.kv_storage.kv[:, :, fresh.kv_cache.block_table("r")[:num_full]]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # Chunks of 8 sum attention in another order than one pass: over 30 fp32 layers the
+    # same block differs by up to a few 1e-5 (values near 1); a wrong block by more than 1.
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
     engine.check_invariants()
     with pytest.raises(ValueError, match="PREFILL_ONLY"):
         engine.add_request("d", ids, params, notify_kv_ready=True)

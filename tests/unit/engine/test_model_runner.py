@@ -8,7 +8,8 @@ import torch
 from engine.attention import AttentionMetadata, mixed_split_threshold, split_mixed_step
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
-from engine.model_runner import DeviceTokens, ModelRunner, placeholder_fill
+from engine.model_runner import DeviceTokens, ModelRunner, placeholder_fill, placeholder_sources
+from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -219,6 +220,30 @@ def test_placeholder_fill_reads_the_previous_rows_in_order_without_an_upload():
     rows, tokens = placeholder_fill(previous, [0, 1, 2], [0, 1, 2], torch.device("cpu"))
     assert rows == slice(0, 3) and tokens.tolist() == [40, 41, 42]
     assert tokens.data_ptr() == previous.token_ids.data_ptr()  # a view: nothing copied
+
+
+def _decode(request_id: str, token: int) -> ScheduledChunk:
+    return ScheduledChunk.decode(request_id, token, 5, (0,))
+
+
+def test_placeholder_sources_name_each_placeholder_row_and_its_previous_row():
+    previous = DeviceTokens(torch.tensor([40, 41, 42]), {"a": 2, "b": 0, "c": 1})
+    prompt = ScheduledChunk("p", (7, 8, 9), 0, (1,), True)
+    # A decode whose token is known (a prompt's last one) sits among the placeholders.
+    schedule = ScheduleOutput((_decode("a", PLACEHOLDER), _decode("x", 12),
+                               _decode("c", PLACEHOLDER), prompt))
+    assert placeholder_sources(schedule, previous) == ([0, 2], [2, 1])
+    assert placeholder_sources(ScheduleOutput((_decode("x", 12), prompt)), None) == ([], [])
+
+
+@pytest.mark.parametrize("chunks, has_previous", [
+    ((_decode("a", PLACEHOLDER),), False),  # no previous step's tokens to read
+    ((ScheduledChunk("p", (7, PLACEHOLDER), 0, (1,), True),), True),  # inside a prompt
+])
+def test_placeholder_sources_reject_a_placeholder_out_of_place(chunks, has_previous):
+    previous = DeviceTokens(torch.tensor([40]), {"a": 0}) if has_previous else None
+    with pytest.raises(AssertionError, match="PLACEHOLDER outside a decode chunk"):
+        placeholder_sources(ScheduleOutput(chunks), previous)
 
 
 @pytest.mark.parametrize("dst, src", [([0, 1, 2], [1, 3, 0]),  # a request ended: rows moved
