@@ -10,7 +10,9 @@ shadow the class's methods; nothing global changes), the calls one step makes:
                               then their outputs (stop rules, text, output records)
     scheduler.update_from_output   apply the step to the requests
 
-and adds up the seconds each takes until `close()` removes the wrappers. A profiler's own
+and adds up the seconds each takes until `close()` removes the wrappers. Inside
+runner.execute it also times each captured graph's `replay()` (REPLAY: on CUDA the driver's
+graph launch, which is host time too; zero where no graph runs). A profiler's own
 cost per call (cProfile's, several microseconds) swamps calls of a few microseconds per
 row; a timer per phase costs well under one per call, so a host-bound loop keeps its pace.
 What the phases do not cover (the engine's own glue, the caller's loop) is the wall time
@@ -28,6 +30,7 @@ from typing import Any
 
 PHASES = ("scheduler.schedule", "runner.execute", "sampler.launch", "_resolve",
           "scheduler.update_from_output")
+REPLAY = "graph replay"  # a part of runner.execute, not a phase of its own
 
 
 class HostSplit:
@@ -39,6 +42,9 @@ class HostSplit:
             owner = getattr(engine, owner_name) if owner_name else engine
             setattr(owner, method_name, self._timed(phase, getattr(owner, method_name)))
             self._wrapped.append((owner, method_name))
+        for graph in _captured_graphs(engine.runner):
+            graph.replay = self._timed(REPLAY, graph.replay)
+            self._wrapped.append((graph, "replay"))
 
     def _timed(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
         seconds, clock = self.seconds, time.perf_counter
@@ -53,11 +59,23 @@ class HostSplit:
         return timed
 
     def per_step_ms(self, num_steps: int) -> dict[str, float]:
-        """Milliseconds per step in each phase, in PHASES order."""
-        return {phase: self.seconds[phase] / max(num_steps, 1) * 1e3 for phase in PHASES}
+        """Milliseconds per step in each phase, in PHASES order, then REPLAY."""
+        return {phase: self.seconds[phase] / max(num_steps, 1) * 1e3
+                for phase in (*PHASES, REPLAY)}
 
     def close(self) -> None:
         """Remove the wrappers: the instances use their classes' methods again."""
         for owner, method_name in self._wrapped:
             delattr(owner, method_name)
         self._wrapped.clear()
+
+
+def _captured_graphs(runner: Any) -> list[Any]:
+    """The runner's captured CUDA graphs (decode and mixed); none on the CPU."""
+    found = []
+    for owner in (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None)):
+        for entry in getattr(owner, "_graphs", {}).values():
+            graph = entry[0] if isinstance(entry, tuple) else entry
+            if hasattr(graph, "replay"):
+                found.append(graph)
+    return found
