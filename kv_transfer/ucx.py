@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,11 @@ class UcxWorker:
         options = {"TLS": transports} if transports else {}
         if net_devices:
             options["NET_DEVICES"] = net_devices
+        # ucxx's import sets UCX_MEMTYPE_CACHE after libucx has loaded and read its global
+        # options: too late to take effect, so each new context warns that the variable is
+        # unused. A value set before the process started was read at load; dropping it here
+        # changes nothing for this process either way.
+        os.environ.pop("UCX_MEMTYPE_CACHE", None)
         # Claim the loop first, so the context starts no progress of its own; ours follows.
         application_context.ProgressTasks[loop] = None
         try:

@@ -55,3 +55,21 @@ def test_idle_after_transfers_means_asleep_not_spinning() -> None:
         assert not progress.is_armed
 
     asyncio.run(scenario())
+
+
+def test_a_new_worker_logs_no_unused_variable_warning() -> None:
+    """ucxx's import sets UCX_MEMTYPE_CACHE too late for UCX to read it; unless the worker
+    drops it, every process logs a UCX warning that its operator cannot act on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import asyncio\nfrom kv_transfer.ucx import UcxWorker\n"
+            "async def main():\n    UcxWorker()\nasyncio.run(main())\nprint('made')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=25, env=env, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0 and "made" in done.stdout, done.stderr
+    printed = done.stdout + done.stderr  # UCX logs to stdout
+    assert "unused environment variable" not in printed, printed
