@@ -151,8 +151,9 @@ def cluster(tmp_path_factory) -> Cluster:
                                   "--fault-transfer-delay-ms", str(LAYER_DELAY_MS),
                                   "--fault-request-prefix", "fault-"],
                         logs / "p-tcp.log"),
-        "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp", "--kv-mapping", "off"],
-                        logs / "d-tcp.log"),
+        # Warmed up before it registers (the default on CUDA only): see the warm-up test.
+        "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp", "--kv-mapping", "off",
+                                  "--warm-up", "on"], logs / "d-tcp.log"),
     }
     for w in workers.values():
         w.start(redis.url)
@@ -408,6 +409,18 @@ def test_shared_prefix_sends_fewer_kv_bytes(cluster: Cluster) -> None:
         assert after[1] - middle[1] == second_sent  # both sides count the same bytes
 
     asyncio.run(run())
+
+
+def test_a_worker_warms_up_with_progress_before_it_registers(cluster: Cluster) -> None:
+    d = cluster.workers["d-tcp"]  # --warm-up on
+    log = d.log_path.read_text()
+    progress = [line for line in log.splitlines() if line.startswith("d-tcp: warming up: ")]
+    assert len(progress) >= 5, log[-3000:]  # one line per kind of step, on stderr
+    # The gauge is set before the worker registers: registered means warmed up.
+    samples = asyncio.run(metrics(d))
+    assert samples["pdserve_warmup_seconds"] > 0
+    assert asyncio.run(metrics(cluster.workers["d-ucx"]))["pdserve_warmup_seconds"] == 0.0
+    asyncio.run(wait_no_blocks_held(d, 10))  # its requests left nothing held
 
 
 @pytest.mark.parametrize("over", ["http", "channel"])
