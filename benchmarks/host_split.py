@@ -72,10 +72,6 @@ class HostSplit:
 
 def _captured_graphs(runner: Any) -> list[Any]:
     """The runner's captured CUDA graphs (decode and mixed); none on the CPU."""
-    found = []
-    for owner in (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None)):
-        for entry in getattr(owner, "_graphs", {}).values():
-            graph = entry[0] if isinstance(entry, tuple) else entry
-            if hasattr(graph, "replay"):
-                found.append(graph)
-    return found
+    holders = (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None))
+    return [graph for holder in holders if holder is not None
+            for graph in holder.captured_graphs()]

@@ -128,6 +128,10 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
+    def captured_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        """The CUDA graphs replayed by `run`, one per batch size (none off CUDA)."""
+        return [graph for graph, _ in self._graphs.values()]
+
     def capture(self, pool: tuple[int, int] | None = None) -> None:
         """Build (and on CUDA capture) one step per batch size; called exactly once. `pool`:
         a graph memory pool shared with other graphs of this runner (engine/mixed_graphs.py);

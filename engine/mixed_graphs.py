@@ -154,6 +154,10 @@ class MixedGraphs:
         return tuple(MixedShape(t, d) for t in reversed(self.token_sizes)
                      for d in reversed(self.decode_sizes) if d <= t)
 
+    def captured_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        """The CUDA graphs replayed by `try_run`, one per shape (none off CUDA)."""
+        return list(self._graphs.values())
+
     def capture(self, pool: tuple[int, int] | None = None) -> None:
         """Build (and on CUDA capture, then replay once so that its first use is not the
         graph's upload) one step per shape; called exactly once. `pool`: a graph memory

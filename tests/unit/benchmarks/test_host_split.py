@@ -49,15 +49,17 @@ class Graph:
 
 
 class Graphs:
-    def __init__(self, graphs: dict) -> None:
-        self._graphs = graphs
+    def __init__(self, *graphs: Graph) -> None:
+        self.graphs = list(graphs)
+
+    def captured_graphs(self) -> list[Graph]:
+        return self.graphs
 
 
 def test_the_replays_of_captured_graphs_are_timed_and_put_back() -> None:
     engine = Engine()
     decode, mixed = Graph(), Graph()
-    engine.runner.graphs = Graphs({8: (decode, "logits")})
-    engine.runner.mixed_graphs = Graphs({(8, 512): mixed})
+    engine.runner.graphs, engine.runner.mixed_graphs = Graphs(decode), Graphs(mixed)
     split = HostSplit(engine)
     decode.replay()
     mixed.replay()
