@@ -416,11 +416,14 @@ def test_a_worker_warms_up_with_progress_before_it_registers(cluster: Cluster) -
     log = d.log_path.read_text()
     progress = [line for line in log.splitlines() if line.startswith("d-tcp: warming up: ")]
     assert len(progress) >= 5, log[-3000:]  # one line per kind of step, on stderr
-    # The gauge is set before the worker registers: registered means warmed up.
-    samples = asyncio.run(metrics(d))
-    assert samples["pdserve_warmup_seconds"] > 0
-    assert asyncio.run(metrics(cluster.workers["d-ucx"]))["pdserve_warmup_seconds"] == 0.0
-    asyncio.run(wait_no_blocks_held(d, 10))  # its requests left nothing held
+
+    async def run() -> None:
+        # The gauge is set before the worker registers: registered means warmed up.
+        assert (await metrics(d))["pdserve_warmup_seconds"] > 0
+        assert (await metrics(cluster.workers["d-ucx"]))["pdserve_warmup_seconds"] == 0.0
+        await wait_no_blocks_held(d, 10)  # its requests left nothing held
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("over", ["http", "channel"])

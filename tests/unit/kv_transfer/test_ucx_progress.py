@@ -7,6 +7,10 @@ matters (ucxx's own blocking mode then progresses on every loop iteration, ~100%
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,11 +64,6 @@ def test_idle_after_transfers_means_asleep_not_spinning() -> None:
 def test_a_new_worker_logs_no_unused_variable_warning() -> None:
     """ucxx's import sets UCX_MEMTYPE_CACHE too late for UCX to read it; unless the worker
     drops it, every process logs a UCX warning that its operator cannot act on."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = ("import asyncio\nfrom kv_transfer.ucx import UcxWorker\n"
             "async def main():\n    UcxWorker()\nasyncio.run(main())\nprint('made')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
