@@ -23,13 +23,12 @@ from typing import TypeVar
 import aiohttp
 
 from agent.restarters import Restarter, RestartError
-from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
-from common.contract.agent_state import AgentState, Ejection, now_unix_ms
-from common.contract.control_client import ControlClient
-from common.contract.control_errors import ControlError
-from common.contract.protocol import (Message, Role, RoleChangeRequest, RoleChangeResponse,
-                                      WorkerInfo)
-from common.contract.redis_state import REDIS_FAILURES, StaleEpochError, raise_if_cancelling
+from protocol.agent_messages import ReclaimRequest, ReclaimResponse
+from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
+from rpc.control_client import ControlClient
+from rpc.errors import ControlError
+from state.agent_state import AgentState, Ejection, now_unix_ms
+from state.redis_state import REDIS_FAILURES, StaleEpochError, raise_if_cancelling
 
 R = TypeVar("R", bound=Message)
 

@@ -21,9 +21,9 @@ from typing import IO
 
 import msgspec
 
-from common.contract.agent_state import AgentEvent, AgentState
-from common.contract.metrics import MetricsRegistry
-from common.contract.redis_state import REDIS_FAILURES, raise_if_cancelling
+from state.agent_state import AgentEvent, AgentState
+from state.redis_state import REDIS_FAILURES, raise_if_cancelling
+from telemetry.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
 _DIGITS = re.compile(r"\d+(\.\d+)?")

@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any
 
-from common.contract.log_format import LOG_FORMATS, configure_logging
-from common.contract.option_env import env_default, env_flag
+from telemetry.log_format import LOG_FORMATS, configure_logging
+from telemetry.options import env_default, env_flag
 
 RESTART_MODES = ("auto", "local", "exit", "kubernetes", "none")
 

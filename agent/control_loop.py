@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 from agent.actuator import ActionError, Actuator
 from agent.audit import Audit
 from agent.guard_rails import ActionKind, PoolState, plan_actions
-from agent.health_rules import (Detection, Rule, Thresholds, WorkerSample, detect,
-                                latest_tick, still_slow)
+from agent.health_rules import (Detection, Rule, Thresholds, WorkerSample, detect, latest_tick,
+                                still_slow)
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.role_mover import RoleMover
-from common.contract.agent_state import AgentEvent, now_unix_ms
-from common.contract.metrics import MetricsRegistry
-from common.contract.protocol import WorkerInfo
+from protocol.messages import WorkerInfo
+from state.agent_state import AgentEvent, now_unix_ms
+from telemetry.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
 PROBATION = "probation"

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from common.contract.worker_load import StepModel
+from protocol.worker_load import StepModel
 
 
 class Rule(enum.StrEnum):

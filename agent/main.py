@@ -36,10 +36,10 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
-from common.contract.agent_state import AgentState
-from common.contract.metrics import MetricsRegistry
-from common.contract.option_env import INTERNAL_TOKEN_ENV
-from common.contract.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
+from state.agent_state import AgentState
+from state.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
+from telemetry.metrics import MetricsRegistry
+from telemetry.options import INTERNAL_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 

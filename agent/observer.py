@@ -28,9 +28,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from agent.health_rules import WorkerSample
-from common.contract.metrics import parse_samples
-from common.contract.protocol import WorkerInfo
-from common.contract.redis_state import RedisState, Registry
+from protocol.messages import WorkerInfo
+from state.redis_state import RedisState, Registry
+from telemetry.metrics import parse_samples
 
 MAX_METRICS_BYTES = 1 << 20
 

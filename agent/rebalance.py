@@ -50,8 +50,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.contract.protocol import Role
-from common.contract.worker_load import WorkerLoad
+from protocol.messages import Role
+from protocol.worker_load import WorkerLoad
 
 PREFILL, DECODE = Role.PREFILL.value, Role.DECODE.value
 

@@ -34,10 +34,10 @@ from urllib.parse import quote
 import aiohttp
 
 from agent.observer import is_local, process_alive
-from common.contract.agent_protocol import ExitRequest, ExitResponse
-from common.contract.control_client import ControlClient
-from common.contract.control_errors import ControlError
-from common.contract.protocol import WorkerInfo
+from protocol.agent_messages import ExitRequest, ExitResponse
+from protocol.messages import WorkerInfo
+from rpc.control_client import ControlClient
+from rpc.errors import ControlError
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WORKER_COMPONENTS = frozenset({"prefill", "decode"})  # the pools' pod labels (deploy/)

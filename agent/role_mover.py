@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Collection
 from agent.actuator import ActionError, Actuator
 from agent.rebalance import (PoolSignals, RebalanceConfig, RoleMove, RoleView, plan_rebalance,
                              pool_signals)
-from common.contract.protocol import WorkerInfo
-from common.contract.redis_state import Registry
-from common.contract.worker_load import WorkerLoad
+from protocol.messages import WorkerInfo
+from protocol.worker_load import WorkerLoad
+from state.redis_state import Registry
 
 # (worker id, epoch, rule, evidence, action, outcome) -> recorded in the audit trail
 Recorder = Callable[[str, int, str, str, str, str], Awaitable[None]]

@@ -31,11 +31,10 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.up_cluster import UpCluster
-from common.contract.control_client import ControlClient
-from common.contract.control_errors import RemoteError
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeRequest, ErrorCode,
-                                      TokenFrame)
-from common.contract.sampling_params import SamplingParams
+from protocol.messages import AbortRequest, AbortResponse, DecodeRequest, ErrorCode, TokenFrame
+from protocol.sampling_params import SamplingParams
+from rpc.control_client import ControlClient
+from rpc.errors import RemoteError
 
 PROMPT = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 20)
 HTTP_TIMEOUT_S = 30.0

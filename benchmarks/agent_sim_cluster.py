@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from agent.rebalance import (DECODE, PREFILL, PoolSignals, RebalanceConfig, RoleMove, RoleView,
                              plan_rebalance, pool_signals)
-from common.contract.worker_load import StepModel, WorkerLoad
+from protocol.worker_load import StepModel, WorkerLoad
 
 BLOCK_TOKENS = 16
 HISTORY_S = 30.0  # the agent's window_s (agent/control_loop.py)

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from benchmarks.bench.sse_client import StreamFault, StreamState, read_stream
+from bench.sse_client import StreamFault, StreamState, read_stream
 
 PROMPTS = (
     "The history of the printing press begins",

@@ -18,7 +18,7 @@ what the cold start alone adds, without the spread of TTFT over prompt lengths. 
 mode and shape; `--json PATH` keeps every figure.
 
     python -m benchmarks.cold_start --tokenizer DIR --shapes llama3-8b,llama3-1b
-    (DIR: `python -m benchmarks.random_model DIR --tokenizer-only`, run where the default
+    (DIR: `python -m testing.random_model DIR --tokenizer-only`, run where the default
     model is installed)
 """
 
@@ -57,7 +57,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_round(engine: LLMEngine, lengths: list[int], rng: random.Random, tag: str
               ) -> list[float]:
     """TTFT of each request, seconds, in arrival order."""
-    from common.contract.sampling_params import SamplingParams
+    from protocol.sampling_params import SamplingParams
 
     samplings = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
                  SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, ignore_eos=True),
@@ -108,12 +108,12 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks.engine_gpu_model import build_random_model
-    from benchmarks.shapes import SHAPES
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.memory_plan import plan_for_model
-    from engine.start_up_heap import freeze_start_up_heap
-    from engine.tokenizer import Tokenizer
     from engine.warm_up import warm_up
+    from telemetry.start_up_heap import freeze_start_up_heap
+    from testing.shapes import SHAPES
+    from text.tokenizer import Tokenizer
 
     cuda = args.device == "cuda"
     device = torch.device(args.device)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True,
                         help="folder with tokenizer.json and tokenizer_config.json")
     parser.add_argument("--shapes", default="llama3-8b",
-                        help="comma-separated model shapes (benchmarks/shapes.py)")
+                        help="comma-separated model shapes (testing/shapes.py)")
     parser.add_argument("--seed", type=int, default=1, help="prompt lengths and token ids")
     parser.add_argument("--modes", default="cold,warm", help="cold, warm or both, in order")
     parser.add_argument("--max-batched-tokens", type=int, default=512,

@@ -73,7 +73,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -
 
 
 def ours_generate(engine, prompts: list[list[int]], new_tokens: int) -> int:
-    from common.contract.sampling_params import SamplingParams
+    from protocol.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params)

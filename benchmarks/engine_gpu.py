@@ -55,7 +55,7 @@ def run_model_section(shape: str, seed: int, copy_rate: float, matmul_rate: floa
                                                 to_transformers)
     from benchmarks.engine_gpu_model import (ModelResults, build_random_model, guarded, log, render,
                                              run_ours, weight_bytes_per_step)
-    from benchmarks.shapes import SHAPES
+    from testing.shapes import SHAPES
 
     deadline = time.monotonic() + time_budget_s
     results = ModelResults()
@@ -119,7 +119,7 @@ def render_markdown(device_name: str, command: str, checks: list[CheckResult],
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.engine_gpu_kernels import (KernelCases, Tolerance, check_kernels,
                                                measure_floors, time_kernels)
-    from benchmarks.shapes import SHAPES
+    from testing.shapes import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels-only", action="store_true", help="sections 1-3 only")

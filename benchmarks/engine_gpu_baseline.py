@@ -21,8 +21,8 @@ import torch
 from benchmarks.engine_gpu_model import (CONTEXTS, DECODE_BATCHES, PREFILL_LEN, PREFILLS,
                                          ModelResults, build_random_model, guarded, log, sync,
                                          time_ms)
-from benchmarks.shapes import SHAPES
 from engine.config import ModelConfig
+from testing.shapes import SHAPES
 
 
 def to_transformers(model, config: ModelConfig):

@@ -65,7 +65,7 @@ class KernelCases:
         import torch
 
         self.torch = torch
-        from benchmarks.shapes import SHAPES  # after main() made the repository importable
+        from testing.shapes import SHAPES  # after main() made the repository importable
 
         config = SHAPES[shape]
         self.hidden, self.intermediate = config.hidden_size, config.intermediate_size

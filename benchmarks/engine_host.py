@@ -21,7 +21,7 @@ peaked), each step taking the next window of positions.
 decode and mixed graphs, built without CUDA, their compute replaced by fixed logits);
 `--closed-loop` replaces each request that ends, so steps carry prompts beside decodes.
 
-    python -m benchmarks.random_model .tok --tokenizer-only     # once: the tokenizer
+    python -m testing.random_model .tok --tokenizer-only     # once: the tokenizer
     python -m benchmarks.engine_host --tokenizer .tok --batches 1,16,64,256 [--overlapped] \\
         [--baseline-tree /tmp/base] [--repeats 3] [--logits-from /tmp/hf] \\
         [--runner graphs] [--closed-loop]
@@ -95,13 +95,13 @@ def measure(tokenizer_dir: str, batch: int, mode: str, num_steps: int,
 
     import torch
 
-    from benchmarks.shapes import SHAPES
-    from common.contract.sampling_params import SamplingParams
     from engine.engine_builder import load_tokenizer
     from engine.engine_config import EngineConfig
     from engine.kv_storage import KVStorage
     from engine.llm_engine import LLMEngine
-    from engine.start_up_heap import freeze_start_up_heap
+    from protocol.sampling_params import SamplingParams
+    from telemetry.start_up_heap import freeze_start_up_heap
+    from testing.shapes import SHAPES
 
     class NullRunner:
         records_layer_events = False
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, required=True,
-                        help="directory with tokenizer.json (benchmarks/random_model.py "
+                        help="directory with tokenizer.json (testing/random_model.py "
                              "--tokenizer-only writes one)")
     parser.add_argument("--batches", default="1,16,64,256",
                         help="comma-separated decode batch sizes (default %(default)s)")

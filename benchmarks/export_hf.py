@@ -20,7 +20,7 @@ def export(out_dir: Path, dtype_name: str) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from engine.default_model import default_model_path
+    from text.default_model import default_model_path
 
     path = default_model_path()
     print(f"export_hf: reading {path}", file=sys.stderr, flush=True)

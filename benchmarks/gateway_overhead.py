@@ -1,6 +1,6 @@
 """What the gateway adds: TTFT and CPU per relayed token, gateway vs the stub worker directly.
 
-One run, side by side: a stub decode worker (benchmarks/gateway_stub_worker.py) streams
+One run, side by side: a stub decode worker (testing/stub_worker.py) streams
 `--num-tokens` tokens per request, one frame per token, back to back or paced
 `--interval-ms` apart; the same streams are read
 
@@ -21,7 +21,7 @@ to a sink in this process that counts the bytes it receives), side by side;
 deciding locally, the default) and shared (`--replicas 2`: a Redis script per admission,
 as every replica of several pays);
 `--channel on off` measures the gateway with its worker channels (one connection per
-worker, tokens written from its read callback: gateway/fast_lane.py) and without (one
+worker, tokens written from its read callback: gateway/api/fast_lane.py) and without (one
 HTTP request per stream), side by side;
 `--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
 run from DIR with this interpreter, as the row "baseline".
@@ -52,11 +52,11 @@ from pathlib import Path
 
 import aiohttp
 
-from common.contract.control_client import ControlClient
-from common.contract.protocol import DecodeRequest, DecodeResponseFrame, TokenFrame
-from common.contract.sampling_params import SamplingParams
-from gateway.sse import SseDecoder
+from gateway.api.sse import SseDecoder
 from launcher.redis_server import RedisServer
+from protocol.messages import DecodeRequest, DecodeResponseFrame, TokenFrame
+from protocol.sampling_params import SamplingParams
+from rpc.control_client import ControlClient
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = "[tiers.standard]\nlocal_prefill_max_tokens = 1000000\n"
@@ -184,7 +184,7 @@ def run_scenario(redis_url: str, interval_ms: float, args: argparse.Namespace,
                  otlp_url: str | None = None, tree: Path = REPO,
                  extra: tuple[str, ...] = ()) -> list[dict]:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    stub, stub_url = spawn(["benchmarks.gateway_stub_worker", "--redis-url", redis_url,
+    stub, stub_url = spawn(["testing.stub_worker", "--redis-url", redis_url,
                             "--namespace", namespace, "--num-tokens", str(args.num_tokens),
                             "--token-interval-ms", str(interval_ms),
                             "--tokenizer-model", args.tokenizer_model], "listening on")

@@ -141,8 +141,8 @@ def tiles_of_12_02(n: int, k: int):
 
 
 def steps_table(torch, shape: str, config, seed: int, copy_rate: float) -> list[str]:
-    from benchmarks.engine_gpu_model import (build_random_model, decode_schedule, kv_bytes,
-                                             time_ms, weight_bytes_per_step)
+    from benchmarks.engine_gpu_model import (build_random_model, decode_schedule, kv_bytes, time_ms,
+                                             weight_bytes_per_step)
     from engine.kernels import gemv
     from engine.kv_storage import KVStorage
     from engine.model_runner import ModelRunner
@@ -199,7 +199,7 @@ def breakdown(torch, config, seed: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3-8b,llama3-1b",
-                        help="comma-separated shapes of benchmarks/shapes.py")
+                        help="comma-separated shapes of testing/shapes.py")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other kernel tiles (each printed, the best in the table)")
     parser.add_argument("--layers", default=None,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.engine_gpu_kernels import measure_floors
-    from benchmarks.shapes import SHAPES
+    from testing.shapes import SHAPES
 
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the kernel's CPU tests are in tests/gpu)")

@@ -28,7 +28,7 @@ on the GPU with the kernel the mapped transfer uses (engine/kernels/block_copy.p
 target is added latency <= 1.2 x that + 1 ms. Every mode must produce the same tokens
 for the same prompt (a wrong or late copy changes them): the run fails otherwise.
 
-    python -m benchmarks.random_model /tmp/m --shape llama3-8b
+    python -m testing.random_model /tmp/m --shape llama3-8b
     PDSERVE_DTYPE=bfloat16 python -m benchmarks.handoff_latency --model /tmp/m \\
         --up-args "--device cuda" --prompt-tokens 512,2048,8188 --out out/handoff
 
@@ -141,7 +141,7 @@ async def prefill_step_s(session, cluster: UpCluster) -> float:
     """Seconds the cluster's workers spent in engine steps that prefilled something so far
     (every step's time less the decode-only steps'): what splits a handoff's added TTFT
     into slower prefill compute and time outside the engines."""
-    from common.contract.metrics import parse_samples
+    from telemetry.metrics import parse_samples
 
     total = 0.0
     for worker in cluster.workers():
@@ -214,7 +214,7 @@ def push_counts(cluster: UpCluster) -> dict[str, float]:
     the sum and count of their durations (announce to the receiver's confirmation)."""
     import urllib.request
 
-    from common.contract.metrics import parse_samples
+    from telemetry.metrics import parse_samples
 
     counts: dict[str, float] = {}
     for worker in cluster.workers():

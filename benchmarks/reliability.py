@@ -6,7 +6,7 @@
 overload: the same cluster twice, one after the other, with the gateway's admission
 `static` (a fixed concurrency limit; tiers shed only past their own deadline) and then
 `adaptive` (the limit follows the workers' TTFT, lower tiers shed early while the most
-urgent one is at risk: gateway/capacity.py). First the static cluster's capacity is
+urgent one is at risk: gateway/admission/capacity.py). First the static cluster's capacity is
 measured (its goodput: the highest rate at which every tier keeps 90% attainment, found by
 a search; or --capacity-from throughput: completions/s of a closed loop); both then get
 the same seeded open-loop arrivals at --factor times that rate, with the shipped tiers'
@@ -37,16 +37,16 @@ from pathlib import Path
 
 import msgspec
 
+from bench.corpus import Corpus
+from bench.goodput import SearchParams, search_goodput
+from bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
+from bench.planner import RequestPlanner
+from bench.progress import ProgressBar
+from bench.report import RunReport, attains, build_report, summarize
+from bench.slo import SLOTarget
+from bench.sse_client import RequestRecord
+from bench.workload import Workload, load_workload
 from benchmarks.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
-from benchmarks.bench.corpus import Corpus
-from benchmarks.bench.goodput import SearchParams, search_goodput
-from benchmarks.bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
-from benchmarks.bench.planner import RequestPlanner
-from benchmarks.bench.progress import ProgressBar
-from benchmarks.bench.report import RunReport, attains, build_report, summarize
-from benchmarks.bench.slo import SLOTarget
-from benchmarks.bench.sse_client import RequestRecord
-from benchmarks.bench.workload import Workload, load_workload
 from benchmarks.up_cluster import UpCluster
 
 
@@ -66,7 +66,7 @@ class TierRow(msgspec.Struct):
 
 
 def shipped_slos(tiers_file: str | None) -> dict[str, SLOTarget]:
-    from gateway.tiers import load_tier_config
+    from gateway.admission.tiers import load_tier_config
 
     text = Path(tiers_file).read_text() if tiers_file else None
     config = load_tier_config(text, {})

@@ -25,7 +25,7 @@ time per step. The last columns
 set tokens/s against concurrency / (device time per step): what the loop would serve if
 the device never waited for the host.
 
-    python -m benchmarks.random_model .tok --tokenizer-only       # once: the tokenizer
+    python -m testing.random_model .tok --tokenizer-only       # once: the tokenizer
     python -m benchmarks.serving_loop --shape llama3-1b --tokenizer .tok --device cuda \\
         --concurrency 32,128,256
     python -m benchmarks.serving_loop --model default --concurrency 4,16 --steps 40  # CPU
@@ -79,7 +79,7 @@ class ClosedLoop:
 
     def __init__(self, engine, concurrency: int, prompt_tokens: int, max_tokens: int,
                  rng: random.Random) -> None:
-        from common.contract.sampling_params import SamplingParams
+        from protocol.sampling_params import SamplingParams
 
         self.engine = engine
         self.rng = rng
@@ -235,8 +235,8 @@ def build(args: argparse.Namespace):
     import torch
 
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.start_up_heap import freeze_start_up_heap
     from engine.warm_up import warm_up
+    from telemetry.start_up_heap import freeze_start_up_heap
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -249,8 +249,8 @@ def build(args: argparse.Namespace):
         tokenizer = load_tokenizer(loaded.tokenizer_source)
     else:
         from benchmarks.engine_gpu_model import build_random_model
-        from benchmarks.shapes import SHAPES
-        from engine.tokenizer import Tokenizer
+        from testing.shapes import SHAPES
+        from text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_hf_dir(Path(args.tokenizer))
         config = dataclasses.replace(SHAPES[args.shape], vocab_size=tokenizer.vocab_size)
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="weights to load (a path, or 'default')")
-    source.add_argument("--shape", help="random weights in this shape (benchmarks/shapes.py); "
+    source.add_argument("--shape", help="random weights in this shape (testing/shapes.py); "
                         "needs --tokenizer")
     parser.add_argument("--tokenizer", help="folder with tokenizer.json (with --shape)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

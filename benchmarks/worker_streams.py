@@ -12,7 +12,7 @@ process over the rounds after a warm-up.
 With `--baseline-tree DIR` the same runs also start `pdserve up` from another checkout
 (a `git worktree` of an older commit), alternating with this tree run by run, in one call.
 
-    python -m benchmarks.random_model /tmp/tiny --shape tiny
+    python -m testing.random_model /tmp/tiny --shape tiny
     python -m benchmarks.worker_streams --model /tmp/tiny --streams 1,32,128 \\
         [--baseline-tree /tmp/base] [--repeats 3]
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.up_cluster import UpCluster
-from common.contract.channel_client import ChannelPool
-from common.contract.control_client import ControlClient
-from common.contract.protocol import DecodeRequest, TokenFrame
-from common.contract.sampling_params import SamplingParams
+from protocol.messages import DecodeRequest, TokenFrame
+from protocol.sampling_params import SamplingParams
+from rpc.channel_client import ChannelPool
+from rpc.control_client import ControlClient
 
 FRAME_TIMEOUT_S = 60.0
 PROMPT_IDS = list(range(100, 132))  # 32 tokens; the tiny model's ids are all valid
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="model directory or .gguf (a tiny random one: "
-                             "python -m benchmarks.random_model DIR --shape tiny)")
+                             "python -m testing.random_model DIR --shape tiny)")
     parser.add_argument("--streams", default="1,32,128",
                         help="concurrent streams per run, comma-separated (default %(default)s)")
     parser.add_argument("--tokens", type=int, default=128,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 
 def load_tokenizer(tokenizer_source: object) -> Tokenizer:

@@ -60,10 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from common.contract.sampling_params import SamplingParams
     from engine.engine_builder import build_engine
-    from engine.errors import ModelLoadError
     from engine.llm_engine import EngineConfig
+    from protocol.sampling_params import SamplingParams
+    from text.errors import ModelLoadError
 
     if args.threads is not None:
         if args.threads < 1:

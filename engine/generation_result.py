@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.contract.finish_reason import FinishReason
 from engine.sampler import TokenLogprobs
+from protocol.finish_reason import FinishReason
 
 
 @dataclass(slots=True)

@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
-from engine.gguf_metadata import (GGUFTensorInfo, GGUFTokenizerData, read_gguf_header,
-                                  tokenizer_data)
+from text.errors import ModelLoadError
+from text.gguf_metadata import GGUFTensorInfo, GGUFTokenizerData, read_gguf_header, tokenizer_data
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,7 +67,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 class GGUFCheckpoint:
     """One GGUF file of a `llama` architecture model: its header parsed here
-    (engine/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
+    (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

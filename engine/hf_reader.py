@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import Llama3RopeScaling, ModelConfig
-from engine.errors import ModelLoadError
+from text.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INDEX_FILE = "model.safetensors.index.json"

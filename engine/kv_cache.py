@@ -1,6 +1,6 @@
 """Per-request block tables over the `BlockPool`, with prefix caching by chained block hashes.
 
-Prefix hashing: a *full* block is named by its chained hash (common/contract/block_hashes.py),
+Prefix hashing: a *full* block is named by its chained hash (protocol/block_hashes.py),
 which covers the whole prefix up to the end of the block; the gateway and other workers
 compute the same names. Partial blocks are never cached.
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from common.contract.block_hashes import block_hash
 from engine.block_pool import BlockPool, CacheEvent
 from engine.request import Request
+from protocol.block_hashes import block_hash
 
 
 @dataclass(frozen=True, slots=True)

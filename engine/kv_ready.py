@@ -6,7 +6,7 @@ that computes its final prompt chunk, before that step's sampling waits for the 
     step N:  schedule ─▶ [CPU: KVReady(events=None)] ─▶ model queued ─▶ [CUDA: KVReady(events)]
              ─▶ sample (waits) ─▶ RequestOutput(first token, prefilled)
 
-so whoever sends the KV elsewhere (prefill_workers/worker.py) can announce the transfer
+so whoever sends the KV elsewhere (worker/prefill_half.py) can announce the transfer
 while the prompt computes and, on CUDA, queue each layer's copy behind that layer's event:
 the copy of layer n overlaps the compute of layers n+1..L-1.
 

@@ -21,15 +21,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.generation_result import GenerationResult
+from engine.inflight_step import InFlightStep
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
 from engine.kv_storage import KVStorage
-from engine.inflight_step import InFlightStep
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.request import Request, RequestMode, RequestStatus
@@ -39,7 +38,8 @@ from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.step_shape import step_shape
 from engine.step_timer import StepTimer
-from engine.tokenizer import Tokenizer
+from protocol.sampling_params import SamplingParams
+from text.tokenizer import Tokenizer
 
 
 class LLMEngine:

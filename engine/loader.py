@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
+from text.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.gguf_metadata import GGUFTokenizerData
     from engine.models.llama import LlamaForCausalLM
+    from text.gguf_metadata import GGUFTokenizerData
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -66,7 +66,7 @@ def read_model_config(model: str) -> ModelConfig:
 def _resolve(model: str) -> Path:
     """The directory or `.gguf` file `model` names; ModelLoadError if it is neither."""
     if model == "default":
-        from engine.default_model import default_model_path
+        from text.default_model import default_model_path
 
         path = default_model_path()
     else:

@@ -30,13 +30,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.contract.finish_reason import FinishReason
-from engine.detokenizer import Detokenizer, new_detokenizer
 from engine.request import Request, RequestStatus
 from engine.sampler import SamplingState, TokenLogprobs
 from engine.scheduler import Scheduler
-from engine.stop_checker import check_stop
-from engine.tokenizer import Tokenizer
+from protocol.finish_reason import FinishReason
+from text.detokenizer import Detokenizer, new_detokenizer
+from text.stop_checker import check_stop
+from text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.contract.sampling_params import SamplingParams
 from engine.sampler_output import SamplerOutput, TokenLogprobs
+from protocol.sampling_params import SamplingParams
 
 
 class PendingSample:

@@ -30,9 +30,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.contract.finish_reason import FinishReason
-from common.contract.sampling_params import SamplingParams
-
+from protocol.finish_reason import FinishReason
+from protocol.sampling_params import SamplingParams
 
 # An output token sampled by a step whose result is still on the device (an overlapped step,
 # engine/scheduler.py): only ever the last output token, replaced by `resolve_placeholder`.

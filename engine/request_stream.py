@@ -5,7 +5,7 @@
     next(timeout_s)  the consumer task: the next item, in order
     take_ready()     the consumer task: every item queued now
     direct           the consumer's lane, optional: a plain output sent on straight from
-                     put(), without waking the task (decode_workers/stream_frames.py)
+                     put(), without waking the task (worker/stream_frames.py)
 
 A decode stream's tokens are most of a worker's event-loop work: with a lane, put() hands
 each one to the consumer's frame writer while the task sleeps in next(), so a token costs

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.contract.sampling_params import SamplingParams
 from engine.pending_sample import PendingSample
 from engine.sampler_output import SamplerOutput, TokenLogprobs
+from protocol.sampling_params import SamplingParams
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs",
            "position_seed"]

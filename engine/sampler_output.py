@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.contract.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """What one engine step computed, and what an engine still has queued: the inputs of the
-step-time model the workers fit (common/worker/step_fit.py) and the router uses.
+step-time model the workers fit (worker/step_fit.py) and the router uses.
 
     StepShape   prefill tokens computed, decoding sequences, context tokens they attend over
     QueueShape  prompt tokens still to prefill, sequences decoding, their context tokens

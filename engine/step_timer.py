@@ -5,7 +5,7 @@ An overlapped step (engine/inflight_step.py) returns before the device has run i
 step that samples nothing (a prompt's chunks before its last) is never waited for at all:
 the wall time of one `LLMEngine.step()` call is the host's work for the step it queues
 plus whatever wait the step before needed, so it says little about either. The engine's
-step model (common/worker/step_fit.py, which the router predicts from) needs the cost of
+step model (worker/step_fit.py, which the router predicts from) needs the cost of
 each step against that step's own shape. Two events bracket each step's launch on the
 stream:
 

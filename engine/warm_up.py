@@ -34,9 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
+from protocol.sampling_params import SamplingParams
 
 LENGTHS = (1, 15, 16, 17, 100, 256, 511)
 

@@ -11,9 +11,9 @@ import os
 import sys
 from typing import Any
 
-from common.contract.log_format import LOG_FORMATS, configure_logging
-from common.contract.option_env import INTERNAL_TOKEN_ENV, env_default, env_flag
-from common.contract.tracing import ENDPOINT_ENV
+from telemetry.log_format import LOG_FORMATS, configure_logging
+from telemetry.options import INTERNAL_TOKEN_ENV, env_default, env_flag
+from telemetry.tracing import ENDPOINT_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -114,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"pdserve gateway: cannot read --tiers file: {exc}", file=sys.stderr)
             return 2
-    from gateway.handoff import UpstreamTimeouts
+    from gateway.admission.tiers import TierConfigError
+    from gateway.api.model_files import ModelFileError
     from gateway.main import GatewayConfig
     from gateway.main import run as run_gateway
-    from gateway.model_files import ModelFileError
-    from gateway.retry_policy import RetryLimits
-    from gateway.tiers import TierConfigError
+    from gateway.routing.retry_policy import RetryLimits
+    from gateway.upstream.handoff import UpstreamTimeouts
 
     try:
         retry_limits = RetryLimits(max_attempts=args.max_attempts)

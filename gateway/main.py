@@ -2,16 +2,16 @@
 
     GatewayConfig ─▶ make_app(): model facts + tokenizer (no weights), tiers, admission gate,
                      WorkerBackend ─▶ ClusterView (Redis registry/load polling, prefix-index
-                     mirror, purges) ─▶ the aiohttp app (gateway/http_api.py + ops_api.py)
+                     mirror, purges) ─▶ the aiohttp app (gateway/api/http_api.py + ops_api.py)
     serve(): AppRunner (client hang-up cancels its handler) → print the URL → wait for
-             SIGINT/SIGTERM → stop listening → drain (gateway/drain.py: running requests
+             SIGINT/SIGTERM → stop listening → drain (gateway/api/drain.py: running requests
              finish within --drain-timeout-s, the rest end with an error and [DONE])
              → runner.cleanup() runs the cleanup_ctx below.
 
 Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
 session, the worker channels (opened on first use), the Redis client, the cluster view (its poll task and the mirror's task) and the
-concurrency governor (gateway/capacity.py) start;
-the shared-limits sync (gateway/shared_limits.py) starts last; on shutdown they stop in
+concurrency governor (gateway/admission/capacity.py) start;
+the shared-limits sync (gateway/admission/shared_limits.py) starts last; on shutdown they stop in
 reverse order (the sync hands this replica's slots back first) and every pending abort
 is awaited or cancelled, so no task outlives the app.
 """
@@ -29,32 +29,33 @@ from dataclasses import dataclass
 from aiohttp import ClientSession, TCPConnector, web
 from redis.asyncio import Redis
 
-from common.contract.agent_state import AgentState
-from common.contract.channel_client import ChannelPool
-from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.redis_state import RedisState, connect
-from common.contract.tracing import Tracing, start_tracing
-from engine.start_up_heap import freeze_start_up_heap
-from gateway import cluster_page, startup
-from gateway.admission import AdmissionController
-from gateway.admission_gate import AdmissionGate
-from gateway.capacity import CapacityBounds, CapacityGovernor, GateState, TtftWindow, limit_tiers
-from gateway.cluster import ClusterView
-from gateway.handoff import UpstreamTimeouts
-from gateway.http_api import DRAIN, ApiSettings, create_app
-from gateway.limit_store import LimitStore
-from gateway.metrics import GatewayMetrics
-from gateway.model_files import read_model_info
-from gateway.ops_api import install
-from gateway.prompt_tokenizer import GatewayTokenizer
-from gateway.rate_limit import TokenRateLimiter
-from gateway.request_parsing import RequestLimits
-from gateway.retry_policy import RetryLimits
-from gateway.shared_limits import SharedLimits
-from gateway.slo_accounting import SloOutcome
-from gateway.startup import StartupGate
-from gateway.tiers import load_tier_config
-from gateway.upstream import WorkerBackend
+from gateway.admission.admission import AdmissionController
+from gateway.admission.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow,
+                                        limit_tiers)
+from gateway.admission.limit_store import LimitStore
+from gateway.admission.rate_limit import TokenRateLimiter
+from gateway.admission.shared_limits import SharedLimits
+from gateway.admission.tiers import load_tier_config
+from gateway.api.admission_gate import AdmissionGate
+from gateway.api.http_api import DRAIN, ApiSettings, create_app
+from gateway.api.metrics import GatewayMetrics
+from gateway.api.model_files import read_model_info
+from gateway.api.prompt_tokenizer import GatewayTokenizer
+from gateway.api.request_parsing import RequestLimits
+from gateway.api.slo_accounting import SloOutcome
+from gateway.ops import cluster_page, startup
+from gateway.ops.ops_api import install
+from gateway.ops.startup import StartupGate
+from gateway.routing.retry_policy import RetryLimits
+from gateway.upstream.cluster import ClusterView
+from gateway.upstream.handoff import UpstreamTimeouts
+from gateway.upstream.upstream import WorkerBackend
+from rpc.channel_client import ChannelPool
+from state.agent_state import AgentState
+from state.prefix_index_mirror import PrefixIndexMirror
+from state.redis_state import RedisState, connect
+from telemetry.start_up_heap import freeze_start_up_heap
+from telemetry.tracing import Tracing, start_tracing
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from agent import cli as agent_cli
-from benchmarks.bench import cli as bench_cli
+from bench import cli as bench_cli
 from engine import generate_cli
 from gateway import cli as gateway_cli
 from launcher import up_cli, worker_cli

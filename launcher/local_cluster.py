@@ -3,7 +3,7 @@
     start():  Redis (unless a URL is given) → the CUDA MPS daemon (when given one:
               launcher/mps.py) → the workers → the gateway (its port fixed), or N gateway
               replicas sharing that port (SO_REUSEPORT: the kernel spreads connections)
-              and their admission limits (in Redis: gateway/shared_limits.py) → the
+              and their admission limits (in Redis: gateway/admission/shared_limits.py) → the
               operations agent (agent/: it SIGKILLs a bad worker, supervise() restarts it)
     wait_ready(): until /ready answers and every worker started here is listed ready (with
               N gateway replicas: until N distinct replicas answered /ready with 200)
@@ -39,11 +39,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.contract.option_env import INTERNAL_TOKEN_ENV
 from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
 from launcher.supervisor import Child, Supervisor
+from telemetry.options import INTERNAL_TOKEN_ENV
 
 
 @dataclass(frozen=True, slots=True)

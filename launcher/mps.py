@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.contract.protocol import Role
+from protocol.messages import Role
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PIPE_DIR_ENV = "CUDA_MPS_PIPE_DIRECTORY"

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
 
-from common.contract.log_format import LOG_FORMATS
-from common.contract.option_env import env_default, env_flag
-from common.contract.protocol import Role
 from launcher.mps_plan import WorkerKind
+from protocol.messages import Role
+from telemetry.log_format import LOG_FORMATS
+from telemetry.options import env_default, env_flag
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

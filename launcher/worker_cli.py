@@ -1,6 +1,6 @@
 """`pdserve prefill-worker` and `pdserve decode-worker`: one worker process each.
 
-Both run the same any-role worker (decode_workers/main.py); the subcommand sets the role it
+Both run the same any-role worker (worker/main.py); the subcommand sets the role it
 starts in: `prefill-worker` starts as a prefill worker, `decode-worker --role R` as R
 (decode, colocated, both or prefill). The role can change later without a restart
 (POST /internal/role, or the gateway's POST /admin/workers/{id}/role).
@@ -12,7 +12,7 @@ import argparse
 
 
 def add_prefill_parser(subparsers: argparse._SubParsersAction) -> None:
-    from common.worker.options import add_worker_options
+    from worker.options import add_worker_options
 
     parser = subparsers.add_parser(
         "prefill-worker", help="run one worker that starts as a prefill worker",
@@ -24,7 +24,7 @@ def add_prefill_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_decode_parser(subparsers: argparse._SubParsersAction) -> None:
-    from common.worker.options import add_worker_options
+    from worker.options import add_worker_options
 
     parser = subparsers.add_parser(
         "decode-worker", help="run one worker that starts as a decode (or --role) worker",
@@ -37,7 +37,7 @@ def add_decode_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, kind: str) -> int:
-    from common.worker.main import run_worker
-    from decode_workers.main import build_role
+    from worker.main import build_role
+    from worker.process import run_worker
 
     return run_worker(args, kind, build_role)

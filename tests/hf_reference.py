@@ -35,7 +35,7 @@ class HFReference:
         except ImportError:  # transformers < 5
             from transformers.modeling_utils import no_init_weights
 
-        from engine.default_model import default_model_path
+        from text.default_model import default_model_path
 
         path = default_model_path()
         self.path = path

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from benchmarks.engine_gpu_model import build_random_model
-from common.contract.sampling_params import SamplingParams
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.tokenizer import Tokenizer
+from protocol.sampling_params import SamplingParams
+from text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

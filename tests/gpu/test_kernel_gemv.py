@@ -124,9 +124,9 @@ def test_tiles_go_where_they_were_measured_faster():
 
 def test_a_model_holds_the_workspace_its_split_layers_need():
     """prepare_kernels sizes the scratch from the model's own linear layers."""
-    from benchmarks.shapes import SHAPES
     from engine.kernels.gemv import GemvWorkspace, gemv_config
     from engine.models.llama import LlamaForCausalLM
+    from testing.shapes import SHAPES
 
     config = SHAPES["llama3-8b"]
     shapes = LlamaForCausalLM.linear_shapes_of(config)

@@ -1,7 +1,7 @@
 """The step timer on a CUDA device: each step's device time, in launch order, never waited for.
 
 CUDA only (CUDA events); the reports' use of the samples is tested on the CPU in
-tests/unit/common/worker/test_step_reports.py.
+tests/unit/worker/test_step_reports.py.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from default_engine import PROMPTS, make_engine
 
-from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, RequestOutput
+from protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 

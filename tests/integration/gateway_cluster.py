@@ -1,4 +1,4 @@
-"""A real `pdserve gateway` process in front of stub workers (benchmarks/gateway_stub_worker.py).
+"""A real `pdserve gateway` process in front of stub workers (testing/stub_worker.py).
 
 The stubs run in-process on their own event loop thread, so tests can change their
 behaviour between requests and read what they hold; the gateway is a real subprocess
@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx2 as httpx
 
-from benchmarks.gateway_stub_worker import StubWorker, word_reply
-from common.contract.protocol import Role
-from gateway.model_files import read_model_info
+from gateway.api.model_files import read_model_info
+from protocol.messages import Role
+from testing.stub_worker import StubWorker, word_reply
 
 REPO = Path(__file__).resolve().parents[2]
 TIERS_TOML = """

@@ -20,9 +20,9 @@ import openai
 import pytest
 from up_process import UpProcess, pid_alive
 
-from common.contract.agent_protocol import FaultRequest, FaultResponse
-from common.contract.frames import MSGPACK_CONTENT_TYPE
-from common.contract.protocol import MessageDecoder, ReserveRequest, ReserveResponse, encode
+from protocol.agent_messages import FaultRequest, FaultResponse
+from protocol.messages import MessageDecoder, ReserveRequest, ReserveResponse, encode
+from rpc.frames import MSGPACK_CONTENT_TYPE
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

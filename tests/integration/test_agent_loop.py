@@ -24,15 +24,14 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import LocalRestarter
-from common.contract.agent_protocol import ReclaimRequest, ReclaimResponse
-from common.contract.agent_state import AgentState
-from common.contract.control_server import ControlServer, make_app, message_handler
-from common.contract.metrics import MetricsRegistry
-from common.contract.protocol import (Message, Role, RoleChangeRequest, RoleChangeResponse,
-                                      WorkerInfo)
-from common.contract.redis_state import RedisState, connect
-from common.contract.worker_load import StepModel, WorkerLoad
-from common.worker.publisher import WorkerPublisher
+from protocol.agent_messages import ReclaimRequest, ReclaimResponse
+from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
+from protocol.worker_load import StepModel, WorkerLoad
+from rpc.control_server import ControlServer, make_app, message_handler
+from state.agent_state import AgentState
+from state.redis_state import RedisState, connect
+from telemetry.metrics import MetricsRegistry
+from worker.publisher import WorkerPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

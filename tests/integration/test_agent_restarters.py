@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from agent.restarters import KubernetesRestarter, LocalRestarter, RestartError
-from common.contract.protocol import Role, WorkerInfo
+from protocol.messages import Role, WorkerInfo
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.contract.agent_state import AgentEvent, AgentState, Ejection, now_unix_ms
-from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.protocol import Role, WorkerInfo
-from common.contract.redis_state import RedisState, StaleEpochError, connect
-from common.contract.worker_load import WorkerLoad
-from common.worker.publisher import WorkerPublisher
-from gateway.cluster import ClusterView
+from gateway.upstream.cluster import ClusterView
+from protocol.messages import Role, WorkerInfo
+from protocol.worker_load import WorkerLoad
+from state.agent_state import AgentEvent, AgentState, Ejection, now_unix_ms
+from state.prefix_index_mirror import PrefixIndexMirror
+from state.redis_state import RedisState, StaleEpochError, connect
+from worker.publisher import WorkerPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -122,7 +122,7 @@ async def test_events_come_back_newest_first(state: RedisState) -> None:
 async def test_the_audit_records_a_held_decision_once_per_reason(state: RedisState,
                                                                  tmp_path) -> None:
     from agent.audit import Audit
-    from common.contract.metrics import MetricsRegistry
+    from telemetry.metrics import MetricsRegistry
 
     audit = Audit(AgentState(state), MetricsRegistry(), tmp_path / "audit.jsonl")
     audit.open()

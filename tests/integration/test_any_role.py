@@ -19,9 +19,9 @@ import pytest
 from test_reliability import assert_nothing_held, state_of, workers
 from up_process import UpProcess
 
-from common.contract.sampling_params import SamplingParams
 from engine.engine_builder import build_engine
 from engine.llm_engine import EngineConfig, LLMEngine
+from protocol.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 

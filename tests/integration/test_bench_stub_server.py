@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench.arrivals import arrival_gaps_s
-from benchmarks.bench.goodput import SearchParams, goodput_of, next_rate, search_goodput
-from benchmarks.bench.runner import BenchRunner
+from bench.arrivals import arrival_gaps_s
+from bench.goodput import SearchParams, goodput_of, next_rate, search_goodput
+from bench.runner import BenchRunner
 from launcher.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ output_len = {output_len}
 class StubServer:
     def __init__(self, *args: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench.stub_server", "--port", "0", *args],
+            [sys.executable, "-m", "bench.stub_server", "--port", "0", *args],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + STARTUP_DEADLINE_S
         line = ""

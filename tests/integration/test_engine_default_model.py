@@ -14,9 +14,9 @@ import pytest
 import torch
 from default_engine import PROMPTS, make_engine
 
-from common.contract.sampling_params import SamplingParams
 from engine.engine_builder import build_engine
 from engine.llm_engine import LLMEngine
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,9 +15,9 @@ import pytest
 from default_engine import PROMPTS, make_engine
 from engine_runs import GREEDY, StopCases, check_an_abort_after_step_five, run
 
-from common.contract.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.request import PLACEHOLDER, RequestMode
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -29,8 +29,8 @@ import pytest
 from gateway_cluster import (GatewayCluster, launch, leave_during_prefill, restart, shutdown,
                              sse_events, wait_workers)
 
-from benchmarks.gateway_stub_worker import DecodeCut, StubWorker
-from common.contract.protocol import Role
+from protocol.messages import Role
+from testing.stub_worker import DecodeCut, StubWorker
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "default"

@@ -1,6 +1,6 @@
 """Two real gateway processes on one Redis admit what one gateway would.
 
-A stub worker (benchmarks/gateway_stub_worker.py) holds every stream before its first
+A stub worker (testing/stub_worker.py) holds every stream before its first
 token until the test lets it go, so admitted requests stay admitted while the test counts
 the refusals. Redis is the test's own: it is stopped mid-test to see the 1/N fallback.
 """
@@ -18,10 +18,10 @@ import httpx2 as httpx
 import pytest
 from gateway_cluster import LoopThread, start_gateway, wait_ready
 
-from benchmarks.gateway_stub_worker import StubWorker, word_reply
-from common.contract.protocol import Role
-from gateway.model_files import read_model_info
+from gateway.api.model_files import read_model_info
 from launcher.redis_server import RedisServer
+from protocol.messages import Role
+from testing.stub_worker import StubWorker, word_reply
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ import httpx2 as httpx
 import pytest
 from gateway_cluster import REPLY_TEXT, LoopThread, start_gateway
 
-from benchmarks.gateway_stub_worker import StubWorker, word_reply
-from common.contract.protocol import Role
-from gateway.model_files import read_model_info
+from gateway.api.model_files import read_model_info
+from protocol.messages import Role
+from testing.stub_worker import StubWorker, word_reply
 
 pytestmark = pytest.mark.timeout(60)
 

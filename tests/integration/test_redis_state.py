@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.contract.prefix_index_mirror import PrefixIndexMirror
-from common.contract.protocol import PrefixIndexEvent, Role, WorkerInfo
-from common.contract.redis_state import RedisState, StaleEpochError, connect, live_epochs
-from common.contract.worker_load import WorkerLoad
-from common.worker.publisher import WorkerPublisher
 from launcher.redis_server import RedisServer
+from protocol.messages import PrefixIndexEvent, Role, WorkerInfo
+from protocol.worker_load import WorkerLoad
+from state.prefix_index_mirror import PrefixIndexMirror
+from state.redis_state import RedisState, StaleEpochError, connect, live_epochs
+from worker.publisher import WorkerPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

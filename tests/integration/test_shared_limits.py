@@ -1,4 +1,4 @@
-"""Admission limits shared by gateway replicas (gateway/shared_limits.py) on a real Redis.
+"""Admission limits shared by gateway replicas (gateway/admission/shared_limits.py) on a real Redis.
 
 Two `SharedLimits` in one process stand for two gateway replicas of one cluster (one
 namespace); the process-level test with two real gateways is test_gateway_replicas.py.
@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.contract.redis_state import connect
-from gateway.limit_store import LimitStore
-from gateway.shared_limits import LimitMode, SharedLimits, SlotRefused
-from gateway.tiers import TierSpec
+from gateway.admission.limit_store import LimitStore
+from gateway.admission.shared_limits import LimitMode, SharedLimits, SlotRefused
+from gateway.admission.tiers import TierSpec
 from launcher.redis_server import RedisServer
+from state.redis_state import connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

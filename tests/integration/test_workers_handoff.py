@@ -26,20 +26,19 @@ import aiohttp
 import msgspec
 import pytest
 
-from common.contract.channel_client import ChannelPool
-from common.contract.control_client import ControlClient
-from common.contract.control_errors import ControlError, RemoteError
-from common.contract.frames import MSGPACK_CONTENT_TYPE
-from common.contract.metrics import parse_samples
-from common.contract.protocol import (AbortRequest, AbortResponse, DecodeDestination,
-                                      DecodeRequest, DestinationAck, DestinationNotice,
-                                      ErrorCode, ErrorFrame, MessageDecoder, PrefillRequest,
-                                      PrefillResponseFrame, PrefillResult, ReserveRequest,
-                                      ReserveResponse, TokenFrame, TransferResult, TransferStatus,
-                                      encode)
-from common.contract.redis_state import RedisState, connect
-from common.contract.sampling_params import SamplingParams
 from launcher.redis_server import RedisServer
+from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
+                               DestinationAck, DestinationNotice, ErrorCode, ErrorFrame,
+                               MessageDecoder, PrefillRequest, PrefillResponseFrame, PrefillResult,
+                               ReserveRequest, ReserveResponse, TokenFrame, TransferResult,
+                               TransferStatus, encode)
+from protocol.sampling_params import SamplingParams
+from rpc.channel_client import ChannelPool
+from rpc.control_client import ControlClient
+from rpc.errors import ControlError, RemoteError
+from rpc.frames import MSGPACK_CONTENT_TYPE
+from state.redis_state import RedisState, connect
+from telemetry.metrics import parse_samples
 
 # Generous: the module fixture starts four model-loading processes on a shared host.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -541,7 +540,7 @@ def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster)
 def test_killing_the_prefill_worker_frees_the_reservation_and_restart_purges_index(
         cluster: Cluster) -> None:
     p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
-    from common.contract.block_hashes import block_hashes
+    from protocol.block_hashes import block_hashes
 
     async def run() -> None:
         state = RedisState(connect(cluster.redis.url), NAMESPACE)

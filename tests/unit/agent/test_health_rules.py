@@ -6,7 +6,7 @@ import pytest
 
 from agent.health_rules import (Rule, Thresholds, WorkerSample, dead, detect, error_spike, hung,
                                 latest_tick, leaked_kv, slow, still_slow)
-from common.contract.worker_load import StepModel
+from protocol.worker_load import StepModel
 
 T = Thresholds(lease_margin_s=1.0, hung_after_s=3.0, slow_factor=3.0, leak_after_s=30.0,
                error_rate=0.5, error_min_requests=10)

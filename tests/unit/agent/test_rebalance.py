@@ -8,7 +8,7 @@ import pytest
 
 from agent.rebalance import (PoolSignals, RebalanceConfig, RoleView, plan_rebalance, pool_signals,
                              sustained_span)
-from common.contract.worker_load import StepModel, WorkerLoad
+from protocol.worker_load import StepModel, WorkerLoad
 
 CFG = RebalanceConfig()  # prefill 2 s / 0.5 s, decode 85 % / 50 %, sustain 20 s, cooldown 60 s
 MODEL = StepModel(base_s=0.02, prefill_token_s=1 / 8000, decode_seq_s=0.0005,

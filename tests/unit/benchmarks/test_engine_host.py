@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 from benchmarks.engine_host import measure  # noqa: E402
-from benchmarks.random_model import export_tokenizer  # noqa: E402
+from testing.random_model import export_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from benchmarks.relay_peers import proxy_app, stub_app
-from gateway.sse import SseDecoder
+from gateway.api.sse import SseDecoder
 
 
 async def _stream(url: str, max_tokens: int) -> list[bytes]:

@@ -24,12 +24,12 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = REPO_ROOT / "deploy"
 BIN_DIR = Path(sys.executable).parent
 # Options that are not pdserve options but are read from the environment by name.
-NON_OPTION_ENV = {"PDSERVE_API_KEYS"}  # gateway/tiers.py KEYS_ENV
+NON_OPTION_ENV = {"PDSERVE_API_KEYS"}  # gateway/admission/tiers.py KEYS_ENV
 OPTION_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 METRIC_RE = re.compile(r"\bpdserve_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-SOURCE_PACKAGES = ("gateway", "prefill_workers", "decode_workers", "kv_transfer", "common",
-                   "engine")
+SOURCE_PACKAGES = ("gateway", "worker", "kv_transfer", "protocol", "rpc", "state", "telemetry",
+                   "text", "engine")
 
 
 def env_var_for(option: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
                           resolved_compose)
 
-from common.contract.option_env import INTERNAL_TOKEN_ENV
+from telemetry.options import INTERNAL_TOKEN_ENV
 
 pytestmark = pytest.mark.timeout(120)
 PDSERVE_SERVICES = ("prefill", "decode", "gateway", "agent")

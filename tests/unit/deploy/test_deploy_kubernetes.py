@@ -12,7 +12,7 @@ import yaml
 from deploy_tools import (DEPLOY, exported_metric_names, invocation_errors, kubectl,
                           kubernetes_validate, run)
 
-from common.contract.option_env import INTERNAL_TOKEN_ENV
+from telemetry.options import INTERNAL_TOKEN_ENV
 
 pytestmark = pytest.mark.timeout(180)
 KUSTOMIZE = DEPLOY / "kubernetes"

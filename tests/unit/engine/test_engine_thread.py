@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.contract.finish_reason import FinishReason
 from engine.engine_thread import EngineStopped, EngineThread
-from engine.request_stream import StreamEnd
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
+from engine.request_stream import StreamEnd
 from engine.step_mode import StepMode
+from protocol.finish_reason import FinishReason
 
 pytestmark = [pytest.mark.timeout(20)]
 

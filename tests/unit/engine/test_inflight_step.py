@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.contract.sampling_params import SamplingParams
 from engine.inflight_step import InFlightStep
 from engine.output_processor import Tracked
 from engine.pending_sample import PendingSample
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplingState
+from protocol.sampling_params import SamplingParams
 
 
 def step(outputs: list[list[int]]) -> InFlightStep:

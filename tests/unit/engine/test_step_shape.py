@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.contract.sampling_params import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.step_shape import QueueShape, StepShape, queue_shape, step_shape
+from protocol.sampling_params import SamplingParams
 
 
 def chunk(rid: str, n: int, start: int) -> ScheduledChunk:

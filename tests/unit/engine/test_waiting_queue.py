@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.contract.sampling_params import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.waiting_queue import WaitingQueue
+from protocol.sampling_params import SamplingParams
 
 
 def request(rid: str) -> Request:

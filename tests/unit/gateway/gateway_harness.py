@@ -11,18 +11,18 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from common.contract.finish_reason import FinishReason
-from common.contract.tracing import NO_TRACING, Tracing
-from gateway.admission import AdmissionController
-from gateway.admission_gate import AdmissionGate
-from gateway.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
-from gateway.http_api import ApiSettings, create_app
-from gateway.metrics import GatewayMetrics
-from gateway.ops_api import METRICS, REFUSALS, count_middleware
-from gateway.rate_limit import TokenRateLimiter
-from gateway.refusals import RefusalLog
-from gateway.request_parsing import RequestLimits
-from gateway.tiers import TierConfig, load_tier_config
+from gateway.admission.admission import AdmissionController
+from gateway.admission.rate_limit import TokenRateLimiter
+from gateway.admission.refusals import RefusalLog
+from gateway.admission.tiers import TierConfig, load_tier_config
+from gateway.api.admission_gate import AdmissionGate
+from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
+from gateway.api.http_api import ApiSettings, create_app
+from gateway.api.metrics import GatewayMetrics
+from gateway.api.request_parsing import RequestLimits
+from gateway.ops.ops_api import METRICS, REFUSALS, count_middleware
+from protocol.finish_reason import FinishReason
+from telemetry.tracing import NO_TRACING, Tracing
 
 MODEL = "test-model"
 
@@ -111,7 +111,7 @@ class Harness:
         self.app = create_app(settings, self.tiers, backend, ByteTokenizer(), gate,
                               tracing=tracing)
         self.metrics = GatewayMetrics()
-        if count:  # the counting middleware of gateway/ops_api.py, without its routes
+        if count:  # the counting middleware of gateway/ops/ops_api.py, without its routes
             self.app[METRICS], self.app[REFUSALS] = self.metrics, RefusalLog()
             self.app.middlewares.insert(0, count_middleware)
         if install is not None:

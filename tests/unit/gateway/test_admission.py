@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import AdmissionController, Admitted, Queued, Rejected
-from gateway.rate_limit import TokenRateLimiter
-from gateway.tiers import TierSpec
+from gateway.admission.admission import AdmissionController, Admitted, Queued, Rejected
+from gateway.admission.rate_limit import TokenRateLimiter
+from gateway.admission.tiers import TierSpec
 
 
 class Clock:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow, limit_tiers,
-                              next_limit, pressure, protected_until)
+from gateway.admission.capacity import (CapacityBounds, CapacityGovernor, GateState, TtftWindow,
+                                        limit_tiers, next_limit, pressure, protected_until)
 
 BOUNDS = CapacityBounds(min_limit=2, max_limit=64, high=0.6, low=0.3)
 
@@ -99,7 +99,7 @@ def test_the_governor_protects_on_the_urgent_tier_alone() -> None:
 def test_only_tiers_refused_at_their_target_move_the_limit() -> None:
     """Standard waits past its TTFT target (served late): its slow TTFT must not shrink the
     limit; interactive, refused at its target, does."""
-    from gateway.tiers import load_tier_config
+    from gateway.admission.tiers import load_tier_config
 
     tiers = load_tier_config(None, {}).tiers
     assert limit_tiers(tiers.values()) == ("interactive",)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import cluster_page
-from gateway.ops_api import CLUSTER, HISTORY, UPSTREAM
-from gateway.request_history import RequestHistory
-from gateway.tiers import load_tier_config
+from gateway.admission.tiers import load_tier_config
+from gateway.ops import cluster_page
+from gateway.ops.ops_api import CLUSTER, HISTORY, UPSTREAM
+from gateway.ops.request_history import RequestHistory
 from tests.unit.gateway.gateway_harness import MODEL, Harness, ScriptedBackend
 
 ADMIN, USER = "sk-admin-key", "sk-user-key"
@@ -76,7 +76,7 @@ def test_a_request_span_takes_the_clients_traceparent_and_ignores_a_bad_one() ->
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from common.contract.tracing import start_tracing
+    from telemetry.tracing import start_tracing
 
     tracing = start_tracing("pdserve-gateway", "http://127.0.0.1:9")
     exporter = InMemorySpanExporter()

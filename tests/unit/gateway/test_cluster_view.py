@@ -14,10 +14,10 @@ import random
 
 import pytest
 
-from common.contract.protocol import Role, WorkerInfo
-from common.contract.redis_state import Registry
-from gateway.cluster import ClusterView
-from gateway.router import NoWorkers, RoutePlan
+from gateway.routing.router import NoWorkers, RoutePlan
+from gateway.upstream.cluster import ClusterView
+from protocol.messages import Role, WorkerInfo
+from state.redis_state import Registry
 
 
 class Index:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.drain import Drain
+from gateway.api.drain import Drain
 
 
 def test_running_requests_finish_then_late_ones_are_cut_and_answer() -> None:

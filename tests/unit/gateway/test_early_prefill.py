@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.contract.worker_load import WorkerLoad
-from gateway.handoff import EARLY_PREFILL_ROOM, should_prefill_early
+from gateway.upstream.handoff import EARLY_PREFILL_ROOM, should_prefill_early
+from protocol.worker_load import WorkerLoad
 
 
 def load(used: int, total: int) -> WorkerLoad:

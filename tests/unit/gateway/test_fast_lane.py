@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from test_relay import frame, relay
 
-from common.contract.finish_reason import FinishReason
-from common.contract.protocol import TokenFrame, TokenLogprob
-from gateway.backend import TokenDelta
-from gateway.fast_lane import FastLane
-from gateway.slo_accounting import RequestTiming
-from gateway.tiers import TierSpec
+from gateway.admission.tiers import TierSpec
+from gateway.api.backend import TokenDelta
+from gateway.api.fast_lane import FastLane
+from gateway.api.slo_accounting import RequestTiming
+from protocol.finish_reason import FinishReason
+from protocol.messages import TokenFrame, TokenLogprob
 
 TIER = TierSpec("t", priority=0, ttft_ms=500, tpot_ms=50, max_queued=1, max_running=1,
                 tokens_per_min=None)

@@ -9,8 +9,8 @@ import time
 import pytest
 from gateway_harness import MODEL, Harness, ScriptedBackend, default_limits
 
-from gateway.sse import SseDecoder
-from gateway.tiers import load_tier_config
+from gateway.admission.tiers import load_tier_config
+from gateway.api.sse import SseDecoder
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
 """The predictive router on recorded snapshots: each case is computed by hand in its
-docstring (gateway/plan_model.py's formulas) and the router must pick the same plan."""
+docstring (gateway/routing/plan_model.py's formulas) and the router must pick the same plan."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 import msgspec
 import pytest
 
-from common.contract.protocol import Role
-from common.contract.worker_load import StepModel, WorkerLoad
-from gateway.plan_model import Targets, WorkerSide, predict_local, predict_split
-from gateway.router import ClusterSnapshot, RouteRequest, WorkerView, plan_route
+from gateway.routing.plan_model import Targets, WorkerSide, predict_local, predict_split
+from gateway.routing.router import ClusterSnapshot, RouteRequest, WorkerView, plan_route
+from protocol.messages import Role
+from protocol.worker_load import StepModel, WorkerLoad
 
 # 5 ms a step, 20 us a prefill token, 0.1 ms a decoding sequence, 1 ns a context token.
 MODEL = StepModel(base_s=0.005, prefill_token_s=20e-6, decode_seq_s=1e-4, context_token_s=1e-6,

@@ -8,11 +8,11 @@ import logging
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.errors import ApiError
-from gateway.http_api import error_middleware
-from gateway.metrics import GatewayMetrics
-from gateway.ops_api import METRICS, REFUSALS, count_middleware
-from gateway.refusals import RefusalLog
+from gateway.admission.refusals import RefusalLog
+from gateway.api.errors import ApiError
+from gateway.api.http_api import error_middleware
+from gateway.api.metrics import GatewayMetrics
+from gateway.ops.ops_api import METRICS, REFUSALS, count_middleware
 
 
 def test_a_burst_logs_its_first_refusal_then_a_count_after_the_quiet_time() -> None:
@@ -53,7 +53,7 @@ def test_the_middlewares_count_every_refusal_by_code_and_log_one_line(caplog) ->
             statuses.append((await count_middleware(request, inner)).status)
         return statuses
 
-    with caplog.at_level(logging.WARNING, logger="gateway.ops_api"):
+    with caplog.at_level(logging.WARNING, logger="gateway.ops.ops_api"):
         assert asyncio.run(main()) == [429, 503, 503, 400]
     assert dict(metrics.refusals) == {(429, "tier_queue_full"): 1, (503, "no_kv_blocks"): 2}
     lines = [r.getMessage() for r in caplog.records]

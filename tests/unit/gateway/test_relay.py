@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.contract.finish_reason import FinishReason
-from common.contract.protocol import PrefillResult, TokenFrame, TransferStatus, Usage
-from common.contract.sampling_params import SamplingParams
-from gateway.metrics import GatewayMetrics
-from gateway.relay import StreamEnd, TokenRelay
+from gateway.api.metrics import GatewayMetrics
+from gateway.upstream.relay import StreamEnd, TokenRelay
+from protocol.finish_reason import FinishReason
+from protocol.messages import PrefillResult, TokenFrame, TransferStatus, Usage
+from protocol.sampling_params import SamplingParams
 
 
 class Tokenizer:

@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.metrics import GatewayMetrics
-from gateway.ops_api import METRICS, count_middleware
-from gateway.responses import SENT_RESPONSE
+from gateway.api.metrics import GatewayMetrics
+from gateway.api.responses import SENT_RESPONSE
+from gateway.ops.ops_api import METRICS, count_middleware
 
 
 def _request(path: str) -> tuple[web.Request, GatewayMetrics]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.request_history import RequestHistory
-from gateway.request_trace import RequestRecord
+from gateway.api.request_trace import RequestRecord
+from gateway.ops.request_history import RequestHistory
 
 
 def record(tier: str, outcome: str, request_id: str = "r") -> RequestRecord:

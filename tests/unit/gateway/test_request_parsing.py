@@ -3,9 +3,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.errors import ApiError
-from gateway.request_parsing import (Endpoint, RequestLimits, build_sampling_params, parse_chat,
-                                     parse_completion)
+from gateway.api.errors import ApiError
+from gateway.api.request_parsing import (Endpoint, RequestLimits, build_sampling_params, parse_chat,
+                                         parse_completion)
 
 LIMITS = RequestLimits(max_model_len=100, vocab_size=1000)
 

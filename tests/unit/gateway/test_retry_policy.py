@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from aiohttp import ClientConnectionError
 
-from common.contract.control_errors import ControlError, FrameDeadlineError, RemoteError
-from common.contract.protocol import ErrorCode, ErrorFrame
-from gateway.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
-                                  client_message, failure_kind, leg_failed, marks_worker_dead,
-                                  retry_after_s, should_retry)
+from gateway.routing.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
+                                          client_message, failure_kind, leg_failed,
+                                          marks_worker_dead, retry_after_s, should_retry)
+from protocol.messages import ErrorCode, ErrorFrame
+from rpc.errors import ControlError, FrameDeadlineError, RemoteError
 
 
 def remote(code: ErrorCode) -> RemoteError:

@@ -3,10 +3,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from common.contract.protocol import Role
-from common.contract.worker_load import WorkerLoad
-from gateway.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
-                            plan_route, prefix_overlap_blocks, with_assignment)
+from gateway.routing.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
+                                    plan_route, prefix_overlap_blocks, with_assignment)
+from protocol.messages import Role
+from protocol.worker_load import WorkerLoad
 
 BLOCK = 16
 IDLE = WorkerLoad(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=1000)

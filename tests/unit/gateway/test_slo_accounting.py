@@ -8,10 +8,10 @@ import json
 import pytest
 from gateway_harness import MODEL, ScriptedBackend
 
-from common.contract.finish_reason import FinishReason
-from gateway.backend import TokenDelta
-from gateway.slo_accounting import RequestTiming, SloOutcome, slo_outcome, timed_batches
-from gateway.tiers import TierSpec, load_tier_config
+from gateway.admission.tiers import TierSpec, load_tier_config
+from gateway.api.backend import TokenDelta
+from gateway.api.slo_accounting import RequestTiming, SloOutcome, slo_outcome, timed_batches
+from protocol.finish_reason import FinishReason
 
 TIER = TierSpec("t", priority=0, ttft_ms=500, tpot_ms=50, max_queued=1, max_running=1,
                 tokens_per_min=None)

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.backend import TokenLogprob
-from gateway.chunk_encoder import ChatChunkEncoder, CompletionChunkEncoder
-from gateway.openai_api import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
-                                CompletionChunk, Usage)
-from gateway.sse import DONE_EVENT, SseDecoder, encode_event
+from gateway.api.backend import TokenLogprob
+from gateway.api.chunk_encoder import ChatChunkEncoder, CompletionChunkEncoder
+from gateway.api.openai_api import (ChatChunkChoice, ChatCompletionChunk, ChatDelta,
+                                    CompletionChoice, CompletionChunk, Usage)
+from gateway.api.sse import DONE_EVENT, SseDecoder, encode_event
 
 texts = st.text(min_size=0, max_size=20)
 

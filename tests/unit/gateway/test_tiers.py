@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tiers import (KEYS_ENV, Caller, TierConfigError, TierError, TierErrorKind, classify,
-                           load_tier_config, resolve)
+from gateway.admission.tiers import (KEYS_ENV, Caller, TierConfigError, TierError, TierErrorKind,
+                                     classify, load_tier_config, resolve)
 
 TIERS_TOML = """
 default_tier = "standard"

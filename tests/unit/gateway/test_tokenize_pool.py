@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.tokenize_pool import TokenizePool, TokenizerBusy
+from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
 
 
 class ThreadRecorder:

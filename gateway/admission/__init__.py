@@ -1,0 +1,2 @@
+"""SLO tiers and API keys, admission and capacity, rate limits, the limits gateway replicas
+share through Redis, and refusals."""

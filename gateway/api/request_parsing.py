@@ -1,0 +1,325 @@
+"""Request bodies -> validated requests -> `SamplingParams`, or an `ApiError` (400/422).
+
+Side-effect free. Two stages, because the default and the ceiling of `max_tokens` depend
+on the prompt's length, which is known only after tokenization:
+
+    body bytes --parse_completion/parse_chat--> ValidatedRequest      (shape, types, ranges)
+    ValidatedRequest + prompt_len --build_sampling_params--> SamplingParams (context fit)
+
+Every error names the offending field in `param`, as a JSON path without the leading `$.`
+(`messages[2].content`), so clients can point at it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from gateway.api.errors import ApiError, invalid_request, unsupported
+from gateway.api.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                    SamplingFields)
+from protocol.sampling_params import SamplingParams
+
+# OpenAI's completions endpoint defaults to 16 tokens; chat fills the remaining context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
+                              "assistant": "assistant"}
+INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_model_len: int  # prompt + generated tokens
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    vocab_size: int | None = None  # None: token ids are not range-checked here
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    reject_unknown_fields: bool = False
+    # The context is capped by the workers' KV cache (smaller than the model's), not the model.
+    limited_by_kv_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+    @property
+    def context_description(self) -> str:
+        """What bounds the context, for error messages."""
+        if self.limited_by_kv_cache:
+            return f"the workers' KV cache holds {self.max_model_len} tokens"
+        return f"this model's maximum context length is {self.max_model_len} tokens"
+
+    @property
+    def prompt_token_limit(self) -> int:
+        limit = self.max_model_len - 1
+        return limit if self.max_prompt_tokens is None else min(limit, self.max_prompt_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    endpoint: Endpoint
+    model: str
+    prompt_text: str | None  # completions with a text prompt
+    prompt_token_ids: tuple[int, ...] | None  # completions with token ids
+    chat_turns: tuple[tuple[str, str], ...] | None  # chat: (role, text), role normalised
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: fill the remaining context
+    logprobs: int | None
+    sampling_fields: SamplingFields  # the decoded body, for build_sampling_params
+    unknown_fields: tuple[str, ...]
+    user: str | None
+
+
+def parse_completion(body: bytes, limits: RequestLimits) -> ValidatedRequest:
+    req, unknown = _decode(body, CompletionRequest, limits)
+    prompt_text, prompt_ids = _validate_prompt(req.prompt, limits)
+    if req.echo:
+        raise unsupported("`echo` is not supported.", "echo")
+    if req.suffix:
+        raise unsupported("`suffix` is not supported.", "suffix")
+    logprobs = _check_int_range(req.logprobs, "logprobs", 0, 20)
+    _validate_common(req, limits)
+    max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    return ValidatedRequest(
+        endpoint=Endpoint.COMPLETIONS, model=req.model, prompt_text=prompt_text,
+        prompt_token_ids=prompt_ids, chat_turns=None, stream=bool(req.stream),
+        include_usage=_include_usage(req), max_tokens=max_tokens, logprobs=logprobs,
+        sampling_fields=req, unknown_fields=unknown, user=req.user)
+
+
+def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
+    req, unknown = _decode(body, ChatCompletionRequest, limits)
+    turns = _validate_messages(req.messages)
+    if req.tools:
+        raise unsupported("Tool calling is not supported.", "tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise unsupported("Tool calling is not supported.", "tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported(f"response_format `{req.response_format.type}` is not supported; "
+                          "only `text` is.", "response_format.type")
+    top_logprobs = _check_int_range(req.top_logprobs, "top_logprobs", 0, 20)
+    if top_logprobs is not None and not req.logprobs:
+        raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
+    logprobs = (top_logprobs or 0) if req.logprobs else None
+    _validate_common(req, limits)
+    # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_int_range(max_tokens, param, 1, None)
+    return ValidatedRequest(
+        endpoint=Endpoint.CHAT, model=req.model, prompt_text=None, prompt_token_ids=None,
+        chat_turns=turns, stream=bool(req.stream), include_usage=_include_usage(req),
+        max_tokens=max_tokens, logprobs=logprobs, sampling_fields=req,
+        unknown_fields=unknown, user=req.user)
+
+
+def build_sampling_params(request: ValidatedRequest, prompt_len: int,
+                          limits: RequestLimits) -> SamplingParams:
+    """The engine's parameters once the prompt is tokenized; raises ApiError(400)."""
+    if prompt_len < 1:
+        raise invalid_request("The prompt is empty after tokenization.", _prompt_param(request))
+    what = limits.context_description
+    if prompt_len > limits.prompt_token_limit:
+        raise invalid_request(
+            f"The prompt has {prompt_len} tokens; this model accepts at most "
+            f"{limits.prompt_token_limit} ({what}).",
+            _prompt_param(request), code="context_length_exceeded")
+    remaining = limits.max_model_len - prompt_len
+    max_tokens = remaining if request.max_tokens is None else request.max_tokens
+    if max_tokens > remaining:
+        raise invalid_request(
+            f"{what[0].upper()}{what[1:]}. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion).", "max_tokens", code="context_length_exceeded")
+    f = request.sampling_fields
+    stop = (f.stop,) if isinstance(f.stop, str) else tuple(f.stop or ())
+    top_k = None if f.top_k is None or f.top_k in (-1, 0) else f.top_k
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(f.temperature, 1.0), top_p=_or(f.top_p, 1.0), top_k=top_k,
+            min_p=_or(f.min_p, 0.0), seed=f.seed,
+            presence_penalty=_or(f.presence_penalty, 0.0),
+            frequency_penalty=_or(f.frequency_penalty, 0.0),
+            repetition_penalty=_or(f.repetition_penalty, 1.0),
+            stop=stop, stop_token_ids=tuple(f.stop_token_ids or ()),
+            ignore_eos=bool(f.ignore_eos), min_tokens=_or(f.min_tokens, 0),
+            logprobs=request.logprobs,
+            include_stop_str_in_output=bool(f.include_stop_str_in_output))
+    except ValueError as exc:
+        # SamplingParams messages start with the field's name ("top_p must be in ...").
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        if request.endpoint is Endpoint.CHAT and param == "logprobs":
+            param = "top_logprobs"
+        raise invalid_request(message, param) from exc
+
+
+# ---------------------------------------------------------------- decoding
+
+def _decode(body: bytes, struct_type: type[S], limits: RequestLimits) -> tuple[S, tuple[str, ...]]:
+    if not body.strip():
+        raise invalid_request("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        # ValidationError: numbers out of float range. DecodeError covers invalid UTF-8.
+        raise invalid_request(f"The request body is not valid JSON: {exc}.", code="invalid_json") from exc
+    if not isinstance(raw, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    known = struct_type.__struct_fields__
+    unknown = tuple(sorted(k for k in raw if k not in known))
+    if unknown and limits.reject_unknown_fields:
+        raise invalid_request(f"Unrecognized request argument supplied: {unknown[0]}",
+                              unknown[0], code="unknown_parameter")
+    try:
+        return msgspec.convert(raw, struct_type), unknown
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from exc
+
+
+def _validation_error(text: str) -> ApiError:
+    """'Expected `int`, got `str` - at `$.max_tokens`' -> 400 with param 'max_tokens'."""
+    message, sep, where = text.partition(" - at `$")
+    param = where.rstrip("`").lstrip(".") if sep else None
+    if message.startswith("Object missing required field `"):
+        field = message.split("`")[1]
+        param = f"{param}.{field}" if param else field
+        return invalid_request(f"Missing required parameter: `{param}`.", param,
+                               code="missing_required_parameter")
+    return invalid_request(f"Invalid type or value for `{param}`: {message}." if param
+                           else f"Invalid request: {message}.", param, code="invalid_type")
+
+
+# ---------------------------------------------------------------- field checks
+
+def _validate_prompt(prompt: str | list[Any], limits: RequestLimits) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_request("`prompt` must not be empty.", "prompt")
+        return prompt, None
+    if not prompt:
+        raise invalid_request("`prompt` must not be empty.", "prompt")
+    if all(type(t) is int for t in prompt):
+        if len(prompt) > limits.prompt_token_limit:
+            raise invalid_request(
+                f"The prompt has {len(prompt)} tokens; this model accepts at most "
+                f"{limits.prompt_token_limit}.", "prompt", code="context_length_exceeded")
+        vocab = limits.vocab_size
+        # Without a known vocabulary, still refuse ids no tokenizer has (int32 overflow).
+        bound = vocab if vocab is not None else 2**31
+        for i, t in enumerate(prompt):
+            if t < 0 or t >= bound:
+                raise invalid_request(f"Token id {t} is outside the vocabulary"
+                                      f"{f' [0, {vocab})' if vocab else ''}.", f"prompt[{i}]")
+        return None, tuple(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return _validate_prompt(prompt[0], limits)
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("Batched prompts are not supported; send one prompt per request.", "prompt")
+    raise invalid_request("`prompt` must be a string, a list of token ids, or a list with "
+                          "one string.", "prompt", code="invalid_type")
+
+
+def _validate_messages(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
+    if not messages:
+        raise invalid_request("`messages` must contain at least one message.", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise unsupported(f"Message role `{m.role}` is not supported; use system, user or "
+                              "assistant.", f"messages[{i}].role")
+        if m.tool_calls:
+            raise unsupported("Tool calls are not supported.", f"messages[{i}].tool_calls")
+        if m.content is None:
+            if role != "assistant":
+                raise invalid_request(f"A {m.role} message needs `content`.", f"messages[{i}].content")
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, part in enumerate(m.content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise unsupported(f"Content parts of type `{part.type}` are not supported "
+                                      "(this model reads text only).", f"{where}.type")
+                if part.text is None:
+                    raise invalid_request("A text content part needs `text`.", f"{where}.text",
+                                          code="missing_required_parameter")
+                parts.append(part.text)
+            text = "\n".join(parts)
+        turns.append((role, text))
+    if turns[-1][0] == "assistant" and len(turns) == 1:
+        raise invalid_request("`messages` needs at least one system or user message.", "messages")
+    return tuple(turns)
+
+
+def _validate_common(req: SamplingFields, limits: RequestLimits) -> None:
+    if not req.model:
+        raise invalid_request("`model` must not be empty.", "model")
+    n = req.n if req.n is not None else 1
+    if n < 1:
+        raise invalid_request(f"`n` must be at least 1, got {n}.", "n")
+    if n > 1:
+        raise unsupported("Only `n` = 1 is supported.", "n")
+    if req.best_of is not None and req.best_of != 1:
+        raise unsupported("Only `best_of` = 1 is supported.", "best_of")
+    if req.logit_bias:
+        raise unsupported("`logit_bias` is not supported.", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+    _check_int_range(req.max_tokens, "max_tokens", 1, None)
+    _check_int_range(req.min_tokens, "min_tokens", 0, None)
+    _check_int_range(req.seed, "seed", INT64_MIN, UINT64_MAX)
+    _check_int_range(req.top_k, "top_k", -1, INT32_MAX)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise invalid_request(f"`{name}` must be a finite number.", name)
+    if req.temperature is not None and req.temperature > 2:
+        raise invalid_request(f"`temperature` must be in [0, 2], got {req.temperature}.", "temperature")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > limits.max_stop_sequences:
+        raise invalid_request(f"At most {limits.max_stop_sequences} stop sequences are allowed.", "stop")
+    for s in stops:
+        if not s or len(s) > limits.max_stop_chars:
+            raise invalid_request(f"Stop sequences must have 1 to {limits.max_stop_chars} characters.", "stop")
+    for t in req.stop_token_ids or ():
+        if t < 0 or t >= (limits.vocab_size if limits.vocab_size is not None else 2**31):
+            raise invalid_request(f"Stop token id {t} is outside the vocabulary.", "stop_token_ids")
+
+
+def _check_int_range(value: int | None, name: str, low: int, high: int | None) -> int | None:
+    if value is not None and (value < low or (high is not None and value > high)):
+        bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+        raise invalid_request(f"`{name}` must be {bound}, got {value}.", name)
+    return value
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def _prompt_param(request: ValidatedRequest) -> str:
+    return "messages" if request.endpoint is Endpoint.CHAT else "prompt"
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,2 @@
+"""Operator endpoints: health, readiness, metrics, the cluster page, role changes, request
+history, and the start-up gate."""

@@ -1,0 +1,164 @@
+"""Predicted latency of each way to serve one request: pure functions over worker snapshots.
+
+Each worker publishes a `StepModel` (protocol/worker_load.py): one engine step costs
+
+    step(T, B, C) = base + a*T + b*B + c*C     (T prefill tokens, B decoding seqs, C context)
+
+and its queue: Q prompt tokens still to prefill, B sequences decoding over C tokens, and a
+step budget of M tokens. For a request of P prompt tokens, H of them cached on the worker
+that prefills it, with a TTFT target and a TPOT target:
+
+    local on D       prefill work W = Q_D + (P - H_D), done in n = ceil(W / (M_D - B_D))
+                     steps that also decode D's B_D sequences:
+                       TTFT        = a_D*W + n * step_D(0, B_D, C_D)
+                       D's running requests' TPOT while it lasts: step_D(min(W, M_D - B_D), B_D, C_D)
+                       this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P)
+    P prefills, D    TTFT        = the same on P (its own queue; P decodes nothing, or its B_P)
+    decodes          transfer    = P * kv_bytes_per_token / P's measured push rate
+                     this request's TPOT ~ step_D(0, B_D + 1, C_D + P) + transfer / max_tokens
+                     D's running requests' TPOT: unchanged (one more sequence); P's own
+                     running requests (a BOTH worker): stretched as in a local prefill on P
+
+D's decode steps are also stretched by the prompts it prefills for anyone: a worker that
+spends a fraction u = a_D * (its recent prefill tokens/s) of its time prefilling advances
+its decodes once per step of the rest, so every TPOT on D is divided by (1 - u) (u capped
+at MAX_PREFILL_BUSY).
+
+Each prediction gets a score, its worst ratio to a target: TTFT / ttft target, the
+request's TPOT / tpot target, and the running TPOT of the worker that prefills (when it
+decodes anything) / the strictest TPOT of any tier (what its running requests may need).
+Score < 1 meets every target. And a cost, in seconds of latency the plan adds to the
+cluster:
+
+    cost = TTFT + max_tokens * TPOT                  (this request, start to end)
+         + B_P * a_P * (P - H_P)                     (P's running decodes, stalled by the prefill)
+         + B_D * (b_D + c_D * P) * max_tokens        (D's running decodes, one more sequence)
+
+The router takes, among the plans that meet every target, the cheapest (so prefills
+gravitate to workers that decode little and decodes to workers that prefill little: the
+split a static 1P+1D cluster is built around, found from the load); when none meets
+them, the smallest score (the least miss).
+
+A term a worker has never measured (no prefill steps yet: `num_prefill_samples == 0`) is
+borrowed from the median of the workers that have; a worker with no model at all makes the
+snapshot unpredictable (`predictable` is False) and the router falls back to its
+token-cost rule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from protocol.worker_load import StepModel, WorkerLoad
+
+DEFAULT_KV_BYTES_PER_S = 1e9  # before a worker has pushed anything: a slow TCP link
+MAX_PREFILL_BUSY = 0.9  # the share of a worker's time prefill may be predicted to take
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    ttft_s: float
+    tpot_s: float
+    strictest_tpot_s: float  # the smallest TPOT target of any tier: what running requests need
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if min(self.ttft_s, self.tpot_s, self.strictest_tpot_s) <= 0 or self.max_tokens < 1:
+            raise ValueError(f"targets must be positive: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float  # this request's
+    running_tpot_s: float  # of the prefilling worker's running requests while this prefills
+    score: float  # worst ratio to a target (< 1: every target met)
+    ratio_sum: float
+    cost_s: float  # latency this plan adds: this request's and its workers' running ones
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSide:
+    """What the prediction needs of one worker."""
+
+    load: WorkerLoad
+    model: StepModel
+    max_batched_tokens: int
+    kv_bytes_per_token: int
+
+
+def complete_models(models: Sequence[StepModel | None]) -> list[StepModel] | None:
+    """Every worker's model with unmeasured terms borrowed from its peers; None when a worker
+    has no model at all (the snapshot is not predictable)."""
+    if not models or any(m is None for m in models):
+        return None
+    known = [m for m in models if m is not None]
+    prefill_rates = [m.prefill_token_s for m in known if m.num_prefill_samples]
+    decode_terms = [(m.decode_seq_s, m.context_token_s) for m in known if m.num_decode_samples]
+    out = []
+    for m in known:
+        if not m.num_prefill_samples:
+            if not prefill_rates:
+                return None  # nobody has prefilled yet: nothing to predict a prefill with
+            m = msgspec.structs.replace(m, prefill_token_s=statistics.median(prefill_rates))
+        if not m.num_decode_samples and decode_terms:
+            m = msgspec.structs.replace(
+                m, decode_seq_s=statistics.median(t[0] for t in decode_terms),
+                context_token_s=statistics.median(t[1] for t in decode_terms))
+        out.append(m)
+    return out
+
+
+def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float, float]:
+    """(seconds until this prompt's first token, step time while prefilling, the seconds
+    the prefill stalls the worker's running decodes in all)."""
+    load, m = side.load, side.model
+    work = load.num_queued_prefill_tokens + max(uncached, 1)
+    per_step = max(1, side.max_batched_tokens - load.num_decoding)
+    steps = math.ceil(work / per_step)
+    decode_part = m.step_s(0, load.num_decoding, load.num_context_tokens)
+    ttft = m.prefill_token_s * work + steps * decode_part
+    mixed = m.step_s(min(work, per_step), load.num_decoding, load.num_context_tokens)
+    return ttft, mixed, load.num_decoding * m.prefill_token_s * max(uncached, 0)
+
+
+def _decoding(side: WorkerSide, prompt_len: int, max_tokens: int) -> tuple[float, float]:
+    """(this request's TPOT on the worker, the seconds one more sequence adds to the
+    worker's running decodes over its max_tokens steps)."""
+    load, m = side.load, side.model
+    busy = min(MAX_PREFILL_BUSY, m.prefill_token_s * load.prefill_tokens_per_s)
+    step = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    added = load.num_decoding * (m.decode_seq_s + m.context_token_s * prompt_len) * max_tokens
+    return step / (1.0 - busy), added
+
+
+def _predict(ttft: float, tpot: float, running_tpot: float, has_running: bool,
+             harm_s: float, targets: Targets) -> Prediction:
+    ratios = [ttft / targets.ttft_s, tpot / targets.tpot_s]
+    if has_running:
+        ratios.append(running_tpot / targets.strictest_tpot_s)
+    cost = ttft + targets.max_tokens * tpot + harm_s
+    return Prediction(ttft, tpot, running_tpot, max(ratios), sum(ratios), cost)
+
+
+def predict_local(decode: WorkerSide, prompt_len: int, cached: int,
+                  targets: Targets) -> Prediction:
+    ttft, mixed, stall = _prefill_time(decode, prompt_len - cached)
+    tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
+    return _predict(ttft, tpot, mixed, decode.load.num_decoding > 0, stall + added, targets)
+
+
+def predict_split(prefill: WorkerSide, decode: WorkerSide, prompt_len: int,
+                  cached_on_prefill: int, held_on_decode: int, targets: Targets) -> Prediction:
+    ttft, mixed, stall = _prefill_time(prefill, prompt_len - cached_on_prefill)
+    rate = prefill.load.kv_send_bytes_per_s or DEFAULT_KV_BYTES_PER_S
+    transfer = (prompt_len - held_on_decode) * prefill.kv_bytes_per_token / rate
+    tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
+    # The prefill stretches the steps of whatever P itself decodes (a BOTH worker).
+    return _predict(ttft, tpot + transfer / targets.max_tokens, mixed,
+                    prefill.load.num_decoding > 0, stall + added, targets)

@@ -1,0 +1,394 @@
+"""The gateway's end of worker channels: one persistent connection per worker, many
+requests on it (rpc/channel_wire.py has the wire, channel_server.py the
+worker's end).
+
+    ChannelPool.get(url) ─▶ Channel (connected and greeted once, again after a loss)
+    Channel.open(message) ─▶ ChannelStream: the answer's frames, in batches
+
+A stream's frames are decoded in the connection's read callback. A consumer pulls them in
+batches (`async for batch in stream`), or registers a listener (`listen`) that is offered
+each frame as it is read, while nothing is waiting to be pulled; a frame the listener
+takes is never pulled, one it refuses is queued for the consumer, and so is every later
+one until the queue is empty again: frames reach the one or the other exactly once, in
+wire order. This is how a token reaches a client without waking a task
+(gateway/api/fast_lane.py).
+
+Errors, as `stream_frame_batches` raises them: an ErrorFrame raises RemoteError after the
+frames before it were pulled; a lost connection ControlError (for every stream on it); no
+frame within the stream's timeout FrameDeadlineError. `aclose()` before the end tells the
+worker to drop the stream (it aborts the request).
+
+Deadlines: connecting and the greeting within `connect_timeout_s`; each stream's first
+frame within its first timeout of the open, each later one within its frame timeout of
+the one before (one timer per stream, moved only when it fires early).
+
+Invariants (`Channel.check_invariants`): a stream is in its channel's table exactly while
+it is neither ended, failed nor closed; a closed channel holds no stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar, cast
+from urllib.parse import urlsplit
+
+from protocol.messages import (MAX_MESSAGE_BYTES, ErrorFrame, Message, MessageDecoder,
+                               ProtocolError, encode)
+from rpc.channel_wire import (CONNECTION_STREAM_ID, MAGIC, MAX_STREAM_ID, ChannelHello,
+                              ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, frame)
+from rpc.errors import ControlError, FrameDeadlineError, RemoteError
+from rpc.frames import FrameBatchDecoder
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Message)
+UNSUPPORTED_RETRY_S = 60.0  # a worker that answered HTTP to a greeting is asked again after
+
+
+class ChannelUnsupported(ControlError):
+    """The peer answered the greeting as an HTTP server: it has no channel (an older worker)."""
+
+
+class ChannelStream(Generic[F]):
+    """One request's answer on a channel (see the module docstring)."""
+
+    __slots__ = ("_channel", "stream_id", "_decoder", "_what", "_loop", "_pending", "_waiter",
+                 "_done", "_error", "_listener", "_last_frame_s", "_timeout_s",
+                 "_frame_timeout_s", "_timer")
+
+    def __init__(self, channel: Channel, stream_id: int, decoder: FrameBatchDecoder[F],
+                 first_frame_timeout_s: float, frame_timeout_s: float, what: str) -> None:
+        self._channel = channel
+        self.stream_id = stream_id
+        self._decoder = decoder
+        self._what = what
+        self._loop = channel.loop
+        self._pending: list[F | ErrorFrame] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False  # ended, failed or closed: nothing more arrives
+        self._error: BaseException | None = None
+        self._listener: Callable[[F], bool] | None = None
+        self._last_frame_s = self._loop.time()
+        self._timeout_s = first_frame_timeout_s
+        self._frame_timeout_s = frame_timeout_s
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last_frame_s + first_frame_timeout_s, self._check_deadline)
+
+    def listen(self, listener: Callable[[F], bool] | None) -> bool:
+        """Offer each frame to `listener` as it is read (None: stop); True: supported."""
+        self._listener = listener
+        return True
+
+    # ---------------------------------------------------------------- the channel's side
+
+    def on_body(self, body: bytes | memoryview, now: float) -> None:
+        try:
+            item = self._decoder.decode_one(body)
+        except ProtocolError as exc:
+            self.fail(ControlError(f"{self._what}: undecodable frame: {exc}"))
+            return
+        self._last_frame_s = now
+        if self._timeout_s != self._frame_timeout_s:  # the first frame: later ones' timeout
+            self._timeout_s = self._frame_timeout_s
+            if self._timer is not None and now + self._timeout_s < self._timer.when():
+                self._timer.cancel()
+                self._timer = self._loop.call_at(now + self._timeout_s, self._check_deadline)
+        listener = self._listener
+        if listener is not None and not self._pending and type(item) is not ErrorFrame \
+                and listener(item):  # type: ignore[arg-type]
+            return
+        self._pending.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def on_end(self) -> None:
+        self._finish(None, cancel=False)
+
+    def fail(self, error: BaseException) -> None:
+        self._finish(error, cancel=True)
+
+    def _finish(self, error: BaseException | None, cancel: bool) -> None:
+        if self._done:
+            return
+        self._done, self._error, self._listener = True, error, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._channel.drop(self.stream_id, cancel)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if self._done:
+            return
+        deadline = self._last_frame_s + self._timeout_s
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._check_deadline)
+            return
+        self.fail(FrameDeadlineError(
+            f"{self._what}: no frame within {self._timeout_s:g} s (stream stalled)"))
+
+    # ---------------------------------------------------------------- the consumer's side
+
+    def __aiter__(self) -> ChannelStream[F]:
+        return self
+
+    async def __anext__(self) -> list[F]:
+        while True:
+            pending = self._pending
+            if pending:
+                for i, item in enumerate(pending):
+                    if type(item) is ErrorFrame:
+                        break
+                else:
+                    self._pending = []
+                    return pending  # type: ignore[return-value]
+                if i:
+                    self._pending = pending[i:]
+                    return pending[:i]  # type: ignore[return-value]
+                self._pending = []
+                self._finish(None, cancel=False)
+                assert isinstance(item, ErrorFrame)
+                raise RemoteError(item)
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def aclose(self) -> None:
+        """Stop reading; before the end, the worker is told to drop the stream."""
+        self._pending = []
+        self._finish(None, cancel=True)
+
+    @property
+    def is_done(self) -> bool:
+        return self._done
+
+
+class Channel(asyncio.Protocol):
+    """One connection to one worker's control port, carrying many streams."""
+
+    def __init__(self, what: str, max_frame_bytes: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.what = what
+        self.closed = False
+        self._splitter = FrameSplitter(max_frame_bytes)
+        self._greeting: MessageDecoder[ChannelWelcome | ErrorFrame] = MessageDecoder(
+            ChannelWelcome | ErrorFrame, 1 << 16)
+        self._welcome: asyncio.Future[ChannelWelcome] = self.loop.create_future()
+        self._transport: asyncio.Transport | None = None
+        self._streams: dict[int, ChannelStream[Message]] = {}
+        self._next_id = 1
+
+    @classmethod
+    async def connect(cls, url: str, token: str | None, timeout_s: float,
+                      max_frame_bytes: int = MAX_MESSAGE_BYTES) -> Channel:
+        """A greeted channel to the control server at `url` (http://host:port)."""
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise ControlError(f"not a control URL with a host and port: {url!r}")
+        loop = asyncio.get_running_loop()
+        channel: Channel | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, channel = await loop.create_connection(
+                    lambda: cls(url, max_frame_bytes), parts.hostname, parts.port)
+                assert channel._transport is not None
+                channel._transport.write(MAGIC + frame(CONNECTION_STREAM_ID,
+                                                       encode(ChannelHello(token=token))))
+                await channel._welcome
+        except TimeoutError as exc:
+            if channel is not None:
+                channel.close()
+            raise FrameDeadlineError(f"{url}: no channel within {timeout_s:g} s") from exc
+        except OSError as exc:
+            raise ControlError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        except ControlError:
+            if channel is not None:
+                channel.close()
+            raise
+        return channel
+
+    def open(self, message: Message, decoder: FrameBatchDecoder[F], first_frame_timeout_s: float,
+             frame_timeout_s: float) -> ChannelStream[F]:
+        """Send `message` as a new stream; its answer comes as the stream's frames."""
+        if self.closed or self._transport is None or self._transport.is_closing():
+            raise ControlError(f"{self.what}: the channel is closed")
+        stream_id = self._next_id
+        if stream_id > MAX_STREAM_ID:
+            self.close()  # numbers are never reused: the next request opens a new channel
+            raise ControlError(f"{self.what}: the channel ran out of stream ids")
+        self._next_id = stream_id + 1
+        stream: ChannelStream[F] = ChannelStream(self, stream_id, decoder,
+                                                 first_frame_timeout_s, frame_timeout_s,
+                                                 self.what)
+        self._streams[stream_id] = stream  # type: ignore[assignment]
+        self._transport.write(frame(stream_id, encode(message)))
+        return stream
+
+    def drop(self, stream_id: int, cancel: bool) -> None:
+        """The stream is done here; `cancel`: tell the worker to drop it too."""
+        if self._streams.pop(stream_id, None) is not None and cancel and not self.closed \
+                and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(end_frame(stream_id))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---------------------------------------------------------------- transport events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._welcome.done() and not self._splitter.has_partial_frame \
+                and data.startswith(b"HTTP/"):
+            self._welcome.set_exception(ChannelUnsupported(
+                f"{self.what}: the worker answered the channel's greeting with HTTP"))
+            self.close()
+            return
+        try:
+            frames = self._splitter.feed(data)
+        except FrameTooLarge as exc:
+            self._lost(ControlError(f"{self.what}: {exc}"))
+            return
+        now = self.loop.time()
+        streams = self._streams
+        for stream_id, body in frames:
+            stream = streams.get(stream_id)
+            if stream is not None:
+                if body:
+                    stream.on_body(body, now)
+                else:
+                    stream.on_end()
+            elif stream_id == CONNECTION_STREAM_ID:
+                self._on_greeting(body)
+            # else: a stream this side closed already; its late frames are dropped
+
+    def _on_greeting(self, body: bytes | memoryview) -> None:
+        if self._welcome.done():
+            if body:  # the worker refuses something on the connection itself
+                log.warning("%s: the worker closed the channel: %r", self.what, bytes(body)[:200])
+            return
+        try:
+            answer = self._greeting.decode(body)
+        except ProtocolError as exc:
+            self._welcome.set_exception(ControlError(f"{self.what}: bad greeting: {exc}"))
+            return
+        if isinstance(answer, ErrorFrame):
+            self._welcome.set_exception(RemoteError(answer))
+        else:
+            self._welcome.set_result(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(ControlError(f"{self.what}: channel lost"
+                                f"{': ' + str(exc) if exc else ' (closed by the worker)'}"))
+
+    def _lost(self, error: ControlError) -> None:
+        if not self.closed:
+            self.closed = True
+            self.close()
+        if not self._welcome.done():
+            self._welcome.set_exception(error)
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+        self._streams.clear()
+
+    def check_invariants(self) -> None:
+        for stream_id, stream in self._streams.items():
+            assert not stream.is_done, f"{self.what}: stream {stream_id} is done but listed"
+        if self.closed:
+            assert not self._streams, f"{self.what}: a closed channel holds streams"
+
+
+class ChannelPool:
+    """One channel per worker control URL: opened on first use, again after a loss; None
+    for a worker that has none (answered HTTP), asked again after UNSUPPORTED_RETRY_S.
+
+    Lifecycle: connects are tasks the pool owns (one per URL at a time, shared by every
+    caller waiting for it); `aclose()` cancels them and closes every channel.
+    """
+
+    def __init__(self, token: str | None, connect_timeout_s: float = 5.0,
+                 max_frame_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._channels: dict[str, Channel] = {}
+        self._connecting: dict[str, asyncio.Task[Channel]] = {}
+        self._http_only: dict[str, float] = {}  # url -> monotonic time to ask again
+
+    def ready(self, url: str) -> Channel | None:
+        """The open channel to `url`, if there is one now (no wait)."""
+        channel = self._channels.get(url)
+        if channel is not None and channel.closed:
+            del self._channels[url]  # lost: the next get() connects again
+            return None
+        return channel
+
+    async def get(self, url: str) -> Channel | None:
+        """The channel to `url`, connecting when needed; None: use HTTP for this worker.
+        Raises ControlError (refused, reset, deadline) like any call to a worker."""
+        channel = self.ready(url)
+        if channel is not None:
+            return channel
+        retry_at = self._http_only.get(url)
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                return None
+            del self._http_only[url]
+        task = self._connecting.get(url)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                Channel.connect(url, self.token, self.connect_timeout_s, self.max_frame_bytes))
+            self._connecting[url] = task
+            task.add_done_callback(lambda done: self._connected(url, done))
+        try:
+            return await asyncio.shield(task)
+        except ChannelUnsupported:
+            return None
+
+    def _connected(self, url: str, task: asyncio.Task[Channel]) -> None:
+        self._connecting.pop(url, None)
+        if task.cancelled():
+            return
+        error = task.exception()  # retrieved here, whoever else waits for it
+        if isinstance(error, ChannelUnsupported):
+            log.info("%s has no channel; using HTTP for it", url)
+            self._http_only[url] = time.monotonic() + UNSUPPORTED_RETRY_S
+        elif error is None:
+            self._http_only.pop(url, None)
+            self._channels[url] = task.result()
+
+    @property
+    def num_channels(self) -> int:
+        return sum(not c.closed for c in self._channels.values())
+
+    async def aclose(self) -> None:
+        for task in list(self._connecting.values()):
+            task.cancel()
+        await asyncio.gather(*self._connecting.values(), return_exceptions=True)
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def check_invariants(self) -> None:
+        for channel in self._channels.values():
+            channel.check_invariants()

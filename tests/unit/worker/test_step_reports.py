@@ -1,0 +1,43 @@
+"""Step reports: what each step cost, by wall time or on the device, reaches the worker's
+metrics with its own shape."""
+
+from __future__ import annotations
+
+from engine.engine_thread import StepReport
+from engine.step_shape import StepShape
+from engine.step_timer import TimedStep
+from protocol.worker_load import WorkerLoad
+from telemetry.metrics import MetricsRegistry
+from worker.metrics import WorkerMetrics
+
+PREFILL, DECODE = StepShape(512, 0, 0), StepShape(0, 8, 800)
+
+
+def report(step_s: float, shape: StepShape = PREFILL,
+           device_steps: tuple[TimedStep, ...] | None = None) -> StepReport:
+    return StepReport([], [], step_s, WorkerLoad(), shape, 0, device_steps)
+
+
+def test_a_wall_timed_report_is_its_own_step():
+    assert report(0.02).timed_steps() == (TimedStep(PREFILL, 0.02),)
+    assert report(0.0).timed_steps() == ()  # after a command
+
+
+def test_a_device_timed_report_gives_the_steps_the_device_finished():
+    steps = (TimedStep(PREFILL, 0.031), TimedStep(DECODE, 0.004))
+    assert report(0.002, DECODE, steps).timed_steps() == steps
+    # None finished since the last report: no sample, not the wall time of the call.
+    assert report(0.002, DECODE, ()).timed_steps() == ()
+
+
+def test_metrics_count_each_device_timed_step_with_its_shape():
+    registry = MetricsRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.on_step(report(0.002, DECODE, (TimedStep(PREFILL, 0.031), TimedStep(DECODE, 0.004),
+                                           TimedStep(DECODE, 0.005))))
+    metrics.on_step(report(0.001, DECODE, ()))
+    assert metrics.step_seconds.count() == 3
+    assert metrics.decode_step_seconds.count() == 2
+    assert metrics.decode_step_seqs.value() == 16
+    text = registry.render()
+    assert "pdserve_decode_step_seconds_sum 0.009" in text, text

@@ -1,0 +1,71 @@
+"""Worker options: the warm-up and pipelined-steps choices (auto: by device) and bad
+values refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.step_mode import StepMode
+from launcher.cli import build_parser, main
+
+
+def options(*extra: str, kind: str = "decode"):
+    from worker.options import options_from_args
+
+    args = build_parser().parse_args([f"{kind}-worker", "--redis-url", "redis://x:1/0", *extra])
+    return options_from_args(args, kind)
+
+
+@pytest.mark.parametrize("extra, warms", [
+    ((), False), (("--device", "cuda"), True), (("--device", "cuda:1"), True),
+    (("--device", "cuda", "--warm-up", "off"), False), (("--warm-up", "on"), True)])
+def test_the_warm_up_runs_on_cuda_unless_told(extra, warms) -> None:
+    assert options(*extra).warms_up is warms
+
+
+@pytest.mark.parametrize("extra, mode", [
+    ((), StepMode.PLAIN), (("--device", "cuda"), StepMode.OVERLAPPED),
+    (("--device", "cuda", "--pipelined-steps", "on"), StepMode.PIPELINED),
+    (("--device", "cuda", "--pipelined-steps", "off"), StepMode.PLAIN),
+    (("--pipelined-steps", "on"), StepMode.PIPELINED),
+    (("--device", "cuda", "--pipelined-steps", "overlap"), StepMode.OVERLAPPED),
+    (("--pipelined-steps", "overlap"), StepMode.OVERLAPPED)])
+def test_steps_are_pipelined_on_cuda_unless_told(extra, mode) -> None:
+    assert options(*extra).step_mode is mode
+
+
+def test_a_prefill_worker_overlaps_its_steps_on_cuda_unless_told() -> None:
+    assert options("--device", "cuda", kind="prefill").step_mode is StepMode.OVERLAPPED
+    assert options("--device", "cuda", "--pipelined-steps", "on",
+                   kind="prefill").step_mode is StepMode.PIPELINED
+    assert options(kind="prefill").step_mode is StepMode.PLAIN
+
+
+@pytest.mark.parametrize("extra, on", [((), True), (("--mixed-graphs", "off"), False),
+                                       (("--mixed-graphs", "on"), True)])
+def test_mixed_graphs_are_on_unless_told(extra, on) -> None:
+    assert options(*extra).mixed_graphs is on
+
+
+def test_mixed_graphs_come_from_the_environment_too() -> None:
+    import argparse
+
+    from worker.options import add_worker_options
+
+    parser = argparse.ArgumentParser()
+    add_worker_options(parser, "decode", env={"PDSERVE_MIXED_GRAPHS": "off"})
+    assert parser.parse_args([]).mixed_graphs == "off"
+
+
+@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps", "--mixed-graphs"])
+def test_an_unknown_auto_on_off_choice_is_a_usage_error(option, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["decode-worker", "--redis-url", "redis://x:1/0", option, "maybe"])
+    assert exit_info.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_the_gil_switch_interval_is_an_option_with_bounds() -> None:
+    assert options().gil_switch_ms == 0.5
+    assert options("--gil-switch-ms", "5").gil_switch_ms == 5.0
+    with pytest.raises(ValueError, match="--gil-switch-ms"):
+        options("--gil-switch-ms", "0")

@@ -1,0 +1,147 @@
+"""The Prometheus metrics every worker exports on GET /metrics (names prefixed pdserve_).
+
+Engine-side figures (queue lengths, batch sizes, KV usage, step times, throughput) are
+updated from each `StepReport` of the engine thread; handoff figures (KV bytes and seconds
+transferred, handoff failures by reason) by the prefill and decode workers themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.engine_thread import StepReport
+from telemetry.metrics import MetricsRegistry
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+THROUGHPUT_WINDOW_S = 5.0
+
+
+class WorkerMetrics:
+    def __init__(self, registry: MetricsRegistry) -> None:
+        self.registry = registry
+        self.num_waiting = registry.gauge("pdserve_queue_waiting_requests",
+                                          "requests waiting for their first step")
+        self.num_running = registry.gauge("pdserve_running_requests",
+                                          "requests in the running batch")
+        self.batch_size = registry.histogram("pdserve_batch_size",
+                                             "requests that produced a token per step",
+                                             BATCH_BUCKETS)
+        self.step_seconds = registry.histogram(
+            "pdserve_step_seconds", "engine step time (overlapped CUDA steps: on the device, "
+            "from CUDA events)")
+        # Steps that only decoded: comparable across workers whatever their prompt mix (the
+        # operations agent's "slow" rule reads these).
+        self.decode_step_seconds = registry.histogram(
+            "pdserve_decode_step_seconds", "engine step time of steps without prefill")
+        self.decode_step_seqs = registry.counter(
+            "pdserve_decode_step_seqs_total", "sequences decoded by steps without prefill")
+        self.decode_step_context = registry.counter(
+            "pdserve_decode_step_context_tokens_total",
+            "tokens attended over by steps without prefill")
+        self.kv_blocks_used = registry.gauge("pdserve_kv_blocks_used",
+                                             "KV blocks referenced by requests/reservations")
+        self.kv_blocks_total = registry.gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
+        self.kv_usage = registry.gauge("pdserve_kv_usage_ratio", "used / total KV blocks")
+        self.prefix_hit_tokens = registry.counter(
+            "pdserve_prefix_cache_hit_tokens_total", "prompt tokens served from a prefix cache")
+        self.prompt_tokens = registry.counter("pdserve_prompt_tokens_total",
+                                              "prompt tokens of requests started here")
+        self.generated_tokens = registry.counter("pdserve_generated_tokens_total",
+                                                 "tokens sampled by this worker")
+        self.kv_transfer_bytes = registry.counter(
+            "pdserve_kv_transfer_bytes_total", "KV bytes moved by completed transfers",
+            ("direction",))
+        self.kv_transfer_blocks = registry.counter(
+            "pdserve_kv_transfer_blocks_total", "KV blocks moved by completed transfers",
+            ("direction",))
+        self.kv_transfers = registry.counter(
+            "pdserve_kv_transfers_total", "completed KV transfers, by how the bytes moved "
+            "(mapped: copied into the receiver's mapped pool; data_plane: UCX or TCP)",
+            ("direction", "path"))
+        self.kv_pushes = registry.counter(
+            "pdserve_kv_pushes_total", "completed KV pushes of a prefill worker, by when they "
+            "started (layer_events: each layer's copy queued behind its compute, mid-step; "
+            "mid_step: announced while the prompt computed, sent after; after_step)",
+            ("start",))
+        self.kv_transfer_seconds = registry.histogram(
+            "pdserve_kv_transfer_seconds", "duration of completed KV transfers (a prefill "
+            "worker's: the part after the prompt's step ended, at least 0.1 ms)",
+            label_names=("direction",))
+        self.handoff_failures = registry.counter(
+            "pdserve_handoff_failures_total", "handoffs that ended in an error", ("reason",))
+        self.requests = registry.counter("pdserve_requests_total", "requests ended, by outcome",
+                                         ("outcome",))
+        self.aborts = registry.counter("pdserve_aborts_total",
+                                       "abort requests received, by whether the request was "
+                                       "still known here", ("found",))
+        self.reservations = registry.gauge("pdserve_reservations_held",
+                                           "reservations waiting for KV or their decode request")
+        self.kv_waits = registry.counter(
+            "pdserve_kv_waits_total", "reservations that waited in line for free KV blocks, "
+            "by outcome (served, timed_out: refused OVERLOADED, cancelled)", ("outcome",))
+        self.kv_waiting = registry.gauge("pdserve_kv_waiting",
+                                         "reservations waiting in line for free KV blocks now")
+        self.warmup_seconds = registry.gauge(
+            "pdserve_warmup_seconds", "the start-up warm-up's time (0: none ran)")
+        self.graph_capture_seconds = registry.gauge(
+            "pdserve_graph_capture_seconds", "the start-up capture of the engine's CUDA "
+            "graphs, decode and mixed steps (0: none)")
+        self.role_changes = registry.counter("pdserve_role_changes_total",
+                                             "role changes of this worker, by new role",
+                                             ("role",))
+        self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode tokens)
+        self.kv_send_bytes_per_s = 0.0  # EWMA over completed pushes of bytes / push time
+
+    def on_step(self, report: StepReport) -> None:
+        load = report.load
+        self.num_waiting.set(load.num_waiting)
+        self.num_running.set(load.num_running)
+        self.kv_blocks_used.set(load.num_kv_blocks_used)
+        self.kv_blocks_total.set(load.num_kv_blocks_total)
+        self.kv_usage.set(load.num_kv_blocks_used / max(1, load.num_kv_blocks_total))
+        if report.step_s <= 0.0:
+            return  # a command, not a step
+        for step in report.timed_steps():
+            self.step_seconds.observe(step.seconds)
+            if step.shape.prefill_tokens == 0 and step.shape.decode_seqs > 0:
+                self.decode_step_seconds.observe(step.seconds)
+                self.decode_step_seqs.inc(step.shape.decode_seqs)
+                self.decode_step_context.inc(step.shape.context_tokens)
+        if report.outputs:
+            self.batch_size.observe(len(report.outputs))
+        prefill_tokens = decode_tokens = generated = 0
+        for out in report.outputs:
+            num_new = len(out.new_token_ids)
+            generated += num_new
+            if out.num_output_tokens == 1 and num_new:  # the prompt's first token
+                prefill_tokens += out.num_prompt_tokens - out.num_cached_tokens
+            else:
+                decode_tokens += num_new
+        if generated:
+            self.generated_tokens.inc(generated)  # once per step, not per request
+        now = time.monotonic()
+        self._window.append((now, prefill_tokens, decode_tokens))
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
+    def tokens_per_s(self) -> tuple[float, float]:
+        """(prefill, decode) tokens per second over the last few seconds."""
+        if not self._window:
+            return 0.0, 0.0
+        span = max(time.monotonic() - self._window[0][0], 1.0)
+        return (sum(p for _, p, _ in self._window) / span,
+                sum(d for _, _, d in self._window) / span)
+
+    def record_started(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_hit_tokens.inc(num_cached_tokens)
+
+    def record_kv_sent(self, num_bytes: int, seconds: float) -> None:
+        """A push completed: the transfer rate the router predicts KV handoffs with."""
+        self.kv_transfer_bytes.inc(num_bytes, direction="sent")
+        self.kv_transfer_seconds.observe(seconds, direction="sent")
+        if seconds > 0 and num_bytes > 0:
+            rate = num_bytes / seconds
+            self.kv_send_bytes_per_s = rate if self.kv_send_bytes_per_s == 0 else \
+                0.8 * self.kv_send_bytes_per_s + 0.2 * rate

@@ -1,0 +1,106 @@
+"""Process entry shared by both worker kinds: logging, threads, the event loop, exit codes.
+
+`run_worker(args, kind, build_role)` validates the options, sets torch's thread count,
+then runs `WorkerRuntime.serve` on uvloop (when installed). Heavy imports happen here, at
+run time, so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.options import WorkerOptions
+    from worker.runtime import RoleWorker, WorkerRuntime
+
+BuildRole = Callable[["WorkerOptions", "WorkerRuntime"], "RoleWorker"]
+
+
+def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> int:
+    """`build_role(options, runtime)` returns the role's worker; returns the exit code."""
+    from worker.options import options_from_args
+
+    try:
+        options = options_from_args(args, kind)
+    except ValueError as exc:
+        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        return 2
+    from telemetry.log_format import configure_logging
+
+    configure_logging(options.log_level, options.log_format, options.worker_id,
+                      f"%(asctime)s {options.worker_id} %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(options.threads)
+    # The engine thread and the event loop share one interpreter lock; see --gil-switch-ms.
+    sys.setswitchinterval(options.gil_switch_ms / 1e3)
+    runner: Callable[[Coroutine[object, object, int]], int]
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(_serve(options, build_role))
+    except Exception as exc:  # a clear line for the launcher, the traceback in the log
+        logging.getLogger(__name__).exception("worker failed")
+        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
+    import torch
+
+    from engine.dtype_choice import resolve_dtype
+    from engine.engine_builder import build_engine
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_runner import ModelRunner
+    from telemetry.start_up_heap import freeze_start_up_heap
+    from telemetry.tracing import start_tracing
+    from worker.runtime import WorkerRuntime
+
+    tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
+                            options.worker_id)
+    runtime = WorkerRuntime(options.worker_id, options.role, options.model, options.device,
+                            options.host, options.port, options.internal_token,
+                            options.redis_url, options.namespace, options.drain_timeout_s,
+                            options.sm_share_percent, tracing, options.step_mode)
+    dtype, why = resolve_dtype(options.dtype, options.device)
+    logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
+    config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
+                          max_num_batched_tokens=options.max_num_batched_tokens,
+                          dtype=getattr(torch, dtype), device=options.device,
+                          mixed_cuda_graphs=options.mixed_graphs)
+
+    def load() -> LLMEngine:
+        engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+        log = logging.getLogger(__name__)
+        runner = engine.runner
+        if isinstance(runner, ModelRunner) and (runner.graphs or runner.mixed_graphs):
+            runtime.metrics.graph_capture_seconds.set(runner.capture_seconds)
+            log.info("captured %d decode and %d mixed-step CUDA graphs in %.1f s",
+                     len(runner.graphs.batch_sizes) if runner.graphs else 0,
+                     len(runner.mixed_graphs.shapes) if runner.mixed_graphs else 0,
+                     runner.capture_seconds)
+        if options.warms_up:
+            from engine.warm_up import warm_up
+
+            report = warm_up(engine, lambda line: print(f"{options.worker_id}: {line}",
+                                                        file=sys.stderr, flush=True))
+            runtime.metrics.warmup_seconds.set(report.seconds)
+            log.info("warmed up in %.1f s (%d requests, %d steps)", report.seconds,
+                     report.num_requests, report.num_steps)
+        heap = freeze_start_up_heap()  # the engine loop's collections skip start-up's objects
+        log.info("froze %d start-up objects out of the cyclic collector in %.2f s",
+                 heap.num_objects, heap.seconds)
+        return engine
+
+    try:
+        return await runtime.serve(build_role(options, runtime), load)
+    finally:
+        await tracing.shutdown()  # exports the spans still queued
