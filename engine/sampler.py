@@ -291,7 +291,7 @@ def _apply_top_p(rows: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if all(p >= 1.0 for p in top_ps):
         return rows
     probs = torch.softmax(rows, dim=-1)
-    top_p = torch.tensor(top_ps, dtype=rows.dtype, device=rows.device).unsqueeze(1)
+    top_p = torch.tensor(top_ps, dtype=torch.float64, device=rows.device).unsqueeze(1)
     floors = (_top_p_floors_sorted(probs, top_p) if rows.is_cuda
               else _top_p_floors_partial(probs, top_p, [p < 1.0 for p in top_ps]))
     floors = floors.masked_fill(top_p >= 1.0, 0.0)  # no cut: rounding must not drop the tail
@@ -333,7 +333,13 @@ def _top_p_floors_partial(probs: torch.Tensor, top_p: torch.Tensor,
 def _floors(top: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From the largest probabilities of each row in descending order: the smallest kept
     one (the floor) and how many are kept. A token is kept while the mass before it is
-    < top_p, so the kept set is the smallest reaching top_p (top_p > 0: at least one)."""
-    mass_before = top.cumsum(dim=-1) - top
-    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    < top_p, so the kept set is the smallest reaching top_p (top_p > 0: at least one).
+
+    The running mass is summed in float64: a float32 sum's rounding depends on the order the
+    CPU's SIMD width (or the GPU's scan) adds in, which moves a cut near top_p by a token
+    from one machine to the next; float64 decides the same boundary on every machine and on
+    both paths (the host's partial top-k and the device's full sort)."""
+    top64 = top.double()
+    mass_before = top64.cumsum(dim=-1) - top64
+    num_kept = (mass_before < top_p.double()).sum(dim=-1, keepdim=True)
     return top.gather(1, num_kept - 1), num_kept
