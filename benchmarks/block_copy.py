@@ -4,7 +4,7 @@ A mapped KV transfer on CUDA (kv_transfer/mapped_copy.py) moves a request's bloc
 the prefill worker's pool into the decode worker's with one kernel per layer range
 (engine/kernels/block_copy.py: program (unit, part) copies part of one layer's K or V of
 one block). Between two processes on one H200 that path reached 55-68% of a raw cuda_ipc
-copy at 256 MiB-1 GiB (docs/benchmarks.md): the kernel itself moved bytes at about half
+copy at 256 MiB-1 GiB (docs/benchmark_journal.md): the kernel itself moved bytes at about half
 the rate of a contiguous device copy. This script times, in one process, on one pool
 layout (Llama-3-8B: 32 layers, 8 KV heads of 128, 16-token blocks, bf16: 32 KiB per
 block per layer for K and again for V; destination blocks shuffled in runs of 4):

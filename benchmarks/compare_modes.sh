@@ -19,7 +19,7 @@
 #                                        (long enough for kernels to compile and for the
 #                                        gateway's capacity governor to settle after them)
 # On a CPU, give `pdserve up` tiers it can meet (UP_ARGS="--tiers benchmarks/tiers-cpu.toml")
-# and PDSERVE_ADMISSION=static: see docs/benchmarks.md.
+# and PDSERVE_ADMISSION=static: see docs/performance.md, "Measure your own deployment".
 # Output: OUT_DIR/<mode>/{goodput.json,curve.txt,plans.txt,workers.json,up.log,plots/} and
 #         OUT_DIR/summary.json (every goodput, the best colocated one, and adaptive and
 #         static over it).

@@ -95,7 +95,7 @@ class KernelAttentionMetadata:
 # Llama-3-8B attention: 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at 2048, 0.21
 # vs 0.37; 64 at 2048, 0.21 vs 1.22 per layer), but costs two more kernel launches per
 # layer on the CPU, which a small model's CPU-bound serving loop pays in full. Measured on
-# one H200 (docs/benchmarks.md): from 16k, one colocated Llama-3.2-1B worker served 48
+# one H200 (docs/benchmark_journal.md): from 16k, one colocated Llama-3.2-1B worker served 48
 # req/s against 72 unsplit, and its closed decode loop (benchmarks/serving_loop.py) lost
 # 6-7%; from 128k, 60 and 60 twice. The Llama-3-8B loop, whose steps are GPU-bound, gained
 # 14% (128 requests) and 45% (256) from 16k: its mixed steps' GPU time halved.

@@ -2,7 +2,7 @@
 
 Launched eagerly from Python, a step costs about ten kernel launches per layer (170 on a
 16-layer model) plus its attention metadata; on a small model that host time, not the
-GPU, sets the length of every step that carries a new prompt (docs/benchmarks.md "The
+GPU, sets the length of every step that carries a new prompt (docs/benchmark_journal.md "The
 serving loop"). Here a step of up to `max(token_sizes)` tokens with up to
 `max_prefill_chunks` prefill chunks replays a graph captured for its padded shape
 `(T tokens, D decode rows)`, one launch for the whole step. Every input lives in one

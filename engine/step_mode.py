@@ -26,7 +26,7 @@ STEP_MODE_CHOICES = ("auto", "on", "off", "overlap")
 
 def choose_step_mode(option: str, device: str) -> StepMode:
     """`option` is one of STEP_MODE_CHOICES. auto, on CUDA: OVERLAPPED, for every role
-    (measured against PIPELINED on one H200: docs/benchmarks.md "Overlapped steps" for the
+    (measured against PIPELINED on one H200: docs/benchmark_journal.md "Overlapped steps" for the
     decode loop, "The handoff on the H200 with early prefill" for a prefill worker, whose
     chunked prompts lost about 1.5 ms between chunks while each step waited for the device,
     and whose KV pushes were not slower overlapped). Elsewhere PLAIN: on the CPU the model

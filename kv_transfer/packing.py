@@ -51,7 +51,7 @@ class PackingLimits(msgspec.Struct, frozen=True, kw_only=True):
         # CUDA: 4 x 64 MiB of device memory; a message costs ~60 us of Python + rendezvous,
         # so it must carry >= 32 MiB to be short next to its ~15 us of HBM time. Host: never
         # packed by default: on an idle 16-core host packing was slower than zero-copy runs
-        # at every size measured, 1 MiB to 256 MiB (docs/benchmarks.md, KV transfer).
+        # at every size measured, 1 MiB to 256 MiB (docs/benchmark_journal.md, KV transfer).
         if on_cuda:
             return cls(slot_bytes=64 << 20, num_slots=4, min_message_bytes=32 << 20,
                        pack_below_run_bytes=1 << 62)

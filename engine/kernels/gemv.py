@@ -3,7 +3,7 @@
 At decode batch 1..GEMV_MAX_ROWS a linear layer is a matrix-vector product: it reads the
 whole weight once and does almost no arithmetic, so its time is the weight's bytes over
 the memory bandwidth. cuBLAS picks split-K GEMM tiles for these shapes and reaches the
-bandwidth only on the largest matrices (docs/benchmarks.md: 97% on the gate-up projection,
+bandwidth only on the largest matrices (docs/benchmark_journal.md: 97% on the gate-up projection,
 62-75% on the attention's q/k/v and output projections, plus a reduction kernel each).
 
 Program (tile, split) owns BLOCK_N output columns and the split's share of K, and streams
@@ -47,7 +47,7 @@ triton, tl, _ = import_triton()
 
 ROWS = 16  # rows of x one launch handles (the dot's smallest M)
 # The largest batch sent here rather than to cuBLAS (0: never). Measured on an H200
-# (docs/benchmarks.md, "Small-batch linear layers").
+# (docs/benchmark_journal.md, "Small-batch linear layers").
 GEMV_MAX_ROWS = 8
 
 
@@ -70,7 +70,7 @@ DEFAULT_TILE = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4)
 def gemv_config(n: int, k: int) -> GemvConfig | None:
     """The tile for a weight of [n, k], or None where cuBLAS is as fast or faster: a pure
     function of the shape, from sweeps of tiles on an H200 (benchmarks/gemv.py --sweep;
-    docs/benchmarks.md, "Small-batch linear layers").
+    docs/benchmark_journal.md, "Small-batch linear layers").
 
     Measured there: the vocabulary head gains 3-6% at every size; a 4096-wide model's
     q/k/v 4-11%; the attention output and down projections, whose 2048-4096 columns make
