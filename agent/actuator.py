@@ -5,8 +5,10 @@
                                          renewing is the same call; fenced by epoch
     readmit(worker, epoch)               drop that ejection (a newer one stays)
     restart(info, reason)                agent/restarters.py, by deployment kind
-    reclaim(info, older_than_s)          POST /internal/reclaim: leaked reservations
-    switch_role(info, role)              POST /internal/role: drain, then a new epoch
+    reclaim(info, older_than_s)          a ReclaimRequest: leaked reservations
+    switch_role(info, role)              a RoleChangeRequest: drain, then a new epoch
+
+Calls reach the workers over their channels (rpc/), like the gateway's.
 
 Each is idempotent (ejecting an ejected worker renews it; restarting a worker that is gone
 reports so; reclaiming twice frees nothing more) and has a deadline; failures raise
@@ -20,11 +22,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-import aiohttp
-
+from agent.decision import EventRule
 from agent.restarters import Restarter, RestartError
 from protocol.agent_messages import ReclaimRequest, ReclaimResponse
 from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
+from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError
 from state.agent_state import AgentState, Ejection, now_unix_ms
@@ -34,9 +36,7 @@ R = TypeVar("R", bound=Message)
 
 
 class ActionError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status  # the worker's HTTP status, when it answered
+    """An action did not go through; the message is the audit log's one-line reason."""
 
 
 @contextlib.asynccontextmanager
@@ -51,18 +51,17 @@ async def _redis(what: str) -> AsyncIterator[None]:
 
 class Actuator:
     def __init__(self, agent_state: AgentState, restarter: Restarter,
-                 session: aiohttp.ClientSession, token: str | None,
-                 eject_hold_s: float = 300.0, control_timeout_s: float = 5.0) -> None:
+                 channels: ChannelPool, eject_hold_s: float = 300.0,
+                 control_timeout_s: float = 5.0) -> None:
         self.agent_state = agent_state
         self.restarter = restarter
-        self.session = session
-        self.token = token
+        self.channels = channels
         self.eject_hold_s = eject_hold_s
         self.control_timeout_s = control_timeout_s
 
-    async def eject(self, worker_id: str, epoch: int, rule: str, reason: str) -> None:
+    async def eject(self, worker_id: str, epoch: int, rule: EventRule, reason: str) -> None:
         now = now_unix_ms()
-        entry = Ejection(worker_id=worker_id, epoch=epoch, rule=rule, reason=reason[:1000],
+        entry = Ejection(worker_id=worker_id, epoch=epoch, rule=rule.value, reason=reason[:1000],
                          at_unix_ms=now, until_unix_ms=now + int(self.eject_hold_s * 1000))
         async with _redis("the ejection"):
             try:
@@ -82,25 +81,20 @@ class Actuator:
 
     async def reclaim(self, info: WorkerInfo, older_than_s: float) -> int:
         request = ReclaimRequest(older_than_ms=max(1000, int(older_than_s * 1000)))
-        answer = await self._call(info, "/internal/reclaim", request, ReclaimResponse,
-                                  self.control_timeout_s)
+        answer = await self._call(info, request, ReclaimResponse, self.control_timeout_s)
         return answer.num_reclaimed
 
-    async def switch_role(self, info: WorkerInfo, role: str, drain_timeout_s: float) -> int:
+    async def switch_role(self, info: WorkerInfo, role: Role, drain_timeout_s: float) -> int:
         """The worker's new epoch once it serves its new role."""
-        try:
-            change = RoleChangeRequest(role=Role(role),
-                                       drain_timeout_ms=max(1, int(drain_timeout_s * 1000)))
-        except ValueError:
-            raise ActionError(f"unknown role {role!r}") from None
-        answer = await self._call(info, "/internal/role", change, RoleChangeResponse,
+        change = RoleChangeRequest(role=role, drain_timeout_ms=max(1, int(drain_timeout_s * 1000)))
+        answer = await self._call(info, change, RoleChangeResponse,
                                   drain_timeout_s + self.control_timeout_s + 5.0)
         return answer.epoch
 
-    async def _call(self, info: WorkerInfo, path: str, message: Message,
-                    answer_type: type[R], timeout_s: float) -> R:
-        client = ControlClient(info.control_url, self.token, self.session)
+    async def _call(self, info: WorkerInfo, message: Message, answer_type: type[R],
+                    timeout_s: float) -> R:
+        client = ControlClient(info.control_url, self.channels)
         try:
-            return await client.call(path, message, answer_type, timeout_s=timeout_s)
+            return await client.call(message, answer_type, timeout_s=timeout_s)
         except ControlError as exc:
-            raise ActionError(f"{path} on {info.worker_id}: {exc}", exc.status) from None
+            raise ActionError(f"{type(message).__name__} to {info.worker_id}: {exc}") from None

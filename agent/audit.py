@@ -1,6 +1,7 @@
 """The agent's audit trail: every decision, where an operator can find it.
 
-Each `AgentEvent` (what was seen, which rule fired, what was done, the outcome) goes to:
+Each `Decision` (agent/decision.py: what was seen, which rule fired, what was done, the
+outcome) becomes one `AgentEvent` (its JSON spelling) and goes to:
   * the JSON-lines file given with --audit-log (appended, flushed per event);
   * the Redis stream `{ns}:agent_events`, which the gateway serves as GET /admin/agent/events
     (best effort: with Redis down the file and the counters still get it);
@@ -21,18 +22,13 @@ from typing import IO
 
 import msgspec
 
-from state.agent_state import AgentEvent, AgentState
+from agent.decision import Decision, EventAction, EventRule, OutcomeKind, RoleSwitch
+from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 from telemetry.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
 _DIGITS = re.compile(r"\d+(\.\d+)?")
-
-
-def outcome_kind(outcome: str) -> str:
-    """done | dry_run | held | failed: the counter label of an event's outcome."""
-    head = outcome.split(":", 1)[0]
-    return head if head in ("done", "dry_run", "held", "failed") else "done"
 
 
 class Audit:
@@ -45,7 +41,8 @@ class Audit:
                                          ("rule", "action", "outcome"))
         self.path = path
         self._file: IO[bytes] | None = None
-        self._last_held: dict[tuple[str, int, str, str], str] = {}
+        # (worker, epoch, rule, action) -> the last held reason, its figures masked
+        self._last_held: dict[tuple[str, int, EventRule, EventAction | RoleSwitch], str] = {}
         self.num_redis_failures = 0
 
     def open(self) -> None:
@@ -58,19 +55,21 @@ class Audit:
             self._file.close()
             self._file = None
 
-    async def record(self, event: AgentEvent) -> bool:
+    async def record(self, decision: Decision) -> bool:
         """Record one decision; False when it repeats the last held one (not recorded)."""
-        kind = outcome_kind(event.outcome)
-        key = (event.worker_id, event.epoch, event.rule, event.action)
-        if kind == "held":
-            reason = _DIGITS.sub("#", event.outcome)  # "acted on 2.0 s ago" repeats itself
+        outcome = decision.outcome
+        key = (decision.worker_id, decision.epoch, decision.rule, decision.action)
+        if outcome.kind is OutcomeKind.HELD:
+            reason = _DIGITS.sub("#", str(outcome))  # "acted on 2.0 s ago" repeats itself
             if self._last_held.get(key) == reason:
                 return False
             self._last_held[key] = reason
         else:
             self._last_held.pop(key, None)
-        self.decisions.inc(rule=event.rule, action=event.action, outcome=kind)
-        level = logging.WARNING if kind in ("done", "failed") else logging.INFO
+        event = decision.to_event()
+        self.decisions.inc(rule=event.rule, action=event.action, outcome=outcome.label)
+        acted = outcome.kind not in (OutcomeKind.DRY_RUN, OutcomeKind.HELD)
+        level = logging.WARNING if acted else logging.INFO
         log.log(level, "%s %s (epoch %d): %s -> %s: %s", event.rule, event.worker_id,
                 event.epoch, event.evidence, event.action, event.outcome)
         line = msgspec.json.encode(event)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import env_default, env_flag
+from telemetry.options import EnvOptions
 
 RESTART_MODES = ("auto", "local", "exit", "kubernetes", "none")
 
@@ -21,19 +20,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     env = os.environ
     p = subparsers.add_parser(
         "agent", help="run the operations agent: detect, eject, restart, rebalance",
-        description="Watch the workers of one cluster (the Redis registry and each worker's "
-                    "/metrics), eject a dead, hung, slow or failing worker from routing, "
+        description="Watch the workers of one cluster (the Redis registry, and each worker's "
+                    "health report over its channel), eject a dead, hung, slow or failing worker from routing, "
                     "restart it, re-admit it after a probation, reclaim leaked KV "
                     "reservations and move workers between the prefill and decode roles "
                     "as the traffic shifts. Every decision goes to the audit trail: "
                     "--audit-log, GET /admin/agent/events on the gateway, and the "
                     "counters on this process's /metrics.")
 
-    def opt(name: str, default: str | None = None, **kwargs: Any) -> None:
-        p.add_argument(name, default=env_default(env, name, default), **kwargs)
+    options = EnvOptions(p, env)
+    opt = options.add
 
     def flag(name: str, help_text: str) -> None:
-        p.add_argument(name, action="store_true", default=env_flag(env, name), help=help_text)
+        options.flag(name, help=help_text)
 
     opt("--redis-url", help="Redis of the cluster (required), e.g. redis://127.0.0.1:6379/0")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
@@ -53,8 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--audit-log", help="append every decision to this JSON-lines file")
     opt("--period-s", "1.0", type=float, help="control loop period (default 1.0)")
     opt("--control-timeout-s", "1.5", type=float,
-        help="deadline of each worker /metrics read: a worker missing it is not answering "
-             "(default 1.5)")
+        help="deadline of each worker's health report: a worker missing it is not "
+             "answering (default 1.5)")
     opt("--lease-margin-s", "1.0", type=float,
         help="a worker that does not answer and whose registry lease has less than this "
              "left is dead (default 1.0)")

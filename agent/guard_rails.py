@@ -16,8 +16,10 @@ Guard rails, all checked here:
   * never repeat an action of one kind on the same (worker, epoch) within `cooldown_s`
     (a reclaim does not hold back an ejection, nor the reverse; idempotent:
     the executor may be told twice, it acts once).
-Nothing here does I/O; the caller passes the registry's epochs, pool sizes, what is already
-ejected and when each action last ran.
+Nothing here does I/O; the caller passes the registry's epochs and roles, what is already
+ejected, and each worker's `Ledger` (when each kind of action last ran on it, how often it
+was ejected). A ledger covers one epoch, the newest acted on: an action on another epoch
+starts a fresh one (a new incarnation starts clean), so cooldowns and strikes are per epoch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.health_rules import Detection, Rule
+from protocol.messages import Role
 
 
 class ActionKind(enum.StrEnum):
@@ -53,13 +56,40 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class Ledger:
+    """What the guard rails remember of one worker, all of one epoch (the newest acted on)."""
+
+    epoch: int
+    num_strikes: int = 0  # ejections in this epoch
+    last_action_s: Mapping[ActionKind, float] = field(default_factory=dict)  # kind -> when
+
+    def strikes_in(self, epoch: int) -> int:
+        return self.num_strikes if epoch == self.epoch else 0
+
+    def last_in(self, epoch: int, kind: ActionKind) -> float | None:
+        """When an action of `kind` last ran on `epoch`; None: never."""
+        return self.last_action_s.get(kind) if epoch == self.epoch else None
+
+    def _of(self, epoch: int) -> Ledger:
+        return self if epoch == self.epoch else Ledger(epoch)
+
+    def stamped(self, epoch: int, kind: ActionKind, now_s: float) -> Ledger:
+        """An action of `kind` ran on `epoch` at `now_s`."""
+        ledger = self._of(epoch)
+        return Ledger(epoch, ledger.num_strikes, {**ledger.last_action_s, kind: now_s})
+
+    def struck(self, epoch: int) -> Ledger:
+        """`epoch` was ejected once more."""
+        ledger = self._of(epoch)
+        return Ledger(epoch, ledger.num_strikes + 1, ledger.last_action_s)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolState:
     epochs: Mapping[str, int]  # worker id -> its newest epoch in the registry
-    roles: Mapping[str, str]  # worker id -> role
+    roles: Mapping[str, Role | None]  # worker id -> role (None: lapsed, no registry entry)
     ejected: frozenset[str]  # worker ids out of routing now
-    # (worker, epoch, action kind) -> when last done
-    last_action_s: Mapping[tuple[str, int, ActionKind], float]
-    strikes: Mapping[tuple[str, int], int] = field(default_factory=dict)  # ejections so far
+    ledgers: Mapping[str, Ledger] = field(default_factory=dict)  # worker id -> its ledger
 
 
 _ACTIONS = {Rule.DEAD: ActionKind.EJECT_AND_RESTART, Rule.HUNG: ActionKind.EJECT_AND_RESTART,
@@ -92,18 +122,20 @@ def plan_actions(detections: Sequence[Detection], state: PoolState, now_s: float
             held.append(Held(detection, f"epoch {epoch} was replaced by epoch {newest}"))
             continue
         kind = _ACTIONS[detection.rule]
-        if kind is ActionKind.EJECT and state.strikes.get((worker, epoch), 0) >= 1:
+        ledger = state.ledgers.get(worker)
+        if kind is ActionKind.EJECT and ledger is not None and ledger.strikes_in(epoch) >= 1:
             kind = ActionKind.EJECT_AND_RESTART
-        last = state.last_action_s.get((worker, epoch, kind))
+        last = None if ledger is None else ledger.last_in(epoch, kind)
         if last is not None and now_s - last < cooldown_s:
             held.append(Held(detection, f"acted on {now_s - last:.1f} s ago (cooldown "
                                         f"{cooldown_s:g} s)"))
             continue
         if kind is not ActionKind.RECLAIM_KV and worker not in state.ejected:
-            role = state.roles.get(worker, "")
+            role = state.roles.get(worker)
             limit = max_ejected(pool_sizes[role], max_eject_fraction)
             if out[role] >= limit and detection.rule is not Rule.DEAD:
-                held.append(Held(detection, f"{out[role]} of the {pool_sizes[role]} {role} "
+                pool = "lapsed" if role is None else role.value
+                held.append(Held(detection, f"{out[role]} of the {pool_sizes[role]} {pool} "
                                             f"worker(s) are out already (at most {limit})"))
                 continue
             out[role] += 1

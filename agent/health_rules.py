@@ -28,6 +28,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from protocol.messages import Role
 from protocol.worker_load import StepModel
 
 
@@ -46,7 +47,7 @@ class WorkerSample:
     at_s: float  # the agent's monotonic clock when it read this
     worker_id: str
     epoch: int
-    role: str
+    role: Role | None  # None: its lease lapsed, and its registry entry (its role) with it
     lease_left_s: float | None  # None: no lease in the registry any more
     process_alive: bool | None  # None: not known (the worker runs on another host)
     control_ok: bool  # its control API answered within the deadline

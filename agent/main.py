@@ -1,13 +1,14 @@
 """`pdserve agent` process: wiring only (the loop itself is agent/control_loop.py).
 
     config_from_args ─▶ run_agent: uvloop ─▶ serve():
-        Redis client + RedisState + AgentState, one aiohttp session, the metrics registry,
+        Redis client + RedisState + AgentState, the workers' channels (rpc/), an aiohttp
+        session for the Kubernetes API, the metrics registry,
         GET /health and /metrics on --host:--port ─▶ Observer, Actuator (with the restarter
         of --restart), Audit (--audit-log) ─▶ ControlLoop.adopt() (ejections a previous
         agent left) ─▶ tick every --period-s until SIGTERM/SIGINT (--once: a few ticks in
         dry-run, the decisions printed on stdout, then exit)
         ─▶ stop: the role-change task, the leader lease (resigned), the audit file, the
-           session, Redis and the HTTP runner, each within a deadline.
+           channels, the session, Redis and the HTTP runner, each within a deadline.
 
 A tick that fails on Redis (unreachable, slow) is counted and logged once per outage; the
 agent acts on nothing until Redis answers again (it never acts on a stale view).
@@ -36,6 +37,7 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
+from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
 from telemetry.metrics import MetricsRegistry
@@ -97,17 +99,17 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
     state = RedisState(connect(args.redis_url), args.namespace)
     agent_state = AgentState(state)
     session = aiohttp.ClientSession()
+    channels = ChannelPool(token)
     audit = Audit(agent_state, metrics, Path(args.audit_log) if args.audit_log else None,
                   echo=sys.stdout if args.once else None)
     runner: web.AppRunner | None = None
     loop_ = None
     try:
         audit.open()
-        restarter = make_restarter(RestartMode(args.restart), session, token,
+        restarter = make_restarter(RestartMode(args.restart), session, channels,
                                    args.kube_namespace)
-        actuator = Actuator(agent_state, restarter, session, token,
-                            eject_hold_s=args.eject_hold_s)
-        observer = Observer(state, session, token, control_timeout_s=args.control_timeout_s)
+        actuator = Actuator(agent_state, restarter, channels, eject_hold_s=args.eject_hold_s)
+        observer = Observer(state, channels, control_timeout_s=args.control_timeout_s)
         loop_ = ControlLoop(observer, actuator, audit, config, metrics)
         if args.once:
             return await _once(loop_, config)
@@ -123,6 +125,7 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
                 except REDIS_FAILURES:
                     pass  # the lease lapses by itself
         audit.close()
+        await channels.aclose()
         await session.close()
         await state.aclose()
         if runner is not None:
@@ -195,5 +198,5 @@ async def _once(loop_: ControlLoop, config: AgentConfig) -> int:
             await asyncio.sleep(config.period_s)
     registry = loop_.observer.registry
     print(f"pdserve agent: {len(registry.workers)} live worker(s), "
-          f"{len(loop_.ejected)} ejected; nothing was done (--once)", file=sys.stderr)
+          f"{len(loop_.out_ids)} ejected; nothing was done (--once)", file=sys.stderr)
     return 0

@@ -33,7 +33,7 @@ Invariants:
   * at most one move per decision, and none within `cooldown_s` [60 s] of the last one; as
     evidence must postdate the last move, two moves are at least `sustain_s` apart anyway;
   * a move never leaves its donor role with fewer than `min_per_role` [1] routable workers,
-    and never picks an ejected or unswitchable worker, nor one of role both or colocated;
+    and never picks an ejected worker, nor one of role both or colocated;
   * hysteresis: a donor gives a worker only if its signal, spread over one worker fewer,
     stays at or below its low mark, and the reverse move needs that signal at or above the
     high mark, strictly higher. Under a constant load a move is not followed by its reverse
@@ -53,8 +53,6 @@ from dataclasses import dataclass
 from protocol.messages import Role
 from protocol.worker_load import WorkerLoad
 
-PREFILL, DECODE = Role.PREFILL.value, Role.DECODE.value
-
 
 @dataclass(frozen=True, slots=True)
 class RoleView:
@@ -62,9 +60,8 @@ class RoleView:
 
     worker_id: str
     epoch: int
-    role: str  # "prefill" | "decode" | "both" | "colocated"
+    role: Role
     load: WorkerLoad
-    switchable: bool = True  # False: its process cannot change role (learned from a refusal)
     ejected: bool = False  # out of routing now: never a candidate, not counted as capacity
 
 
@@ -113,8 +110,8 @@ class RebalanceConfig:
 class RoleMove:
     worker_id: str
     epoch: int
-    from_role: str
-    to_role: str
+    from_role: Role
+    to_role: Role
     reason: str  # the evidence, for the audit log
 
 
@@ -139,8 +136,8 @@ def _prefill_signals(loads: Sequence[WorkerLoad]) -> tuple[float, float]:
 
 def pool_signals(views: Sequence[RoleView], now_s: float) -> PoolSignals:
     """The pools' signals at `now_s`; side-effect free."""
-    prefill = [v.load for v in views if v.role == PREFILL and not v.ejected]
-    decode = [v.load for v in views if v.role == DECODE and not v.ejected]
+    prefill = [v.load for v in views if v.role == Role.PREFILL and not v.ejected]
+    decode = [v.load for v in views if v.role == Role.DECODE and not v.ejected]
     delay_s, busy = _prefill_signals(prefill)
     total = sum(load.num_kv_blocks_total for load in decode)
     used = sum(load.num_kv_blocks_used for load in decode if load.num_kv_blocks_total > 0)
@@ -189,9 +186,9 @@ def _decode_evidence(span: Sequence[PoolSignals], cfg: RebalanceConfig) -> str:
 Wanted = Callable[[PoolSignals, RebalanceConfig], bool]
 Evidence = Callable[[Sequence[PoolSignals], RebalanceConfig], str]
 # (donor role, taker role, the test every sample must pass, its evidence)
-_DIRECTIONS: tuple[tuple[str, str, Wanted, Evidence], ...] = (
-    (DECODE, PREFILL, _prefill_wanted, _prefill_evidence),
-    (PREFILL, DECODE, _decode_wanted, _decode_evidence))
+_DIRECTIONS: tuple[tuple[Role, Role, Wanted, Evidence], ...] = (
+    (Role.DECODE, Role.PREFILL, _prefill_wanted, _prefill_evidence),
+    (Role.PREFILL, Role.DECODE, _decode_wanted, _decode_evidence))
 
 
 def sustained_span(history: Sequence[PoolSignals], last_move_s: float | None, now_s: float,
@@ -224,13 +221,10 @@ def plan_rebalance(history: Sequence[PoolSignals], views: Sequence[RoleView],
         routable = [v for v in views if v.role == donor and not v.ejected]
         if len(routable) - 1 < cfg.min_per_role:
             return None
-        candidates = [v for v in routable if v.switchable]
-        if not candidates:
-            return None
-        pick = min(candidates, key=lambda v: (v.load.num_running + v.load.num_waiting,
+        pick = min(routable, key=lambda v: (v.load.num_running + v.load.num_waiting,
                                               v.worker_id))
         return RoleMove(pick.worker_id, pick.epoch, donor, taker,
                         f"{evidence(span, cfg)}; {pick.worker_id} is the least loaded "
-                        f"{donor} worker ({pick.load.num_running} running, "
+                        f"{donor.value} worker ({pick.load.num_running} running, "
                         f"{pick.load.num_waiting} waiting)")
     return None

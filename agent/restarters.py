@@ -36,6 +36,7 @@ import aiohttp
 from agent.observer import is_local, process_alive
 from protocol.agent_messages import ExitRequest, ExitResponse
 from protocol.messages import WorkerInfo
+from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError
 
@@ -79,17 +80,15 @@ class LocalRestarter:
 
 
 class ExitRestarter:
-    def __init__(self, session: aiohttp.ClientSession, token: str | None,
-                 timeout_s: float = 2.0) -> None:
-        self.session = session
-        self.token = token
+    def __init__(self, channels: ChannelPool, timeout_s: float = 2.0) -> None:
+        self.channels = channels
         self.timeout_s = timeout_s
 
     async def restart(self, info: WorkerInfo, reason: str) -> str:
-        client = ControlClient(info.control_url, self.token, self.session)
+        client = ControlClient(info.control_url, self.channels)
         try:
-            answer = await client.call("/internal/exit", ExitRequest(reason=reason[:1000]),
-                                       ExitResponse, timeout_s=self.timeout_s)
+            answer = await client.call(ExitRequest(reason=reason[:1000]), ExitResponse,
+                                       timeout_s=self.timeout_s)
         except ControlError as exc:
             raise RestartError(f"the worker did not take the exit request: {exc}") from None
         return f"pid {answer.pid} exits: its orchestrator restarts it"
@@ -165,14 +164,15 @@ class AutoRestarter:
         return await chosen.restart(info, reason)
 
 
-def make_restarter(mode: RestartMode, session: aiohttp.ClientSession, token: str | None,
+def make_restarter(mode: RestartMode, session: aiohttp.ClientSession, channels: ChannelPool,
                    kube_namespace: str | None = None) -> Restarter:
+    """`session`: for the Kubernetes API; `channels`: the workers' (an exit request)."""
     if mode is RestartMode.LOCAL:
         return LocalRestarter()
     if mode is RestartMode.EXIT:
-        return ExitRestarter(session, token)
+        return ExitRestarter(channels)
     if mode is RestartMode.KUBERNETES:
         return KubernetesRestarter(session, kube_namespace)
     if mode is RestartMode.NONE:
         return NoRestarter()
-    return AutoRestarter(LocalRestarter(), ExitRestarter(session, token))
+    return AutoRestarter(LocalRestarter(), ExitRestarter(channels))

@@ -16,14 +16,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 
 from agent.actuator import ActionError, Actuator
+from agent.decision import Decision, Outcome, OutcomeKind, RoleSwitch, Routine
 from agent.rebalance import (PoolSignals, RebalanceConfig, RoleMove, RoleView, plan_rebalance,
                              pool_signals)
 from protocol.messages import WorkerInfo
 from protocol.worker_load import WorkerLoad
+from state.agent_state import now_unix_ms
 from state.redis_state import Registry
 
-# (worker id, epoch, rule, evidence, action, outcome) -> recorded in the audit trail
-Recorder = Callable[[str, int, str, str, str, str], Awaitable[None]]
+Recorder = Callable[[Decision], Awaitable[None]]  # into the audit trail
 
 
 class RoleMover:
@@ -37,14 +38,12 @@ class RoleMover:
         self.dry_run = dry_run
         self.history: deque[PoolSignals] = deque()
         self.last_move_s: float | None = None
-        self.unswitchable: set[tuple[str, int]] = set()
         self._last_decision_s: float | None = None
         self._task: asyncio.Task[None] | None = None
 
     def views(self, registry: Registry, out: Collection[str]) -> list[RoleView]:
-        return [RoleView(worker_id=w, epoch=i.epoch, role=i.role.value,
+        return [RoleView(worker_id=w, epoch=i.epoch, role=i.role,
                          load=registry.loads[w].load if w in registry.loads else WorkerLoad(),
-                         switchable=(w, i.epoch) not in self.unswitchable,
                          ejected=w in out or i.draining)
                 for w, i in sorted(registry.workers.items())]
 
@@ -64,27 +63,28 @@ class RoleMover:
         if move is None:
             return
         self.last_move_s = now
-        action = f"{move.from_role}->{move.to_role}"
-        await self.record(move.worker_id, move.epoch, "rebalance", move.reason, action,
-                          "dry_run" if self.dry_run else "started")
+        await self.record(_decision(move, move.worker_id, move.epoch, Outcome(
+            OutcomeKind.DRY_RUN if self.dry_run else OutcomeKind.STARTED)))
         if not self.dry_run:
             self._task = asyncio.create_task(self._switch(registry.workers[move.worker_id],
                                                           move),
                                              name=f"role-change-{move.worker_id}")
 
     async def _switch(self, info: WorkerInfo, move: RoleMove) -> None:
-        action = f"{move.from_role}->{move.to_role}"
         try:
             epoch = await self.actuator.switch_role(info, move.to_role, self.drain_timeout_s)
-            outcome = f"done: serving as {move.to_role} in epoch {epoch}"
+            outcome = Outcome.done(f"serving as {move.to_role.value} in epoch {epoch}")
         except ActionError as exc:
-            if exc.status == 404:  # a build without role changes
-                self.unswitchable.add((info.worker_id, info.epoch))
-            outcome = f"failed: {exc}"
-        await self.record(info.worker_id, info.epoch, "rebalance", move.reason, action, outcome)
+            outcome = Outcome.failed(str(exc))
+        await self.record(_decision(move, info.worker_id, info.epoch, outcome))
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def _decision(move: RoleMove, worker_id: str, epoch: int, outcome: Outcome) -> Decision:
+    return Decision(now_unix_ms(), worker_id, epoch, Routine.REBALANCE, move.reason,
+                    RoleSwitch(move.from_role, move.to_role), outcome)

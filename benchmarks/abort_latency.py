@@ -8,7 +8,7 @@ two measurements `--rounds` times:
               (ABORTED), each divided by the stream's median gap between tokens (one step);
   disconnect  a completion streamed through the gateway, the client hanging up after 3
               tokens: the time until neither worker holds anything for the request (seen
-              by polling both workers' /internal/state), in the same step units.
+              by polling both workers' /admin/state), in the same step units.
 
 Results in steps are comparable across machines; the milliseconds it prints are this
 machine's. The tests check the cause and effect (no token after the abort); this measures.
@@ -33,6 +33,7 @@ import aiohttp
 from benchmarks.up_cluster import UpCluster
 from protocol.messages import AbortRequest, AbortResponse, DecodeRequest, ErrorCode, TokenFrame
 from protocol.sampling_params import SamplingParams
+from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import RemoteError
 
@@ -43,14 +44,16 @@ HTTP_TIMEOUT_S = 30.0
 async def abort_round(decode_url: str, token: str, prompt_ids: list[int], i: int
                       ) -> tuple[float, float, float]:
     """(abort round trip, abort sent -> stream ended, median token gap), in seconds."""
-    client = ControlClient(decode_url, token=token)
-    aborter = ControlClient(decode_url, token=token)
+    # Two channels, as the gateway's stream and its abort would not share a stream.
+    streams, aborts = ChannelPool(token), ChannelPool(token)
+    client = ControlClient(decode_url, streams)
+    aborter = ControlClient(decode_url, aborts)
     arrivals: list[float] = []
     ended_at: list[float] = []
 
     async def consume() -> None:
         try:
-            async for frame in client.stream("/internal/decode", DecodeRequest(
+            async for frame in client.stream(DecodeRequest(
                     request_id=f"bench-abort-{i}", prompt_token_ids=prompt_ids,
                     sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                     timeout_ms=120_000), TokenFrame, HTTP_TIMEOUT_S, HTTP_TIMEOUT_S):
@@ -68,13 +71,13 @@ async def abort_round(decode_url: str, token: str, prompt_ids: list[int], i: int
                 raise RuntimeError("the stream ended before the abort")
             await asyncio.sleep(0.005)
         sent = time.perf_counter()
-        answer = await aborter.call("/internal/abort", AbortRequest(request_id=f"bench-abort-{i}"),
-                                    AbortResponse, HTTP_TIMEOUT_S)
+        answer = await aborter.call(AbortRequest(request_id=f"bench-abort-{i}"), AbortResponse,
+                                    HTTP_TIMEOUT_S)
         answered = time.perf_counter()
         await asyncio.wait_for(task, HTTP_TIMEOUT_S)
     finally:
-        await client.aclose()
-        await aborter.aclose()
+        await streams.aclose()
+        await aborts.aclose()
     if not answer.found or not ended_at:
         raise RuntimeError(f"abort {i}: found={answer.found}, stream ended={bool(ended_at)}")
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
@@ -126,7 +129,7 @@ def _summary(name: str, seconds: list[float], steps: list[float]) -> str:
 async def measure(cluster: UpCluster, rounds: int) -> list[str]:
     workers = cluster.workers()
     decode = next(w for w in workers if w["role"] in ("decode", "both", "colocated"))
-    state_urls = [w["control_url"] + "/internal/state" for w in workers]
+    state_urls = [w["control_url"] + "/admin/state" for w in workers]
     model = cluster.get_json("/v1/models")["data"][0]["id"]
     from engine.engine_builder import load_tokenizer
     from engine.loader import load_model

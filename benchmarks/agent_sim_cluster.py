@@ -37,8 +37,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from agent.rebalance import (DECODE, PREFILL, PoolSignals, RebalanceConfig, RoleMove, RoleView,
-                             plan_rebalance, pool_signals)
+from agent.rebalance import (PoolSignals, RebalanceConfig, RoleMove, RoleView, plan_rebalance,
+                             pool_signals)
+from protocol.messages import Role
 from protocol.worker_load import StepModel, WorkerLoad
 
 BLOCK_TOKENS = 16
@@ -91,10 +92,10 @@ class Request:
 class Worker:
     index: int
     worker_id: str
-    role: str
+    role: Role
     epoch: int = 1
     alive: bool = True
-    switch_to: str | None = None  # draining towards this role
+    switch_to: Role | None = None  # draining towards this role
     gen: int = 0  # bumped whenever its scheduled events become void
     queue: deque[Request] = field(default_factory=deque)  # prefill FIFO, the head excluded
     head: Request | None = None  # being prefilled since head_start_s
@@ -141,7 +142,8 @@ class Simulation:
                                decode_seq_s=hw.decode_per_seq_s, context_token_s=0.0,
                                num_samples=100, num_prefill_samples=50, num_decode_samples=50)
         self.kv_blocks = hw.kv_tokens // BLOCK_TOKENS
-        self.workers = [Worker(i, f"w-{i}", PREFILL if i < scenario.num_prefill else DECODE)
+        self.workers = [Worker(i, f"w-{i}",
+                               Role.PREFILL if i < scenario.num_prefill else Role.DECODE)
                         for i in range(scenario.num_workers)]
         self.requests = arrivals(scenario, seed)
         self.events: list[tuple[float, int, Worker | None, int, Callable[..., None],
@@ -189,11 +191,11 @@ class Simulation:
     def route(self, requests: Iterable[Request], t: float) -> None:
         """Hand each request to a routable worker of the role its stage needs, or hold it."""
         for r in requests:
-            role = PREFILL if r.first_token_s is None else DECODE
+            role = Role.PREFILL if r.first_token_s is None else Role.DECODE
             ready = [w for w in self.workers if w.role == role and w.routable]
             if not ready:
                 self.pending.append(r)
-            elif role == PREFILL:
+            elif role is Role.PREFILL:
                 w = min(ready, key=lambda w: (self.backlog(w, t), w.index))
                 w.queue.append(r)
                 self.next_prefill(w, t)
@@ -242,7 +244,7 @@ class Simulation:
             self.at(t + self.hw.decode_base_s + self.hw.decode_per_seq_s * len(w.batch), w,
                     self.step, w)
 
-    def start_switch(self, w: Worker, role: str, t: float) -> None:
+    def start_switch(self, w: Worker, role: Role, t: float) -> None:
         w.switch_to = role
         queued, w.queue, w.waiting = [*w.queue, *w.waiting], deque(), deque()
         self.route(queued, t)  # what it has not started goes to peers now

@@ -29,7 +29,7 @@ PROMPTS = [
     "List three colours: red,", "In 1969, the first person to walk on the Moon was",
     "Explain photosynthesis in one sentence.", "The quick brown fox", "Once upon a time,",
     "The three laws of thermodynamics are", "A good breakfast includes",
-    "Translate to French: good morning", "The largest planet in the solar system is",
+    "Translate to French: good morning", "The largest gas giant in the solar system is",
     "SELECT name FROM users WHERE", "My favourite book is", "Water boils at",
     "The best way to learn a language is",
 ]

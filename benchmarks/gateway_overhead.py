@@ -20,9 +20,6 @@ to a sink in this process that counts the bytes it receives), side by side;
 `--limits solo shared` measures the admission limits' two paths: solo (one gateway
 deciding locally, the default) and shared (`--replicas 2`: a Redis script per admission,
 as every replica of several pays);
-`--channel on off` measures the gateway with its worker channels (one connection per
-worker, tokens written from its read callback: gateway/api/fast_lane.py) and without (one
-HTTP request per stream), side by side;
 `--baseline DIR` adds the gateway of another checkout (e.g. `git worktree add DIR REV`),
 run from DIR with this interpreter, as the row "baseline".
 
@@ -56,6 +53,7 @@ from gateway.api.sse import SseDecoder
 from launcher.redis_server import RedisServer
 from protocol.messages import DecodeRequest, DecodeResponseFrame, TokenFrame
 from protocol.sampling_params import SamplingParams
+from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +92,7 @@ async def direct_stream(client: ControlClient, num_tokens: int) -> float:
     message = DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3],
                             sampling=SamplingParams(max_tokens=num_tokens), timeout_ms=60_000)
     count = 0
-    async for frame in client.stream("/internal/decode", message, DecodeResponseFrame, 30, 30):
+    async for frame in client.stream(message, DecodeResponseFrame, 30, 30):
         assert isinstance(frame, TokenFrame)
         if ttft is None:
             ttft = time.perf_counter() - started
@@ -131,8 +129,9 @@ async def measure(url: str, stub_url: str, gateway_pid: int, concurrency: int, r
     direct, via = [], []
     cpu_s = 0.0
     connector = aiohttp.TCPConnector(limit=0)
+    channels = ChannelPool(None)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = ControlClient(stub_url, session=session)
+        client = ControlClient(stub_url, channels)
 
         def one_direct() -> Awaitable[float]:
             return gateway_stream(session, stub_url, num_tokens) if peer else \
@@ -146,6 +145,7 @@ async def measure(url: str, stub_url: str, gateway_pid: int, concurrency: int, r
             via += await asyncio.gather(*(gateway_stream(session, url, num_tokens)
                                           for _ in range(concurrency)))
             cpu_s += cpu_seconds(gateway_pid) - before
+    await channels.aclose()
     num_relayed = rounds * concurrency * num_tokens
     return {"concurrency": concurrency,
             "direct_p50_ms": 1000 * statistics.median(direct),
@@ -297,9 +297,6 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", default="default",
                         help='the model whose tokenizer the gateway and the stub use: "default" '
                              "(the packaged GGUF) or a model path, e.g. an HF tokenizer folder")
-    parser.add_argument("--channel", nargs="+", choices=("on", "off"), default=["on"],
-                        help="the gateway's worker channels: on (one connection per worker, "
-                             "the fast lane; the default) and/or off (HTTP per request)")
     parser.add_argument("--baseline", type=Path,
                         help="also measure the gateway of this checkout (traces off)")
     parser.add_argument("--peers", nargs="*", choices=("proxy", "vllm-router"), default=None,
@@ -321,10 +318,9 @@ def main() -> None:
         pacings = {"back-to-back": ("back-to-back", 0.0),
                    "paced": (f"{args.interval_ms:g} ms", args.interval_ms)}
         for label, interval in (pacings[p] for p in args.pacings):
-            configs = [(f"pdserve, tracing {t}, limits {lim}, channel {ch}", REPO, t == "on",
-                        (*(("--replicas", "2") if lim == "shared" else ()),
-                         "--worker-channel", ch))
-                       for t in args.tracing for lim in args.limits for ch in args.channel]
+            configs = [(f"pdserve, tracing {t}, limits {lim}", REPO, t == "on",
+                        ("--replicas", "2") if lim == "shared" else ())
+                       for t in args.tracing for lim in args.limits]
             configs += [("pdserve baseline", args.baseline, False, ())] if args.baseline else []
             for name, tree, traced, extra in configs:
                 otlp = sink.url if sink is not None and traced else None

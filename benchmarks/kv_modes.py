@@ -35,8 +35,8 @@ def split_mode(mode: str) -> tuple[str, str]:
 
 
 def backend_of(mode: str, device: str) -> tuple[str, bool]:
-    """(data plane, mapping on) of a backend mode; mapped GPU pools keep UCX as their
-    (idle) data plane, since the TCP plane takes host pools only."""
+    """(carrier, mapping on) of a backend mode; mapped GPU pools keep UCX as their
+    (idle) carrier, since the TCP carrier takes host pools only."""
     if mode.startswith("mapped") or mode == "check_mapped":
         return ("ucx" if device == "cuda" else "tcp"), True
     return ("ucx" if mode == "check" else mode.split("_")[0]), False

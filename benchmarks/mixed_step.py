@@ -2,8 +2,8 @@
 
 A mixed step (the scheduler puts its decode rows first, then prefill chunks) used to run
 every row through the chunked-prefill kernel; now its leading single-token chunks go to the
-split-K decode kernel and the rest to the prefill kernel (engine/attention.py). This times
-one layer's attention (`attend_cached_kernels`, the K/V already written) both ways, side by
+split-K decode kernel and the rest to the prefill kernel (engine/attention_kernels.py). This
+times one layer's attention (`attend_cached_kernels`, the K/V already written) both ways, side by
 side in one run, with CUDA events, at Llama-3-8B attention shapes (32 heads, 8 KV heads,
 head dim 128, bf16, 16-token blocks) and every mix of `--decodes` rows at `--contexts`
 tokens with one `--prefill`-token chunk; and checks the two agree.
@@ -20,7 +20,8 @@ import statistics
 
 import torch
 
-from engine.attention import AttentionMetadata, attend_cached_kernels
+from engine.attention_kernels import attend_cached_kernels
+from engine.attention_metadata import AttentionMetadata
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

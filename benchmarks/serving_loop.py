@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with steps that carry prefill chunks launched eagerly instead of "
                         "replayed from their CUDA graphs (engine/mixed_graphs.py); MODE@N "
                         "with an eager mixed step's decode rows split off to the decode "
-                        "kernel from N context tokens (engine/attention.py)")
+                        "kernel from N context tokens (engine/mixed_split.py)")
     parser.add_argument("--repeats", type=int, default=4,
                         help="runs per mode, alternating (ABBA)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")

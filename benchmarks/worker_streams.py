@@ -70,8 +70,7 @@ async def _one_stream(client: ControlClient, rid: str, max_tokens: int) -> int:
                                                     ignore_eos=True),
                             timeout_ms=600_000)
     tokens = 0
-    async for frame in client.stream("/internal/decode", request, TokenFrame,
-                                     FRAME_TIMEOUT_S, FRAME_TIMEOUT_S):
+    async for frame in client.stream(request, TokenFrame, FRAME_TIMEOUT_S, FRAME_TIMEOUT_S):
         assert isinstance(frame, TokenFrame)
         tokens += len(frame.token_ids)
     if tokens != max_tokens:
@@ -88,7 +87,7 @@ async def _round(client: ControlClient, tag: str, streams: int, max_tokens: int)
 async def _measure(url: str, token: str, pid: int, streams: int, max_tokens: int,
                    rounds: int) -> Run:
     pool = ChannelPool(token)
-    client = ControlClient(url, token=token, channels=pool)
+    client = ControlClient(url, pool)
     try:
         await _round(client, "warm", streams, max_tokens)
         loop0 = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")

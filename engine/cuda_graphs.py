@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, KernelAttentionMetadata, choose_decode_splits
+from engine.attention_metadata import (AttentionMetadata, KernelAttentionMetadata,
+                                       choose_decode_splits)
 from engine.block_table_rows import BlockTableRows
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage

@@ -4,7 +4,7 @@
 
 The pool is sized by `gpu_memory_fraction` on CUDA (engine/memory_plan.py), else by
 `kv_cache_bytes` when given, else `EngineConfig.num_kv_blocks`. Tensor-parallel engines are
-built by engine/tensor_parallel.py instead (a shard's pool, a runner that drives followers).
+built by engine/tensor_parallel_group.py instead (a shard's pool, a runner that drives followers).
 """
 
 from __future__ import annotations

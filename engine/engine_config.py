@@ -24,7 +24,8 @@ class EngineConfig:
     # none on CPU (see engine/cuda_graphs.py).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     # Steps with prefill chunks (up to max_num_batched_tokens, at most 512 tokens) captured
-    # as CUDA graphs too, where decode steps are (engine/mixed_graphs.py); False: eager.
+    # as CUDA graphs too, where decode steps are (engine/mixed_graphs.py); False: eager, for
+    # tests that hold the graphs against the eager path (workers always capture them).
     mixed_cuda_graphs: bool = True
     # On CUDA: size the KV pool to this fraction of device memory (engine/memory_plan.py)
     # instead of num_kv_blocks; None keeps num_kv_blocks.

@@ -126,7 +126,7 @@ class EngineThread:
         self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
-        self.fault_step_delay_s = 0.0  # fault injection only (/internal/fault): a slow worker
+        self.fault_step_delay_s = 0.0  # fault injection only (worker/faults.py): a slow worker
         # Fixed at construction, so the loop may read them without a command.
         self._block_size = engine.config.block_size
         self._max_num_batched_tokens = engine.config.max_num_batched_tokens
@@ -218,11 +218,14 @@ class EngineThread:
         self.num_failed_commands += 1
         log.error("engine command %r failed", what, exc_info=error)
 
-    def open_stream(self, request_id: str) -> RequestStream:
-        """Subscribe before adding the request, so no output can be missed."""
+    def open_stream(self, request_id: str, stream: RequestStream | None = None) -> RequestStream:
+        """Subscribe before adding the request, so no output can be missed; `stream`: the
+        consumer's own (a subclass acting on items as they are delivered), else a plain one."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} already has a stream")
-        stream = self._streams[request_id] = RequestStream(request_id)
+        if stream is None:
+            stream = RequestStream(request_id)
+        self._streams[request_id] = stream
         if self.failure is not None:
             stream.end("engine failed", self.failure)
         return stream

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         try:
             if args.tp > 1:
-                from engine.tensor_parallel import tensor_parallel_engine
+                from engine.tensor_parallel_group import tensor_parallel_engine
 
                 engine = stack.enter_context(tensor_parallel_engine(
                     args.model, config, args.tp, args.kv_cache_mb << 20, args.threads,

@@ -49,8 +49,8 @@ class LLMEngine:
                  tokenizer: Tokenizer, config: EngineConfig,
                  sampler_seed: int | None = None) -> None:
         """`runner` executes each step's schedule and writes the KV into `kv_storage`;
-        `for_model` builds both for one process, engine/tensor_parallel.py for rank 0 of
-        a group (a shard's storage, a runner that drives the followers)."""
+        `for_model` builds both for one process, engine/tensor_parallel_group.py for rank 0
+        of a group (a shard's storage, a runner that drives the followers)."""
         if kv_storage.layout.block_size != config.block_size:
             raise ValueError(f"KV storage block size {kv_storage.layout.block_size} != "
                              f"{config.block_size}")

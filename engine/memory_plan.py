@@ -89,7 +89,7 @@ def profile_step_memory(model, block_size: int, dtype: torch.dtype, num_tokens: 
     """(peak activation bytes of an eager `num_tokens` prefill, of a `decode_batch` decode
     step), measured on the model's CUDA device over a one-block pool: every token writes to
     slot -1 (skipped) and attends through block 0, so no real pool is needed yet."""
-    from engine.attention import AttentionMetadata, KernelAttentionMetadata
+    from engine.attention_metadata import AttentionMetadata, KernelAttentionMetadata
     from engine.kv_storage import KVStorage
 
     device = model.model.embed_tokens.weight.device

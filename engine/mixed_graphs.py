@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import (AttentionMetadata, KernelAttentionMetadata, choose_decode_splits,
-                              chunk_slots)
+from engine.attention_metadata import (AttentionMetadata, KernelAttentionMetadata,
+                                       choose_decode_splits, chunk_slots)
 from engine.block_table_rows import BlockTableRows
 from engine.cuda_graphs import capture_step, padded_batch_size
 from engine.device_upload import copy_to_device

@@ -25,11 +25,12 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata, kernels_available, mixed_split_threshold
+from engine.attention_metadata import AttentionMetadata, kernels_available
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, capture_phase
 from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
+from engine.mixed_split import mixed_split_threshold
 from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
@@ -117,7 +118,7 @@ class ModelRunner:
     kernel path on CUDA) and none elsewhere; () captures none. With `use_kernels=True` on
     CPU, sizes given explicitly run the padded graph steps eagerly (see DecodeGraphs).
     `mixed_split_min_tokens`: from what size an eager mixed step's decode rows get the
-    decode kernel (engine/attention.py's `split_mixed_step`); None: the model width's
+    decode kernel (engine/mixed_split.py's `split_mixed_step`); None: the model width's
     default (`mixed_split_threshold`). `mixed_graph_tokens`: the largest step with prefill
     chunks captured as a graph (engine/mixed_graphs.py's `mixed_token_sizes`); None: 512
     where graphs can run and none elsewhere, 0: none; given on CPU with `use_kernels=True`,
@@ -137,7 +138,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        self.mixed_split_min_tokens = (  # see attention.split_mixed_step
+        self.mixed_split_min_tokens = (  # see mixed_split.split_mixed_step
             mixed_split_threshold(model.config.hidden_size) if mixed_split_min_tokens is None
             else mixed_split_min_tokens)
         self.device = model.model.embed_tokens.weight.device

@@ -71,7 +71,7 @@ class ScheduleOutput:
     @property
     def num_leading_decodes(self) -> int:
         """How many chunks, from the first, have one token each: the decode rows, which the
-        scheduler puts first (engine/attention.py gives them the decode kernel)."""
+        scheduler puts first (engine/attention_kernels.py gives them the decode kernel)."""
         ones = bytes(map((1).__eq__, map(len, map(_TOKEN_IDS, self.chunks))))  # 1: a decode
         first_other = ones.find(0)
         return len(ones) if first_other < 0 else first_other

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import INTERNAL_TOKEN_ENV, env_default, env_flag
+from telemetry.options import INTERNAL_TOKEN_ENV, EnvOptions
 from telemetry.tracing import ENDPOINT_ENV
 
 
@@ -23,8 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions and /v1/chat/completions, routing each request "
                     "to prefill/decode workers found in the Redis registry.")
 
-    def opt(name: str, default: str | None = None, **kwargs: Any) -> None:
-        p.add_argument(name, default=env_default(env, name, default), **kwargs)
+    options = EnvOptions(p, env)
+    opt = options.add
 
     opt("--host", "127.0.0.1", help="address to bind (default 127.0.0.1)")
     opt("--port", "8000", type=int, help="port to bind; 0 picks a free one (default 8000)")
@@ -58,12 +57,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a decode worker whose KV cache is full queues a request's reservation this "
              "long for free blocks (by tier priority) before the gateway tries elsewhere or "
              "answers 503 (default 60)")
-    opt("--early-prefill", "on", choices=("on", "off"),
-        help="on: a prompt handed to a prefill worker starts computing at once, while the "
-             "decode worker reserves room for its KV (the KV's destination reaches the "
-             "prefill worker mid-prompt), wherever the decode worker's last load report "
-             "shows room for twice the prompt; off: the prefill starts once the "
-             "reservation is made (default on)")
     opt("--admission", "adaptive", choices=("adaptive", "static"),
         help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
              "shed early while the most urgent tier is at risk; static: --max-running "
@@ -77,13 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="gateway replicas this one is part of; while Redis is unreachable each admits "
              "1/N of every limit on its own, N being the larger of this and the replicas "
              "last seen live in Redis (default 1)")
-    opt("--worker-channel", "on", choices=("on", "off"),
-        help="on: one persistent connection to each worker carries all of this gateway's "
-             "requests to it (on the worker's control port; HTTP for a worker without "
-             "one); off: one HTTP request per worker call and stream (default on)")
-    p.add_argument("--reuse-port", action="store_true", default=env_flag(env, "--reuse-port"),
-                   help="listen with SO_REUSEPORT, so several replicas share --port and the "
-                        "kernel spreads connections among them (`pdserve up --gateways N`)")
+    options.flag("--reuse-port",
+                 help="listen with SO_REUSEPORT, so several replicas share --port and the "
+                      "kernel spreads connections among them (`pdserve up --gateways N`)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
     opt("--log-format", "text", choices=LOG_FORMATS,
@@ -151,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
         internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None,
         shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
-        reuse_port=args.reuse_port, worker_channel=args.worker_channel == "on",
-        early_prefill=args.early_prefill == "on")
+        reuse_port=args.reuse_port)
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

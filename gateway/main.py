@@ -8,12 +8,12 @@
              finish within --drain-timeout-s, the rest end with an error and [DONE])
              → runner.cleanup() runs the cleanup_ctx below.
 
-Lifecycle of the owned resources (one cleanup_ctx, `_cluster_ctx`): on startup the HTTP
-session, the worker channels (opened on first use), the Redis client, the cluster view (its poll task and the mirror's task) and the
-concurrency governor (gateway/admission/capacity.py) start;
-the shared-limits sync (gateway/admission/shared_limits.py) starts last; on shutdown they stop in
-reverse order (the sync hands this replica's slots back first) and every pending abort
-is awaited or cancelled, so no task outlives the app.
+Lifecycle of the owned resources (one cleanup_ctx, `_owned_resources`): on startup the
+channels to the workers (opened on first use), the Redis client, the cluster view (its poll
+task and the mirror's task) and the concurrency governor (gateway/admission/capacity.py)
+start; the shared-limits sync (gateway/admission/shared_limits.py) starts last; on shutdown
+they stop in reverse order (the sync hands this replica's slots back first) and every
+pending abort is awaited or cancelled, so no task outlives the app.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from aiohttp import ClientSession, TCPConnector, web
+from aiohttp import web
 from redis.asyncio import Redis
 
 from gateway.admission.admission import AdmissionController
@@ -86,8 +86,6 @@ class GatewayConfig:
     shared_limits: bool = True
     replicas_hint: int = 1
     reuse_port: bool = False  # SO_REUSEPORT: several replicas listen on one port
-    worker_channel: bool = True  # workers reached over their channels (else HTTP per call)
-    early_prefill: bool = True  # prefill beside the reservation where D has room
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -121,14 +119,11 @@ async def make_app(config: GatewayConfig) -> web.Application:
     metrics = GatewayMetrics(tiers.tiers, (o.value for o in SloOutcome))
     cluster = ClusterView(state, PrefixIndexMirror(state), random.Random(),
                           agent_state=AgentState(state))
-    # No connection cap: every stream holds one upstream connection for its whole life.
-    session = ClientSession(connector=TCPConnector(limit=0))
-    channels = ChannelPool(config.internal_token) if config.worker_channel else None
+    channels = ChannelPool(config.internal_token)
     window = TtftWindow()
-    backend = WorkerBackend(cluster, tokenizer, session, tiers, metrics,
-                            internal_token=config.internal_token, timeouts=config.timeouts,
-                            limits=config.retry_limits, ttft_window=window, channels=channels,
-                            early_prefill=config.early_prefill)
+    backend = WorkerBackend(cluster, tokenizer, channels, metrics,
+                            timeouts=config.timeouts, limits=config.retry_limits,
+                            ttft_window=window)
     controller = gate.controller
     governor = CapacityGovernor(
         window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},
@@ -143,14 +138,14 @@ async def make_app(config: GatewayConfig) -> web.Application:
     install(app, cluster, backend, metrics)
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
-    app.cleanup_ctx.append(_owned_resources(cluster, backend, session, channels, state,
+    app.cleanup_ctx.append(_owned_resources(cluster, backend, channels, state,
                                             governor, config.adaptive_admission, tracing,
                                             shared, limits_client))
     return app
 
 
-def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: ClientSession,
-                     channels: ChannelPool | None, state: RedisState, governor: CapacityGovernor, adaptive: bool,
+def _owned_resources(cluster: ClusterView, backend: WorkerBackend, channels: ChannelPool,
+                     state: RedisState, governor: CapacityGovernor, adaptive: bool,
                      tracing: Tracing, shared: SharedLimits | None,
                      limits_client: Redis | None,
                      ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -170,9 +165,7 @@ def _owned_resources(cluster: ClusterView, backend: WorkerBackend, session: Clie
             await governor.stop()
             await cluster.stop()
             await backend.aclose()
-            if channels is not None:
-                await channels.aclose()
-            await session.close()
+            await channels.aclose()
             await state.aclose()
             await tracing.shutdown()  # exports the spans still queued
 

@@ -1,9 +1,9 @@
-"""Choosing a data plane: `make_receiver` / `make_sender` for "ucx", "tcp" or "auto".
+"""Choosing a carrier: `make_receiver` / `make_sender` for "ucx", "tcp" or "auto".
 
 "auto" takes UCX when `ucxx` imports and says in the log when it falls back to TCP. The
-data plane carries the bytes only where the peers cannot map each other's pools: with
+carrier carries the bytes only where the peers cannot map each other's pools: with
 `mapping` on (the default) a sender on the receiver's host copies straight into the
-receiver's pool (pool_mapping.py, mapped_copy.py) and the plane stays idle. The
+receiver's pool (pool_mapping.py, mapped_copy.py) and the carrier stays idle. The
 UCX objects of one process share one `UcxWorker` (pass it to both if a process sends and
 receives); ucxx progresses one worker per event loop.
 """
@@ -18,9 +18,9 @@ import struct
 from typing import TYPE_CHECKING
 
 from engine.kv_storage import KVStorage
-from kv_transfer.outbound import SendPlane
+from kv_transfer.outbound import SendCarrier
 from kv_transfer.packing import PackingLimits
-from kv_transfer.receiver import ReceivePlane, TransferReceiver
+from kv_transfer.receiver import ReceiveCarrier, TransferReceiver
 from kv_transfer.sender import TransferSender
 from kv_transfer.staging import StagingPool
 
@@ -93,16 +93,16 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
     limits = PackingLimits.for_device(storage.kv.is_cuda)
     staging = StagingPool(storage.kv.device, slot_bytes=limits.slot_bytes,
                           num_slots=limits.num_slots)
-    plane: ReceivePlane
+    carrier: ReceiveCarrier
     if name == "ucx":
-        from kv_transfer.ucx import UcxReceivePlane, UcxWorker
+        from kv_transfer.ucx import UcxReceiveCarrier, UcxWorker
         worker = ucx_worker or UcxWorker(error_handling=not ucx_shared_memory,
                                          net_devices=interface_of(host))
-        plane = UcxReceivePlane(worker, storage.kv, staging)
+        carrier = UcxReceiveCarrier(worker, storage.kv, staging)
     else:
-        from kv_transfer.tcp import TcpReceivePlane
-        plane = TcpReceivePlane(storage.kv, staging)
-    receiver = TransferReceiver(storage, plane, host=host, port=port, token=token,
+        from kv_transfer.tcp import TcpReceiveCarrier
+        carrier = TcpReceiveCarrier(storage.kv, staging)
+    receiver = TransferReceiver(storage, carrier, host=host, port=port, token=token,
                                 abort_timeout_s=abort_timeout_s, export=mapping)
     await receiver.start()
     return receiver
@@ -110,7 +110,7 @@ async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str 
 
 def make_ucx_worker(host: str, *, ucx_shared_memory: bool = False) -> UcxWorker:
     """The one UCX worker of a process that sends and receives (call on its event loop):
-    pass it to both `make_sender` and `make_receiver`; it closes with the last plane."""
+    pass it to both `make_sender` and `make_receiver`; it closes with the last carrier."""
     from kv_transfer.ucx import UcxWorker
     return UcxWorker(error_handling=not ucx_shared_memory, net_devices=interface_of(host))
 
@@ -125,13 +125,13 @@ def make_sender(storage: KVStorage, backend: str = "auto", *, host: str = "127.0
     `limits`: staging budget and when to pack (packing.py); default per device.
     `mapping`: map a receiver's pool when it offers it and it can be mapped here."""
     name = resolve_backend(backend)
-    plane: SendPlane
+    carrier: SendCarrier
     if name == "ucx":
-        from kv_transfer.ucx import UcxSendPlane, UcxWorker
-        plane = UcxSendPlane(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory,
+        from kv_transfer.ucx import UcxSendCarrier, UcxWorker
+        carrier = UcxSendCarrier(ucx_worker or UcxWorker(error_handling=not ucx_shared_memory,
                                                      net_devices=interface_of(host)))
     else:
-        from kv_transfer.tcp import TcpSendPlane
-        plane = TcpSendPlane()
-    return TransferSender(storage, plane, token=token, abort_timeout_s=abort_timeout_s,
+        from kv_transfer.tcp import TcpSendCarrier
+        carrier = TcpSendCarrier()
+    return TransferSender(storage, carrier, token=token, abort_timeout_s=abort_timeout_s,
                           limits=limits, map_pools=mapping)

@@ -17,7 +17,7 @@ class TransferTimeout(KVTransferError):
 
 
 class PeerLost(KVTransferError):
-    """The peer's control connection closed or its data plane failed mid-transfer."""
+    """The peer's control connection closed or its carrier failed mid-transfer."""
 
 
 class LayoutMismatch(KVTransferError):

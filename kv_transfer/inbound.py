@@ -2,7 +2,7 @@
 
 Lifecycle: PENDING (expect) -> IN_FLIGHT (announce accepted) -> DONE | FAILED | CANCELLED.
 `begin_failure()` moves it to FAILED/CANCELLED at once (so late completions are ignored);
-the owner then makes sure no byte can still land (abort handshake, data-plane flush) and
+the owner then makes sure no byte can still land (abort handshake, carrier flush) and
 calls `finish_failure()`, which releases the blocks and wakes the waiter.
 
 Invariants (check_invariants):
@@ -47,7 +47,7 @@ class InboundTransfer:
 
     @property
     def seq(self) -> int:
-        """The receiver-assigned sequence number; a data plane asks only once accepted."""
+        """The receiver-assigned sequence number; a carrier asks only once accepted."""
         if self.transfer_seq is None:
             raise RuntimeError(f"transfer {self.request_id} has not been accepted")
         return self.transfer_seq
@@ -140,7 +140,7 @@ class InboundTransfer:
             assert self.num_releases == 0
 
 
-# Called by a receive plane: one message of the transfer landed / its data plane failed.
+# Called by a receive carrier: one message of the transfer landed / its carrier failed.
 OnLanded = Callable[[InboundTransfer], None]
 OnFailed = Callable[[InboundTransfer, Exception], None]
 

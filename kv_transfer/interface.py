@@ -89,7 +89,7 @@ class SendHandle(Protocol):
 
     @property
     def mapped(self) -> bool:
-        """True when this process copies into the receiver's mapped pool (no data plane)."""
+        """True when this process copies into the receiver's mapped pool (no carrier)."""
 
     @property
     def sends_after_events(self) -> bool:

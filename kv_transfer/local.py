@@ -108,7 +108,7 @@ class LocalSendHandle:
             raise ValueError(f"transfer {self._inbound.request_id}: layer {layer} sent twice")
         plan = self._inbound.accepted_plan
         if not isinstance(plan, TransferPlan):
-            raise TypeError("the in-process plane moves per-run plans only")
+            raise TypeError("the in-process carrier moves per-run plans only")
         messages = plan.layer_messages(layer)
         self._sent_layers.add(layer)
         if self._inbound.state is not TransferState.IN_FLIGHT or self._cancelled:

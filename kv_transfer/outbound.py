@@ -1,10 +1,10 @@
-"""The sender's record of one transfer and of one peer link; the data planes' interface.
+"""The sender's record of one transfer and of one peer link; the carriers' interface.
 
 Three ways a transfer's bytes leave (chosen by the sender at start(), announced to the
 receiver, so both sides number the same messages):
 
   * per run (layout.TransferPlan): one zero-copy message per (layer, K|V, run), each
-    `send_layer` posts its layer's messages on the data plane;
+    `send_layer` posts its layer's messages on the carrier;
   * packed (packing.PackedPlan): one ordered pump gathers each completed layer group into
     a staging slot and sends it (sender.send_packed);
   * mapped (the link holds the receiver's pool, pool_mapping.py): one ordered pump copies
@@ -56,7 +56,7 @@ class PeerLink:
         self.welcome: asyncio.Future[Welcome | Any] = \
             asyncio.get_running_loop().create_future()
         self.epoch: str | None = None
-        self.data: Any = None  # the plane's per-peer state (a UCX endpoint)
+        self.data: Any = None  # the carrier's per-peer state (a UCX endpoint)
         self.mapped: MappedPool | None = None  # the receiver's pool, when mapped here
         self.copier: BlockCopier | None = None  # CUDA: the copies into `mapped`, set up once
         self.transfers: dict[str, OutboundTransfer] = {}
@@ -65,7 +65,7 @@ class PeerLink:
         self.torn_down = False  # _on_lost ran (it runs once per link)
 
 
-class SendPlane(Protocol):
+class SendCarrier(Protocol):
     async def connect(self, link: PeerLink, welcome: Welcome) -> None: ...
     async def send(self, link: PeerLink, transfer_seq: int, messages: list[Message],
                    src: PoolBytes, transfer: "OutboundTransfer") -> None: ...
@@ -79,7 +79,7 @@ class SendPlane(Protocol):
 class SenderSide(Protocol):
     """What a transfer needs of its TransferSender."""
 
-    plane: SendPlane
+    carrier: SendCarrier
     src: PoolBytes
     abort_timeout_s: float
     def own(self, coro: Coroutine[object, object, None]) -> None: ...
@@ -95,7 +95,7 @@ class OutboundTransfer:
         self.transfer_seq = transfer_seq
         self.deadline = deadline
         self.state = TransferState.IN_FLIGHT
-        self.stopped = False  # checked by the plane before posting each message
+        self.stopped = False  # checked by the carrier before posting each message
         self._sender, self._link = sender, link
         self.link = link
         self.src_index: Any = None  # packed: the source block ids as a device tensor
@@ -166,7 +166,7 @@ class OutboundTransfer:
         self._sent_layers.add(layer)
         if self.state is not TransferState.IN_FLIGHT:
             return  # the failure is reported by finish()
-        task = asyncio.get_running_loop().create_task(self._sender.plane.send(
+        task = asyncio.get_running_loop().create_task(self._sender.carrier.send(
             self._link, self.transfer_seq, messages, self._sender.src, self))
         self._tasks.add(task)
         task.add_done_callback(self._send_done)

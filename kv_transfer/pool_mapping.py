@@ -15,7 +15,7 @@ the receiver's pool in the sender's address space:
 made: another host (boot ids differ), a GPU not visible here, no peer access, a pid
 namespace that hides the receiver (the name check catches a different process behind the
 same pid), IPC refused by the driver or the container. The sender then falls back to its
-data plane (UCX or TCP); nothing else changes.
+carrier (UCX or TCP); nothing else changes.
 
 Trust: the export is sent only after the sender proved the internal token (receiver.py),
 and a mapped sender can write anywhere in the receiver's pool, so it is given to

@@ -1,18 +1,18 @@
-"""The receiving side (decode worker): a control server, expected transfers, a data plane.
+"""The receiving side (decode worker): a control server, expected transfers, a carrier.
 
 Runs: one asyncio TCP server (127.0.0.1, port 0 by default) accepting sender sessions; the
-data plane (tcp.py or ucx.py) lands bytes straight into the KV pool.
+carrier (tcp.py or ucx.py) lands bytes straight into the KV pool.
 
 Lifecycle of a transfer (see interface.py): expect() -> PENDING; an Announce on a session
--> plane.post() then Accepted -> IN_FLIGHT; the plane reports each landed message; the last
+-> carrier.post() then Accepted -> IN_FLIGHT; the carrier reports each landed message; the last
 one -> DONE, Landed sent to the sender. On deadline, cancel(), or sender Abort/death:
 
     begin_failure --(peer alive and not the initiator)--> Abort to sender, wait for its
-    Abort back (<= abort_timeout_s; it drains its in-flight sends first) --> plane.flush()
+    Abort back (<= abort_timeout_s; it drains its in-flight sends first) --> carrier.flush()
     (no byte can land any more) --> release(dst_block_ids) once --> waiter raises
 
 Mapped transfers (the sender mapped this pool from the Welcome's export, pool_mapping.py;
-`export_pool` off: never): Announce(mapped) -> Accepted with nothing posted on the plane;
+`export_pool` off: never): Announce(mapped) -> Accepted with nothing posted on the carrier;
 the sender copies the blocks itself and sends Written -> DONE, Landed. There is nothing to
 flush: the sender answers an Abort only after its copies finished (outbound.py). A mapped
 sender whose connection is lost may still have a GPU copy in flight for a moment while its
@@ -50,7 +50,7 @@ from kv_transfer.pool_mapping import export_pool
 log = logging.getLogger(__name__)
 
 
-class ReceivePlane(Protocol):
+class ReceiveCarrier(Protocol):
     """How bytes land in the pool; tcp.py and ucx.py implement it."""
 
     def ucx_address(self) -> bytes | None: ...
@@ -64,14 +64,14 @@ class ReceivePlane(Protocol):
 
 
 class TransferReceiver:
-    def __init__(self, storage: KVStorage, plane: ReceivePlane, *, host: str = "127.0.0.1",
+    def __init__(self, storage: KVStorage, carrier: ReceiveCarrier, *, host: str = "127.0.0.1",
                  port: int = 0, token: str = "", abort_timeout_s: float = 1.0,
                  export: bool = True, mapped_loss_grace_s: float = 0.5) -> None:
         self.storage = storage
         self.export = export
         self.mapped_loss_grace_s = mapped_loss_grace_s if storage.kv.is_cuda else 0.0
         self.layout = storage.layout
-        self.plane = plane
+        self.carrier = carrier
         self.epoch = secrets.token_hex(8)  # changes on restart: senders rebuild endpoints
         self._host, self._port, self._token = host, port, token
         self._abort_timeout_s = abort_timeout_s
@@ -89,8 +89,8 @@ class TransferReceiver:
         self._server = await loop.create_server(self._new_session, self._host, self._port)
 
     def _new_session(self) -> FrameConnection:
-        conn = FrameConnection(self._on_message, self._on_lost, self.plane.dest_for,
-                               self.plane.data_landed)
+        conn = FrameConnection(self._on_message, self._on_lost, self.carrier.dest_for,
+                               self.carrier.data_landed)
         self._sessions.add(conn)
         return conn
 
@@ -152,7 +152,7 @@ class TransferReceiver:
             session.close()
         if self._server is not None:
             await self._server.wait_closed()
-        await self.plane.close()
+        await self.carrier.close()
 
     # -- failure -----------------------------------------------------------------------------
     def fail(self, transfer: InboundTransfer, error: KVTransferError, notify_peer: bool) -> None:
@@ -182,7 +182,7 @@ class TransferReceiver:
                 if not transfer.peer_drained.is_set():  # the sender may be dying mid-copy
                     await asyncio.sleep(self.mapped_loss_grace_s)
             elif transfer.plan is not None:
-                await self.plane.flush(transfer)
+                await self.carrier.flush(transfer)
         finally:
             if transfer.transfer_seq is not None:
                 self._by_seq.pop(transfer.transfer_seq, None)
@@ -229,7 +229,7 @@ class TransferReceiver:
         self._welcomed.add(conn)
         self._session_transfers[conn] = set()
         conn.send_message(Welcome(layout=self.layout, epoch=self.epoch,
-                                  ucx_address=self.plane.ucx_address(),
+                                  ucx_address=self.carrier.ucx_address(),
                                   export=export_pool(self.storage) if self.export else None))
 
     def _on_announce(self, conn: FrameConnection, message: Announce) -> None:
@@ -264,7 +264,7 @@ class TransferReceiver:
         conn.send_message(Accepted(request_id=spec.request_id, transfer_seq=seq))
         if not message.mapped:
             try:
-                self.plane.post(transfer, self._on_landed, self._on_data_failed)
+                self.carrier.post(transfer, self._on_landed, self._on_data_failed)
             except Exception as exc:  # noqa: BLE001 - UCX refused a receive: abort, flush
                 self._on_data_failed(transfer, exc)
 
@@ -282,7 +282,7 @@ class TransferReceiver:
             session.send_message(Landed(request_id=transfer.request_id))
 
     def _on_data_failed(self, transfer: InboundTransfer, exc: Exception) -> None:
-        self.fail(transfer, PeerLost(f"transfer {transfer.request_id}: data plane: {exc}"),
+        self.fail(transfer, PeerLost(f"transfer {transfer.request_id}: carrier: {exc}"),
                   True)
 
     def _on_lost(self, conn: FrameConnection, exc: Exception | None) -> None:
@@ -298,4 +298,4 @@ class TransferReceiver:
         for seq, transfer in self._by_seq.items():
             assert transfer.transfer_seq == seq and transfer.request_id in self._expected
         assert set(self._session_transfers) <= self._welcomed
-        self.plane.check_invariants()
+        self.carrier.check_invariants()

@@ -1,7 +1,7 @@
 """The sending side (prefill worker): cached peer links, announcements, per-layer sends.
 
 Runs: no server; one control connection per receiver address (a `PeerLink`, cached and
-reused by every transfer to that peer) plus the data plane's per-peer state (a UCX
+reused by every transfer to that peer) plus the carrier's per-peer state (a UCX
 endpoint built from the receiver's worker address; nothing for TCP, whose data frames share
 the control connection).
 
@@ -13,8 +13,8 @@ connects afresh and learns the peer's new epoch and worker address).
 Mapped links: when the receiver's Welcome carries a pool export and this sender may map it
 (`map_pools`, same host: pool_mapping.py), the link holds the receiver's pool, every
 transfer on it is announced as mapped and copied by this process (outbound.py), and no
-data-plane state is made for the peer. A pool that cannot be mapped is said once in the
-log per peer, and the link uses the data plane.
+carrier state is made for the peer. A pool that cannot be mapped is said once in the
+log per peer, and the link uses the carrier.
 
 Lifecycle of a transfer: see interface.py and outbound.py. A packed transfer (packing.py; always on CUDA,
 on the host for small runs) has one ordered pump task: as layer groups complete it takes
@@ -51,7 +51,7 @@ from kv_transfer.layout import TransferPlan, check_layouts, pool_bytes, tag_for
 from kv_transfer.mapped_copy import CopyContext, MappedCopy
 from kv_transfer.messages import (PROTOCOL_VERSION, Abort, Accepted, Announce, ControlMessage,
                                   Hello, Landed, Refused, Rejected, Welcome)
-from kv_transfer.outbound import OutboundTransfer, PeerLink, SendPlane
+from kv_transfer.outbound import OutboundTransfer, PeerLink, SendCarrier
 from kv_transfer.packing import (PackedMessage, PackedPlan, PackingLimits, block_index,
                                  choose_packing, gather, wait_device)
 from kv_transfer.pool_mapping import MappingUnavailable, open_pool
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 class TransferSender:
-    def __init__(self, storage: KVStorage, plane: SendPlane, *, token: str = "",
+    def __init__(self, storage: KVStorage, carrier: SendCarrier, *, token: str = "",
                  abort_timeout_s: float = 1.0, limits: PackingLimits | None = None,
                  map_pools: bool = True) -> None:
         self.layout = storage.layout
@@ -70,7 +70,7 @@ class TransferSender:
         self.limits = limits or PackingLimits.for_device(storage.kv.is_cuda)
         self.staging = StagingPool(storage.kv.device, slot_bytes=self.limits.slot_bytes,
                                    num_slots=self.limits.num_slots)
-        self.plane = plane
+        self.carrier = carrier
         self.epoch = secrets.token_hex(8)
         self.abort_timeout_s = abort_timeout_s
         self._token = token
@@ -142,11 +142,11 @@ class TransferSender:
         if transfer.src_index is None:
             transfer.src_index = block_index(transfer.spec.src_block_ids, self.kv.device)
         tag = tag_for(transfer.transfer_seq, m.index)
-        if not self.plane.reuses_staging:  # TCP: the transport keeps the buffer until written
+        if not self.carrier.reuses_staging:  # TCP: the transport keeps the buffer until written
             staged = torch.empty(m.num_bytes, dtype=torch.uint8, device=self.kv.device)
             gather(self.kv, m, transfer.src_index, staged)
             wait_device(self.kv)
-            await self.plane.send_staged(transfer.link, tag, staged)
+            await self.carrier.send_staged(transfer.link, tag, staged)
             return
         try:
             slot_id = await asyncio.wait_for(self.staging.acquire(),
@@ -160,7 +160,7 @@ class TransferSender:
             slot = self.staging.slot(slot_id)
             gather(self.kv, m, transfer.src_index, slot)
             wait_device(self.kv)
-            await self.plane.send_staged(transfer.link, tag, slot[:m.num_bytes])
+            await self.carrier.send_staged(transfer.link, tag, slot[:m.num_bytes])
         finally:
             self.staging.release(slot_id)
 
@@ -198,7 +198,7 @@ class TransferSender:
             link.epoch = reply.epoch
             self._map(link, reply)
             if link.mapped is None:
-                await self.plane.connect(link, reply)
+                await self.carrier.connect(link, reply)
         except BaseException:
             conn.close()
             link.lost = True
@@ -217,7 +217,7 @@ class TransferSender:
             if link.address not in self._unmappable:
                 self._unmappable.add(link.address)
                 log.info("KV receiver %s: its pool cannot be mapped here (%s); using the "
-                         "data plane", link.address, exc)
+                         "carrier", link.address, exc)
             return
         if self.kv.is_cuda:
             link.copier = BlockCopier(self.kv, link.mapped.tensor)
@@ -277,7 +277,7 @@ class TransferSender:
         if link.mapped is not None:
             self._unmap(link)
         else:
-            self.plane.disconnect(link)
+            self.carrier.disconnect(link)
 
     def drop_link(self, link: PeerLink, reason: str) -> None:
         log.warning("dropping KV link to %s: %s", link.address, reason)
@@ -292,7 +292,7 @@ class TransferSender:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.abort_timeout_s)
-        await self.plane.close()
+        await self.carrier.close()
         if self._copies is not None and self._copies.executor is not None:
             self._copies.executor.shutdown(wait=True)
 

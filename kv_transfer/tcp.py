@@ -1,10 +1,10 @@
-"""TCP data plane: KV bytes as data frames on the control connection, straight into the pool.
+"""TCP carrier: KV bytes as data frames on the control connection, straight into the pool.
 
 For hosts where UCX is not installable (macOS, minimal images) or when chosen explicitly;
 `make_backend` logs when it is picked. The receiver's `FrameConnection` asks `dest_for(tag)`
 for every read, so the kernel copies socket bytes directly into the KV pool (no staging);
 the sender writes views of its pool (uvloop copies only what the socket cannot take yet).
-Host (CPU) pools only: a CUDA pool needs the UCX plane.
+Host (CPU) pools only: a CUDA pool needs the UCX carrier.
 
 Packed transfers (packing.py; host pools with small runs): a packed frame is read into a
 staging slot taken when its first byte arrives (a fresh buffer if the pool is exhausted:
@@ -37,12 +37,12 @@ from kv_transfer.packing import PackedMessage, PackedPlan, block_index, scatter
 from kv_transfer.staging import StagingPool
 
 
-class TcpReceivePlane:
+class TcpReceiveCarrier:
     def __init__(self, kv: torch.Tensor, staging: StagingPool) -> None:
         self._kv = kv
         host = pool_bytes(kv)
         if not isinstance(host, np.ndarray):
-            raise ValueError("the TCP data plane moves host (CPU) pools only; use UCX for CUDA")
+            raise ValueError("the TCP carrier moves host (CPU) pools only; use UCX for CUDA")
         self._dst = host.data.cast("B")
         self._staging = staging
         self._dests: dict[int, memoryview] = {}
@@ -132,7 +132,7 @@ class TcpReceivePlane:
         self._dst_index.clear()
 
 
-class TcpSendPlane:
+class TcpSendCarrier:
     reuses_staging = False  # transport.write may keep a reference until the socket drains
 
     async def send_staged(self, link: PeerLink, tag: int, staged: torch.Tensor) -> None:

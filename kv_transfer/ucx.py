@@ -1,4 +1,4 @@
-"""UCX data plane on ucxx: tagged zero-copy sends between the two KV pools.
+"""UCX carrier on ucxx: tagged zero-copy sends between the two KV pools.
 
 Choices (measured on a 2-core host; see docs/kv_transfer.md):
   * Endpoints are built from the receiver's published *worker address* (sent in Welcome),
@@ -31,16 +31,16 @@ killed *during* a cma copy makes UCX abort the copying process (the receiver wit
 default get-based rendezvous). The control connection (framing.py) reports a dead peer
 at once; deadlines cover the rest.
 
-Lifecycle of a transfer on the receive plane: post() (receives posted, a watcher task
+Lifecycle of a transfer on the receive carrier: post() (receives posted, a watcher task
 started) → each receive completes (packed: scattered, its slot released) → the last one:
 forgotten; or flush() (a failure): the watcher cancelled, unmatched receives completed
 with zero-byte self-sends within `flush_timeout_s`, slots released.
 
-Invariants (`UcxReceivePlane.check_invariants`): `_requests` holds exactly the posted,
+Invariants (`UcxReceiveCarrier.check_invariants`): `_requests` holds exactly the posted,
 unflushed receives (and, packed, their staging slots, released exactly once: by the
 watcher after a scatter or by flush, so the slots held are exactly those of posted
 receives); every watcher task is in `_watchers` until it ends, and belongs to a transfer
-with posted receives. Send plane: one endpoint per connected link (`num_endpoints`).
+with posted receives. Send carrier: one endpoint per connected link (`num_endpoints`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class UcxWorker:
         self.flush_timeout_s = flush_timeout_s
         self.address_bytes: bytes = self.ctx.worker_address.tobytes()
         self._loopback: Endpoint | None = None
-        self._num_planes = 0
+        self._num_carriers = 0
         log.info("UCX worker up (ucx %s, transports %s)", ucxx.__ucx_version__,
                  transports or "UCX default")
 
@@ -126,13 +126,13 @@ class UcxWorker:
             endpoint_error_handling=self.error_handling)
 
     def attach(self) -> None:
-        """A plane starts using this worker (a process that sends and receives shares one)."""
-        self._num_planes += 1
+        """A carrier starts using this worker (a process that sends and receives shares one)."""
+        self._num_carriers += 1
 
     def detach(self) -> None:
-        """A plane is done with this worker; the last one to leave closes it."""
-        self._num_planes -= 1
-        if self._num_planes <= 0:
+        """A carrier is done with this worker; the last one to leave closes it."""
+        self._num_carriers -= 1
+        if self._num_carriers <= 0:
             self.close()
 
     def close(self) -> None:
@@ -143,7 +143,7 @@ class UcxWorker:
         self.progress.stop()
 
 
-class UcxReceivePlane:
+class UcxReceiveCarrier:
     def __init__(self, worker: UcxWorker, kv: torch.Tensor, staging: StagingPool) -> None:
         self._worker = worker
         worker.attach()
@@ -319,7 +319,7 @@ class UcxReceivePlane:
         self._worker.detach()
 
 
-class UcxSendPlane:
+class UcxSendCarrier:
     def __init__(self, worker: UcxWorker) -> None:
         self._worker = worker
         worker.attach()

@@ -43,20 +43,20 @@ from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
 from launcher.supervisor import Child, Supervisor
+from protocol.messages import Role
 from telemetry.options import INTERNAL_TOKEN_ENV
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    kind: str  # "prefill" | "decode" (the subcommand: prefill-worker | decode-worker)
-    role: str | None  # decode-worker's --role: prefill | decode | both | colocated
+    role: Role  # the role it starts in
     device: str
     worker_id: str
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the cluster's
 
     @property
     def label(self) -> str:
-        return self.role or self.kind
+        return self.role.value
 
 
 class LocalCluster:
@@ -261,10 +261,10 @@ class LocalCluster:
 
 
 def worker_argv(spec: WorkerSpec, base: list[str], common: list[str]) -> list[str]:
-    """The command line of one worker: `BASE KIND-worker COMMON --device D --worker-id ID`
-    and, when the spec has a role, `--role ROLE`."""
-    argv = [*base, f"{spec.kind}-worker", *common, "--device", spec.device,
-            "--worker-id", spec.worker_id]
-    if spec.role is not None:
-        argv += ["--role", spec.role]
+    """The command line of one worker: `BASE prefill-worker COMMON --device D --worker-id
+    ID` for a prefill worker, `BASE decode-worker ... --role ROLE` for any other role."""
+    argv = [*base, "prefill-worker" if spec.role is Role.PREFILL else "decode-worker",
+            *common, "--device", spec.device, "--worker-id", spec.worker_id]
+    if spec.role is not Role.PREFILL:
+        argv += ["--role", spec.role.value]
     return argv

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.mps import GpuShare, MpsDaemon, MpsWorker
+from protocol.messages import Role
 
-# A worker `up` starts: (the subcommand's kind, its --role or None for prefill-worker).
-WorkerKind = tuple[str, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +30,7 @@ class MpsSetup:
     lines: list[str]  # one per shared GPU, for the operator
 
 
-def plan_mps(kinds: Sequence[WorkerKind], names: Sequence[str], devices: Sequence[str],
+def plan_mps(roles: Sequence[Role], names: Sequence[str], devices: Sequence[str],
               sm_share: dict[str, int]) -> MpsPlan | None:
     """What MPS is to do, when some GPU has several workers and nvidia-cuda-mps-control is
     on PATH; else None. Raises ValueError when --sm-share does not fit the workers."""
@@ -42,8 +41,8 @@ def plan_mps(kinds: Sequence[WorkerKind], names: Sequence[str], devices: Sequenc
     binary = find_control_binary(os.environ.get("PATH"))
     if binary is None:
         return None
-    workers = [MpsWorker(name, role or kind, device)
-               for (kind, role), name, device in zip(kinds, names, devices)]
+    workers = [MpsWorker(name, role.value, device)
+               for role, name, device in zip(roles, names, devices)]
     shares = plan_gpu_shares(workers, sm_share)
     return MpsPlan(binary, shares, workers) if shares else None
 

@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
 
-from launcher.mps_plan import WorkerKind
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
-from telemetry.options import env_default, env_flag
+from telemetry.options import EnvOptions
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,17 +48,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Start Redis (unless --redis-url), prefill and decode workers and the "
                     "gateway; print the URL once ready; Ctrl-C stops everything.")
 
-    def opt(name: str, default: str | None = None, **kwargs) -> None:
-        p.add_argument(name, default=env_default(env, name, default), **kwargs)
+    options = EnvOptions(p, env)
+    opt = options.add
 
     opt("--model", "default", help='the model: "default", a .gguf file or an HF directory')
     opt("--port", "8000", type=int, help="gateway port (default 8000; 0 picks a free one)")
     opt("--host", "127.0.0.1", help="gateway address (default 127.0.0.1)")
     opt("--prefill", type=int, help="prefill workers (default 1; not with --roles, --colocated)")
     opt("--decode", type=int, help="decode workers (default 1; not with --roles, --colocated)")
-    p.add_argument("--colocated", action="store_true", default=env_flag(env, "--colocated"),
-                   help="run --workers colocated decode workers that prefill locally; the "
-                        "same as --roles colocated [env PDSERVE_COLOCATED=1]")
+    options.flag("--colocated",
+                 help="run --workers colocated decode workers that prefill locally; the "
+                      "same as --roles colocated")
     opt("--roles", metavar="ROLE[,ROLE...]",
         help="run --workers decode-worker processes with these roles (prefill, decode, both, "
              "colocated): one role for all of them (e.g. both), or one per worker (e.g. "
@@ -69,19 +68,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--gateways", "1", type=int,
         help="gateway replicas, all on --port (SO_REUSEPORT: the kernel spreads connections "
              "among them); they share tier limits and key rates through Redis (default 1)")
-    p.add_argument("--no-agent", action="store_true", default=env_flag(env, "--no-agent"),
-                   help="do not start the operations agent (by default it ejects, restarts "
-                        "and re-admits bad workers and rebalances roles; its options come "
-                        "from their PDSERVE_* variables, its decisions go to "
-                        "LOG_DIR/agent-audit.jsonl: docs/operations.md)")
+    options.flag("--no-agent",
+                 help="do not start the operations agent (by default it ejects, restarts "
+                      "and re-admits bad workers and rebalances roles; its options come "
+                      "from their PDSERVE_* variables, its decisions go to "
+                      "LOG_DIR/agent-audit.jsonl: docs/operations.md)")
     opt("--redis-url", help="use this Redis instead of starting one")
     opt("--tiers", help="tiers TOML file for the gateway")
     opt("--device", "auto", help="auto (CUDA GPUs round-robin when present, else cpu), cpu, "
                                  "cuda")
-    p.add_argument("--no-mps", action="store_true", default=env_flag(env, "--no-mps"),
-                   help="do not start CUDA MPS when several workers share a GPU (by default "
-                        "pdserve starts its own MPS daemon when nvidia-cuda-mps-control is "
-                        "on PATH) [env PDSERVE_NO_MPS=1]")
+    options.flag("--no-mps",
+                 help="do not start CUDA MPS when several workers share a GPU (by default "
+                      "pdserve starts its own MPS daemon when nvidia-cuda-mps-control is "
+                      "on PATH)")
     opt("--sm-share", metavar="SPEC",
         help="under CUDA MPS, the percent of a GPU's SMs each worker of a role may use, e.g. "
              "prefill=60,decode=40; roles not listed split what is left (default: an equal "
@@ -133,12 +132,12 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
     tag = secrets.token_hex(3)
-    specs = [WorkerSpec(kind, role, device, f"{name}-{tag}",
+    specs = [WorkerSpec(role, device, f"{name}-{tag}",
                         env={} if mps is None else mps.worker_envs[i])
-             for i, ((kind, role), device, name) in enumerate(zip(roles, devices, names))]
+             for i, (role, device, name) in enumerate(zip(roles, devices, names))]
     counts: dict[str, int] = {}
-    for kind, role in roles:
-        counts[role or kind] = counts.get(role or kind, 0) + 1
+    for role in roles:
+        counts[role.value] = counts.get(role.value, 0) + 1
     common = ["--model", args.model, "--namespace", args.namespace, "--log-level",
               args.log_level, "--log-format", args.log_format, "--threads", str(threads)]
     kv_cache_mb = args.kv_cache_mb
@@ -212,14 +211,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: bool,
-                 num_workers: int | None, roles: str | None) -> list[WorkerKind]:
-    """The workers to start, from --prefill/--decode, --colocated or --roles (with
-    --workers); None is an option not given. Side-effect free; raises ValueError with a
-    message for the user.
+                 num_workers: int | None, roles: str | None) -> list[Role]:
+    """The role each worker to start starts in, from --prefill/--decode, --colocated or
+    --roles (with --workers); None is an option not given. Side-effect free; raises
+    ValueError with a message for the user.
 
-    --prefill N --decode M  →  N × ("prefill", None) + M × ("decode", "decode")
-    --roles R1,...,Rk       →  ("decode", R1), ..., ("decode", Rk): decode-worker processes
-                               (--workers K with one role: K of it; with k roles, K == k)
+    --prefill N --decode M  →  N × PREFILL + M × DECODE
+    --roles R1,...,Rk       →  R1, ..., Rk (--workers K with one role: K of it; with k
+                               roles, K == k)
     --colocated             →  --roles colocated (two workers unless --workers says)
     """
     if roles is not None and colocated:
@@ -235,13 +234,12 @@ def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: boo
         for option, count in counts.items():
             if count < 0:
                 raise ValueError(f"{option} must be >= 0")
-        kinds: list[WorkerKind] = ([("prefill", None)] * counts["--prefill"]
-                                   + [("decode", "decode")] * counts["--decode"])
+        chosen = [Role.PREFILL] * counts["--prefill"] + [Role.DECODE] * counts["--decode"]
     else:
         if num_prefill is not None or num_decode is not None:
             raise ValueError(f"--prefill / --decode conflict with {grouped}: give the "
                              f"workers' roles with --roles (e.g. --roles prefill,decode)")
-        names = _parse_roles(roles) if roles is not None else [Role.COLOCATED.value]
+        names = _parse_roles(roles) if roles is not None else [Role.COLOCATED]
         if num_workers is None:
             num_workers = len(names) if len(names) > 1 else 2
         if num_workers < 1:
@@ -252,32 +250,31 @@ def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: boo
             raise ValueError(f"--roles lists {len(names)} roles but --workers is "
                              f"{num_workers}: give one role for all workers or exactly "
                              f"{num_workers}")
-        kinds = [("decode", name) for name in names]
-    if not any(Role(role or kind).decodes for kind, role in kinds):
+        chosen = names
+    if not any(role.decodes for role in chosen):
         raise ValueError("at least one worker that decodes is needed: decode, both or "
                          "colocated (--decode, --roles or --colocated)")
-    return kinds
+    return chosen
 
 
-def _parse_roles(text: str) -> list[str]:
+def _parse_roles(text: str) -> list[Role]:
     choices = [role.value for role in Role]
     names = [name.strip() for name in text.split(",")]
     for name in names:
         if name not in choices:
             raise ValueError(f"--roles: unknown role {name!r} (roles: {', '.join(choices)})"
                              if name else f"--roles: an empty role in {text!r}")
-    return names
+    return [Role(name) for name in names]
 
 
-def worker_names(kinds: Sequence[WorkerKind]) -> list[str]:
-    """"LABEL-INDEX" per worker, the role (else the kind) as label, counted per label;
-    the cluster's worker ids are these plus "-TAG"."""
-    counts: dict[str, int] = {}
+def worker_names(roles: Sequence[Role]) -> list[str]:
+    """"ROLE-INDEX" per worker, counted per role; the cluster's worker ids are these plus
+    "-TAG"."""
+    counts: dict[Role, int] = {}
     names = []
-    for kind, role in kinds:
-        label = role or kind
-        names.append(f"{label}-{counts.get(label, 0)}")
-        counts[label] = counts.get(label, 0) + 1
+    for role in roles:
+        names.append(f"{role.value}-{counts.get(role, 0)}")
+        counts[role] = counts.get(role, 0) + 1
     return names
 
 

@@ -1,15 +1,19 @@
 """Control messages the operations agent sends to a worker (msgpack envelopes, like
-protocol/messages.py's), on the worker's token-guarded control API:
+protocol/messages.py's), over the worker's token-guarded channel:
 
-    POST /internal/reclaim   ReclaimRequest -> ReclaimResponse   (decode-capable workers)
+    HealthRequest -> HealthReport
+        how the worker is doing, from its own counters: the agent's one source of a
+        worker's health (its load, its steps, its requests and failures)
+    ReclaimRequest -> ReclaimResponse   (decode-capable workers)
         free every reservation older than `older_than_ms` that no decode request joined:
         what a gateway that died between reserve and decode leaves behind
-    POST /internal/exit      ExitRequest -> ExitResponse
+    ExitRequest -> ExitResponse
         answer, then exit with EXIT_CODE_RESTART at once (no drain): how the agent restarts
         a worker whose orchestrator restarts exited containers (compose)
-    POST /internal/fault     FaultRequest -> FaultResponse
-        fault injection for tests and drills: only served when the worker was started with
-        PDSERVE_FAULT_INJECTION=1 in its environment (404 otherwise)
+    FaultRequest -> FaultResponse
+        fault injection for tests and drills (worker/faults.py): only taken when the worker
+        was started with PDSERVE_FAULT_INJECTION=1 in its environment (else BAD_REQUEST:
+        the worker has no route for it)
 """
 
 from __future__ import annotations
@@ -19,11 +23,36 @@ from typing import Annotated
 import msgspec
 
 from protocol.messages import Message
+from protocol.worker_load import WorkerLoad
 
 EXIT_CODE_RESTART = 75  # EX_TEMPFAIL: "restart me", not a crash of the worker's own
 FAULT_INJECTION_ENV = "PDSERVE_FAULT_INJECTION"
 MAX_FAULT_DELAY_MS = 10_000
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class HealthRequest(Message, tag="health_request", frozen=True, kw_only=True):
+    pass
+
+
+class HealthReport(Message, tag="health_report", frozen=True, kw_only=True):
+    """A worker's counters since it started (this process, its every epoch), and its load
+    now. Deltas between two reports of one epoch say how the worker did meanwhile."""
+
+    epoch: Count
+    load: WorkerLoad  # the snapshot it publishes with its heartbeat
+    num_steps: Count  # engine steps
+    step_sum_s: NonNegFloat  # their time
+    num_decode_steps: Count  # steps that only decoded (comparable across workers)
+    decode_sum_s: NonNegFloat
+    decode_seqs: NonNegFloat  # their sequences and context tokens, summed
+    decode_context: NonNegFloat
+    num_requests: Count  # requests ended, in all
+    num_failed: Count  # of those, ended by an error
 
 
 class ReclaimRequest(Message, tag="reclaim_request", frozen=True, kw_only=True):
@@ -43,9 +72,17 @@ class ExitResponse(Message, tag="exit_response", frozen=True, kw_only=True):
     pid: Annotated[int, msgspec.Meta(ge=0)]
 
 
+FaultDelayMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_FAULT_DELAY_MS)]
+
+
 class FaultRequest(Message, tag="fault_request", frozen=True, kw_only=True):
-    step_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_FAULT_DELAY_MS)] = 0
+    """Sets every fault at once (0 turns one off): see worker/faults.py."""
+
+    step_delay_ms: FaultDelayMs = 0
+    transfer_layer_delay_ms: FaultDelayMs = 0
+    request_prefix: Reason = ""  # the pushes `transfer_layer_delay_ms` delays
 
 
 class FaultResponse(Message, tag="fault_response", frozen=True, kw_only=True):
     step_delay_ms: int
+    transfer_layer_delay_ms: int = 0

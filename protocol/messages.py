@@ -175,7 +175,6 @@ class ReserveRequest(Message, tag="reserve_request", frozen=True, kw_only=True):
 class ReserveResponse(Message, tag="reserve_response", frozen=True, kw_only=True):
     request_id: Id
     destination: DecodeDestination
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class PrefillRequest(Message, tag="prefill_request", frozen=True, kw_only=True):
@@ -253,7 +252,6 @@ class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
     priority: int = 0
     timeout_ms: TimeoutMs
     first_token_id: int | None = None
-    first_logprob: TokenLogprob | None = None
     epoch: NonNegInt | None = None  # the reservation's epoch; a mismatch is STALE_EPOCH
     resume_token_ids: TokenIds = []
     traceparent: Traceparent | None = None

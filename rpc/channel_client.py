@@ -1,6 +1,6 @@
-"""The gateway's end of worker channels: one persistent connection per worker, many
-requests on it (rpc/channel_wire.py has the wire, channel_server.py the
-worker's end).
+"""The caller's end of worker channels: one persistent connection per worker, many
+requests on it (rpc/channel_wire.py has the wire, channel_server.py the worker's end). The
+gateway and the operations agent reach workers only this way.
 
     ChannelPool.get(url) ─▶ Channel (connected and greeted once, again after a loss)
     Channel.open(message) ─▶ ChannelStream: the answer's frames, in batches
@@ -11,12 +11,14 @@ each frame as it is read, while nothing is waiting to be pulled; a frame the lis
 takes is never pulled, one it refuses is queued for the consumer, and so is every later
 one until the queue is empty again: frames reach the one or the other exactly once, in
 wire order. This is how a token reaches a client without waking a task
-(gateway/api/fast_lane.py).
+(gateway/api/stream_writer.py).
 
-Errors, as `stream_frame_batches` raises them: an ErrorFrame raises RemoteError after the
+Errors: an ErrorFrame raises RemoteError after the
 frames before it were pulled; a lost connection ControlError (for every stream on it); no
 frame within the stream's timeout FrameDeadlineError. `aclose()` before the end tells the
-worker to drop the stream (it aborts the request).
+worker to drop the stream (it aborts the request). A request larger than the worker takes
+(its welcome's `max_frame_bytes`) is refused by `open` with RemoteError TOO_LARGE and never
+sent: the worker would close the whole channel on it, failing every other stream there.
 
 Deadlines: connecting and the greeting within `connect_timeout_s`; each stream's first
 frame within its first timeout of the open, each later one within its frame timeout of
@@ -30,26 +32,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Generic, TypeVar, cast
 from urllib.parse import urlsplit
 
-from protocol.messages import (MAX_MESSAGE_BYTES, ErrorFrame, Message, MessageDecoder,
+from protocol.messages import (MAX_MESSAGE_BYTES, ErrorCode, ErrorFrame, Message, MessageDecoder,
                                ProtocolError, encode)
 from rpc.channel_wire import (CONNECTION_STREAM_ID, MAGIC, MAX_STREAM_ID, ChannelHello,
                               ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, frame)
 from rpc.errors import ControlError, FrameDeadlineError, RemoteError
-from rpc.frames import FrameBatchDecoder
+from rpc.frames import FrameDecoder
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Message)
-UNSUPPORTED_RETRY_S = 60.0  # a worker that answered HTTP to a greeting is asked again after
-
-
-class ChannelUnsupported(ControlError):
-    """The peer answered the greeting as an HTTP server: it has no channel (an older worker)."""
 
 
 class ChannelStream(Generic[F]):
@@ -59,7 +55,7 @@ class ChannelStream(Generic[F]):
                  "_done", "_error", "_listener", "_last_frame_s", "_timeout_s",
                  "_frame_timeout_s", "_timer")
 
-    def __init__(self, channel: Channel, stream_id: int, decoder: FrameBatchDecoder[F],
+    def __init__(self, channel: Channel, stream_id: int, decoder: FrameDecoder[F],
                  first_frame_timeout_s: float, frame_timeout_s: float, what: str) -> None:
         self._channel = channel
         self.stream_id = stream_id
@@ -86,7 +82,7 @@ class ChannelStream(Generic[F]):
 
     def on_body(self, body: bytes | memoryview, now: float) -> None:
         try:
-            item = self._decoder.decode_one(body)
+            item = self._decoder.decode(body)
         except ProtocolError as exc:
             self.fail(ControlError(f"{self._what}: undecodable frame: {exc}"))
             return
@@ -190,6 +186,7 @@ class Channel(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, ChannelStream[Message]] = {}
         self._next_id = 1
+        self.peer_max_frame_bytes: int | None = None  # the worker's, from its welcome
 
     @classmethod
     async def connect(cls, url: str, token: str | None, timeout_s: float,
@@ -220,11 +217,23 @@ class Channel(asyncio.Protocol):
             raise
         return channel
 
-    def open(self, message: Message, decoder: FrameBatchDecoder[F], first_frame_timeout_s: float,
+    def open(self, message: Message, decoder: FrameDecoder[F], first_frame_timeout_s: float,
              frame_timeout_s: float) -> ChannelStream[F]:
-        """Send `message` as a new stream; its answer comes as the stream's frames."""
+        """Send `message` as a new stream; its answer comes as the stream's frames. Raises
+        ControlError on a closed channel, RemoteError TOO_LARGE (nothing sent) for a message
+        over the worker's frame limit."""
         if self.closed or self._transport is None or self._transport.is_closing():
             raise ControlError(f"{self.what}: the channel is closed")
+        body = encode(message)
+        limit = self.peer_max_frame_bytes
+        if limit is not None and len(body) > limit:
+            # As the worker would answer it, but for this request alone: a frame over its
+            # limit makes the worker close the channel, and every stream on it with it.
+            request_id = getattr(message, "request_id", None)
+            raise RemoteError(ErrorFrame(
+                request_id=request_id if isinstance(request_id, str) else None,
+                code=ErrorCode.TOO_LARGE, message=f"{type(message).__name__} of {len(body)} "
+                f"bytes exceeds the worker's limit of {limit}"))
         stream_id = self._next_id
         if stream_id > MAX_STREAM_ID:
             self.close()  # numbers are never reused: the next request opens a new channel
@@ -234,7 +243,7 @@ class Channel(asyncio.Protocol):
                                                  first_frame_timeout_s, frame_timeout_s,
                                                  self.what)
         self._streams[stream_id] = stream  # type: ignore[assignment]
-        self._transport.write(frame(stream_id, encode(message)))
+        self._transport.write(frame(stream_id, body))
         return stream
 
     def drop(self, stream_id: int, cancel: bool) -> None:
@@ -260,9 +269,9 @@ class Channel(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._welcome.done() and not self._splitter.has_partial_frame \
                 and data.startswith(b"HTTP/"):
-            self._welcome.set_exception(ChannelUnsupported(
-                f"{self.what}: the worker answered the channel's greeting with HTTP"))
-            self.close()
+            # An HTTP server (not a worker's control port) answered the greeting.
+            self._lost(ControlError(f"{self.what}: not a worker's control port (it answered "
+                                    f"the channel's greeting with HTTP)"))
             return
         try:
             frames = self._splitter.feed(data)
@@ -295,6 +304,7 @@ class Channel(asyncio.Protocol):
         if isinstance(answer, ErrorFrame):
             self._welcome.set_exception(RemoteError(answer))
         else:
+            self.peer_max_frame_bytes = answer.max_frame_bytes
             self._welcome.set_result(answer)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -319,8 +329,7 @@ class Channel(asyncio.Protocol):
 
 
 class ChannelPool:
-    """One channel per worker control URL: opened on first use, again after a loss; None
-    for a worker that has none (answered HTTP), asked again after UNSUPPORTED_RETRY_S.
+    """One channel per worker control URL: opened on first use, again after a loss.
 
     Lifecycle: connects are tasks the pool owns (one per URL at a time, shared by every
     caller waiting for it); `aclose()` cancels them and closes every channel.
@@ -333,7 +342,6 @@ class ChannelPool:
         self.max_frame_bytes = max_frame_bytes
         self._channels: dict[str, Channel] = {}
         self._connecting: dict[str, asyncio.Task[Channel]] = {}
-        self._http_only: dict[str, float] = {}  # url -> monotonic time to ask again
 
     def ready(self, url: str) -> Channel | None:
         """The open channel to `url`, if there is one now (no wait)."""
@@ -343,38 +351,26 @@ class ChannelPool:
             return None
         return channel
 
-    async def get(self, url: str) -> Channel | None:
-        """The channel to `url`, connecting when needed; None: use HTTP for this worker.
-        Raises ControlError (refused, reset, deadline) like any call to a worker."""
+    async def get(self, url: str) -> Channel:
+        """The channel to `url`, connecting when needed. Raises ControlError (refused,
+        reset, refused greeting) or FrameDeadlineError (no channel within the pool's
+        connect timeout), like any call to a worker."""
         channel = self.ready(url)
         if channel is not None:
             return channel
-        retry_at = self._http_only.get(url)
-        if retry_at is not None:
-            if time.monotonic() < retry_at:
-                return None
-            del self._http_only[url]
         task = self._connecting.get(url)
         if task is None:
             task = asyncio.get_running_loop().create_task(
                 Channel.connect(url, self.token, self.connect_timeout_s, self.max_frame_bytes))
             self._connecting[url] = task
             task.add_done_callback(lambda done: self._connected(url, done))
-        try:
-            return await asyncio.shield(task)
-        except ChannelUnsupported:
-            return None
+        return await asyncio.shield(task)
 
     def _connected(self, url: str, task: asyncio.Task[Channel]) -> None:
         self._connecting.pop(url, None)
         if task.cancelled():
             return
-        error = task.exception()  # retrieved here, whoever else waits for it
-        if isinstance(error, ChannelUnsupported):
-            log.info("%s has no channel; using HTTP for it", url)
-            self._http_only[url] = time.monotonic() + UNSUPPORTED_RETRY_S
-        elif error is None:
-            self._http_only.pop(url, None)
+        if task.exception() is None:  # retrieved here, whoever else waits for it
             self._channels[url] = task.result()
 
     @property

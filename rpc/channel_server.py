@@ -1,15 +1,14 @@
-"""The worker's end of gateway channels: many requests over one connection, on the control
-port itself (rpc/channel_wire.py has the wire, channel_client.py the gateway's end).
+"""The worker's end of channels: many requests over one connection, on the control port
+itself (rpc/channel_wire.py has the wire, channel_client.py the caller's end).
 
     connection ──▶ PortSniffer: first bytes MAGIC? ──yes──▶ ServerChannel
-                                                   └─no──▶ aiohttp (the HTTP control API)
+                                                   └─no──▶ aiohttp (probes and /admin)
 
 A ServerChannel runs the handlers the app registered with `control_server.add_call` /
-`add_stream`, one task per stream, and writes their frames; a producer registered with
-`add_lane_stream` may also send frames through its stream's `StreamLane` from a callback,
-while its task waits (a decode step's tokens: worker/stream_frames.py). Frames
-written in one turn of the event loop leave in one socket write (a decode step's tokens
-for many requests).
+`add_stream`, one task per stream, and writes their frames; a stream's producer may also
+send frames through its stream's `StreamFrameWriter` from a callback, while its task waits
+(a decode step's tokens: worker/stream_frames.py). Frames written in one turn of the event
+loop leave in one socket write (a decode step's tokens for many requests).
 
 Security: the greeting carries the internal token; a server with a token refuses a wrong
 or missing one (ErrorFrame UNAUTHORIZED, then close), as the HTTP API answers 401.
@@ -193,7 +192,8 @@ class ServerChannel(asyncio.Protocol):
                 self._send(stream_id, encode(await call(message)))
             else:
                 produce = self._routes.streams[type(message)]
-                await self._stream(stream_id, produce(message, StreamLane(self, stream_id)))
+                out = StreamFrameWriter(self, stream_id)
+                await self._stream(stream_id, produce(message, out))
             self._send(stream_id, END)
         except RequestRejected as exc:
             self._send(stream_id, encode(exc.frame))
@@ -220,7 +220,7 @@ class ServerChannel(asyncio.Protocol):
     # ---------------------------------------------------------------- writing
 
     def send_direct(self, stream_id: int, message: Message) -> bool:
-        """A StreamLane's send: `message` on a running, uncancelled stream while the
+        """A StreamFrameWriter's send: `message` on a running, uncancelled stream while the
         channel takes data; False otherwise (the producer's own path then carries it)."""
         task = self.tasks.get(stream_id)
         if self._closed or self._closing or self._paused or task is None or task.cancelling():
@@ -287,8 +287,8 @@ class ServerChannel(asyncio.Protocol):
             assert not self._out, "bytes queued after the channel closed"
 
 
-class StreamLane:
-    """One channel stream's FrameLane (rpc/control_app.py)."""
+class StreamFrameWriter:
+    """One channel stream's FrameWriter (rpc/control_app.py)."""
 
     __slots__ = ("_channel", "_stream_id")
 

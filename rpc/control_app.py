@@ -1,13 +1,12 @@
-"""What a worker's control API is, whichever way a request reaches it: its limits, its
-routes by message type, and how a handler refuses a request.
+"""What a worker's control API is: its limits, its routes by message type, and how a
+handler refuses a request.
 
-A request reaches a worker over HTTP (rpc/control_server.py: one POST per
-call or stream) or over a gateway's persistent channel (rpc/channel_server.py:
-one frame opens it); both run the same handlers, registered once with
-`control_server.add_call` / `add_stream`, and both turn a `RequestRejected` into an
-`ErrorFrame` answer. A stream producer registered with `add_lane_stream` gets
-the channel's `FrameLane` for its stream (None over HTTP): a way to send a frame from a
-callback, without the producer's task (worker/stream_frames.py).
+A request reaches a worker over a caller's channel (rpc/channel_server.py: one frame opens
+it), dispatched by the message's type to the handler registered with
+`control_server.add_call` / `add_stream`; a `RequestRejected` becomes an `ErrorFrame`
+answer. A stream's producer also gets the stream's `FrameWriter`: a way to send a frame from
+a callback, without waking the producer's task (worker/stream_frames.py uses it for a
+decode step's tokens).
 """
 
 from __future__ import annotations
@@ -27,17 +26,19 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 CallHandle = Callable[[Message], Awaitable[Message]]
 
 
-class FrameLane(Protocol):
-    """One channel stream's way out for frames sent outside its producer's task."""
+class FrameWriter(Protocol):
+    """One stream's way out for frames sent outside its producer's task."""
 
     def send(self, frame: Message) -> bool:
         """Queues `frame` on the stream now (it leaves with this turn's write); False, and
-        nothing sent, while the channel is paused or closed or the stream cancelled."""
+        nothing sent, while the channel is paused or closed or the stream cancelled. The
+        producer keeps the order: it sends here only while it has yielded everything
+        before `frame`."""
         ...
 
 
-# The channel calls a stream's producer with its lane (a producer without one ignores it).
-StreamProduce = Callable[[Message, FrameLane], AsyncGenerator[Message, None]]
+# A stream's producer: the request, and the stream's writer (which most producers ignore).
+StreamProduce = Callable[[Message, FrameWriter], AsyncGenerator[Message, None]]
 
 
 @dataclass(slots=True)
@@ -84,23 +85,12 @@ LIMITS = web.AppKey("control_limits", ControlLimits)
 CHANNEL_ROUTES = web.AppKey("channel_routes", ChannelRoutes)
 
 
-# The HTTP status an ErrorFrame answer goes out with.
-ERROR_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400, ErrorCode.PROTOCOL_VERSION: 400, ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.UNKNOWN_REQUEST: 404, ErrorCode.STALE_EPOCH: 409, ErrorCode.TOO_LARGE: 413,
-    ErrorCode.OVERLOADED: 503, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ABORTED: 499,
-    ErrorCode.TRANSFER_FAILED: 502, ErrorCode.PEER_LOST: 502, ErrorCode.INTERNAL: 500,
-}
-
-
 class RequestRejected(Exception):
-    """Raised inside a handler to answer with an ErrorFrame (HTTP: with its status)."""
+    """Raised inside a handler to answer with an ErrorFrame."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None,
-                 status: int | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.frame = ErrorFrame(request_id=request_id, code=code, message=message)
-        self.status = ERROR_STATUS[code] if status is None else status
 
 
 def token_matches(given: str | None, token: str) -> bool:

@@ -1,35 +1,31 @@
-"""The internal control plane, server side: aiohttp helpers for a worker's /internal/* API.
+"""A worker's control server: the channel for calls and streams, HTTP for probes and admin.
 
-Bodies are protocol envelopes (protocol/messages.py) with content type
-application/x-msgpack; a stream answer is a chunked response of length-prefixed frames
-(rpc/frames.py).
+One port serves both (rpc/channel_server.py tells them apart by the first bytes):
+
+    channel   every call and stream from the gateway and the operations agent: handlers
+              registered with `add_call` / `add_stream`, by request message type
+    HTTP      GET /health, /ready, /metrics (probes and scrapes: no request data) and
+              /admin/* (a worker's state, for operators and tests)
 
 Security: a control server bound to a loopback address may run without a token; bound to any
 other address it refuses to start without one (`PDSERVE_INTERNAL_TOKEN`, read by the CLI, not
-here). With a token set, every request must carry `Authorization: Bearer <token>`, else 401,
-except the probe paths (`/health`, `/ready`, `/metrics`), which reveal no request data and
-must answer orchestrators' probes and Prometheus scrapes that carry no token.
-Bodies above `max_body_bytes` get 413 before they are read into memory.
+here). With a token set, a channel's greeting must carry it (else UNAUTHORIZED and the
+channel closes) and every HTTP request must carry `Authorization: Bearer <token>`, else 401,
+except the probe paths (`/health`, `/ready`, `/metrics`), which must answer orchestrators'
+probes and Prometheus scrapes that carry no token. HTTP bodies above `max_body_bytes` get
+413 before they are read into memory; a channel frame above it closes the channel.
 
-Deadlines: a request body must arrive within `body_timeout_s` (else 408); each frame of a
-stream answer must be taken by the peer within `write_timeout_s` (else the stream ends, and
-its producer's `finally` aborts the request, as for a peer that hung up).
-
-Lifecycle of a stream answer: request decoded → headers sent → one frame per message the
-producer yields → end of body; or the peer goes away / a write times out → the producer is
-closed (`aclose`) → gone.
-
-The same port serves gateways' channels (rpc/channel_server.py): one connection
-per gateway carrying many requests, to the handlers registered with `add_call` and
-`add_stream`, under the same token, size limits and deadlines.
+Deadlines: a channel's greeting, and each frame once begun, must arrive whole within
+`body_timeout_s`; a caller that takes none of a stream's frames for `write_timeout_s` while
+they pile up has its channel closed, and every stream's producer on it is closed (its
+`finally` aborts the request, as for a caller that hung up).
 
 Invariants (`ControlServer.check_invariants`): a stream answer is in `open_streams` exactly
-while its handler runs, and its producer is closed exactly once when it leaves.
+while its producer runs, and its producer is closed exactly once when it leaves.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
@@ -37,20 +33,17 @@ from typing import TypeVar
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from protocol.messages import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
-                               ProtocolVersionError, encode)
+from protocol.messages import ErrorCode, ErrorFrame, Message, encode
 from rpc.channel_server import ChannelSite
-from rpc.control_app import (CHANNEL_ROUTES, DEFAULT_MAX_BODY_BYTES, ERROR_STATUS, LIMITS,
-                             ChannelRoutes, ControlLimits, FrameLane, RequestRejected, name_request,
-                             token_matches)
-from rpc.frames import FRAMES_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_frame
+from rpc.control_app import (CHANNEL_ROUTES, DEFAULT_MAX_BODY_BYTES, LIMITS, ChannelRoutes,
+                             ControlLimits, FrameWriter, RequestRejected, token_matches)
 from telemetry.options import INTERNAL_TOKEN_ENV
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ERROR_STATUS", "LIMITS", "ControlLimits", "ControlServer",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "LIMITS", "ControlLimits", "ControlServer", "FrameWriter",
            "InsecureBindError", "RequestRejected", "add_call", "add_stream", "check_bind",
-           "error_response", "is_loopback", "make_app", "message_handler", "message_response",
-           "read_message", "stream_handler"]
+           "error_response", "is_loopback", "make_app"]
 
+MSGPACK_CONTENT_TYPE = "application/x-msgpack"
 M = TypeVar("M", bound=Message)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,11 +76,9 @@ def error_response(code: ErrorCode, message: str, status: int,
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every rejection leaves as an ErrorFrame; aiohttp's own 413 would carry plain text."""
+    """A body over the limit leaves as an ErrorFrame; aiohttp's own 413 carries plain text."""
     try:
         return await handler(request)
-    except RequestRejected as exc:
-        return message_response(exc.frame, exc.status)
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(ErrorCode.TOO_LARGE, exc.text or "request body too large", 413)
 
@@ -120,10 +111,9 @@ def make_app(token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     return app
 
 
-def add_call(app: web.Application, path: str, request_type: type[M],
+def add_call(app: web.Application, request_type: type[M],
              handle: Callable[[M], Awaitable[Message]]) -> None:
-    """POST `path` (and the channel, for `request_type`) answers with what `handle` returns."""
-    app.router.add_post(path, message_handler(request_type, handle))
+    """A channel frame carrying a `request_type` is answered with what `handle` returns."""
 
     async def call(message: Message) -> Message:
         assert isinstance(message, request_type)  # the channel decoded it by its type
@@ -132,93 +122,18 @@ def add_call(app: web.Application, path: str, request_type: type[M],
     app[CHANNEL_ROUTES].add(request_type, call=call)
 
 
-def add_stream(app: web.Application, path: str, request_type: type[M],
-               produce: Callable[[M], AsyncGenerator[Message, None]]) -> None:
-    """POST `path` (and the channel, for `request_type`) streams what `produce` yields."""
-    add_lane_stream(app, path, request_type, lambda message, lane: produce(message))
+def add_stream(app: web.Application, request_type: type[M],
+               produce: Callable[[M, FrameWriter], AsyncGenerator[Message, None]]) -> None:
+    """A channel frame carrying a `request_type` opens a stream of what `produce` yields;
+    `produce` also gets the stream's FrameWriter (rpc/control_app.py). When the caller
+    drops the stream (or its channel closes), the generator is closed (aclose), so the
+    producer's `finally` is where a worker aborts the request and frees its blocks."""
 
-
-def add_lane_stream(app: web.Application, path: str, request_type: type[M],
-                    produce: Callable[[M, FrameLane | None], AsyncGenerator[Message, None]]
-                    ) -> None:
-    """As add_stream, and `produce` also gets the stream's FrameLane over the channel (None
-    over HTTP, where every frame goes through the handler's own loop)."""
-    app.router.add_post(path, stream_handler(request_type, lambda message: produce(message,
-                                                                                   None)))
-
-    def stream(message: Message, lane: FrameLane) -> AsyncGenerator[Message, None]:
+    def stream(message: Message, out: FrameWriter) -> AsyncGenerator[Message, None]:
         assert isinstance(message, request_type)
-        return produce(message, lane)
+        return produce(message, out)
 
     app[CHANNEL_ROUTES].add(request_type, stream=stream)
-
-
-async def read_message(request: web.Request, decoder: MessageDecoder[M]) -> M:
-    """The request body as a message; raises RequestRejected (400, 408) or 413 past the limit."""
-    timeout_s = request.app[LIMITS].body_timeout_s
-    try:
-        async with asyncio.timeout(timeout_s):
-            body = await request.read()  # aiohttp raises 413 past client_max_size
-    except TimeoutError:
-        raise RequestRejected(ErrorCode.BAD_REQUEST, f"request body not received within "
-                              f"{timeout_s} s", status=408) from None
-    try:
-        return decoder.decode(body)
-    except ProtocolVersionError as exc:
-        raise RequestRejected(ErrorCode.PROTOCOL_VERSION, str(exc)) from exc
-    except ProtocolError as exc:
-        raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
-
-
-def message_response(message: Message, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=encode(message), content_type=MSGPACK_CONTENT_TYPE)
-
-
-def message_handler(request_type: type[M], handle: Callable[[M], Awaitable[Message]]) -> Handler:
-    """An aiohttp handler: decode one message, answer with the message `handle` returns."""
-    decoder: MessageDecoder[M] = MessageDecoder(request_type)
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        message = await read_message(request, decoder)
-        name_request(message)
-        reply = await handle(message)
-        status = ERROR_STATUS[reply.code] if isinstance(reply, ErrorFrame) else 200
-        return message_response(reply, status)
-
-    return handler
-
-
-def stream_handler(request_type: type[M],
-                   produce: Callable[[M], AsyncGenerator[Message, None]]) -> Handler:
-    """An aiohttp handler writing each message `produce` yields as one frame.
-
-    When the client goes away (or stops reading for write_timeout_s) the write fails and
-    the generator is closed (aclose), so the producer's `finally` is where a worker aborts
-    the request and frees its blocks.
-    """
-    decoder: MessageDecoder[M] = MessageDecoder(request_type)
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        message = await read_message(request, decoder)
-        name_request(message)
-        limits = request.app[LIMITS]
-        response = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        frames = produce(message)
-        key = id(frames)
-        limits.open_streams.add(key)
-        try:
-            async for frame in frames:
-                async with asyncio.timeout(limits.write_timeout_s):
-                    await response.write(encode_frame(frame))
-        finally:
-            limits.open_streams.discard(key)
-            await frames.aclose()
-        await response.write_eof()
-        return response
-
-    return handler
 
 
 class ControlServer:
@@ -248,12 +163,10 @@ class ControlServer:
         return len(self.app[LIMITS].open_streams) if LIMITS in self.app else 0
 
     async def start(self) -> str:
-        # handler_cancellation: a client that hangs up cancels its handler at once, which is
-        # how a gateway-side abort or deadline reaches a streaming worker handler.
         runner = web.AppRunner(self.app, shutdown_timeout=self.shutdown_timeout_s,
                                access_log=None, handler_cancellation=True)
         await runner.setup()
-        # One port for both: HTTP, and gateways' channels (rpc/channel_server.py).
+        # One port for both: channels, and HTTP for probes and admin (rpc/channel_server.py).
         site = ChannelSite(runner, self.host, self.requested_port, self.app[CHANNEL_ROUTES],
                            self.app[LIMITS], self.token)
         await site.start()

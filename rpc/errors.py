@@ -1,4 +1,4 @@
-"""Errors of the internal control plane (gateway ↔ worker calls), caught by type."""
+"""Errors of the internal control carrier (gateway ↔ worker calls), caught by type."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from protocol.messages import ErrorFrame
 
 
 class ControlError(RuntimeError):
-    """A control-plane call failed locally (transport, framing, deadline)."""
+    """A control-carrier call failed locally (transport, framing, deadline)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

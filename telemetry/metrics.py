@@ -75,6 +75,10 @@ class Counter(_Metric):
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
 
+    def total(self) -> float:
+        """The sum over every label set."""
+        return sum(self._values.values())
+
     def render(self) -> list[str]:
         return self.header() + [f"{self.name}{_format_labels(self.label_names, k)} "
                                 f"{_format_value(v)}" for k, v in sorted(self._values.items())]
@@ -112,6 +116,9 @@ class Histogram(_Metric):
 
     def count(self, **labels: str) -> int:
         return sum(self._counts.get(self._key(labels), ()))
+
+    def sum(self, **labels: str) -> float:
+        return self._sums.get(self._key(labels), 0.0)
 
     def render(self) -> list[str]:
         lines = self.header()

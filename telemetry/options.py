@@ -1,11 +1,14 @@
 """Environment variables as option defaults: every `--some-option` of every `pdserve`
 subcommand can also be set as `PDSERVE_SOME_OPTION`; the command line wins.
 
-Read when a parser is built (at run time), never at import.
+`EnvOptions` is the one way a CLI adds such options (`add`, `flag`); each option's help
+ends with the variable's name. Read when a parser is built (at run time), never at import.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Mapping
 
 # The shared secret of the internal control API and the KV transfer handshake.
@@ -38,3 +41,28 @@ def env_flag(env: Mapping[str, str], option: str) -> bool:
         return False
     raise SystemExit(f"pdserve: {env_name(option)}={raw!r} is not a boolean "
                      "(use 1/true/yes/on or 0/false/no/off)")
+
+
+class EnvOptions:
+    """Adds options to `parser` whose defaults come from the environment (`env`, default
+    os.environ), each help text ending with the variable that sets it."""
+
+    def __init__(self, parser: argparse.ArgumentParser,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.parser = parser
+        self.env = os.environ if env is None else env
+
+    def add(self, option: str, default: object = None, *, help: str, secret: bool = False,
+            show_default: bool = False, **argparse_kwargs: object) -> None:
+        """`--option` with PDSERVE_OPTION as its default when set. `secret`: --help never
+        shows its value; `show_default`: --help shows the default (else the help says it)."""
+        shown = "; default: %(default)s" if show_default and not secret else ""
+        self.parser.add_argument(option, default=self.env.get(env_name(option), default),
+                                 help=f"{help} [env {env_name(option)}{shown}]",
+                                 **argparse_kwargs)  # type: ignore[arg-type]
+
+    def flag(self, option: str, *, help: str) -> None:
+        """A boolean `--option`, on when given or when PDSERVE_OPTION is true."""
+        self.parser.add_argument(option, action="store_true",
+                                 default=env_flag(self.env, option),
+                                 help=f"{help} [env {env_name(option)}=1]")

@@ -46,7 +46,8 @@ from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, D
                                PrefillRequest, PrefillResult, ReserveRequest, ReserveResponse, Role,
                                TokenFrame, TransferResult, TransferStatus, Usage, WorkerInfo)
 from protocol.worker_load import WorkerLoad
-from rpc.control_server import ControlServer, RequestRejected, add_call, add_stream, make_app
+from rpc.control_server import (ControlServer, FrameWriter, RequestRejected, add_call, add_stream,
+                                make_app)
 from state.redis_state import RedisState, connect
 from worker.publisher import WorkerPublisher
 
@@ -99,14 +100,14 @@ class StubWorker:
 
     async def start(self) -> str:
         app = make_app(token=None)
-        add_call(app, "/internal/reserve", ReserveRequest, self._reserve)
-        add_stream(app, "/internal/prefill", PrefillRequest, self._prefill)
-        add_call(app, "/internal/destination", DestinationNotice, self._destination)
-        add_stream(app, "/internal/decode", DecodeRequest, self._decode)
-        add_call(app, "/internal/abort", AbortRequest, self._abort)
+        add_call(app, ReserveRequest, self._reserve)
+        add_stream(app, PrefillRequest, self._prefill)
+        add_call(app, DestinationNotice, self._destination)
+        add_stream(app, DecodeRequest, self._decode)
+        add_call(app, AbortRequest, self._abort)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._health)
-        app.router.add_get("/internal/state", self._state)
+        app.router.add_get("/admin/state", self._state)
         self.server = ControlServer(app)
         url = await self.server.start()
         state = RedisState(connect(self.redis_url), namespace=self.namespace)
@@ -153,8 +154,7 @@ class StubWorker:
         num_blocks = math.ceil(len(message.prompt_token_ids) / BLOCK_SIZE)
         destination = DecodeDestination(worker_id=self.worker_id, epoch=self.publisher.epoch,
                                         kv_address="stub", block_ids=list(range(num_blocks)))
-        return ReserveResponse(request_id=message.request_id, destination=destination,
-                               block_size=BLOCK_SIZE)
+        return ReserveResponse(request_id=message.request_id, destination=destination)
 
     async def _abort(self, message: AbortRequest) -> AbortResponse:
         self.aborts.append(message.request_id)
@@ -169,7 +169,7 @@ class StubWorker:
         self.destinations.setdefault(rid, asyncio.Event()).set()
         return DestinationAck(request_id=rid, waiting=waiting)
 
-    async def _prefill(self, message: PrefillRequest) -> AsyncIterator[object]:
+    async def _prefill(self, message: PrefillRequest, out: FrameWriter) -> AsyncIterator[object]:
         rid = message.request_id
         self.requests.append(f"prefill:{rid}")
         self.held[rid] = "prefilling"
@@ -201,7 +201,7 @@ class StubWorker:
             self._release(rid)
             self.destinations.pop(rid, None)
 
-    async def _decode(self, message: DecodeRequest) -> AsyncIterator[object]:
+    async def _decode(self, message: DecodeRequest, out: FrameWriter) -> AsyncIterator[object]:
         rid = message.request_id
         self.requests.append(f"decode:{rid}")
         if message.first_token_id is not None:

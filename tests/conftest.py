@@ -6,7 +6,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hf_reference import HFReference
+
+# Without a GPU, Triton kernels run on its interpreter (in fp32: tests/gpu/conftest.py). It
+# must be chosen before triton is first imported, by whichever test file imports it first.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from launcher.redis_server import RedisServer
 

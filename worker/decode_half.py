@@ -1,8 +1,9 @@
 """Decode worker: reserve -> receive KV -> join the decode batch -> stream tokens.
 
-Handles POST /internal/reserve, /internal/decode, /internal/abort (protocol/messages.py
-messages over rpc/control_server.py) and the operations agent's /internal/reclaim
-(protocol/agent_messages.py). The engine runs in its own thread (EngineThread).
+Serves ReserveRequest, DecodeRequest (a stream of TokenFrames) and the operations agent's
+ReclaimRequest (protocol/), behind the role gate (worker/role_gate.py), which registers the
+routes and ends requests of either half on an AbortRequest. The engine runs in its own
+thread (EngineThread).
 
 The handoff as this worker sees it (disaggregated request):
 
@@ -41,8 +42,6 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 
-from aiohttp import web
-
 from engine.engine_thread import EngineThread
 from engine.kv_storage import KVStorage
 from engine.request import RequestMode
@@ -50,16 +49,15 @@ from kv_transfer.errors import KVTransferError
 from kv_transfer.interface import KVReceiver, TransferState
 from kv_transfer.layout import transfer_bytes
 from protocol.agent_messages import ReclaimRequest, ReclaimResponse
-from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
-                               ErrorCode, ErrorFrame, Message, ReserveRequest, ReserveResponse,
-                               TokenFrame)
-from rpc.control_server import FrameLane, add_call, add_lane_stream
+from protocol.messages import (DecodeDestination, DecodeRequest, ErrorCode, ErrorFrame, Message,
+                               ReserveRequest, ReserveResponse, TokenFrame)
+from rpc.control_app import FrameWriter
 from worker.block_waiters import BlockWaiters, ReservationAborted, refusal
 from worker.metrics import WorkerMetrics
 from worker.output_frames import error_frame
 from worker.reservations import (EndReason, Reservation, ReservationState, ReservationTable,
                                  blocks_to_receive)
-from worker.stream_frames import stream_frames
+from worker.stream_frames import DecodeStream, stream_frames
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +69,12 @@ _END_CODES = {EndReason.TRANSFER_FAILED: ErrorCode.TRANSFER_FAILED,
 class DecodeWorker:
     def __init__(self, worker_id: str, metrics: WorkerMetrics,
                  make_receiver: Callable[[KVStorage], Awaitable[KVReceiver]],
-                 epoch: Callable[[], int], colocated: bool = False,
+                 epoch: Callable[[], int],
                  own_epoch: Callable[[int], bool] | None = None) -> None:
         """`own_epoch(e)`: did this process register epoch `e` (a role change starts a new
         one; reservations of an earlier one stay joinable)? Default: `e == epoch()`."""
         self.worker_id = worker_id
         self.metrics = metrics
-        self.colocated = colocated  # colocated: no reservations, every prompt prefilled here
         self._make_receiver = make_receiver
         self._epoch = epoch
         self._own_epoch = own_epoch or (lambda e: e == epoch())
@@ -87,7 +84,7 @@ class DecodeWorker:
         self.engine: EngineThread | None = None
         self.receiver: KVReceiver | None = None
         self.draining = False
-        self._streams: set[str] = set()  # request ids with an open /internal/decode stream
+        self._streams: dict[str, DecodeStream] = {}  # open decode streams, by request id
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- RoleWorker
@@ -100,20 +97,14 @@ class DecodeWorker:
     def kv_address(self) -> str | None:
         return None if self.receiver is None else self.receiver.address
 
-    def add_routes(self, app: web.Application) -> None:
-        add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
-        add_lane_stream(app, "/internal/decode", DecodeRequest, self.decode)
-        add_call(app, "/internal/abort", AbortRequest, self.abort)
-        add_call(app, "/internal/reclaim", ReclaimRequest, self.reclaim)
-
     async def attach(self, engine: EngineThread) -> None:
+        """Serve with `engine`; the KV receiver opens when the role takes reservations
+        (worker/role_gate.py)."""
         self.engine = engine
-        if not self.colocated:
-            await self.start_receiver()
 
     async def start_receiver(self) -> None:
-        """Open the KV receiver (at attach, or when the worker's role starts taking
-        reservations); idempotent."""
+        """Open the KV receiver (when the worker's role starts taking reservations);
+        idempotent."""
         if self.receiver is None and self.engine is not None:
             self.receiver = await self._make_receiver(self.engine.kv_storage)
 
@@ -183,7 +174,7 @@ class DecodeWorker:
                                         kv_address=receiver.address,
                                         block_ids=list(held.block_ids),
                                         num_prefix_blocks_held=num_held)
-        return ReserveResponse(request_id=rid, destination=destination, block_size=block_size)
+        return ReserveResponse(request_id=rid, destination=destination)
 
     async def reclaim(self, request: ReclaimRequest) -> Message:
         """Free reservations no decode request joined for `older_than_ms` (leaked: the
@@ -252,8 +243,10 @@ class DecodeWorker:
 
     # ---------------------------------------------------------------- decode
 
-    async def decode(self, request: DecodeRequest, lane: FrameLane | None = None
-                     ) -> AsyncGenerator[Message, None]:  # lane: stream_frames.py
+    async def decode(self, request: DecodeRequest, out: FrameWriter | None
+                     ) -> AsyncGenerator[Message, None]:
+        """The request's frames; `out`: the stream's writer for tokens sent from the
+        engine's delivery callback (worker/stream_frames.py), None: all through here."""
         rid = request.request_id
         if self.engine is None or (self.draining and request.is_local_prefill):
             yield error_frame(rid, ErrorCode.OVERLOADED, "not serving (loading or draining)", True)
@@ -265,8 +258,8 @@ class DecodeWorker:
         engine = self.engine
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
-        self._streams.add(rid)
-        stream = engine.open_stream(rid)
+        stream = self._streams[rid] = DecodeStream(rid, out)
+        engine.open_stream(rid, stream)
         in_engine = finished = False
         reservation: Reservation | None = None
         try:
@@ -298,7 +291,7 @@ class DecodeWorker:
                 assert first_token_id is not None  # not a local prefill
                 await engine.call(lambda e: e.add_decode_request(
                     rid, request.prompt_token_ids, params, first_token_id, request.priority))
-            async for frame in stream_frames(rid, stream, deadline, self.metrics, lane):
+            async for frame in stream_frames(stream, deadline, self.metrics):
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
                 yield frame
@@ -306,7 +299,7 @@ class DecodeWorker:
             finished = True
             yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
-            self._streams.discard(rid)
+            self._streams.pop(rid, None)
             engine.close_stream(rid)
             self.block_waiters.notify()  # its blocks are freed by now or by the abort below
             if in_engine and not finished:
@@ -351,15 +344,10 @@ class DecodeWorker:
 
     # ---------------------------------------------------------------- abort
 
-    async def abort(self, request: AbortRequest) -> Message:
-        sent = self.tokens_sent(request.request_id)  # read first: nothing is sent after
-        found = self.abort_request(request.request_id, request.reason or "aborted by the gateway")
-        self.metrics.aborts.inc(found="yes" if found else "no")
-        return AbortResponse(request_id=request.request_id, found=found, num_tokens_sent=sent)
-
     def tokens_sent(self, rid: str) -> int:
-        """Tokens the open decode stream of `rid` has sent (0 without one)."""
-        stream = self.engine.stream(rid) if self.engine is not None else None
+        """Tokens the open decode stream of `rid` has sent (0 without one); read before
+        ending it: nothing is sent after an end."""
+        stream = self._streams.get(rid)
         return stream.num_tokens_sent if stream is not None else 0
 
     def abort_request(self, rid: str, reason: str) -> bool:

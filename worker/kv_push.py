@@ -8,9 +8,10 @@
     a transfer error ─▶ cancel (the receiver frees its blocks) ─▶ TransferResult FAILED
     `stop` set (an abort, or the request ended) ─▶ TransferCancelled ─▶ FAILED
 
-The request deadline bounds the announce and the finish. The time recorded for a push
-started mid-step is the part after the prompt's step ended: the rate the router predicts
-handoffs with must not count the compute the push overlapped.
+Every push starts mid-step, from the prompt's KVReady (worker/prefill_half.py). The request
+deadline bounds the announce and the finish. The time recorded for a push is the part after
+the prompt's step ended: the rate the router predicts handoffs with must not count the
+compute the push overlapped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import KVSender, SendHandle, TransferSpec
 from kv_transfer.layout import KVLayout, transfer_bytes
 from protocol.messages import DecodeDestination, TransferResult, TransferStatus
-from worker.early_push import EarlyPush
+from worker.faults import Faults
+from worker.handoff import EarlyPush
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -37,20 +39,19 @@ MIN_EXPOSED_PUSH_S = 1e-4
 
 class KVPusher:
     def __init__(self, sender: KVSender, kv_layout: KVLayout, metrics: WorkerMetrics,
-                 transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "") -> None:
+                 faults: Faults) -> None:
+        """`faults`: what a test injected (worker/faults.py): a delayed push sleeps
+        before each layer, so a transfer can be stalled or cut mid-way."""
         self.sender = sender
         self.kv_layout = kv_layout
         self.metrics = metrics
-        # Fault injection for tests: pushes of requests whose id starts with the prefix
-        # sleep before each layer, so a transfer can be stalled or cut mid-way.
-        self.transfer_layer_delay_s = transfer_layer_delay_s
-        self.fault_request_prefix = fault_request_prefix
+        self.faults = faults
 
     async def push(self, spec: TransferSpec, destination: DecodeDestination,
                    stop: asyncio.Event, reason: Callable[[], str], deadline: float,
-                   early: EarlyPush | None) -> TransferResult:
-        """Announce and move `spec`; `early`: started mid-step (its KV may not be written
-        yet: queue behind the layer events, or wait for `early.written`)."""
+                   early: EarlyPush) -> TransferResult:
+        """Announce and move `spec`; `early`: the push, started mid-step (its KV may not be
+        written yet: queue behind the layer events, or wait for `early.written`)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         handle: SendHandle | None = None
@@ -58,10 +59,9 @@ class KVPusher:
             handle = await unless(self.sender.start(destination.kv_address, spec,
                                                     max(deadline - loop.time(), 0.001)),
                                   stop, reason)
-            delayed = self.transfer_layer_delay_s > 0 and \
-                spec.request_id.startswith(self.fault_request_prefix)
-            events = early.layer_events if early is not None else None
-            start = "after_step" if early is None else "mid_step"
+            delayed = self.faults.delays_push(spec.request_id)
+            events = early.layer_events
+            start = "mid_step"
             if events is not None and handle.sends_after_events and not delayed:
                 accepted = time.perf_counter()
                 handle.send_layers_after(events)
@@ -69,11 +69,10 @@ class KVPusher:
                 log.debug("push %s: started %.6f, accepted %.6f, copies queued %.6f",
                           spec.request_id, started, accepted, time.perf_counter())
             else:
-                if early is not None:
-                    await unless(early.written.wait(), stop, reason)
+                await unless(early.written.wait(), stop, reason)
                 for layer in spec.layers:
                     if delayed:
-                        await asyncio.sleep(self.transfer_layer_delay_s)
+                        await asyncio.sleep(self.faults.transfer_layer_delay_s)
                     if handle.state.is_terminal or stop.is_set():
                         break
                     handle.send_layer(layer)
@@ -84,7 +83,7 @@ class KVPusher:
             if handle is not None and not handle.state.is_terminal:
                 await handle.cancel(str(exc))  # tells the receiver, which frees its blocks
             name = type(exc).__name__
-            if early is None or early.counted:
+            if early.counted:
                 self.metrics.handoff_failures.inc(reason=f"transfer_{name}")
             log.info("KV push of %s failed: %s", spec.request_id, exc)
             return transfer_result(spec.request_id, destination, TransferStatus.FAILED,
@@ -92,15 +91,14 @@ class KVPusher:
         num_blocks = len(spec.src_block_ids)
         num_bytes = transfer_bytes(self.kv_layout, num_blocks, len(spec.layers))
         log.debug("push %s (%s): step output %s, landed %.6f", spec.request_id, start,
-                  None if early is None else early.written_at, time.perf_counter())
-        if early is not None:
-            step_end = early.written_at if early.written_at is not None else time.perf_counter()
-            started = max(started, step_end)
+                  early.written_at, time.perf_counter())
+        step_end = early.written_at if early.written_at is not None else time.perf_counter()
+        started = max(started, step_end)
         self.metrics.record_kv_sent(num_bytes, max(time.perf_counter() - started,
                                                    MIN_EXPOSED_PUSH_S))
         self.metrics.kv_transfer_blocks.inc(num_blocks, direction="sent")
         self.metrics.kv_transfers.inc(direction="sent",
-                                      path="mapped" if handle.mapped else "data_plane")
+                                      path="mapped" if handle.mapped else "carrier")
         self.metrics.kv_pushes.inc(start=start)
         return transfer_result(spec.request_id, destination, TransferStatus.DONE,
                                num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)

@@ -2,7 +2,7 @@
 
 Every worker process (`pdserve prefill-worker`, `pdserve decode-worker --role R`) runs the
 same thing: a control HTTP server, one engine thread, a KV receiver (a TCP control server
-on the worker's host, port 0, plus the UCX or TCP data plane; opened when the role takes
+on the worker's host, port 0, plus the UCX or TCP carrier; opened when the role takes
 reservations), a KV sender (links opened on first use; created when the role prefills for
 others) and the registry publisher. Sender and receiver share the process's one UCX
 worker (ucxx runs one per event loop), created by whichever comes first. Its role only
@@ -59,15 +59,13 @@ def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
                           ucx_shared_memory=options.kv_shared_memory,
                           mapping=options.kv_mapping)
 
-    prefill = PrefillWorker(runtime.metrics, make_sender,
-                            transfer_layer_delay_s=options.fault_transfer_delay_ms / 1000,
-                            fault_request_prefix=options.fault_request_prefix,
-                            layerwise_push=options.kv_push == "layerwise")
+    prefill = PrefillWorker(runtime.metrics, make_sender, runtime.faults)
     decode = DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
                           epoch=lambda: runtime.epoch,
-                          colocated=not options.role.takes_reservations,
                           own_epoch=lambda e: e in runtime.own_epochs)
     from kv_transfer.backend import resolve_backend
-    return AnyRoleWorker(options.role, prefill, decode, runtime.metrics, runtime.change_role,
+    gate = AnyRoleWorker(options.role, prefill, decode, runtime.metrics, runtime.change_role,
                          epoch=lambda: runtime.epoch, tracing=runtime.tracing,
                          kv_backend=resolve_backend(options.kv_transport))
+    gate.add_routes(runtime.app)
+    return gate

@@ -11,6 +11,8 @@ import time
 from collections import deque
 
 from engine.engine_thread import StepReport
+from protocol.agent_messages import HealthReport
+from protocol.worker_load import WorkerLoad
 from telemetry.metrics import MetricsRegistry
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -57,12 +59,12 @@ class WorkerMetrics:
             ("direction",))
         self.kv_transfers = registry.counter(
             "pdserve_kv_transfers_total", "completed KV transfers, by how the bytes moved "
-            "(mapped: copied into the receiver's mapped pool; data_plane: UCX or TCP)",
+            "(mapped: copied into the receiver's mapped pool; carrier: UCX or TCP)",
             ("direction", "path"))
         self.kv_pushes = registry.counter(
             "pdserve_kv_pushes_total", "completed KV pushes of a prefill worker, by when they "
             "started (layer_events: each layer's copy queued behind its compute, mid-step; "
-            "mid_step: announced while the prompt computed, sent after; after_step)",
+            "mid_step: announced while the prompt computed, sent after)",
             ("start",))
         self.kv_transfer_seconds = registry.histogram(
             "pdserve_kv_transfer_seconds", "duration of completed KV transfers (a prefill "
@@ -124,6 +126,18 @@ class WorkerMetrics:
         self._window.append((now, prefill_tokens, decode_tokens))
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
             self._window.popleft()
+
+    def health(self, epoch: int, load: WorkerLoad) -> HealthReport:
+        """The operations agent's report (protocol/agent_messages.py), from these counters."""
+        return HealthReport(
+            epoch=epoch, load=load, num_steps=self.step_seconds.count(),
+            step_sum_s=self.step_seconds.sum(),
+            num_decode_steps=self.decode_step_seconds.count(),
+            decode_sum_s=self.decode_step_seconds.sum(),
+            decode_seqs=self.decode_step_seqs.value(),
+            decode_context=self.decode_step_context.value(),
+            num_requests=int(self.requests.total()),
+            num_failed=int(self.requests.value(outcome="error")))
 
     def tokens_per_s(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second over the last few seconds."""

@@ -12,12 +12,11 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from engine.step_mode import STEP_MODE_CHOICES, StepMode, choose_step_mode
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
-from telemetry.options import env_flag, env_name
+from telemetry.options import EnvOptions, env_name
 from telemetry.tracing import ENDPOINT_ENV
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,8 +45,6 @@ class WorkerOptions:
     log_level: str
     drain_timeout_s: float
     internal_token: str | None
-    fault_transfer_delay_ms: int = 0
-    fault_request_prefix: str = ""
     sm_share_percent: int = 0  # CUDA MPS SM share given by the launcher (0: none)
     log_format: str = "text"
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
@@ -55,8 +52,6 @@ class WorkerOptions:
     pipelined_steps: str = "auto"  # auto | on | off | overlap (engine/step_mode.py)
     gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
-    kv_push: str = "layerwise"  # layerwise | after-step (worker/prefill_half.py)
-    mixed_graphs: bool = True  # steps with prefill chunks as CUDA graphs (engine/mixed_graphs.py)
 
     @property
     def warms_up(self) -> bool:
@@ -76,23 +71,20 @@ class WorkerOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.drain_timeout_s < 0 or self.fault_transfer_delay_ms < 0:
-            raise ValueError("--drain-timeout-s and --fault-transfer-delay-ms must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("--drain-timeout-s must be >= 0")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError(f"--gil-switch-ms must be in [0.05, 100], got {self.gil_switch_ms}")
 
 
-def add_worker_options(parser: argparse.ArgumentParser, kind: str,
+def add_worker_options(parser: argparse.ArgumentParser, role: Role,
                        env: Mapping[str, str] | None = None) -> None:
-    """Register the options of a worker of `kind` ("prefill" or "decode")."""
-    env = os.environ if env is None else env
+    """Register the options of a worker that starts as `role` unless --role says else."""
+    options = EnvOptions(parser, env)
 
     def add(option: str, default: object, help_text: str, secret: bool = False,
-            **kwargs: Any) -> None:
-        default = env.get(env_name(option), default)
-        shown = "" if secret else "; default: %(default)s"  # never print a secret in --help
-        parser.add_argument(option, default=default,
-                            help=f"{help_text} [env {env_name(option)}{shown}]", **kwargs)
+            **kwargs: object) -> None:
+        options.add(option, default, help=help_text, secret=secret, show_default=True, **kwargs)
 
     add("--model", "default", "model directory, .gguf file, or 'default'")
     add("--redis-url", None, "Redis URL of the routing state (required), e.g. "
@@ -113,20 +105,16 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         type=int)
     add("--kv-transport", "auto", "KV transfer backend (auto: ucx when importable, else tcp)",
         choices=TRANSPORTS)
-    parser.add_argument(
-        "--kv-shared-memory", action="store_true", default=env_flag(env, "--kv-shared-memory"),
+    options.flag(
+        "--kv-shared-memory",
         help="UCX only: move KV over shared memory / cuda_ipc between workers of one host "
              "(faster; UCX then cannot report a dead peer, and a prefill worker killed in the "
              "middle of a copy can abort the decode worker; every worker of the cluster must "
-             "agree) [env PDSERVE_KV_SHARED_MEMORY; default: off]")
+             "agree)")
     add("--kv-mapping", "on", "between workers of one host, the prefill worker copies KV "
         "straight into the decode worker's pool, mapped from its memfd (host) or by CUDA IPC "
         "(GPU), in one pass and with no data messages; off: always through --kv-transport "
         "(every worker of the cluster should agree)", choices=("on", "off"))
-    add("--kv-push", "layerwise", "when a prefill worker starts sending a prompt's KV: "
-        "layerwise announces it while the prompt computes and, between GPUs of one host "
-        "with --kv-mapping on, copies each layer as soon as it is computed; after-step "
-        "starts once the prompt's step ended", choices=("layerwise", "after-step"))
     add("--warm-up", "auto", "before registering, run every kind of step once (prefill "
         "lengths, chunked and cached prefills, mixed steps, each sampler) so that kernels "
         "compile before the first request, not during it; auto: on CUDA only",
@@ -138,11 +126,6 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         "device; not with tensor parallelism, which falls back to on); auto: overlap for "
         "CUDA, off elsewhere (on the CPU the model runs on the same cores, so "
         "nothing would overlap)", choices=STEP_MODE_CHOICES)
-    add("--mixed-graphs", "on", "CUDA: replay steps that carry prefill chunks (up to 512 "
-        "tokens and 8 chunks, decode rows beside them or not) from CUDA graphs captured at "
-        "start-up, as decode steps are, instead of launching every kernel from Python; "
-        "costs about a second of start-up and an eager step's activations; off: eager",
-        choices=("on", "off"))
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
@@ -153,7 +136,8 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
     add("--log-format", "text", "text lines, or json: one object per line with the request "
         "id where there is one", choices=LOG_FORMATS)
     parser.add_argument(
-        "--otlp-endpoint", default=env.get(env_name("--otlp-endpoint")) or env.get(ENDPOINT_ENV),
+        "--otlp-endpoint",
+        default=options.env.get(env_name("--otlp-endpoint")) or options.env.get(ENDPOINT_ENV),
         help="OpenTelemetry traces: OTLP/HTTP base URL to export spans to, e.g. "
              "http://127.0.0.1:4318 (needs the tracing extra); unset: no traces [env "
              f"{env_name('--otlp-endpoint')} or {ENDPOINT_ENV}; default: unset]")
@@ -161,24 +145,19 @@ def add_worker_options(parser: argparse.ArgumentParser, kind: str,
         type=float)
     add("--internal-token", None, "shared token for the control API (prefer the "
         "PDSERVE_INTERNAL_TOKEN environment variable)", secret=True)
-    if kind == "decode":
-        add("--role", "decode", "the role the worker starts in: decode (receives KV from "
-            "prefill workers, prefills locally too), colocated (prefills every request "
-            "itself, takes no KV), both (also prefills for other workers and pushes their "
-            "KV) or prefill; it can change at run time (POST /internal/role)",
-            choices=tuple(r.value for r in Role))
-    add("--fault-transfer-delay-ms", 0, "fault injection for tests: sleep this long "
-        "before sending each layer's KV (0: off)", type=int)
-    add("--fault-request-prefix", "", "fault injection for tests: delay only requests "
-        "whose id starts with this")
+    add("--role", role.value, "the role the worker starts in: prefill (prefills for other "
+        "workers and pushes the KV), decode (receives KV from prefill workers, prefills "
+        "locally too), colocated (prefills every request itself, takes no KV) or both "
+        "(all of it); it can change at run time (the gateway's POST "
+        "/admin/workers/ID/role)", choices=tuple(r.value for r in Role))
 
 
-def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
+def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """Validate parsed arguments; raises ValueError with a message for the user."""
     if not args.redis_url:
         raise ValueError(f"--redis-url (or {env_name('--redis-url')}) is required: workers "
                          "find each other only through the Redis registry")
-    role = Role(getattr(args, "role", kind))
+    role = Role(args.role)
     worker_id = args.worker_id or f"{role.value}-{socket.gethostname()}-{os.getpid()}"
     return WorkerOptions(
         role=role, model=args.model, redis_url=args.redis_url, host=args.host,
@@ -190,17 +169,13 @@ def options_from_args(args: argparse.Namespace, kind: str) -> WorkerOptions:
         namespace=args.namespace, log_level=args.log_level,
         drain_timeout_s=float(args.drain_timeout_s),
         internal_token=args.internal_token or None,
-        fault_transfer_delay_ms=int(getattr(args, "fault_transfer_delay_ms", 0)),
-        fault_request_prefix=getattr(args, "fault_request_prefix", ""),
         sm_share_percent=_mps_share(os.environ),
         log_format=getattr(args, "log_format", "text"),
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
         warm_up=getattr(args, "warm_up", "auto"),
         pipelined_steps=getattr(args, "pipelined_steps", "auto"),
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
-        kv_mapping=getattr(args, "kv_mapping", "on") == "on",
-        kv_push=getattr(args, "kv_push", "layerwise"),
-        mixed_graphs=getattr(args, "mixed_graphs", "on") == "on")
+        kv_mapping=getattr(args, "kv_mapping", "on") == "on")
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

@@ -1,9 +1,10 @@
 """Prefill worker: admit -> prefill (chunked, batched) -> first token -> push KV -> release.
 
-Handles POST /internal/prefill (a stream: PrefillResult, then TransferResult),
-POST /internal/destination (where the KV of a request sent with `destination_follows`
-goes: worker/destinations.py) and POST /internal/abort. The engine runs in its own
-thread (EngineThread); KV moves with the kv_transfer sender (worker/kv_push.py).
+Serves PrefillRequest (a stream: PrefillResult, then TransferResult) and DestinationNotice
+(where the KV of a request sent with `destination_follows` goes: worker/handoff.py),
+behind the role gate (worker/role_gate.py), which registers the routes and ends requests
+of either half on an AbortRequest. The engine runs in its own thread (EngineThread); KV
+moves with the kv_transfer sender (worker/kv_push.py).
 
 Lifecycle of one request here:
 
@@ -20,18 +21,20 @@ Lifecycle of one request here:
     reservation). Blocks the destination already holds (num_prefix_blocks_held) are not
     sent; prefix blocks cached here are not recomputed (the engine's prefix cache).
 
-When the push starts (`layerwise`, the default: `--kv-push layerwise`):
+When the push starts: mid-step, from the KVReady the engine owes every request whose KV
+goes elsewhere (layer-wise push):
 
-    layerwise:  add_request(notify_kv_ready) ─▶ KVReady (mid-step, engine/kv_ready.py)
-                  ─▶ sender.start (announce, while the prompt computes) ─▶
-                  CUDA + mapped link: send_layers_after(layer events): layer n's copy runs
-                    on the GPU as soon as layer n is computed, overlapping layers n+1..L-1
-                  otherwise: send_layer ×L once the step's output arrived (KV written)
-    after-step: the step ends ─▶ block table ─▶ sender.start ─▶ send_layer ×L
+    add_request(notify_kv_ready) ─▶ KVReady (mid-step, engine/kv_ready.py)
+      ─▶ sender.start (announce, while the prompt computes) ─▶
+      CUDA + mapped link: send_layers_after(layer events): layer n's copy runs
+        on the GPU as soon as layer n is computed, overlapping layers n+1..L-1
+      otherwise: send_layer ×L once the step's output arrived (KV written)
 
-so with layerwise push on one host's GPUs the handoff adds about the last layer's copy to
-the time the decode worker can start, not the whole transfer and its announce. A request
-that ends at its first token cancels its early transfer (TransferResult SKIPPED as before).
+so on one host's GPUs the handoff adds about the last layer's copy to the time the decode
+worker can start, not the whole transfer and its announce. (Starting only once the step
+ended added as much TTFT and 1.9 ms more per push on the H200: docs/benchmark_journal.md,
+"Layer-wise push and the handoff's added latency, H200".) A request that ends at its first
+token cancels its early transfer (TransferResult SKIPPED as before).
 
 Failures: abort or client hang-up while QUEUED -> engine abort; while PUSHING -> the send is
 cancelled (the receiver is told and frees its reservation) and the blocks released here;
@@ -52,8 +55,6 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
 from engine.engine_thread import EngineThread
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVStorage
@@ -63,16 +64,13 @@ from engine.request_stream import StreamEnd
 from kv_transfer.errors import TransferCancelled
 from kv_transfer.interface import KVSender
 from protocol.finish_reason import FinishReason
-from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DestinationAck,
-                               DestinationNotice, ErrorCode, Message, PrefillRequest, PrefillResult,
-                               TransferStatus)
-from rpc.control_server import add_call, add_stream
-from worker.destinations import FollowingDestinations
-from worker.early_push import EarlyPush, log_push_error
+from protocol.messages import (DecodeDestination, DestinationAck, DestinationNotice, ErrorCode,
+                               Message, PrefillRequest, PrefillResult, TransferStatus)
+from worker.faults import Faults
+from worker.handoff import EarlyPush, FollowingDestinations, log_push_error, plan_push
 from worker.kv_push import KVPusher, transfer_result, unless
 from worker.metrics import WorkerMetrics
 from worker.output_frames import error_frame, to_token_logprob
-from worker.push_plan import plan_push
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +93,12 @@ class _Active:
 
 class PrefillWorker:
     def __init__(self, metrics: WorkerMetrics, make_sender: Callable[[KVStorage], KVSender],
-                 transfer_layer_delay_s: float = 0.0, fault_request_prefix: str = "",
-                 layerwise_push: bool = True) -> None:
+                 faults: Faults) -> None:
+        """`faults`: what a test injected into this process (worker/faults.py)."""
         self.metrics = metrics
         self._make_sender = make_sender
-        self.layerwise_push = layerwise_push  # start pushing mid-step (see the module doc)
         self._pushes: set[asyncio.Task[Message]] = set()
-        self.transfer_layer_delay_s = transfer_layer_delay_s  # fault injection: kv_push.py
-        self.fault_request_prefix = fault_request_prefix
+        self.faults = faults
         self.engine: EngineThread | None = None
         self.sender: KVSender | None = None
         self.pusher: KVPusher | None = None
@@ -120,16 +116,10 @@ class PrefillWorker:
     def kv_address(self) -> str | None:
         return None  # a sender only
 
-    def add_routes(self, app: web.Application) -> None:
-        add_stream(app, "/internal/prefill", PrefillRequest, self.prefill)
-        add_call(app, "/internal/destination", DestinationNotice, self.destination_notice)
-        add_call(app, "/internal/abort", AbortRequest, self.abort)
-
     async def attach(self, engine: EngineThread) -> None:
         self.engine = engine
         self.sender = self._make_sender(engine.kv_storage)
-        self.pusher = KVPusher(self.sender, engine.kv_layout, self.metrics,
-                               self.transfer_layer_delay_s, self.fault_request_prefix)
+        self.pusher = KVPusher(self.sender, engine.kv_layout, self.metrics, self.faults)
 
     def state(self) -> dict[str, object]:
         return {"num_active": len(self._active), "active": sorted(self._active),
@@ -172,11 +162,11 @@ class PrefillWorker:
         stream = engine.open_stream(rid)
         in_engine = False
         early: EarlyPush | None = None
-        layerwise = self.layerwise_push and _sends_kv(request)
+        sends_kv = _sends_kv(request)
         try:
             await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
-                RequestMode.PREFILL_ONLY, notify_kv_ready=layerwise))
+                RequestMode.PREFILL_ONLY, notify_kv_ready=sends_kv))
             in_engine = True
             try:
                 item = await stream.next(deadline - loop.time())
@@ -252,8 +242,8 @@ class PrefillWorker:
             else:
                 early.written_at = time.perf_counter()
                 early.written.set()  # the step's output arrived: its KV is written
-        elif pushing:
-            active.pushing = True  # from here only this stream may free the blocks
+        elif pushing:  # the engine owes a KVReady before the step's output (kv_ready.py)
+            raise AssertionError(f"{rid}: its first token came before its KVReady")
         yield PrefillResult(
             request_id=rid, first_token_id=out.new_token_ids[0],
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
@@ -266,19 +256,16 @@ class PrefillWorker:
                 yield transfer_result(rid, destination, TransferStatus.SKIPPED)
         elif early is not None:
             yield await early.task
-        else:
-            yield await self._push_prefilled(request, None, out.num_prompt_tokens, active,
-                                             deadline, None)
 
-    async def _push_prefilled(self, request: PrefillRequest, src_block_ids: Sequence[int] | None,
+    async def _push_prefilled(self, request: PrefillRequest, src_block_ids: Sequence[int],
                               num_prompt_tokens: int, active: _Active, deadline: float,
-                              early: EarlyPush | None) -> Message:
-        """Push a prefilled prompt's blocks (`src_block_ids`; None: read its block table)
-        once its destination is known: a TransferResult, or an ErrorFrame when the
-        destination never came."""
+                              early: EarlyPush) -> Message:
+        """Push a prefilled prompt's blocks (`src_block_ids`, from its KVReady) once its
+        destination is known: a TransferResult, or an ErrorFrame when the destination never
+        came."""
         assert self.engine is not None and self.pusher is not None
         rid, engine = request.request_id, self.engine
-        stop = early.stopped if early is not None else active.aborted
+        stop = early.stopped  # an abort of the request stops it too (_Active.abort)
         reason = functools.partial(_stop_reason, active, early)
         destination = request.destination
         if destination is None:
@@ -293,8 +280,6 @@ class PrefillWorker:
                                    "no destination for the KV by the request's deadline")
             except TransferCancelled as exc:
                 return error_frame(rid, ErrorCode.ABORTED, str(exc))
-        if src_block_ids is None:
-            src_block_ids = await engine.call(lambda e: e.kv_cache.block_table(rid))
         spec = plan_push(rid, src_block_ids, destination.block_ids,
                          destination.num_prefix_blocks_held, num_prompt_tokens,
                          engine.block_size, engine.num_layers)
@@ -303,11 +288,6 @@ class PrefillWorker:
         return await self.pusher.push(spec, destination, stop, reason, deadline, early)
 
     # ---------------------------------------------------------------- abort
-
-    async def abort(self, request: AbortRequest) -> Message:
-        found = self.abort_request(request.request_id, request.reason or "aborted by the gateway")
-        self.metrics.aborts.inc(found="yes" if found else "no")
-        return AbortResponse(request_id=request.request_id, found=found)
 
     def abort_request(self, rid: str, reason: str) -> bool:
         """End the prefill (or push) of `rid`; True when there was one."""
@@ -333,7 +313,7 @@ def _sends_kv(request: PrefillRequest) -> bool:
     return request.destination is not None or request.destination_follows
 
 
-def _stop_reason(active: _Active, early: EarlyPush | None) -> str:
-    if early is not None and early.reason:
+def _stop_reason(active: _Active, early: EarlyPush) -> str:
+    if early.reason:
         return early.reason
     return active.abort_reason or "aborted"

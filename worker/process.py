@@ -1,6 +1,6 @@
-"""Process entry shared by both worker kinds: logging, threads, the event loop, exit codes.
+"""A worker process's entry: logging, threads, the event loop, exit codes.
 
-`run_worker(args, kind, build_role)` validates the options, sets torch's thread count,
+`run_worker(args, build_role)` validates the options, sets torch's thread count,
 then runs `WorkerRuntime.serve` on uvloop (when installed). Heavy imports happen here, at
 run time, so `pdserve --help` stays fast.
 """
@@ -21,14 +21,16 @@ if TYPE_CHECKING:
 BuildRole = Callable[["WorkerOptions", "WorkerRuntime"], "RoleWorker"]
 
 
-def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> int:
-    """`build_role(options, runtime)` returns the role's worker; returns the exit code."""
+def run_worker(args: argparse.Namespace, build_role: BuildRole) -> int:
+    """`build_role(options, runtime)` returns the role's worker; returns the exit code.
+    Errors are printed under `args.prog` (the subcommand's name)."""
     from worker.options import options_from_args
 
+    prog = getattr(args, "prog", "pdserve worker")
     try:
-        options = options_from_args(args, kind)
+        options = options_from_args(args)
     except ValueError as exc:
-        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     from telemetry.log_format import configure_logging
 
@@ -49,7 +51,7 @@ def run_worker(args: argparse.Namespace, kind: str, build_role: BuildRole) -> in
         return runner(_serve(options, build_role))
     except Exception as exc:  # a clear line for the launcher, the traceback in the log
         logging.getLogger(__name__).exception("worker failed")
-        print(f"pdserve {kind}-worker: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -74,8 +76,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          dtype=getattr(torch, dtype), device=options.device,
-                          mixed_cuda_graphs=options.mixed_graphs)
+                          dtype=getattr(torch, dtype), device=options.device)
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)

@@ -2,7 +2,7 @@
 
 What it is for: a message handled before the one it belongs to (two calls need not be
 handled in the order they were sent), kept until its partner comes: a DestinationNotice
-before its PrefillRequest (worker/destinations.py), an abort before its
+before its PrefillRequest (worker/handoff.py), an abort before its
 reservation (worker/block_waiters.py).
 
     put(key, value, now)   remember (again, as new); drops what is older than `max_age_s`,

@@ -6,8 +6,8 @@
                                                 PrefillResult and TransferResult frames
     traced_decode(tracing, produce)             span "decode" (tokens, steps, finish)
 
-Each wraps a stream producer (rpc/control_server.py's `stream_handler`) and
-yields its frames unchanged. A request without a `traceparent` (the gateway traces
+Each wraps a stream producer (rpc/control_server.py's `add_stream`) and yields its frames
+unchanged. A request without a `traceparent` (the gateway traces
 nothing) or a worker with tracing off gets the producer itself: no wrapper at all. The
 spans are children of the gateway's request span named by the message's `traceparent`;
 they end when the stream ends, however it ends (an ErrorFrame marks them failed).
@@ -21,28 +21,28 @@ from collections.abc import AsyncGenerator, Callable
 
 from protocol.messages import (DecodeRequest, ErrorFrame, Message, PrefillRequest, PrefillResult,
                                TokenFrame, TransferResult)
-from rpc.control_app import FrameLane
+from rpc.control_app import FrameWriter
 from telemetry.tracing import Span, Tracing
 
-Produce = Callable[[PrefillRequest], AsyncGenerator[Message, None]]
-ProduceDecode = Callable[[DecodeRequest, FrameLane | None], AsyncGenerator[Message, None]]
+ProducePrefill = Callable[[PrefillRequest, FrameWriter], AsyncGenerator[Message, None]]
+# A decode producer given no writer sends every frame through its task (worker/stream_frames.py).
+ProduceDecode = Callable[[DecodeRequest, FrameWriter | None], AsyncGenerator[Message, None]]
 
 
-def traced_prefill(tracing: Tracing, produce: Produce, backend: str) -> Produce:
-    def run(request: PrefillRequest) -> AsyncGenerator[Message, None]:
+def traced_prefill(tracing: Tracing, produce: ProducePrefill, backend: str) -> ProducePrefill:
+    def run(request: PrefillRequest, out: FrameWriter) -> AsyncGenerator[Message, None]:
         if not tracing.enabled or request.traceparent is None:
-            return produce(request)
-        return _prefill_spans(tracing, produce(request), request, backend)
+            return produce(request, out)
+        return _prefill_spans(tracing, produce(request, out), request, backend)
 
     return run
 
 
 def traced_decode(tracing: Tracing, produce: ProduceDecode) -> ProduceDecode:
-    def run(request: DecodeRequest, lane: FrameLane | None = None
-            ) -> AsyncGenerator[Message, None]:
+    def run(request: DecodeRequest, out: FrameWriter | None) -> AsyncGenerator[Message, None]:
         if not tracing.enabled or request.traceparent is None:
-            return produce(request, lane)
-        # Every frame through the span's counters: no lane.
+            return produce(request, out)
+        # Every frame through the span's counters: none sent from the delivery callback.
         return _decode_spans(tracing, produce(request, None), request)
 
     return run

@@ -4,16 +4,20 @@ Every worker process runs this: a `PrefillWorker` (prefill for others, push KV) 
 `DecodeWorker` (reserve, receive KV, decode; local prefill + decode) over one engine, and a
 current `Role` that decides which new work is accepted:
 
-    route                 accepted while the role ...         else
-    /internal/prefill     prefills for others (PREFILL, BOTH)  WRONG_ROLE (retryable)
-    /internal/reserve     takes reservations (DECODE, BOTH)    WRONG_ROLE
-    /internal/decode      decodes (all but PREFILL) for a      WRONG_ROLE
+    request               accepted while the role ...         else
+    PrefillRequest        prefills for others (PREFILL, BOTH)  WRONG_ROLE (retryable)
+    ReserveRequest        takes reservations (DECODE, BOTH)    WRONG_ROLE
+    DecodeRequest         decodes (all but PREFILL) for a      WRONG_ROLE
                           local prefill; joining a reservation
                           is always accepted (it is in flight)
-    /internal/destination always (the destination of a prefill in flight, see
-                          worker/destinations.py)
-    /internal/abort       always (ends the request in whichever half holds it)
-    /internal/role        RoleChangeRequest -> RoleChangeResponse
+    DestinationNotice     always (the destination of a prefill in flight, see
+                          worker/handoff.py)
+    AbortRequest          always (ends the request in whichever half holds it)
+    ReclaimRequest        always (the operations agent: leaked reservations)
+    RoleChangeRequest     always -> RoleChangeResponse
+
+The gate registers every route of the worker's control API (worker/main.py asks it to); the halves
+register none.
 
 A role change (weights, KV pool and prefix cache stay; nothing restarts):
 
@@ -42,7 +46,7 @@ from protocol.agent_messages import ReclaimRequest
 from protocol.messages import (AbortRequest, AbortResponse, DecodeRequest, DestinationNotice,
                                ErrorCode, ErrorFrame, Message, PrefillRequest, ReserveRequest, Role,
                                RoleChangeRequest, RoleChangeResponse)
-from rpc.control_server import FrameLane, add_call, add_lane_stream, add_stream
+from rpc.control_server import FrameWriter, add_call, add_stream
 from telemetry.tracing import NO_TRACING, Tracing
 from worker.decode_half import DecodeWorker
 from worker.metrics import WorkerMetrics
@@ -80,16 +84,14 @@ class AnyRoleWorker:
         return self.decode_half.kv_address
 
     def add_routes(self, app: web.Application) -> None:
-        prefill = traced_prefill(self.tracing, self.prefill, self.kv_backend)
-        add_stream(app, "/internal/prefill", PrefillRequest, prefill)
-        add_call(app, "/internal/reserve", ReserveRequest, self.reserve)
-        decode = traced_decode(self.tracing, self.decode)
-        add_lane_stream(app, "/internal/decode", DecodeRequest, decode)
-        add_call(app, "/internal/destination", DestinationNotice,
-                 self.prefill_half.destination_notice)
-        add_call(app, "/internal/abort", AbortRequest, self.abort)
-        add_call(app, "/internal/reclaim", ReclaimRequest, self.decode_half.reclaim)
-        add_call(app, "/internal/role", RoleChangeRequest, self.change_role)
+        add_stream(app, PrefillRequest, traced_prefill(self.tracing, self.prefill,
+                                                       self.kv_backend))
+        add_call(app, ReserveRequest, self.reserve)
+        add_stream(app, DecodeRequest, traced_decode(self.tracing, self.decode))
+        add_call(app, DestinationNotice, self.prefill_half.destination_notice)
+        add_call(app, AbortRequest, self.abort)
+        add_call(app, ReclaimRequest, self.decode_half.reclaim)
+        add_call(app, RoleChangeRequest, self.change_role)
 
     async def attach(self, engine: EngineThread) -> None:
         self._engine = engine
@@ -115,7 +117,8 @@ class AnyRoleWorker:
 
     # ---------------------------------------------------------------- gated routes
 
-    async def prefill(self, request: PrefillRequest) -> AsyncGenerator[Message, None]:
+    async def prefill(self, request: PrefillRequest, out: FrameWriter
+                      ) -> AsyncGenerator[Message, None]:
         if not self.role.prefills_for_others:
             yield self._wrong_role(request.request_id, "prefill for other workers")
             return
@@ -127,12 +130,12 @@ class AnyRoleWorker:
             return self._wrong_role(request.request_id, "take reservations")
         return await self.decode_half.reserve(request)
 
-    async def decode(self, request: DecodeRequest, lane: FrameLane | None = None
+    async def decode(self, request: DecodeRequest, out: FrameWriter | None
                      ) -> AsyncGenerator[Message, None]:
         if request.is_local_prefill and not self.role.decodes:
             yield self._wrong_role(request.request_id, "decode")
             return
-        async for message in self.decode_half.decode(request, lane):
+        async for message in self.decode_half.decode(request, out):
             yield message
 
     async def abort(self, request: AbortRequest) -> Message:

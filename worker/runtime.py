@@ -1,8 +1,10 @@
 """What every worker process runs around its role: control server, engine thread, registry.
 
-A role (worker.prefill_half.PrefillWorker, worker.decode_half.DecodeWorker) adds its
-/internal/* routes and plugs in through the `RoleWorker` protocol; this module owns the
-rest of the process:
+The role gate (worker/role_gate.py, over the prefill and decode halves) plugs in through
+the `RoleWorker` protocol, its routes on this runtime's control app (worker/main.py wires
+them); this module owns the rest of the process: the control server (the channel for
+calls, HTTP for /health, /ready, /metrics and GET /admin/state), the engine thread, the
+registry.
 
 Lifecycle of a worker process:
 
@@ -35,13 +37,14 @@ from engine.llm_engine import LLMEngine
 from engine.step_mode import StepMode
 from kv_transfer.layout import transfer_bytes
 from protocol.agent_messages import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
-                                     ExitResponse, FaultRequest, FaultResponse)
+                                     ExitResponse, FaultRequest, FaultResponse, HealthRequest)
 from protocol.messages import Message, Role, WorkerInfo
 from protocol.worker_load import WorkerLoad
 from rpc.control_server import ControlServer, add_call, make_app
 from state.redis_state import RedisState, connect
 from telemetry.metrics import MetricsRegistry
 from telemetry.tracing import NO_TRACING, Tracing
+from worker.faults import Faults
 from worker.metrics import WorkerMetrics
 from worker.publisher import WorkerPublisher
 from worker.step_fit import StepFit
@@ -62,16 +65,12 @@ class RoleWorker(Protocol):
         """Where KV senders connect (a decode worker's receiver); None for senders."""
         ...
 
-    def add_routes(self, app: web.Application) -> None:
-        """Register the role's /internal/* routes; called once, before the server starts."""
-        ...
-
     async def attach(self, engine_thread: EngineThread) -> None:
         """The engine is loaded and running: start serving (e.g. open the KV receiver)."""
         ...
 
     def state(self) -> dict[str, object]:
-        """JSON-ready counters and ids for /internal/state."""
+        """JSON-ready counters and ids for GET /admin/state."""
         ...
 
     def check_invariants(self) -> None:
@@ -110,6 +109,7 @@ class WorkerRuntime:
         self.publisher: WorkerPublisher | None = None
         self.step_fit = StepFit()
         self.own_epochs: set[int] = set()  # every epoch this process registered
+        self.faults = Faults()  # all off unless a test asks (worker/faults.py)
         self.ready = False
         self.draining = False
         self._worker: RoleWorker | None = None
@@ -117,10 +117,11 @@ class WorkerRuntime:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
-        self.app.router.add_get("/internal/state", self._state)
-        add_call(self.app, "/internal/exit", ExitRequest, self._exit)
+        self.app.router.add_get("/admin/state", self._state)
+        add_call(self.app, ExitRequest, self._exit)
+        add_call(self.app, HealthRequest, self._health_report)
         if os.environ.get(FAULT_INJECTION_ENV) == "1":
-            add_call(self.app, "/internal/fault", FaultRequest, self._fault)
+            add_call(self.app, FaultRequest, self._fault)
 
     @property
     def epoch(self) -> int:
@@ -131,8 +132,7 @@ class WorkerRuntime:
     async def serve(self, worker: RoleWorker, load_engine: Callable[[], LLMEngine],
                     on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> int:
         """Run the whole process lifecycle; returns the exit code."""
-        self._worker = worker
-        worker.add_routes(self.app)
+        self._worker = worker  # its routes are on self.app already (worker/main.py)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
@@ -142,6 +142,7 @@ class WorkerRuntime:
             engine = await asyncio.to_thread(load_engine)
             self.engine_thread = EngineThread(engine, loop, self._on_step,
                                               step_mode=self.step_mode)
+            self.engine_thread.fault_step_delay_s = self.faults.step_delay_s
             self.engine_thread.start()
             await worker.attach(self.engine_thread)
             await self._register(self.engine_thread, url, worker.kv_address)
@@ -255,6 +256,9 @@ class WorkerRuntime:
             body["redis_connected"] = self.publisher.connected
         return web.json_response(body)
 
+    async def _health_report(self, request: HealthRequest) -> Message:
+        return self.metrics.health(self.epoch, self._load())
+
     async def _exit(self, request: ExitRequest) -> Message:
         """The operations agent restarts this worker (its orchestrator starts a new one)."""
         log.warning("%s: exiting at once to be restarted (%s)", self.worker_id,
@@ -263,11 +267,18 @@ class WorkerRuntime:
         return ExitResponse(pid=os.getpid())
 
     async def _fault(self, request: FaultRequest) -> Message:
+        faults = self.faults
+        faults.step_delay_s = request.step_delay_ms / 1000
+        faults.transfer_layer_delay_s = request.transfer_layer_delay_ms / 1000
+        faults.request_prefix = request.request_prefix
         if self.engine_thread is not None:
-            self.engine_thread.fault_step_delay_s = request.step_delay_ms / 1000
-        log.warning("%s: fault injection: every engine step sleeps %d ms more",
-                    self.worker_id, request.step_delay_ms)
-        return FaultResponse(step_delay_ms=request.step_delay_ms)
+            self.engine_thread.fault_step_delay_s = faults.step_delay_s
+        log.warning("%s: fault injection: every engine step sleeps %d ms more; pushes of "
+                    "requests %r* sleep %d ms before each layer", self.worker_id,
+                    request.step_delay_ms, request.request_prefix,
+                    request.transfer_layer_delay_ms)
+        return FaultResponse(step_delay_ms=request.step_delay_ms,
+                             transfer_layer_delay_ms=request.transfer_layer_delay_ms)
 
     async def _check_invariants(self) -> str | None:
         assert self.engine_thread is not None and self._worker is not None

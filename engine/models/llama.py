@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (AttentionMetadata, KernelAttentionMetadata, attend_cached_kernels,
-                              paged_attention)
+from engine.attention_kernels import attend_cached_kernels
+from engine.attention_metadata import AttentionMetadata, KernelAttentionMetadata
+from engine.attention_reference import paged_attention
 from engine.config import Llama3RopeScaling, ModelConfig
 from engine.kernels.gemv import GemvWorkspace, linear
 from engine.kv_storage import KVStorage
@@ -205,7 +206,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         # Tensor parallel: o_proj and down_proj output partial sums; this adds them up
-        # across ranks (engine/tensor_parallel.py). None: the whole layer is here.
+        # across ranks (engine/tensor_parallel_group.py). None: the whole layer is here.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

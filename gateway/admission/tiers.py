@@ -47,6 +47,8 @@ from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import TypeVar
 
+from gateway.routing.plan_model import Targets
+
 T = TypeVar("T")
 TIER_HEADER = "x-pdserve-tier"
 KEYS_ENV = "PDSERVE_API_KEYS"
@@ -126,6 +128,11 @@ class TierConfig:
     def is_open(self) -> bool:
         return not self.keys
 
+    @property
+    def strictest_tpot_ms(self) -> float:
+        """The smallest TPOT target of any tier: what the requests already running need."""
+        return min(t.tpot_ms for t in self.tiers.values())
+
 
 class TierErrorKind(enum.Enum):
     """Why a caller has no tier; the value is the OpenAI error `code`."""
@@ -157,12 +164,15 @@ class Caller:
 
 @dataclass(frozen=True, slots=True)
 class TierDecision:
-    """How one request is served."""
+    """How one request is served: everything the rest of the gateway reads of its tier,
+    computed once here."""
 
     tier: TierSpec
     key_id: str | None  # None: open API
     local_prefill: bool | None  # the tier's override (True: shorter than its threshold,
     # False: not), or None: no threshold set, the router decides
+    targets: Targets  # what the router plans for (gateway/routing/plan_model.py)
+    wire_priority: int  # the protocol's priority: larger runs first (a tier's smaller first)
 
 
 def hash_key(api_key: str) -> str:
@@ -195,11 +205,18 @@ def resolve(api_key: str | None, tier_header: str | None,
                   is_admin=grant.is_admin if grant else config.is_open)
 
 
-def classify(caller: Caller, prompt_len: int) -> TierDecision:
-    """How a request of `prompt_len` tokens from `caller` is served; side-effect free."""
-    threshold = caller.tier.local_prefill_max_tokens
-    return TierDecision(tier=caller.tier, key_id=caller.key_id,
-                        local_prefill=None if threshold is None else prompt_len < threshold)
+def classify(caller: Caller, prompt_len: int, max_tokens: int,
+             config: TierConfig) -> TierDecision:
+    """How a request of `prompt_len` tokens asking for up to `max_tokens` from `caller` is
+    served; side-effect free."""
+    tier = caller.tier
+    threshold = tier.local_prefill_max_tokens
+    targets = Targets(ttft_s=tier.ttft_ms / 1000, tpot_s=tier.tpot_ms / 1000,
+                      strictest_tpot_s=config.strictest_tpot_ms / 1000,
+                      max_tokens=max(1, max_tokens))
+    return TierDecision(tier=tier, key_id=caller.key_id,
+                        local_prefill=None if threshold is None else prompt_len < threshold,
+                        targets=targets, wire_priority=-tier.priority)
 
 
 # ---------------------------------------------------------------- loading

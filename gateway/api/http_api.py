@@ -34,17 +34,17 @@ from aiohttp import web
 
 from gateway.admission.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
 from gateway.api.admission_gate import AdmissionGate
-from gateway.api.backend import BackendCalls, CompletionBackend, GenerationRequest, PromptTokenizer
+from gateway.api.backend import CompletionBackend, GenerationRequest, PromptTokenizer
 from gateway.api.drain import Drain
 from gateway.api.errors import (ApiError, body_too_large, internal_error, invalid_request,
                                 method_not_allowed, model_not_found, overloaded, route_not_found)
-from gateway.api.fast_lane import FastLane
 from gateway.api.openai_api import ModelCard, ModelList
 from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                          build_sampling_params, parse_chat, parse_completion)
 from gateway.api.request_trace import RequestTrace
 from gateway.api.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer, keep_refusal,
-                                   shutting_down, stream_answer)
+                                   shutting_down)
+from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.slo_accounting import RequestTiming, timed_batches
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
 from telemetry.log_format import REQUEST_ID, TRACE_ID
@@ -68,7 +68,6 @@ class ApiSettings:
 SETTINGS = web.AppKey("settings", ApiSettings)
 TIERS = web.AppKey("tiers", TierConfig)
 BACKEND = web.AppKey("backend", CompletionBackend)
-CALLS = web.AppKey("backend_calls", BackendCalls)
 TOKENIZE = web.AppKey("tokenize_pool", TokenizePool)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 DRAIN = web.AppKey("drain", Drain)
@@ -83,7 +82,6 @@ def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBack
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.limits.max_body_bytes)
     app[SETTINGS], app[TIERS], app[BACKEND] = settings, tiers, backend
-    app[CALLS] = BackendCalls.of(backend)
     app[GATE], app[DRAIN], app[TRACING] = gate, drain or Drain(), tracing
     pool = app[TOKENIZE] = TokenizePool(tokenizer)
 
@@ -182,11 +180,11 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         log.info("ignoring unknown request fields: %s", ", ".join(validated.unknown_fields))
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
-    calls = app[CALLS]
-    limits = _context_limits(settings.limits, calls.context_limit())
+    backend = app[BACKEND]
+    limits = _context_limits(settings.limits, backend.context_limit())
     prompt_ids = await _tokenize(app[TOKENIZE], validated, limits)
     sampling = build_sampling_params(validated, len(prompt_ids), limits)
-    decision = classify(caller, len(prompt_ids))
+    decision = classify(caller, len(prompt_ids), sampling.max_tokens, app[TIERS])
     tier, key_id = decision.tier, decision.key_id
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
@@ -198,22 +196,23 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
-    lane = FastLane(slo_timing) if validated.stream else None
+    direct = DirectTokens(slo_timing) if validated.stream else None
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
         sampling=sampling, tier=tier.name, key_id=key_id,
-        local_prefill=decision.local_prefill, trace=trace, sink=lane)
+        local_prefill=decision.local_prefill, targets=decision.targets,
+        priority=decision.wire_priority, trace=trace, sink=direct)
     gate = app[GATE]
     await gate.enter(request_id, tier, key_id, len(prompt_ids) + sampling.max_tokens)
     trace.admitted(time.monotonic())
     num_generated = 0
     try:
-        batches = timed_batches(calls.batches(generation), slo_timing)
-        if lane is not None:
+        batches = timed_batches(backend.generate_batches(generation), slo_timing)
+        if direct is not None:
             timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
                                   settings.keepalive_s)
             response, num_generated = await stream_answer(request, validated, generation,
-                                                          batches, timing, app[DRAIN], lane)
+                                                          batches, timing, app[DRAIN], direct)
         else:
             response, num_generated = await json_answer(validated, generation, batches)
         return response

@@ -15,10 +15,10 @@
     pdserve_gateway_tokens_total{tier}            counter: tokens streamed to clients
     pdserve_gateway_splice_mismatch_total         counter: worker usage disagreed with the
                                                   tokens relayed (should stay 0)
-    pdserve_gateway_fast_lane_tokens_total        counter: tokens written to their client from
-                                                  the worker channel's read callback
-                                                  (gateway/api/fast_lane.py), of tokens_total
-    pdserve_gateway_worker_channels               gauge: open channels to workers
+    pdserve_gateway_direct_tokens_total           counter: tokens written to their client from
+                                                  the read callback of a channel to a worker
+                                                  (gateway/api/stream_writer.py), of tokens_total
+    pdserve_gateway_channels                      gauge: open channels to workers
     pdserve_gateway_queue_depth{tier}, pdserve_gateway_running{tier}   gauges, read at scrape
     pdserve_gateway_workers{role}                 gauge: routable workers
     pdserve_gateway_redis_connected               gauge: 1 while registry polls succeed
@@ -74,7 +74,7 @@ class GatewayMetrics:
         self.completions: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.tokens: defaultdict[str, int] = defaultdict(int)
         self.num_splice_mismatches = 0
-        self.num_fast_lane_tokens = 0
+        self.num_direct_tokens = 0
         # Attempts after a worker failed: (phase, kind, "retry" before token 1 | "migration").
         self.retries: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         # Plans chosen: (kind "local" | "split", how "predicted" | "rule", tier).
@@ -157,10 +157,10 @@ class GatewayMetrics:
         out += _counter("pdserve_gateway_workers_marked_dead_total",
                         "Workers taken out of routing at once because they could not be "
                         "reached.", (("", self.num_workers_marked_dead),))
-        out += _counter("pdserve_gateway_fast_lane_tokens_total",
-                        "Tokens written to their client straight from the worker channel's "
-                        "read callback, without waking the request's task (of tokens_total).",
-                        (("", self.num_fast_lane_tokens),))
+        out += _counter("pdserve_gateway_direct_tokens_total",
+                        "Tokens written to their client straight from the read callback of "
+                        "a channel to a worker, without waking the request's task (of "
+                        "tokens_total).", (("", self.num_direct_tokens),))
         out += _counter("pdserve_gateway_splice_mismatch_total",
                         "Generations whose worker usage disagreed with the tokens relayed.",
                         (("", self.num_splice_mismatches),))

@@ -1,5 +1,6 @@
-"""A generation as an HTTP answer: an SSE stream (`stream_answer`) or one JSON body
-(`json_answer`), both from the backend's batches of `TokenDelta`s.
+"""A generation as an HTTP answer: one JSON body (`json_answer`) from the backend's batches
+of `TokenDelta`s, and what a streamed answer (gateway/api/stream_writer.py) shares with it:
+the first batch (with keep-alives while it is awaited), bounded writes, usage.
 
 Stream: headers go out with the first token (a request that fails at once still gets a
 proper 503), or after `first_byte_s` without it, then a keep-alive blank line every
@@ -22,20 +23,16 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
-from gateway.api.chunk_encoder import (ChatChunkEncoder, CompletionChunkEncoder, chat_logprobs,
-                                       completion_logprobs)
-from gateway.api.drain import Drain
+from gateway.api.chunk_encoder import chat_logprobs, completion_logprobs
 from gateway.api.errors import ApiError, overloaded
-from gateway.api.fast_lane import FastLane
 from gateway.api.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
                                     CompletionChoice, CompletionResponse, Usage)
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.request_trace import RequestTrace
 from gateway.api.slo_accounting import RequestTiming
-from gateway.api.sse import DONE_EVENT, SSE_HEADERS, encode_event
 from protocol.finish_reason import FinishReason
 
 # The request's stream response, kept on the request: a handler cancelled once the client
@@ -80,7 +77,7 @@ def shutting_down() -> ApiError:
 
 
 
-async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
+async def write_bounded(request: web.Request, response: web.StreamResponse, data: bytes,
                  timeout_s: float, eof: bool = False) -> None:
     """One write to the client, bounded: a client that stops reading counts as gone (its
     connection is dropped, so nothing else waits on it either).
@@ -105,7 +102,7 @@ async def _write(request: web.Request, response: web.StreamResponse, data: bytes
         raise ConnectionResetError(f"the client took no data for {timeout_s:g} s") from None
 
 
-async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[TokenDelta]:
+async def first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[TokenDelta]:
     try:
         return await anext(batches)
     except BackendUnavailable as exc:
@@ -114,102 +111,7 @@ async def _first_batch(batches: AsyncGenerator[list[TokenDelta], None]) -> list[
         raise overloaded("The backend ended the request without an answer.") from None
 
 
-async def stream_answer(request: web.Request, validated: ValidatedRequest,
-                        generation: GenerationRequest,
-                        batches: AsyncGenerator[list[TokenDelta], None], timing: StreamTiming,
-                        drain: Drain, lane: FastLane) -> tuple[web.StreamResponse, int]:
-    """One SSE event per token; all the events of one batch leave in one write.
-
-    While it waits for the next batch, `lane` (the request's `sink`, gateway/api/fast_lane.py)
-    lets the backend write plain tokens itself, as they arrive; the batches bring the rest.
-
-    aiohttp's `write` awaits the transport only past 64 KiB buffered, so a client that
-    keeps up costs no suspension per batch; one that lags makes us wait here, and the
-    tokens that arrive meanwhile come as a bigger next batch.
-
-    Headers go out with the first token, so a request that fails at once still gets a
-    proper 503; when the first token takes longer than `first_byte_s` (a long prefill, a
-    queue) they go out without it, followed by a keep-alive blank line every
-    `keepalive_s`, and a failure is then reported in-band. A stream the gateway's shutdown
-    cuts ends with an error event and [DONE] (gateway/api/drain.py).
-    """
-    created = int(time.time())
-    chat = validated.endpoint is Endpoint.CHAT
-    encoder = (ChatChunkEncoder if chat else CompletionChunkEncoder)(
-        generation.request_id, created, validated.model)
-    encode = encoder.text
-    num_generated = 0
-    write_timeout_s = timing.write_timeout_s
-    response = request[SENT_RESPONSE] = web.StreamResponse(headers=SSE_HEADERS)
-    events: list[bytes] = []
-    lane_opened = False
-    try:
-        try:
-            batch = await _first_batch_or_keepalive(request, response, batches, timing)
-        except ApiError as exc:
-            if not response.prepared:
-                raise
-            batch = []  # headers are out: the error goes in-band, below
-            events.append(encode_event(exc.body_bytes()))
-            keep_refusal(request, exc)
-        if not response.prepared:
-            await response.prepare(request)
-        if batch and isinstance(encoder, ChatChunkEncoder):
-            events.append(encoder.role())
-        while batch:
-            finished = False
-            for delta in batch:
-                num_generated += delta.num_tokens
-                events.append(encode(delta.text, delta.logprobs, delta.finish_reason))
-                if delta.finish_reason is not None:
-                    finished = True
-                    break
-            if finished:
-                break
-            await _write(request, response,
-                         events[0] if len(events) == 1 else b"".join(events), write_timeout_s)
-            events.clear()
-            if not lane_opened:  # the headers and the first events are out
-                lane_opened = True
-                lane.open(request.transport, encoder.text,
-                          response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked")
-            try:
-                with lane.waiting():
-                    batch = await anext(batches)
-            except StopAsyncIteration:
-                break
-            except BackendUnavailable as exc:
-                # Headers are out: report in-band, as OpenAI-compatible servers do.
-                refusal = overloaded(str(exc), code=exc.code)
-                keep_refusal(request, refusal)
-                events.append(encode_event(refusal.body_bytes()))
-                break
-        if validated.include_usage:
-            events.append(encoder.usage(_usage(generation, num_generated + lane.num_tokens)))
-        events.append(DONE_EVENT)
-        # With the end-of-body chunk: the last events, [DONE] and the end in one write.
-        await _write(request, response, b"".join(events), write_timeout_s, eof=True)
-    except ConnectionResetError as exc:
-        # The client is gone (or stopped reading); nothing more can be sent. Closing the
-        # generator (below) is what stops the work upstream.
-        log.info("client went away during %s: %s", generation.request_id, exc)
-    except asyncio.CancelledError:
-        if not (response.prepared and drain.was_cut()):
-            raise
-        # The gateway is stopping: end the stream properly, never silently.
-        events.append(encode_event(shutting_down().body_bytes()))
-        if validated.include_usage:
-            events.append(encoder.usage(_usage(generation, num_generated + lane.num_tokens)))
-        events.append(DONE_EVENT)
-        with contextlib.suppress(ConnectionResetError):
-            await _write(request, response, b"".join(events), write_timeout_s, eof=True)
-    finally:
-        lane.close()
-        await batches.aclose()
-    return response, num_generated + lane.num_tokens
-
-
-async def _first_batch_or_keepalive(request: web.Request, response: web.StreamResponse,
+async def first_batch_or_keepalive(request: web.Request, response: web.StreamResponse,
                                     batches: AsyncGenerator[list[TokenDelta], None],
                                     timing: StreamTiming) -> list[TokenDelta]:
     """The first batch; past `first_byte_s` without it, the headers and keep-alive blank
@@ -231,7 +133,7 @@ async def _first_batch_or_keepalive(request: web.Request, response: web.StreamRe
 
     timer = loop.call_later(timing.first_byte_s, start_keepalives)
     try:
-        return await _first_batch(batches)
+        return await first_batch(batches)
     finally:
         timer.cancel()
         if keepalives is not None:
@@ -246,7 +148,7 @@ async def _keep_alive(request: web.Request, response: web.StreamResponse,
         if not response.prepared:
             await response.prepare(request)
         while True:
-            await _write(request, response, KEEPALIVE, timing.write_timeout_s)
+            await write_bounded(request, response, KEEPALIVE, timing.write_timeout_s)
             await asyncio.sleep(timing.keepalive_s)
     except ConnectionResetError as exc:
         log.info("client went away while its first token was awaited: %s", exc)
@@ -261,7 +163,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     num_generated = 0
     finish_reason: FinishReason | None = None
     try:
-        batch = await _first_batch(batches)
+        batch = await first_batch(batches)
         while finish_reason is None:
             for delta in batch:
                 texts.append(delta.text)
@@ -279,7 +181,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     finally:
         await batches.aclose()
     text = "".join(texts)
-    usage = _usage(generation, num_generated)
+    usage = usage_of(generation, num_generated)
     created = int(time.time())
     want_logprobs = generation.sampling.logprobs is not None
     body: ChatCompletionResponse | CompletionResponse
@@ -298,7 +200,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     return web.Response(body=msgspec.json.encode(body), content_type="application/json"), num_generated
 
 
-def _usage(generation: GenerationRequest, num_generated: int) -> Usage:
+def usage_of(generation: GenerationRequest, num_generated: int) -> Usage:
     num_prompt = len(generation.prompt_token_ids)
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
                  total_tokens=num_prompt + num_generated)

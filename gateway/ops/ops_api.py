@@ -47,7 +47,7 @@ from gateway.api.metrics import GatewayMetrics
 from gateway.api.responses import REFUSAL, SENT_RESPONSE, SLO_TIMING, TRACE
 from gateway.api.slo_accounting import SloOutcome, slo_outcome
 from gateway.ops.request_history import RequestHistory
-from gateway.ops.role_admin import (MAX_BODY_BYTES, ControlClientFactory, change_worker_role,
+from gateway.ops.role_admin import (MAX_BODY_BYTES, change_worker_role,
                                     json_answer)
 from gateway.ops.startup import STARTUP
 from gateway.upstream.cluster import ClusterView, WorkerEntry
@@ -186,11 +186,9 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
                counts.get(role, 0))
     yield ("pdserve_gateway_redis_connected", "1 while registry polls succeed.", "",
            int(cluster.redis_connected))
-    channels = app[UPSTREAM].channels
-    if channels is not None:
-        yield ("pdserve_gateway_worker_channels", "Open channels to workers (one persistent "
-               "connection each, carrying every request to that worker).", "",
-               channels.num_channels)
+    yield ("pdserve_gateway_channels", "Open channels to workers (one persistent "
+           "connection each, carrying every request to that worker).", "",
+           app[UPSTREAM].channels.num_channels)
     shared = app[GATE].shared
     if shared is not None:
         yield ("pdserve_gateway_limits_shared", "1 while admission limits are shared in "
@@ -204,9 +202,8 @@ async def handle_admin_role(request: web.Request) -> web.Response:
     require_admin(request, request.app[TIERS])
     backend = request.app[UPSTREAM]
     body = await request.content.read(MAX_BODY_BYTES + 1)
-    changed = await change_worker_role(
-        request.app[CLUSTER], ControlClientFactory(backend.session, backend.internal_token),
-        request.match_info["worker_id"], body)
+    changed = await change_worker_role(request.app[CLUSTER], backend.clients.get,
+                                       request.match_info["worker_id"], body)
     return json_answer(changed)
 
 

@@ -13,8 +13,10 @@ for drain_timeout_s, then registers the new role under a new epoch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
-from aiohttp import ClientSession, web
+from aiohttp import web
 
 from gateway.api.errors import ApiError, invalid_request
 from gateway.upstream.cluster import ClusterView
@@ -56,7 +58,7 @@ def parse_role_change(body: bytes) -> RoleChangeRequest:
                              drain_timeout_ms=max(1, int(change.drain_timeout_s * 1000)))
 
 
-async def change_worker_role(cluster: ClusterView, client_for: ControlClientFactory,
+async def change_worker_role(cluster: ClusterView, client_for: Callable[[str], ControlClient],
                              worker_id: str, body: bytes) -> RoleChanged:
     change = parse_role_change(body)
     info = cluster.workers.get(worker_id)
@@ -64,24 +66,13 @@ async def change_worker_role(cluster: ClusterView, client_for: ControlClientFact
         raise ApiError(404, f"No live worker {worker_id!r}.", code="worker_not_found")
     client = client_for(info.control_url)
     try:
-        answer = await client.call("/internal/role", change, RoleChangeResponse,
+        answer = await client.call(change, RoleChangeResponse,
                                    timeout_s=change.drain_timeout_ms / 1000 + ANSWER_MARGIN_S)
     except ControlError as exc:
         raise ApiError(502, f"Worker {worker_id} did not change its role: {exc}",
                        code="worker_failed") from None
     return RoleChanged(id=worker_id, role=answer.role.value, epoch=answer.epoch,
                        num_aborted=answer.num_aborted)
-
-
-class ControlClientFactory:
-    """Control clients sharing one session and the cluster's internal token."""
-
-    def __init__(self, session: ClientSession, token: str | None) -> None:
-        self._session = session
-        self._token = token
-
-    def __call__(self, control_url: str) -> ControlClient:
-        return ControlClient(control_url, self._token, self._session)
 
 
 def json_answer(changed: RoleChanged) -> web.Response:

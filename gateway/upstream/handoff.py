@@ -7,7 +7,7 @@
     UpstreamTimeouts  every wait of a leg
     should_prefill_early  the policy: start the prefill beside the reservation, or after it
 
-An early prefill (the default where the decode worker has room) sends the PrefillRequest
+An early prefill (wherever the decode worker has room) sends the PrefillRequest
 with `destination_follows` at once, beside the ReserveRequest; the decode worker's answer
 is forwarded as a DestinationNotice (`reserve_and_forward`) while the prompt computes, so
 the reservation's round trip, and its wait for the decode worker's engine thread (one
@@ -166,14 +166,14 @@ async def reserve_and_forward(decoder: ControlClient, decode_id: str, message: R
     """Reserve on the decode worker; with `prefiller` (an early prefill), forward the
     destination to the prefill worker. A failure is the LegFailed of the worker at fault."""
     try:  # D may queue it for free KV blocks (kv_wait_ms) before it answers
-        reserved = await decoder.call("/internal/reserve", message, ReserveResponse, call_s)
+        reserved = await decoder.call(message, ReserveResponse, call_s)
     except CALL_FAILURES as exc:
         raise leg_failed(decode_id, Phase.RESERVE, exc) from exc
     if prefiller is not None:
         notice = DestinationNotice(request_id=message.request_id,
                                    destination=reserved.destination)
         try:
-            await prefiller.call("/internal/destination", notice, DestinationAck, forward_s)
+            await prefiller.call(notice, DestinationAck, forward_s)
         except CALL_FAILURES as exc:
             raise leg_failed(prefill_id, Phase.PREFILL, exc) from exc
     return reserved

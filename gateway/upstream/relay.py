@@ -125,13 +125,13 @@ class TokenRelay:
 
     def offer(self, frame: TokenFrame, worker_id: str, sink: DeltaSink) -> bool:
         """A frame that ends nothing straight to the client, when the sink takes it now
-        (the listener of a decode stream, gateway/api/fast_lane.py); False: it is pulled."""
+        (the listener of a decode stream, gateway/api/stream_writer.py); False: it is pulled."""
         if frame.finish_reason is not None or frame.logprobs or not frame.token_ids \
                 or not sink.accepts():
             return False
         deltas, _ = self.frames((frame,), worker_id)
         sink.push(deltas)
-        self._metrics.num_fast_lane_tokens += len(frame.token_ids)
+        self._metrics.num_direct_tokens += len(frame.token_ids)
         return True
 
     def _logprobs(self, wire: Sequence[WireLogprob | None]) -> tuple[TokenLogprob, ...]:

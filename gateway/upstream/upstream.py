@@ -48,18 +48,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
 
-from aiohttp import ClientSession
-
 from gateway.admission.capacity import TtftWindow
-from gateway.admission.tiers import TierConfig
 from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelta
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.prompt_tokenizer import GatewayTokenizer
-from gateway.routing.plan_model import Targets
 from gateway.routing.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
                                           client_message, leg_failed, marks_worker_dead,
                                           retry_after_s, should_retry)
@@ -76,7 +73,7 @@ from protocol.messages import (DecodeRequest, DecodeResponseFrame, PrefillReques
                                TokenFrame)
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient, FrameBatches, FrameStream
-from rpc.frames import FrameBatchDecoder
+from rpc.frames import FrameDecoder
 
 log = logging.getLogger(__name__)
 
@@ -84,36 +81,28 @@ WORKER_WAIT_POLL_S = 0.2
 
 
 class WorkerBackend:
-    def __init__(self, cluster: ClusterView, tokenizer: GatewayTokenizer, session: ClientSession,
-                 tiers: TierConfig, metrics: GatewayMetrics, internal_token: str | None = None,
+    def __init__(self, cluster: ClusterView, tokenizer: GatewayTokenizer, channels: ChannelPool,
+                 metrics: GatewayMetrics,
                  timeouts: UpstreamTimeouts = UpstreamTimeouts(),
                  limits: RetryLimits = RetryLimits(),
-                 ttft_window: TtftWindow | None = None,
-                 channels: ChannelPool | None = None, early_prefill: bool = True) -> None:
-        """`channels`: reach workers over their channels (one connection each, shared by
-        every request); None: one HTTP request per call and stream. `early_prefill`: start
-        a long prompt's prefill beside its reservation where the policy allows
-        (gateway/upstream/handoff.py); False: always after it."""
-        self.early_prefill = early_prefill
+                 ttft_window: TtftWindow | None = None) -> None:
+        """`channels`: the workers' channels (one connection each, shared by every request)."""
         self.cluster, self.channels, self.tokenizer = cluster, channels, tokenizer
-        self.session, self.tiers, self.metrics = session, tiers, metrics
-        self.internal_token, self.timeouts, self.limits = internal_token, timeouts, limits
+        self.metrics = metrics
+        self.timeouts, self.limits = timeouts, limits
         self.ttft_window = ttft_window or TtftWindow()  # feeds the concurrency limit
-        self.clients = WorkerClients(session, internal_token, channels, timeouts.abort_s)
-        self._decode_frames: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(
-            DecodeResponseFrame)  # fresh() per stream
+        self.clients = WorkerClients(channels, timeouts.abort_s)
+        self._decode_frames: FrameDecoder[TokenFrame] = FrameDecoder(DecodeResponseFrame)
         self._active: dict[str, Generation] = {}  # generations in progress, by request id
-        self._strictest_tpot_s = min(t.tpot_ms for t in tiers.tiers.values()) / 1000
+
+    @property
+    def internal_token(self) -> str | None:
+        """The cluster's internal token (the workers' channels are opened with it)."""
+        return self.channels.token
 
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded), then cancel what is left."""
         await self.clients.aclose()
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        async with contextlib.aclosing(self.generate_batches(request)) as batches:
-            async for batch in batches:
-                for delta in batch:
-                    yield delta
 
     def generate_batches(self, request: GenerationRequest
                          ) -> AsyncGenerator[list[TokenDelta], None]:
@@ -184,7 +173,9 @@ class WorkerBackend:
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
             else request.prompt_token_ids
         hashes = block_hashes(tokens, self.cluster.block_size)
-        targets = self._targets(request, len(relay.token_ids))
+        # A migrated stream plans for what is left of it.
+        targets = request.targets if not resuming else dataclasses.replace(
+            request.targets, max_tokens=max(1, request.sampling.max_tokens - len(relay.token_ids)))
         deadline = time.monotonic() + self.timeouts.worker_wait_s
         while True:
             plan = self.cluster.plan(len(tokens), hashes,
@@ -201,12 +192,6 @@ class WorkerBackend:
             raise BackendUnavailable(client_message(len(generation.attempts), failure), 1,
                                      client_code(failure))
         raise BackendUnavailable(plan.reason.capitalize() + ".", 1, "no_worker")
-
-    def _targets(self, request: GenerationRequest, num_delivered: int) -> Targets:
-        tier = self.tiers.tiers[request.tier]
-        return Targets(ttft_s=tier.ttft_ms / 1000, tpot_s=tier.tpot_ms / 1000,
-                       strictest_tpot_s=self._strictest_tpot_s,
-                       max_tokens=max(1, request.sampling.max_tokens - num_delivered))
 
     def _note_failure(self, generation: Generation, failure: LegFailed) -> None:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",
@@ -232,7 +217,7 @@ class WorkerBackend:
         request, decode_id = generation.request, attempt.plan.decode_worker_id
         message = DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            sampling=request.sampling, priority=self._priority(request),
+            sampling=request.sampling, priority=request.priority,
             timeout_ms=self.timeouts.request_ms,
             resume_token_ids=list(generation.relay.token_ids), traceparent=generation.traceparent)
         # Returned, not wrapped: one generator level less per relayed batch.
@@ -242,27 +227,27 @@ class WorkerBackend:
     def _decode_stream(self, decode_id: str, attempt: Attempt,
                        message: DecodeRequest) -> FrameStream[TokenFrame]:
         client = self._client(decode_id, attempt, Phase.DECODE)
-        return client.open_stream("/internal/decode", message, self._decode_frames,
-                                  self.timeouts.first_token_s, self.timeouts.frame_s)
+        return client.open_stream(message, self._decode_frames, self.timeouts.first_token_s,
+                                  self.timeouts.frame_s)
 
     async def _disaggregated(self, generation: Generation, attempt: Attempt, prefill_id: str
                              ) -> AsyncGenerator[list[TokenDelta], None]:
         t, request, relay = self.timeouts, generation.request, generation.relay
         decode_id, rid = attempt.plan.decode_worker_id, attempt.request_id
         prompt = list(request.prompt_token_ids)
-        decoder, priority = self._client(decode_id, attempt, Phase.RESERVE), self._priority(request)
+        decoder, priority = self._client(decode_id, attempt, Phase.RESERVE), request.priority
         reserve = ReserveRequest(request_id=rid, prompt_token_ids=prompt,
                                  timeout_ms=t.reservation_ms, wait_ms=t.kv_wait_ms,
                                  priority=priority)
-        early = self.early_prefill and should_prefill_early(
-            len(prompt), self.cluster.block_size, self.cluster.load_of(decode_id))
+        early = should_prefill_early(len(prompt), self.cluster.block_size,
+                                     self.cluster.load_of(decode_id))
         reserving: asyncio.Task[ReserveResponse] | None = None
         reserved: ReserveResponse | None = None
         if not early:
             reserved = await reserve_and_forward(decoder, decode_id, reserve, t.reserve_call_s)
         prefiller = self._client(prefill_id, attempt, Phase.PREFILL)
         prefill_frames = prefiller.stream(
-            "/internal/prefill", PrefillRequest(
+            PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
                 priority=priority, timeout_ms=t.request_ms,
                 destination=None if reserved is None else reserved.destination,
@@ -297,7 +282,7 @@ class WorkerBackend:
                 decode_frames = self._decode_stream(decode_id, attempt, DecodeRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
                     priority=priority, timeout_ms=t.request_ms,
-                    first_token_id=first.first_token_id, first_logprob=first.first_logprob,
+                    first_token_id=first.first_token_id,
                     epoch=reserved.destination.epoch, traceparent=generation.traceparent))
                 # Sent now, while token 1 is written to the client: D's wait for the KV
                 # starts at once instead of after the client write.
@@ -389,11 +374,6 @@ class WorkerBackend:
         client = self.clients.get(info.control_url)
         attempt.legs[worker_id] = client
         return client
-
-    def _priority(self, request: GenerationRequest) -> int:
-        # Tiers: smaller number = more important; the protocol: larger runs first.
-        tier = self.tiers.tiers.get(request.tier)
-        return -tier.priority if tier is not None else 0
 
     def _abort_legs(self, attempt: Attempt) -> None:
         legs, attempt.legs = attempt.legs, {}

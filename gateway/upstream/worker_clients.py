@@ -1,8 +1,7 @@
 """The gateway's control clients, one per worker control URL, and the aborts sent through them.
 
-Every client shares the gateway's HTTP session and its worker channels
-(rpc/channel_client.py), so a worker is reached over one connection whatever
-the number of requests to it.
+Every client shares the gateway's channels to the workers (rpc/channel_client.py), so a worker is
+reached over one connection whatever the number of requests to it.
 
 Lifecycle of an abort: sent from a task owned here (so a cancelled request handler cannot
 stop it half-way) → answered, or failed and logged (the worker's own deadlines free what it
@@ -17,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiohttp import ClientError, ClientSession
-
 from protocol.messages import AbortRequest, AbortResponse
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
@@ -27,14 +24,11 @@ from rpc.errors import ControlError
 log = logging.getLogger(__name__)
 
 # What a failing worker call looks like from here; anything else is a bug and propagates.
-CALL_FAILURES = (ControlError, ClientError, OSError, TimeoutError)
+CALL_FAILURES = (ControlError, OSError, TimeoutError)
 
 
 class WorkerClients:
-    def __init__(self, session: ClientSession, internal_token: str | None,
-                 channels: ChannelPool | None, abort_s: float) -> None:
-        self.session = session
-        self.internal_token = internal_token
+    def __init__(self, channels: ChannelPool, abort_s: float) -> None:
         self.channels = channels
         self.abort_s = abort_s
         self.num_aborts_sent = 0
@@ -44,8 +38,7 @@ class WorkerClients:
     def get(self, control_url: str) -> ControlClient:
         client = self._clients.get(control_url)
         if client is None:
-            client = ControlClient(control_url, self.internal_token, self.session,
-                                   channels=self.channels)
+            client = ControlClient(control_url, self.channels)
             self._clients[control_url] = client
         return client
 
@@ -63,8 +56,7 @@ class WorkerClients:
     async def _send_abort(self, client: ControlClient, worker_id: str, request_id: str) -> None:
         self.num_aborts_sent += 1
         try:
-            await client.call("/internal/abort", AbortRequest(request_id=request_id,
-                                                              reason="gateway"),
+            await client.call(AbortRequest(request_id=request_id, reason="gateway"),
                               AbortResponse, self.abort_s)
         except CALL_FAILURES as exc:
             # The worker's own deadlines free the request when it cannot hear us.

@@ -183,7 +183,7 @@ def test_a_mixed_step_runs_its_leading_decode_rows_through_the_decode_kernel(pai
     cache match the torch path. (The split threshold is lowered: this tiny step is below
     the size where the split pays, and is kept whole by default. No mixed graphs: this is
     the eager path; tests/gpu/test_mixed_graphs_gpu.py covers the graphs.)"""
-    from engine.attention import AttentionMetadata
+    from engine.attention_metadata import AttentionMetadata
 
     _, model = pair
     torch_runner = make_runner(model, False)

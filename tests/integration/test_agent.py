@@ -5,7 +5,7 @@ real faults (SIGSTOP, SIGKILL, a slowed engine, a leaked reservation), the offic
 One cluster (1 prefill + 2 decode workers, the agent started by `pdserve up` as by
 default) for the whole module; the tests run in order and each starts from a cluster whose
 workers are all ready. The agent's thresholds are shortened through its PDSERVE_*
-variables, and the workers serve /internal/fault (PDSERVE_FAULT_INJECTION=1).
+variables, and the workers take a FaultRequest (PDSERVE_FAULT_INJECTION=1).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import pytest
 from up_process import UpProcess, pid_alive
 
 from protocol.agent_messages import FaultRequest, FaultResponse
-from protocol.messages import MessageDecoder, ReserveRequest, ReserveResponse, encode
-from rpc.frames import MSGPACK_CONTENT_TYPE
+from protocol.messages import ReserveRequest, ReserveResponse
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -91,12 +90,8 @@ def wait_new_epoch_ready(up: UpProcess, old: dict, timeout_s: float) -> dict:
     raise AssertionError(f"{old['id']} not back: {up.workers()}\n{up.output[-3000:]}")
 
 
-def control_call(up: UpProcess, worker: dict, path: str, message, answer_type):
-    response = httpx.post(worker["control_url"] + path, content=encode(message), timeout=10,
-                          headers={"Authorization": f"Bearer {up.token}",
-                                   "Content-Type": MSGPACK_CONTENT_TYPE})
-    assert response.status_code == 200, response.content
-    return MessageDecoder(answer_type).decode(response.content)
+def control_call(up: UpProcess, worker: dict, message, answer_type):
+    return up.control_call(worker, message, answer_type)
 
 
 class Load:
@@ -143,15 +138,15 @@ def test_the_events_endpoint_refuses_bad_limits(up) -> None:
 def test_a_leaked_reservation_is_reclaimed(up) -> None:
     wait_all_ready(up)
     worker = decode_workers(up)[0]
-    reserved = control_call(up, worker, "/internal/reserve", ReserveRequest(
+    reserved = control_call(up, worker, ReserveRequest(
         request_id="leaked-1", prompt_token_ids=list(range(1, 100)), timeout_ms=120_000),
         ReserveResponse)  # ... and no decode request ever follows: the gateway "died"
     assert reserved.destination.worker_id == worker["id"]
-    assert up.internal_get(worker["control_url"] + "/internal/state")["num_reservations"] == 1
+    assert up.internal_get(worker["control_url"] + "/admin/state")["num_reservations"] == 1
     event = wait_event(up, lambda e: e["action"] == "reclaim" and e["worker_id"] == worker["id"],
                        45, "reclaim")
     assert event["rule"] == "leaked_kv" and event["outcome"].startswith("done: 1 reservation")
-    state = up.internal_get(worker["control_url"] + "/internal/state")
+    state = up.internal_get(worker["control_url"] + "/admin/state")
     assert state["num_reservations"] == 0 and state["num_kv_blocks_used"] == 0
     # Reclaiming is not ejecting: the worker kept serving.
     assert {w["id"]: w["state"] for w in up.workers()}[worker["id"]] == "ready"
@@ -159,7 +154,7 @@ def test_a_leaked_reservation_is_reclaimed(up) -> None:
 
 def test_a_slow_worker_is_ejected_and_its_peer_is_not(up, client) -> None:
     slow, peer = decode_workers(up)
-    answer = control_call(up, slow, "/internal/fault", FaultRequest(step_delay_ms=500),
+    answer = control_call(up, slow, FaultRequest(step_delay_ms=500),
                           FaultResponse)
     assert answer.step_delay_ms == 500
     started = time.time()

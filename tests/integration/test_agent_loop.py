@@ -1,7 +1,7 @@
 """The agent's control loop against a real Redis server and stub workers: real publishers
-(leases, epochs, loads), real HTTP control APIs serving /metrics, /internal/reclaim,
-/internal/exit and /internal/role, and a real process per worker for the local restarter
-to kill. The ticks are driven by the test, so every step of a recovery is checked."""
+(leases, epochs, loads), real control servers answering HealthRequest, ReclaimRequest and
+RoleChangeRequest over their channels, and a real process per worker for the local
+restarter to kill. The ticks are driven by the test, so every step of a recovery is checked."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from agent.actuator import Actuator
 from agent.audit import Audit
@@ -24,10 +22,11 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import LocalRestarter
-from protocol.agent_messages import ReclaimRequest, ReclaimResponse
+from protocol.agent_messages import HealthReport, HealthRequest, ReclaimRequest, ReclaimResponse
 from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
 from protocol.worker_load import StepModel, WorkerLoad
-from rpc.control_server import ControlServer, make_app, message_handler
+from rpc.channel_client import ChannelPool
+from rpc.control_server import ControlServer, add_call, make_app
 from state.agent_state import AgentState
 from state.redis_state import RedisState, connect
 from telemetry.metrics import MetricsRegistry
@@ -45,10 +44,10 @@ class StubWorker:
 
     worker_id: str
     role: Role
-    step_s: float = 0.02  # what its decode steps take, as its /metrics tell
+    step_s: float = 0.02  # what its decode steps take, as its health reports tell
     num_errors_per_scrape: int = 0
     answering: bool = True
-    stepping: bool = True  # False: gets no traffic (its /metrics count no new step)
+    stepping: bool = True  # False: gets no traffic (its reports count no new step)
     load: WorkerLoad = field(default_factory=lambda: WorkerLoad(num_kv_blocks_total=64))
     num_reclaims: int = 0
     role_changes: list[str] = field(default_factory=list)
@@ -60,7 +59,7 @@ class StubWorker:
     _requests: int = 0
     _errors: int = 0
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def health(self, request: HealthRequest) -> Message:
         if not self.answering:
             await asyncio.sleep(5)  # frozen: past the agent's deadline
         if self.stepping:
@@ -68,11 +67,12 @@ class StubWorker:
             self._step_sum += 5 * self.step_s
             self._requests += 5
         self._errors += self.num_errors_per_scrape
-        return web.Response(text=f"pdserve_decode_step_seconds_sum {self._step_sum}\n"
-                                 f"pdserve_decode_step_seconds_count {self._steps}\n"
-                                 f"pdserve_step_seconds_count {self._steps}\n"
-                                 f'pdserve_requests_total{{outcome="stop"}} {self._requests}\n'
-                                 f'pdserve_requests_total{{outcome="error"}} {self._errors}\n')
+        assert self.publisher is not None
+        return HealthReport(epoch=self.publisher.epoch, load=self.load, num_steps=self._steps,
+                            step_sum_s=self._step_sum, num_decode_steps=self._steps,
+                            decode_sum_s=self._step_sum, decode_seqs=0, decode_context=0,
+                            num_requests=self._requests + self._errors,
+                            num_failed=self._errors)
 
     async def reclaim(self, request: ReclaimRequest) -> Message:
         self.num_reclaims += 1
@@ -105,11 +105,9 @@ async def start(state: RedisState, worker: StubWorker) -> None:
         start_new_session=True)
     if worker.server is None:
         app = make_app(None)
-        app.router.add_get("/metrics", worker.metrics)
-        app.router.add_post("/internal/reclaim", message_handler(ReclaimRequest,
-                                                                 worker.reclaim))
-        app.router.add_post("/internal/role", message_handler(RoleChangeRequest,
-                                                              worker.change_role))
+        add_call(app, HealthRequest, worker.health)
+        add_call(app, ReclaimRequest, worker.reclaim)
+        add_call(app, RoleChangeRequest, worker.change_role)
         worker.server = ControlServer(app)
         url = await worker.server.start()
     else:
@@ -132,18 +130,20 @@ async def stop(worker: StubWorker) -> None:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+async def channels() -> AsyncIterator[ChannelPool]:
+    """How the agent reaches the workers: one channel each."""
+    pool = ChannelPool(None)
+    yield pool
+    await pool.aclose()
 
 
-def make_loop(state: RedisState, session: aiohttp.ClientSession, **config) -> ControlLoop:
+def make_loop(state: RedisState, channels: ChannelPool, **config) -> ControlLoop:
     agent_state = AgentState(state)
     metrics = MetricsRegistry()
     defaults = dict(period_s=0.2, window_s=5.0, thresholds=THRESHOLDS, cooldown_s=1.0,
                     probation_s=1.0, rebalance=None)
-    return ControlLoop(Observer(state, session, None, control_timeout_s=0.3),
-                       Actuator(agent_state, LocalRestarter(), session, None),
+    return ControlLoop(Observer(state, channels, control_timeout_s=0.3),
+                       Actuator(agent_state, LocalRestarter(), channels),
                        Audit(agent_state, metrics), AgentConfig(**{**defaults, **config}),
                        metrics)
 
@@ -161,6 +161,7 @@ async def run_until(loop: ControlLoop, predicate, timeout_s: float) -> list:
     async with asyncio.timeout(timeout_s * DEADLINE_SLACK):
         while True:
             await loop.tick()
+            loop.check_invariants()
             seen = await loop.actuator.agent_state.recent_events(1000)
             if predicate(list(reversed(seen))):
                 return list(reversed(seen))
@@ -172,10 +173,10 @@ def acted(events: list, worker_id: str, action: str) -> list:
 
 
 async def test_a_frozen_worker_is_ejected_killed_and_its_new_epoch_readmitted(
-        cluster, session) -> None:
+        cluster, channels) -> None:
     state, workers = cluster
     frozen = workers[1]
-    loop = make_loop(state, session)
+    loop = make_loop(state, channels)
     await loop.tick()
     assert await loop.actuator.agent_state.read_ejected() == {}
     old_epoch = frozen.publisher.epoch
@@ -206,11 +207,11 @@ async def test_a_frozen_worker_is_ejected_killed_and_its_new_epoch_readmitted(
     assert {e.worker_id for e in events} == {frozen.worker_id}
 
 
-async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, session) -> None:
+async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, channels) -> None:
     state, workers = cluster
     slow = workers[2]
     slow.step_s = 0.3  # 15x its peers' decode steps
-    loop = make_loop(state, session)
+    loop = make_loop(state, channels)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
     assert acted(events, slow.worker_id, "eject")[0].rule == "slow"
     # On probation for 1 s, then back in; still slow: the second strike drains it (it runs
@@ -226,7 +227,7 @@ async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, sessi
 
 
 async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_readmitted(
-        cluster, session) -> None:
+        cluster, channels) -> None:
     # The router sends nothing to a worker whose fitted model predicts slow steps, so once
     # ejected it runs no step that could clear it: its model decides at the probation's end.
     state, workers = cluster
@@ -236,7 +237,7 @@ async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_rea
         worker.load = WorkerLoad(num_kv_blocks_total=64, step_model=StepModel(
             base_s=worker.step_s, prefill_token_s=0.0, decode_seq_s=0.0, context_token_s=0.0,
             num_samples=64, num_decode_samples=64))
-    loop = make_loop(state, session)
+    loop = make_loop(state, channels)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
     slow.stepping = False
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "restart"), 10)
@@ -246,11 +247,11 @@ async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_rea
     assert slow.process.wait(5) is not None
 
 
-async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, session) -> None:
+async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, channels) -> None:
     state, workers = cluster
     for worker in workers[1:]:  # every decode worker fails every request
         worker.num_errors_per_scrape = 5
-    loop = make_loop(state, session, max_eject_fraction=0.5)
+    loop = make_loop(state, channels, max_eject_fraction=0.5)
     events = await run_until(loop, lambda ev: any(e.action == "hold" for e in ev), 5)
     ejected = {e.worker_id for e in events if e.action == "eject"}
     assert len(ejected) == 1  # of 3 decode workers, at most int(3 * 0.5) = 1 out
@@ -259,11 +260,11 @@ async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, session) 
     assert len(await loop.actuator.agent_state.read_ejected()) == 1
 
 
-async def test_a_leak_is_reclaimed_without_ejecting(cluster, session) -> None:
+async def test_a_leak_is_reclaimed_without_ejecting(cluster, channels) -> None:
     state, workers = cluster
     leaky = workers[3]
     leaky.load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
-    loop = make_loop(state, session)
+    loop = make_loop(state, channels)
     events = await run_until(loop, lambda ev: acted(ev, leaky.worker_id, "reclaim"), 5)
     assert acted(events, leaky.worker_id, "reclaim")[0].outcome == \
         "done: 1 reservation(s) freed"
@@ -271,11 +272,11 @@ async def test_a_leak_is_reclaimed_without_ejecting(cluster, session) -> None:
     assert await loop.actuator.agent_state.read_ejected() == {}
 
 
-async def test_a_dry_run_decides_but_touches_nothing(cluster, session) -> None:
+async def test_a_dry_run_decides_but_touches_nothing(cluster, channels) -> None:
     state, workers = cluster
     workers[1].answering = False
     await workers[1].publisher.stop(deregister=False)
-    loop = make_loop(state, session, dry_run=True)
+    loop = make_loop(state, channels, dry_run=True)
     events = await run_until(loop, lambda ev: acted(ev, workers[1].worker_id,
                                                     "eject+restart"), 5)
     assert acted(events, workers[1].worker_id, "eject+restart")[0].outcome == "dry_run"
@@ -283,9 +284,9 @@ async def test_a_dry_run_decides_but_touches_nothing(cluster, session) -> None:
     assert await loop.actuator.agent_state.read_ejected() == {}
 
 
-async def test_only_the_leader_acts(cluster, session) -> None:
+async def test_only_the_leader_acts(cluster, channels) -> None:
     state, workers = cluster
-    first, second = make_loop(state, session), make_loop(state, session)
+    first, second = make_loop(state, channels), make_loop(state, channels)
     await first.tick()
     await second.tick()
     assert first.is_leader and not second.is_leader
@@ -298,7 +299,7 @@ async def test_only_the_leader_acts(cluster, session) -> None:
     assert workers[3].num_reclaims == 1
 
 
-async def test_once_prints_what_it_would_do_and_does_nothing(cluster, session,
+async def test_once_prints_what_it_would_do_and_does_nothing(cluster, channels,
                                                              redis_url: str) -> None:
     state, workers = cluster
     workers[3].load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
@@ -319,13 +320,13 @@ async def test_once_prints_what_it_would_do_and_does_nothing(cluster, session,
     assert await AgentState(state).read_ejected() == {}
 
 
-async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, session) -> None:
+async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, channels) -> None:
     state, workers = cluster
     # 10 s of prompt tokens queued on the prefill worker; the decode pool idle.
     workers[0].load = WorkerLoad(num_queued_prefill_tokens=10_000, prefill_tokens_per_s=1000,
                                  num_kv_blocks_total=64)
     workers[1].load = WorkerLoad(num_running=2, num_kv_blocks_total=64)
-    loop = make_loop(state, session, rebalance=RebalanceConfig(sustain_s=0.6, cooldown_s=30),
+    loop = make_loop(state, channels, rebalance=RebalanceConfig(sustain_s=0.6, cooldown_s=30),
                      rebalance_period_s=0.2)
     events = await run_until(loop, lambda ev: any(e.rule == "rebalance" and
                                                   e.outcome.startswith("done") for e in ev), 5)
@@ -341,12 +342,12 @@ async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, ses
 
 
 async def test_a_busy_slow_worker_is_restarted_when_its_drain_time_is_up(cluster,
-                                                                         session) -> None:
+                                                                         channels) -> None:
     state, workers = cluster
     slow = workers[2]
     slow.step_s = 0.3
     slow.load = WorkerLoad(num_running=1, num_kv_blocks_total=64)  # never finishes
-    loop = make_loop(state, session, role_drain_timeout_s=1.5)
+    loop = make_loop(state, channels, role_drain_timeout_s=1.5)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject+restart"), 10)
     drain_started = acted(events, slow.worker_id, "eject+restart")[0].at_unix_ms
     assert slow.process.poll() is None  # still running what it has

@@ -122,18 +122,20 @@ async def test_events_come_back_newest_first(state: RedisState) -> None:
 async def test_the_audit_records_a_held_decision_once_per_reason(state: RedisState,
                                                                  tmp_path) -> None:
     from agent.audit import Audit
+    from agent.decision import Decision, EventAction, Outcome
+    from agent.health_rules import Rule
     from telemetry.metrics import MetricsRegistry
 
     audit = Audit(AgentState(state), MetricsRegistry(), tmp_path / "audit.jsonl")
     audit.open()
 
-    def event(outcome: str) -> AgentEvent:
-        return AgentEvent(at_unix_ms=1, worker_id="d0", epoch=1, rule="slow", evidence="x",
-                          action="hold", outcome=outcome)
+    def event(outcome: str) -> Decision:
+        return Decision(at_unix_ms=1, worker_id="d0", epoch=1, rule=Rule.SLOW, evidence="x",
+                        action=EventAction.HOLD, outcome=Outcome.held(outcome))
 
-    assert await audit.record(event("held: acted on 1.0 s ago (cooldown 10 s)"))
-    assert not await audit.record(event("held: acted on 2.0 s ago (cooldown 10 s)"))
-    assert await audit.record(event("held: 1 of the 2 decode worker(s) are out already"))
+    assert await audit.record(event("acted on 1.0 s ago (cooldown 10 s)"))
+    assert not await audit.record(event("acted on 2.0 s ago (cooldown 10 s)"))
+    assert await audit.record(event("1 of the 2 decode worker(s) are out already"))
     audit.close()
     lines = (tmp_path / "audit.jsonl").read_text().splitlines()
     assert len(lines) == 2 and len(await AgentState(state).recent_events(10)) == 2

@@ -1,7 +1,7 @@
 """The gateway reaches stub workers over their channels: one connection per worker for every
-request, plain tokens written to the client from the channel's read callback (the fast
-lane), each token exactly once and in order whichever way it went; and with
-`--worker-channel off`, the same answers over HTTP."""
+request, plain tokens written to the client from the channel's read callback (by aiohttp's
+response, chunked or, for an HTTP/1.0 client, not), each token exactly once and in order
+whichever way it went."""
 
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ pytestmark = pytest.mark.timeout(90)
 MODEL = "default"
 
 
-@pytest.fixture(scope="module", params=["on", "off"])
-def cluster(request, redis_url, tmp_path_factory):
-    running = launch(redis_url, tmp_path_factory.mktemp("gateway"),
-                     ("--worker-channel", request.param))
-    running.channel = request.param == "on"
+@pytest.fixture(scope="module")
+def cluster(redis_url, tmp_path_factory):
+    running = launch(redis_url, tmp_path_factory.mktemp("gateway"))
     yield running
     assert shutdown(running) == 0, "the gateway did not exit cleanly on SIGTERM"
 
@@ -47,7 +45,7 @@ def texts(cluster: GatewayCluster, tier: str, max_tokens: int = 100) -> list[str
     return [e["choices"][0]["text"] for e in events[:-1]]
 
 
-def test_every_request_to_a_worker_shares_one_channel_and_the_fast_lane(
+def test_every_request_to_a_worker_shares_one_channel_and_tokens_skip_the_handler(
         cluster: GatewayCluster) -> None:
     before = httpx.get(cluster.url + "/metrics").text
     expected = [text for _, text in cluster.reply]
@@ -58,23 +56,44 @@ def test_every_request_to_a_worker_shares_one_channel_and_the_fast_lane(
     def moved(name: str) -> float:
         return metric_sum(metrics, name) - metric_sum(before, name)
 
-    lane = moved("pdserve_gateway_fast_lane_tokens_total")
+    direct = moved("pdserve_gateway_direct_tokens_total")
     assert moved("pdserve_gateway_tokens_total") == 3 * len(expected)
-    if cluster.channel:
-        assert metric_sum(metrics, "pdserve_gateway_worker_channels") == 2
-        assert cluster.prefill.server.num_channels == 1
-        assert cluster.decode.server.num_channels == 1
-        # Paced tokens find the handler waiting: most are written by the read callback.
-        assert lane >= len(expected), f"{lane} tokens took the fast lane"
-    else:
-        assert "pdserve_gateway_worker_channels" not in metrics
-        assert lane == 0 and cluster.decode.server.num_channels == 0
+    assert metric_sum(metrics, "pdserve_gateway_channels") == 2
+    assert cluster.prefill.server.num_channels == 1
+    assert cluster.decode.server.num_channels == 1
+    # Paced tokens find the handler waiting: most are written by the read callback.
+    assert direct >= len(expected), f"{direct} tokens written from the read callback"
+
+
+def test_an_http_10_client_gets_every_token_unchunked(cluster: GatewayCluster) -> None:
+    # No chunked encoding for HTTP/1.0: aiohttp's response frames what the read callback
+    # writes as it does the handler's writes, and the body ends with the connection.
+    before = httpx.get(cluster.url + "/metrics").text
+    host, port = cluster.url.removeprefix("http://").split(":")
+    body = b'{"model": "default", "prompt": "Say it", "max_tokens": 100, "stream": true}'
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nx-pdserve-tier: interactive\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, raw = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower(), head
+    events = sse_events(raw.decode().splitlines())
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [t for _, t in cluster.reply]
+    direct = metric_sum(httpx.get(cluster.url + "/metrics").text,
+                        "pdserve_gateway_direct_tokens_total") \
+        - metric_sum(before, "pdserve_gateway_direct_tokens_total")
+    assert direct > 0, "no token was written from the read callback"
 
 
 def test_a_client_that_reads_slowly_gets_every_token_once_in_order(
         cluster: GatewayCluster) -> None:
     # 1000 tokens of 8 KB each: more than socket buffers hold (4 MB), so the gateway's writes
-    # back up while the client sleeps (the fast lane steps aside, then takes over again).
+    # back up while the client sleeps (the read callback's writes step aside, then take
+    # over again).
     reply = [(1000 + i, f" <{i}>" + "x" * 8000) for i in range(1000)]
     before = httpx.get(cluster.url + "/metrics").text
     saved = cluster.prefill.reply, cluster.decode.reply
@@ -104,11 +123,11 @@ def test_a_client_that_reads_slowly_gets_every_token_once_in_order(
     lines = dechunk(chunked).decode().splitlines()
     got = [e["choices"][0]["text"] for e in sse_events(lines)[:-1]]
     assert got == [text for _, text in reply]
-    lane = metric_sum(httpx.get(cluster.url + "/metrics").text,
-                      "pdserve_gateway_fast_lane_tokens_total") \
-        - metric_sum(before, "pdserve_gateway_fast_lane_tokens_total")
-    if cluster.channel:  # both ways carried tokens of this one stream
-        assert 0 < lane < len(reply), f"{lane} of {len(reply)} tokens took the fast lane"
+    direct = metric_sum(httpx.get(cluster.url + "/metrics").text,
+                        "pdserve_gateway_direct_tokens_total") \
+        - metric_sum(before, "pdserve_gateway_direct_tokens_total")
+    # Both ways carried tokens of this one stream.
+    assert 0 < direct < len(reply), f"{direct} of {len(reply)} tokens from the read callback"
 
 
 def dechunk(body: bytes) -> bytes:

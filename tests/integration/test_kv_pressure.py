@@ -69,7 +69,7 @@ def test_requests_beyond_the_kv_pool_wait_and_all_complete(tmp_path, hf_referenc
             futures = [pool.submit(complete, i) for i in range(NUM_REQUESTS)]
             while not all(f.done() for f in futures):
                 # What the decode worker holds: never more than the tier admits in all.
-                state = up.internal_get(decode["control_url"] + "/internal/state")
+                state = up.internal_get(decode["control_url"] + "/admin/state")
                 most_running = max(most_running, state["num_running"] + state["num_waiting"]
                                    + state["num_reservations"] + state["num_waiting_for_blocks"])
                 time.sleep(0.05)
@@ -81,7 +81,7 @@ def test_requests_beyond_the_kv_pool_wait_and_all_complete(tmp_path, hf_referenc
         # Some of them did wait in line, and every wait ended with blocks.
         assert _metric_sum(metrics, 'pdserve_kv_waits_total{outcome="served"}') >= 1
         assert _metric_sum(metrics, 'pdserve_kv_waits_total{outcome="timed_out"}') == 0
-        state = up.internal_get(decode["control_url"] + "/internal/state")  # checks invariants
+        state = up.internal_get(decode["control_url"] + "/admin/state")  # checks invariants
         assert not state["invariant_error"]
         assert state["num_waiting_for_blocks"] == 0 and state["num_reservations"] == 0
     finally:

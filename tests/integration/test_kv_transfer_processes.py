@@ -1,6 +1,6 @@
-"""KV transfer between real processes on loopback: the UCX and TCP data planes, and mapped
+"""KV transfer between real processes on loopback: the UCX and TCP carriers, and mapped
 transfers (the sender copies into the receiver's pool, mapped from its memfd on the host or
-by CUDA IPC on a GPU; the data plane idle).
+by CUDA IPC on a GPU; the carrier idle).
 
 KV_TEST_DEVICE=cuda runs the peers' pools on the GPU (use with `-k mapped` on a GPU host).
 
@@ -31,9 +31,9 @@ BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
 DEVICE = os.environ.get("KV_TEST_DEVICE", "cpu")
 
 
-def _plane(cfg: dict) -> tuple[str, bool]:
-    """(data plane backend, mapping on) of a peer's config; the TCP plane takes host pools
-    only, so mapped GPU peers keep UCX as their (idle) data plane."""
+def _carrier(cfg: dict) -> tuple[str, bool]:
+    """(carrier backend, mapping on) of a peer's config; the TCP carrier takes host pools
+    only, so mapped GPU peers keep UCX as their (idle) carrier."""
     if cfg["backend"] == "mapped":
         return ("ucx" if DEVICE == "cuda" else "tcp"), True
     return cfg["backend"], False
@@ -79,7 +79,7 @@ async def _run_receiver(cfg: dict) -> None:
 
     from kv_transfer.backend import make_receiver
     storage = _pool(cfg.get("layout", LAYOUT), None)
-    backend, mapping = _plane(cfg)
+    backend, mapping = _carrier(cfg)
     if cfg.get("refuse_receive"):
         _refuse_receive(cfg["refuse_receive"])
     receiver = await make_receiver(storage, backend, token=cfg.get("token", ""),
@@ -126,8 +126,8 @@ async def _run_receiver(cfg: dict) -> None:
         await asyncio.gather(*(one(t) for t in transfers), expecting())
     receiver.check_invariants()
     _emit(event="stats", num_sessions=receiver.num_sessions, num_expected=receiver.num_expected,
-          num_tasks=receiver.num_tasks, num_posted=getattr(receiver.plane, "num_posted", 0)
-          if hasattr(receiver.plane, "num_posted") else receiver.plane.num_registered)
+          num_tasks=receiver.num_tasks, num_posted=getattr(receiver.carrier, "num_posted", 0)
+          if hasattr(receiver.carrier, "num_posted") else receiver.carrier.num_registered)
     await asyncio.sleep(cfg.get("linger_s", 0.5))
     await receiver.close()
 
@@ -188,7 +188,7 @@ async def _run_sender(cfg: dict) -> None:
     if cfg.get("unpacked"):  # one zero-copy message per run, whatever the run size
         limits = PackingLimits(slot_bytes=limits.slot_bytes, num_slots=limits.num_slots,
                                min_message_bytes=0, pack_below_run_bytes=0)
-    backend, mapping = _plane(cfg)
+    backend, mapping = _carrier(cfg)
     sender = make_sender(storage, backend, token=cfg.get("token", ""),
                          abort_timeout_s=0.5, limits=limits, mapping=mapping)
     if cfg.get("loop"):
@@ -203,7 +203,7 @@ async def _run_sender(cfg: dict) -> None:
             if i + 1 in (100, n):
                 _emit(event="checkpoint", i=i + 1, **_resources(), num_links=sender.num_links,
                       num_sender_tasks=sender.num_tasks, num_mapped=sender.num_mapped,
-                      num_endpoints=getattr(sender.plane, "num_endpoints", 0))
+                      num_endpoints=getattr(sender.carrier, "num_endpoints", 0))
         await sender.close()
         return
 

@@ -2,8 +2,9 @@
 
 One cluster, 1 prefill + 2 decode workers, for the whole module (tests run in order; the
 last one stops it with SIGTERM). Chat requests' KV pushes are slowed down by the prefill
-worker's fault injection (PDSERVE_FAULT_TRANSFER_DELAY_MS for ids starting "chatcmpl-"),
-which opens a window to kill a decode worker while KV is moving into it.
+worker's fault injection (a FaultRequest: 150 ms before each layer for ids starting
+"chatcmpl-"; the cluster runs with PDSERVE_FAULT_INJECTION=1), which opens a window to kill a
+decode worker while KV is moving into it.
 
 Every comparison is with an undisturbed run of the same greedy request on the same
 cluster: a fault must change neither the text nor the number of tokens.
@@ -22,6 +23,8 @@ import httpx2 as httpx
 import pytest
 from up_process import UpProcess, child_pids, pid_alive, wait_gone
 
+from protocol.agent_messages import FAULT_INJECTION_ENV, FaultRequest, FaultResponse
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 SHORT = "Count slowly from one to ten, in words:"
@@ -32,7 +35,7 @@ GREEDY = {"temperature": 0, "max_tokens": 40, "extra_body": {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    env = {"PDSERVE_FAULT_TRANSFER_DELAY_MS": "150", "PDSERVE_FAULT_REQUEST_PREFIX": "chatcmpl-"}
+    env = {FAULT_INJECTION_ENV: "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -124,12 +127,12 @@ def workers(up: UpProcess) -> list[dict]:
 
 
 def state_of(up: UpProcess, worker: dict) -> dict:
-    return up.internal_get(worker["control_url"] + "/internal/state")
+    return up.internal_get(worker["control_url"] + "/admin/state")
 
 
 def worker_holding(up: UpProcess, request_id: str, role: str, key: str,
                    timeout_s: float = 30.0) -> dict:
-    """The worker of `role` whose /internal/state lists `request_id` under `key`."""
+    """The worker of `role` whose /admin/state lists `request_id` under `key`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for worker in workers(up):
@@ -208,7 +211,17 @@ def test_a_prefill_worker_killed_mid_prefill_does_not_fail_the_request(up, refer
     assert_nothing_held(up)
 
 
+def slow_pushes(up: UpProcess) -> None:
+    """Every prefill worker now sleeps 150 ms before each layer it pushes for a chat
+    request (a restarted worker starts without it)."""
+    slow = FaultRequest(transfer_layer_delay_ms=150, request_prefix="chatcmpl-")
+    for worker in workers(up):
+        if worker["role"] == "prefill":
+            assert up.control_call(worker, slow, FaultResponse).transfer_layer_delay_ms == 150
+
+
 def test_a_decode_worker_killed_mid_transfer_does_not_fail_the_request(up, references) -> None:
+    slow_pushes(up)
     stream = Stream(up, LONG, chat=True)
     stream.wait_tokens(1)  # token 1 came from the prefill worker; its push takes ~4 s
     victim = worker_holding(up, stream.request_id, "decode", "reservations")

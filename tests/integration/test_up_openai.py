@@ -130,7 +130,7 @@ def test_completions_streaming_short_prompt(client: openai.OpenAI, model: str,
 
 
 def _held(up: UpProcess, state_urls: dict[str, str]) -> dict[str, int]:
-    """Blocks-holding requests per worker role, from the workers' own /internal/state."""
+    """Blocks-holding requests per worker role, from the workers' own /admin/state."""
     held = {}
     for role, url in state_urls.items():
         state = up.internal_get(url)
@@ -140,7 +140,7 @@ def _held(up: UpProcess, state_urls: dict[str, str]) -> dict[str, int]:
 
 def test_client_disconnect_frees_kv_on_both_workers(client: openai.OpenAI, model: str,
                                                    up: UpProcess) -> None:
-    state_urls = {w["role"]: w["control_url"] + "/internal/state" for w in up.workers()}
+    state_urls = {w["role"]: w["control_url"] + "/admin/state" for w in up.workers()}
     stream = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=400,
                                        stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
@@ -149,7 +149,7 @@ def test_client_disconnect_frees_kv_on_both_workers(client: openai.OpenAI, model
     assert sum(_held(up, state_urls).values()) > 0
     stream.close()
     gone_at = time.monotonic()
-    # Each /internal/state answer waits for the worker's engine thread (it checks the
+    # Each /admin/state answer waits for the worker's engine thread (it checks the
     # engine's invariants), so on a busy machine one poll can take hundreds of ms: the
     # bound below is "freed promptly". The strict 100 ms check, with abort arrival times
     # observable, is test_gateway_handoff.py's disconnect test.

@@ -3,9 +3,9 @@
 Real processes (`python -m launcher.cli prefill-worker|decode-worker`, port 0, found through
 the Redis registry), a real Redis-protocol server, real KV transfer on loopback (UCX for
 one prefill/decode pair, TCP for the other). The TCP pair's prefill worker sleeps before
-each layer of requests named "fault-*" (--fault-transfer-delay-ms, --fault-request-prefix),
-so their transfers take ~9 s: long enough to stall past a deadline or to kill the decode
-worker mid-transfer.
+each layer of requests named "fault-*" (a FaultRequest, worker/faults.py: it is started
+with PDSERVE_FAULT_INJECTION=1), so their transfers take ~9 s: long enough to stall past a
+deadline or to kill the decode worker mid-transfer.
 
 The Redis server is private to this module because one test stops it for 10 s.
 """
@@ -27,8 +27,9 @@ import msgspec
 import pytest
 
 from launcher.redis_server import RedisServer
+from protocol.agent_messages import FAULT_INJECTION_ENV, FaultRequest, FaultResponse
 from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
-                               DestinationAck, DestinationNotice, ErrorCode, ErrorFrame,
+                               DestinationAck, DestinationNotice, ErrorCode, ErrorFrame, Message,
                                MessageDecoder, PrefillRequest, PrefillResponseFrame, PrefillResult,
                                ReserveRequest, ReserveResponse, TokenFrame, TransferResult,
                                TransferStatus, encode)
@@ -36,7 +37,8 @@ from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError, RemoteError
-from rpc.frames import MSGPACK_CONTENT_TYPE
+from rpc.channel_wire import MAGIC, ChannelHello, FrameSplitter
+from rpc.channel_wire import frame as wire_frame
 from state.redis_state import RedisState, connect
 from telemetry.metrics import parse_samples
 
@@ -61,6 +63,7 @@ class Worker:
     worker_id: str
     args: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # beside the test's own
     process: subprocess.Popen | None = None
     control_url: str = ""
     epoch: int = 0
@@ -71,7 +74,8 @@ class Worker:
             [sys.executable, "-m", "launcher.cli", *self.args, "--redis-url", redis_url,
              "--worker-id", self.worker_id, "--namespace", NAMESPACE, "--threads", "1",
              "--kv-cache-mb", "48", "--log-level", "warning"],
-            cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            cwd=ROOT, stdout=log, stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def kill(self) -> None:
         self.process.kill()
@@ -123,6 +127,14 @@ async def wait_registered(redis_url: str, workers: list[Worker], timeout_s: floa
         await state.aclose()
 
 
+async def call(w: Worker, message: Message, answer_type: type[Message]) -> Message:
+    pool = ChannelPool(None)
+    try:
+        return await ControlClient(w.control_url, pool).call(message, answer_type, 10.0)
+    finally:
+        await pool.aclose()
+
+
 def reference_outputs(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     import torch
 
@@ -141,15 +153,13 @@ def cluster(tmp_path_factory) -> Cluster:
     redis.start()
     pair = ["--max-num-batched-tokens", "64"]  # chunked prefill of the long prompt
     # The ucx pair maps each other's pools (--kv-mapping on, the default: one host), so its
-    # KV moves by mapped copies; the tcp pair keeps every byte on the TCP data plane.
+    # KV moves by mapped copies; the tcp pair keeps every byte on the TCP carrier.
     workers = {
         "p-ucx": Worker("p-ucx", ["prefill-worker", "--kv-transport", "ucx", *pair],
                         logs / "p-ucx.log"),
         "d-ucx": Worker("d-ucx", ["decode-worker", "--kv-transport", "ucx"], logs / "d-ucx.log"),
-        "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp", "--kv-mapping", "off",
-                                  "--fault-transfer-delay-ms", str(LAYER_DELAY_MS),
-                                  "--fault-request-prefix", "fault-"],
-                        logs / "p-tcp.log"),
+        "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp", "--kv-mapping", "off"],
+                        logs / "p-tcp.log", env={FAULT_INJECTION_ENV: "1"}),
         # Warmed up before it registers (the default on CUDA only): see the warm-up test.
         "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp", "--kv-mapping", "off",
                                   "--warm-up", "on"], logs / "d-tcp.log"),
@@ -164,6 +174,8 @@ def cluster(tmp_path_factory) -> Cluster:
         assert 100 <= len(prompts["long"]) <= 300, len(prompts["long"])
         reference = reference_outputs(prompts)
         asyncio.run(wait_registered(redis.url, list(workers.values()), 150))
+        slow = FaultRequest(transfer_layer_delay_ms=LAYER_DELAY_MS, request_prefix="fault-")
+        assert asyncio.run(call(workers["p-tcp"], slow, FaultResponse)).transfer_layer_delay_ms
         yield Cluster(redis, workers, reference, prompts)
     finally:
         for w in workers.values():  # all at once: each drains and deregisters
@@ -198,14 +210,15 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
     early = start != "after-reserve"
     result = Handoff()
     started = time.monotonic()
-    pc, dc = ControlClient(p.control_url), ControlClient(d.control_url)
+    pool = ChannelPool(None)  # one channel per worker, as the gateway's
+    pc, dc = ControlClient(p.control_url, pool), ControlClient(d.control_url, pool)
     reserve = ReserveRequest(request_id=rid, prompt_token_ids=prompt, timeout_ms=timeout_ms)
 
     async def reserve_and_forward() -> None:
-        result.reserve = await dc.call("/internal/reserve", reserve, ReserveResponse, 5.0)
+        result.reserve = await dc.call(reserve, ReserveResponse, 5.0)
         if early:
             notice = DestinationNotice(request_id=rid, destination=result.reserve.destination)
-            result.ack = await pc.call("/internal/destination", notice, DestinationAck, 5.0)
+            result.ack = await pc.call(notice, DestinationAck, 5.0)
 
     reserving = asyncio.create_task(reserve_and_forward())
     # The client waits past the request's own deadline: a worker's answer at its deadline
@@ -216,7 +229,7 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
             await reserving
         decode_task = None
         try:
-            async for frame in pc.stream("/internal/prefill", PrefillRequest(
+            async for frame in pc.stream(PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                     timeout_ms=timeout_ms, destination_follows=early,
                     destination=None if early else result.reserve.destination),
@@ -229,17 +242,14 @@ async def run_handoff(p: Worker, d: Worker, rid: str, prompt: list[int],
                                                               reserving))
                 elif isinstance(frame, TransferResult):
                     result.transfer = frame
-        # A worker killed mid-stream surfaces as aiohttp's ClientPayloadError, which
-        # ControlClient.stream does not wrap in ControlError.
-        except (ControlError, aiohttp.ClientError) as exc:
+        except ControlError as exc:  # a worker killed mid-stream: its channel is lost
             result.prefill_error = exc
-            await dc.call("/internal/abort", AbortRequest(request_id=rid), AbortResponse, 2.0)
+            await dc.call(AbortRequest(request_id=rid), AbortResponse, 2.0)
         if decode_task is not None:
             await decode_task
     finally:
         await asyncio.gather(reserving, return_exceptions=True)
-        await pc.aclose()
-        await dc.aclose()
+        await pool.aclose()
     result.elapsed_s = time.monotonic() - started
     return result
 
@@ -249,19 +259,19 @@ async def _decode(dc: ControlClient, rid: str, prompt: list[int], sampling: Samp
                   reserving: asyncio.Task[None]) -> None:
     await reserving
     try:
-        async for frame in dc.stream("/internal/decode", DecodeRequest(
+        async for frame in dc.stream(DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                 timeout_ms=timeout_ms, first_token_id=first.first_token_id,
                 epoch=result.reserve.destination.epoch), TokenFrame,
                 timeout_ms / 1000 + 5.0, timeout_ms / 1000 + 5.0):
             result.tokens.extend(frame.token_ids)
-    except (ControlError, aiohttp.ClientError) as exc:
+    except ControlError as exc:
         result.decode_error = exc
 
 
 async def worker_state(w: Worker) -> dict:
     async with aiohttp.ClientSession() as session:
-        async with session.get(w.control_url + "/internal/state",
+        async with session.get(w.control_url + "/admin/state",
                                timeout=aiohttp.ClientTimeout(total=5)) as response:
             return await response.json()
 
@@ -274,7 +284,7 @@ async def metrics(w: Worker) -> dict[str, float]:
 
 
 async def wait_no_blocks_held(w: Worker, timeout_s: float) -> dict:
-    """Poll /internal/state until the worker holds no block; returns the last state."""
+    """Poll /admin/state until the worker holds no block; returns the last state."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = await worker_state(w)
@@ -309,7 +319,7 @@ def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str
             assert result.prefill_error is None and result.decode_error is None, result
             assert result.transfer.status is TransferStatus.DONE
             assert result.tokens == cluster.reference[name], name
-        path = "mapped" if backend == "ucx" else "data_plane"  # see the cluster fixture
+        path = "mapped" if backend == "ucx" else "carrier"  # see the cluster fixture
         samples = await metrics(p)
         assert samples.get(f'pdserve_kv_transfers_total{{direction="sent",path="{path}"}}', 0) >= 2
         # Layer-wise push is the default: announced mid-step (the host has no layer events).
@@ -348,14 +358,24 @@ def test_bad_destination_notices_get_a_clear_error_and_hold_nothing(cluster: Clu
 
     async def run() -> None:
         before = await worker_state(p)
-        async with aiohttp.ClientSession() as session:
-            for what, body in bodies.items():
-                async with session.post(p.control_url + "/internal/destination", data=body,
-                                        headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as resp:
-                    assert resp.status == 400, what
-                    frame = MessageDecoder(ErrorFrame).decode(await resp.read())
-                    assert frame.code in (ErrorCode.BAD_REQUEST, ErrorCode.PROTOCOL_VERSION), what
-                    assert frame.message, what
+        host, port = p.control_url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:  # a channel, its frames written by hand: the bodies a typed client cannot send
+            writer.write(MAGIC + wire_frame(0, encode(ChannelHello(token=None))))
+            answers = FrameSplitter(1 << 20)
+            for stream_id, (what, body) in enumerate(bodies.items(), start=1):
+                writer.write(wire_frame(stream_id, body))
+                got: list[tuple[int, bytes]] = []
+                while not any(sid == stream_id and not b for sid, b in got):  # its end frame
+                    data = await asyncio.wait_for(reader.read(1 << 16), 10)
+                    assert data, f"the worker closed the channel after {what!r}"
+                    got += [(sid, bytes(b)) for sid, b in answers.feed(data)]
+                [error] = [b for sid, b in got if sid == stream_id and b]
+                answer = MessageDecoder(ErrorFrame).decode(error)
+                assert answer.code in (ErrorCode.BAD_REQUEST, ErrorCode.PROTOCOL_VERSION), what
+                assert answer.message, what
+        finally:
+            writer.close()
         after = await worker_state(p)
         assert after["invariant_error"] is None, after
         assert after["num_held_destinations"] == before["num_held_destinations"]
@@ -369,17 +389,18 @@ def test_a_destination_that_never_comes_ends_the_prefill_at_its_deadline(cluster
     p = cluster.workers["p-ucx"]
 
     async def run() -> None:
-        pc = ControlClient(p.control_url)
+        pool = ChannelPool(None)
+        pc = ControlClient(p.control_url, pool)
         frames: list[object] = []
         try:
             with pytest.raises(RemoteError) as failure:
-                async for frame in pc.stream("/internal/prefill", PrefillRequest(
+                async for frame in pc.stream(PrefillRequest(
                         request_id="no-destination", prompt_token_ids=cluster.prompts["long"],
                         sampling=GREEDY, timeout_ms=4000, destination_follows=True),
                         PrefillResponseFrame, 30, 30):
                     frames.append(frame)
         finally:
-            await pc.aclose()
+            await pool.aclose()
         assert [type(f) for f in frames] == [PrefillResult]
         assert frames[0].first_token_id == cluster.reference["long"][0]
         assert failure.value.frame.code is ErrorCode.DEADLINE_EXCEEDED
@@ -425,26 +446,28 @@ def test_a_worker_warms_up_with_progress_before_it_registers(cluster: Cluster) -
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("over", ["http", "channel"])
+@pytest.mark.parametrize("aborts", ["own channel", "shared channel"])
 def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Cluster,
-                                                                   over: str) -> None:
+                                                                   aborts: str) -> None:
     # Cause and effect, not a latency bound: the worker answers the abort with the number
     # of tokens its stream had sent when the abort arrived, and the client must receive
     # exactly those and then ABORTED; a worker that sent one more token fails. (Abort
-    # latencies are measured by benchmarks/, not asserted here.) Over the channel the
-    # tokens leave through the stream's lane (engine/request_stream.py), counted there.
+    # latencies are measured by benchmarks/, not asserted here.) Most tokens leave from the
+    # engine's delivery callback (worker/stream_frames.py), counted there. The abort comes
+    # on the stream's own channel (as the gateway sends it) or on another one.
     d = cluster.workers["d-ucx"]
-    rid = f"abort-me-{over}"
+    rid = f"abort-me-{aborts.split()[0]}"
 
     async def run() -> None:
-        pool = ChannelPool(None) if over == "channel" else None
-        client = ControlClient(d.control_url, channels=pool)
+        pool = ChannelPool(None)
+        client = ControlClient(d.control_url, pool)
+        abort_pool = pool if aborts == "shared channel" else ChannelPool(None)
         frames: list[TokenFrame] = []
         ended: list[RemoteError] = []
 
         async def consume() -> None:
             try:
-                async for frame in client.stream("/internal/decode", DecodeRequest(
+                async for frame in client.stream(DecodeRequest(
                         request_id=rid, prompt_token_ids=cluster.prompts["short"],
                         sampling=SamplingParams(max_tokens=500, temperature=0.0,
                                               ignore_eos=True),
@@ -456,24 +479,21 @@ def test_abort_stops_the_decode_stream_at_the_token_it_had_reached(cluster: Clus
         task = asyncio.create_task(consume())
         while sum(len(f.token_ids) for f in frames) < 3:
             await asyncio.sleep(0.01)
-        abort_client = ControlClient(d.control_url)
-        answer = await abort_client.call("/internal/abort", AbortRequest(request_id=rid),
-                                         AbortResponse, 5.0)
+        abort_client = ControlClient(d.control_url, abort_pool)
+        answer = await abort_client.call(AbortRequest(request_id=rid), AbortResponse, 5.0)
         await asyncio.wait_for(task, 10.0)
-        await abort_client.aclose()
-        await client.aclose()
-        if pool is not None:
-            assert pool.num_channels == 1  # the stream went over the channel
-            await pool.aclose()
+        assert pool.num_channels == 1  # the stream and (shared) the abort on one channel
+        await pool.aclose()
+        await abort_pool.aclose()
         assert answer.found
         assert answer.num_tokens_sent >= 3
         assert sum(len(f.token_ids) for f in frames) == answer.num_tokens_sent
         assert all(f.finish_reason is None for f in frames)
         assert ended and ended[0].frame.code is ErrorCode.ABORTED
         await wait_no_blocks_held(d, 5.0)
-        again = ControlClient(d.control_url)
-        repeat = await again.call("/internal/abort", AbortRequest(request_id=rid),
-                                  AbortResponse, 5.0)
+        again = ChannelPool(None)
+        repeat = await ControlClient(d.control_url, again).call(AbortRequest(request_id=rid),
+                                                                AbortResponse, 5.0)
         await again.aclose()
         assert not repeat.found and repeat.num_tokens_sent == 0
 
@@ -510,13 +530,14 @@ def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster)
 
     async def run() -> None:
         rid, prompt = "fault-kill-decode", cluster.prompts["long"]
-        dc, pc = ControlClient(d.control_url), ControlClient(p.control_url)
-        reserve = await dc.call("/internal/reserve", ReserveRequest(
+        pool = ChannelPool(None)
+        dc, pc = ControlClient(d.control_url, pool), ControlClient(p.control_url, pool)
+        reserve = await dc.call(ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, timeout_ms=20_000),
             ReserveResponse, 5.0)
         frames = []
         killed_at = None
-        async for frame in pc.stream("/internal/prefill", PrefillRequest(
+        async for frame in pc.stream(PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=GREEDY, timeout_ms=20_000,
                 destination=reserve.destination), PrefillResponseFrame, 20.0, 20.0):
             frames.append(frame)
@@ -525,8 +546,7 @@ def test_killing_the_decode_worker_mid_transfer_fails_the_push(cluster: Cluster)
                 d.kill()
                 killed_at = time.monotonic()
         detected_s = time.monotonic() - killed_at
-        await dc.aclose()
-        await pc.aclose()
+        await pool.aclose()
         assert isinstance(frames[-1], TransferResult)
         assert frames[-1].status is TransferStatus.FAILED, frames[-1]
         assert detected_s < 3.0, detected_s  # well before the 20 s deadline
@@ -580,11 +600,12 @@ def test_redis_outage_does_not_stop_a_running_decode(cluster: Cluster) -> None:
     outage_s = 10.0
 
     async def run() -> None:
-        client = ControlClient(d.control_url)
+        pool = ChannelPool(None)
+        client = ControlClient(d.control_url, pool)
         arrivals: list[tuple[float, int]] = []
         max_tokens = 150
         stopped_at = restarted_at = None
-        frames = client.stream("/internal/decode", DecodeRequest(
+        frames = client.stream(DecodeRequest(
             request_id="through-outage", prompt_token_ids=cluster.prompts["short"],
             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             timeout_ms=120_000), TokenFrame, 30.0, 30.0)
@@ -598,7 +619,7 @@ def test_redis_outage_does_not_stop_a_running_decode(cluster: Cluster) -> None:
             elif restarted_at is None and time.monotonic() - stopped_at >= outage_s:
                 cluster.redis.start()
                 restarted_at = time.monotonic()
-        await client.aclose()
+        await pool.aclose()
         if restarted_at is None:
             await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - stopped_at)))
             cluster.redis.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -70,6 +71,22 @@ class UpProcess:
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
+
+    def control_call(self, worker: dict, message, answer_type, timeout_s: float = 10.0):
+        """One call over the worker's channel with the cluster's token, as the gateway and
+        the agent make it."""
+        from rpc.channel_client import ChannelPool
+        from rpc.control_client import ControlClient
+
+        async def call():
+            pool = ChannelPool(self.token)
+            try:
+                return await ControlClient(worker["control_url"], pool).call(
+                    message, answer_type, timeout_s)
+            finally:
+                await pool.aclose()
+
+        return asyncio.run(call())
 
     def workers(self) -> list[dict]:
         return self.internal_get(f"{self.url}/admin/workers")["workers"]

@@ -9,7 +9,10 @@ function-level and `TYPE_CHECKING` ones included, is an edge.
     column itself runs one way: no folder may import, directly or through others, a
     folder that may import it (layers, no arrow back up);
   * the typed packages name no `Any` in a constructor or public function signature, and
-    annotate every parameter and return there.
+    annotate every parameter and return there;
+  * only rpc/ opens connections to workers' control ports: every other module that opens a
+    network connection is listed below with the peer it talks to, which is not a worker's
+    control port.
 """
 
 from __future__ import annotations
@@ -28,6 +31,20 @@ PACKAGES = ("protocol", "telemetry", "text", "state", "rpc", "engine", "kv_trans
 TYPED = ("agent/", "gateway/", "worker/", "kv_transfer/", "protocol/", "rpc/", "state/",
          "telemetry/", "text/")
 MAP_START, MAP_END = "<!-- folder-map -->", "<!-- /folder-map -->"
+# What opens a network connection, outside rpc/ (which alone reaches workers' control
+# ports: the gateway and the agent go through it), and to whom.
+NETWORK_CLIENTS = {
+    "kv_transfer/sender.py": "a decode worker's KV receiver (its own port, its own handshake)",
+    "agent/main.py": "the Kubernetes API (the session agent/restarters.py uses)",
+    "agent/restarters.py": "the Kubernetes API (deleting a pod)",
+    "bench/loadgen.py": "the OpenAI-compatible server under test",
+    "bench/sse_client.py": "the OpenAI-compatible server under test",
+    "launcher/local_cluster.py": "its gateway's /ready and /v1/models",
+    "launcher/redis_server.py": "the Redis server it started (a ping)",
+    "deploy/docker/healthcheck.py": "the container's own process's /health or /ready",
+}
+CONNECTS = re.compile(r"ClientSession|open_connection|create_connection|urlopen|http\.client"
+                      r"|import httpx|import requests")
 
 
 def source_files() -> list[Path]:
@@ -270,3 +287,14 @@ def test_every_command_line_option_explains_itself() -> None:
                for path in source_files()
                for line, name in _options_without_help(ast.parse(path.read_text()))]
     assert not missing, f"options without help: {missing}"
+
+
+def test_only_the_rpc_layer_opens_worker_connections() -> None:
+    product = [p for p in source_files()
+               if not p.relative_to(ROOT).as_posix().startswith(("rpc/", "benchmarks/",
+                                                                 "testing/"))]
+    opening = {p.relative_to(ROOT).as_posix() for p in product if CONNECTS.search(p.read_text())}
+    unexplained = sorted(opening - set(NETWORK_CLIENTS))
+    assert not unexplained, ("modules that open network connections outside rpc/ (a worker's "
+                             f"control port is reached only through rpc/): {unexplained}")
+    assert not set(NETWORK_CLIENTS) - opening, "NETWORK_CLIENTS names modules that open none"

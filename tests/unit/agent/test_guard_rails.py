@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from agent.guard_rails import ActionKind, PoolState, max_ejected, plan_actions
+from agent.guard_rails import ActionKind, Ledger, PoolState, max_ejected, plan_actions
 from agent.health_rules import Detection, Rule
+from protocol.messages import Role
 
 
-def state(roles: dict[str, str], epochs: dict[str, int] | None = None,
-          ejected: frozenset[str] = frozenset(), last: dict | None = None) -> PoolState:
+def state(roles: dict[str, Role], epochs: dict[str, int] | None = None,
+          ejected: frozenset[str] = frozenset(), ledgers: dict | None = None) -> PoolState:
     return PoolState(epochs=epochs or {w: 1 for w in roles}, roles=roles, ejected=ejected,
-                     last_action_s=last or {})
+                     ledgers=ledgers or {})
 
 
 def found(worker_id: str, rule: Rule, epoch: int = 1) -> Detection:
     return Detection(worker_id, epoch, rule, "seen")
 
 
-FOUR_DECODERS = {f"d-{i}": "decode" for i in range(4)} | {"p-0": "prefill"}
+FOUR_DECODERS = {f"d-{i}": Role.DECODE for i in range(4)} | {"p-0": Role.PREFILL}
 
 
 def test_rules_map_to_actions() -> None:
@@ -49,7 +50,7 @@ def test_workers_already_out_count_and_are_not_ejected_twice() -> None:
 
 
 def test_a_dead_worker_is_restarted_past_the_limit() -> None:
-    pair = {"d-0": "decode", "d-1": "decode"}
+    pair = {"d-0": Role.DECODE, "d-1": Role.DECODE}
     actions, held = plan_actions([found("d-0", Rule.DEAD), found("d-1", Rule.DEAD)],
                                  state(pair), 100.0)
     assert [a.worker_id for a in actions] == ["d-0", "d-1"] and held == []
@@ -57,8 +58,8 @@ def test_a_dead_worker_is_restarted_past_the_limit() -> None:
 
 def test_a_stale_epoch_or_a_recent_action_is_held() -> None:
     s = state(FOUR_DECODERS, epochs={**{w: 1 for w in FOUR_DECODERS}, "d-0": 2},
-              last={("d-1", 1, ActionKind.EJECT_AND_RESTART): 95.0,
-                    ("d-2", 1, ActionKind.RECLAIM_KV): 99.0})
+              ledgers={"d-1": Ledger(1, last_action_s={ActionKind.EJECT_AND_RESTART: 95.0}),
+                       "d-2": Ledger(1, last_action_s={ActionKind.RECLAIM_KV: 99.0})})
     actions, held = plan_actions([found("d-0", Rule.HUNG, epoch=1), found("d-1", Rule.HUNG)],
                                  s, 100.0, cooldown_s=10.0)
     assert actions == []
@@ -84,8 +85,8 @@ def test_a_fraction_outside_its_range_is_refused() -> None:
 
 def test_a_second_strike_in_one_epoch_restarts() -> None:
     s = state(FOUR_DECODERS)
-    again = PoolState(epochs=s.epochs, roles=s.roles, ejected=s.ejected, last_action_s={},
-                      strikes={("d-0", 1): 1})
+    again = PoolState(epochs=s.epochs, roles=s.roles, ejected=s.ejected,
+                      ledgers={"d-0": Ledger(1, num_strikes=1)})
     actions, _ = plan_actions([found("d-0", Rule.SLOW), found("d-1", Rule.ERROR_SPIKE)],
                               again, 0.0)
     assert {a.worker_id: a.kind for a in actions} == {

@@ -6,13 +6,14 @@ import pytest
 
 from agent.health_rules import (Rule, Thresholds, WorkerSample, dead, detect, error_spike, hung,
                                 latest_tick, leaked_kv, slow, still_slow)
+from protocol.messages import Role
 from protocol.worker_load import StepModel
 
 T = Thresholds(lease_margin_s=1.0, hung_after_s=3.0, slow_factor=3.0, leak_after_s=30.0,
                error_rate=0.5, error_min_requests=10)
 
 
-def sample(at_s: float, worker_id: str = "d-0", epoch: int = 1, role: str = "decode",
+def sample(at_s: float, worker_id: str = "d-0", epoch: int = 1, role: Role = Role.DECODE,
            **fields) -> WorkerSample:
     base = dict(lease_left_s=2.5, process_alive=True, control_ok=True)
     base.update(fields)
@@ -58,7 +59,7 @@ def test_a_restart_starts_a_clean_window() -> None:
     assert hung(old + new, 4.0, T) is None
 
 
-def ticks(worker_id: str, role: str = "decode", at: range = range(0, 11), **fields
+def ticks(worker_id: str, role: Role = Role.DECODE, at: range = range(0, 11), **fields
           ) -> list[WorkerSample]:
     """One sample per second over `at`, 5 engine steps between two."""
     return [sample(float(t), worker_id, role=role, num_steps=5 * t, **fields) for t in at]
@@ -69,7 +70,7 @@ def test_slow_is_an_outlier_against_its_role_only() -> None:
         "d-0": ticks("d-0", step_time_s=0.020),
         "d-1": ticks("d-1", step_time_s=0.022),
         "d-2": ticks("d-2", step_time_s=0.070),
-        "p-0": ticks("p-0", role="prefill", step_time_s=0.500),  # no peers: never slow
+        "p-0": ticks("p-0", role=Role.PREFILL, step_time_s=0.500),  # no peers: never slow
     }
     found = slow(windows, 10.0, T)
     assert [(d.worker_id, d.rule) for d in found] == [("d-2", Rule.SLOW)]

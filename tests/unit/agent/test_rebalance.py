@@ -8,6 +8,7 @@ import pytest
 
 from agent.rebalance import (PoolSignals, RebalanceConfig, RoleView, plan_rebalance, pool_signals,
                              sustained_span)
+from protocol.messages import Role
 from protocol.worker_load import StepModel, WorkerLoad
 
 CFG = RebalanceConfig()  # prefill 2 s / 0.5 s, decode 85 % / 50 %, sustain 20 s, cooldown 60 s
@@ -19,14 +20,14 @@ MODEL = StepModel(base_s=0.02, prefill_token_s=1 / 8000, decode_seq_s=0.0005,
 def prefill(worker_id: str, queued: int = 0, rate: float = 0.0, **view: bool) -> RoleView:
     load = WorkerLoad(num_queued_prefill_tokens=queued, prefill_tokens_per_s=rate,
                       num_running=1 if queued else 0, step_model=MODEL)
-    return RoleView(worker_id, 1, "prefill", load, **view)
+    return RoleView(worker_id, 1, Role.PREFILL, load, **view)
 
 
 def decode(worker_id: str, used: int = 0, total: int = 1000, running: int = 0,
            waiting: int = 0, **view: bool) -> RoleView:
     load = WorkerLoad(num_kv_blocks_used=used, num_kv_blocks_total=total, num_running=running,
                       num_waiting=waiting, num_decoding=running, step_model=MODEL)
-    return RoleView(worker_id, 3, "decode", load, **view)
+    return RoleView(worker_id, 3, Role.DECODE, load, **view)
 
 
 def signals(at_s: float, prefill_s: float, decode_kv: float, num_prefill: int = 2,
@@ -52,7 +53,7 @@ def test_signals_are_the_prefill_queue_delay_and_the_decode_kv_usage() -> None:
     views = [prefill("p-0", queued=16000, rate=6000), prefill("p-1", queued=8000, rate=2000),
              decode("d-0", used=300), decode("d-1", used=100),
              decode("d-2", used=900, ejected=True),  # out of routing: counts nowhere
-             RoleView("b-0", 1, "both", WorkerLoad(num_queued_prefill_tokens=10**6))]
+             RoleView("b-0", 1, Role.BOTH, WorkerLoad(num_queued_prefill_tokens=10**6))]
     s = pool_signals(views, 7.0)
     assert (s.at_s, s.num_prefill, s.num_decode) == (7.0, 2, 2)
     assert s.prefill_pressure == pytest.approx(24000 / 16000)  # 1.5 s at 8000 tokens/s each
@@ -61,10 +62,10 @@ def test_signals_are_the_prefill_queue_delay_and_the_decode_kv_usage() -> None:
 
 
 def test_capacity_is_borrowed_from_peers_and_no_evidence_means_no_pressure() -> None:
-    unfitted = RoleView("p-1", 1, "prefill", WorkerLoad(num_queued_prefill_tokens=8000))
+    unfitted = RoleView("p-1", 1, Role.PREFILL, WorkerLoad(num_queued_prefill_tokens=8000))
     s = pool_signals([prefill("p-0", queued=8000), unfitted], 0.0)
     assert s.prefill_pressure == pytest.approx(1.0)  # 16000 tokens over 2 x 8000 tokens/s
-    nothing_known = pool_signals([unfitted, RoleView("d-0", 1, "decode", WorkerLoad())], 0.0)
+    nothing_known = pool_signals([unfitted, RoleView("d-0", 1, Role.DECODE, WorkerLoad())], 0.0)
     assert (nothing_known.prefill_pressure, nothing_known.decode_pressure) == (0.0, 0.0)
 
 
@@ -124,21 +125,20 @@ def test_min_per_role_holds() -> None:
     assert plan_rebalance(starved, three[:4], None, NOW, two_left) is None
 
 
-def test_ejected_and_unswitchable_workers_are_never_chosen() -> None:
+def test_ejected_workers_are_never_chosen() -> None:
     views = [prefill("p-0"), prefill("p-1"), decode("d-0", running=9),
-             decode("d-1", ejected=True), decode("d-2", switchable=False),
+             decode("d-1", ejected=True), decode("d-2", ejected=True),
              decode("d-3", running=5)]
     move = plan_rebalance(PREFILL_STARVED, views, None, NOW, CFG)
     assert move is not None and move.worker_id == "d-3"
-    nobody = [v if v.role == "prefill" else dataclasses.replace(v, switchable=False)
-              for v in views]
-    assert plan_rebalance(PREFILL_STARVED, nobody, None, NOW, CFG) is None
+    nobody = [v if v.role is Role.PREFILL or v.worker_id == "d-0"
+              else dataclasses.replace(v, ejected=True) for v in views]
+    assert plan_rebalance(PREFILL_STARVED, nobody, None, NOW, CFG) is None  # d-0 is the last
 
 
 def test_both_and_colocated_workers_are_never_donors() -> None:
-    views = [prefill("p-0"), decode("d-0"),
-             RoleView("b-0", 1, "both", WorkerLoad()), RoleView("c-0", 1, "colocated",
-                                                                WorkerLoad())]
+    views = [prefill("p-0"), decode("d-0"), RoleView("b-0", 1, Role.BOTH, WorkerLoad()),
+             RoleView("c-0", 1, Role.COLOCATED, WorkerLoad())]
     starved = history([(5.0, 0.0)] * 31, num_prefill=1, num_decode=1)
     assert plan_rebalance(starved, views, None, NOW, CFG) is None
 

@@ -15,9 +15,9 @@ def test_raw_modes_checks_and_typos_are_not_backend_modes() -> None:
         assert split_mode(mode) == ("", "")
 
 
-def test_the_data_plane_of_each_mode() -> None:
+def test_the_carrier_of_each_mode() -> None:
     assert backend_of("ucx_per_run_data", "cpu") == ("ucx", False)
     assert backend_of("tcp_recv", "cpu") == ("tcp", False)
-    assert backend_of("mapped_recv", "cpu") == ("tcp", True)  # host pools: the TCP plane idles
+    assert backend_of("mapped_recv", "cpu") == ("tcp", True)  # host pools: the TCP carrier idles
     assert backend_of("mapped", "cuda") == ("ucx", True)
     assert backend_of("check", "cpu") == ("ucx", False)

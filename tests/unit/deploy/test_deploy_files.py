@@ -34,10 +34,10 @@ def test_tiers_file_loads_with_the_gateway_loader() -> None:
     assert config.default_tier == "standard" and config.is_open
     interactive, batch = resolve(None, "interactive", config), resolve(None, "batch", config)
     assert isinstance(interactive, Caller) and isinstance(batch, Caller)
-    decision = classify(interactive, 10)
+    decision = classify(interactive, 10, 16, config)
     # No tier fixes a length threshold: the router predicts each plan.
     assert decision.tier.name == "interactive" and decision.local_prefill is None
-    assert classify(batch, 100).local_prefill is None
+    assert classify(batch, 100, 16, config).local_prefill is None
 
 
 def test_tiers_file_takes_keys_from_the_environment() -> None:

@@ -4,6 +4,7 @@ the right request's stream, a failing step ending every stream (not hanging it).
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from engine.engine_thread import EngineStopped, EngineThread
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
-from engine.request_stream import StreamEnd
+from engine.request_stream import RequestStream, StreamEnd
 from engine.step_mode import StepMode
 from protocol.finish_reason import FinishReason
 
@@ -187,6 +188,38 @@ def test_a_pipelined_step_delivers_early_outputs_once_and_counts_them_in_its_rep
     asyncio.run(run())
 
 
+class RecordingStream(RequestStream):
+    """A consumer's own stream (as the decode half opens one): records each put() as it
+    happens, and checks it runs on the event loop's thread."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.put_log: list[object] = []
+        self.loop_thread = threading.get_ident()
+
+    def put(self, item) -> None:
+        assert threading.get_ident() == self.loop_thread, "put() off the event loop"
+        self.put_log.append(item)
+        super().put(item)
+
+
+def test_a_consumers_own_stream_gets_each_item_put_on_the_loop_in_order() -> None:
+    async def run() -> None:
+        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
+        thread.start()
+        own = RecordingStream("a")
+        assert thread.open_stream("a", own) is own
+        with pytest.raises(ValueError, match="already has a stream"):
+            thread.open_stream("a", RecordingStream("a"))
+        await thread.call(lambda e: e.add("a", 3))
+        got = await collect(own)
+        await thread.stop()
+        assert [o.new_token_ids for o in got] == [[2], [3], [4]]
+        assert own.put_log[:3] == got, "an item reached the queue without put()"
+
+    asyncio.run(run())
+
+
 def test_a_failing_step_ends_every_stream_with_the_error() -> None:
     async def run() -> None:
         thread = EngineThread(ScriptedEngine(fail_at_step=2), asyncio.get_running_loop(),
@@ -197,6 +230,10 @@ def test_a_failing_step_ends_every_stream_with_the_error() -> None:
         items = await collect(stream)
         assert isinstance(items[-1], StreamEnd) and "exploded" in str(items[-1].error)
         assert not thread.is_alive
+        late = RecordingStream("b")  # opened after the failure: ended at once, not hung
+        thread.open_stream("b", late)
+        assert len(late.put_log) == 1 and isinstance(late.put_log[0], StreamEnd)
+        assert "exploded" in str(late.put_log[0].error)
         await thread.stop()
 
     asyncio.run(run())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
 from engine.schedule_output import ScheduledChunk, ScheduleOutput

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, mixed_split_threshold, split_mixed_step
+from engine.attention_metadata import AttentionMetadata
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
+from engine.mixed_split import mixed_split_threshold, split_mixed_step
 from engine.model_runner import DeviceTokens, ModelRunner, placeholder_fill, placeholder_sources
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduledChunk, ScheduleOutput

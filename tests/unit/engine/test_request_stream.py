@@ -1,13 +1,16 @@
-"""RequestStream's order rule: its lane carries an output only while the consumer waits with
-nothing queued, so items reach the consumer (and the wire) in the order they were put."""
+"""RequestStream, the plain queue between the engine thread's delivery and a request's
+consumer task: every item once, in the order put() got it, by next() or take_ready().
+(The decode stream that sends tokens from put() itself: tests/unit/worker/test_stream_frames.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
-from engine.request_stream import RequestStream
+from engine.request_stream import RequestStream, StreamEnd
 from protocol.finish_reason import FinishReason
 
 
@@ -15,129 +18,71 @@ def _out(token: int, finish: FinishReason | None = None) -> RequestOutput:
     return RequestOutput("r", [token], f"<{token}>", [None], finish, 4, token, 0)
 
 
-class Wire:
-    """What the consumer and the lane sent, in order; `accepts` False refuses the lane."""
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.accepts = True
-
-    def direct(self, out: RequestOutput) -> bool:
-        if not self.accepts or out.finished:
-            return False
-        self.sent.append(f"lane {out.new_token_ids[0]}")
-        return True
+def _name(item: object) -> str:
+    return f"out {item.new_token_ids[0]}" if isinstance(item, RequestOutput) \
+        else type(item).__name__
 
 
-async def _consume(stream: RequestStream, wire: Wire, until: int) -> None:
-    """Takes items as a worker's stream task does, until `until` items are recorded (it
-    checks on waking: the last item must come through the queue)."""
-    while len(wire.sent) < until:
-        items = [await stream.next(5.0), *stream.take_ready()]
-        for item in items:
-            stream.check_invariants()
-            if isinstance(item, RequestOutput):
-                wire.sent.append(f"task {item.new_token_ids[0]}")
-            else:
-                wire.sent.append(type(item).__name__)
-
-
-def test_without_a_lane_every_item_goes_through_the_queue() -> None:
+def test_items_reach_a_waiting_consumer_in_the_order_they_were_put() -> None:
     async def main() -> list[str]:
-        stream, wire = RequestStream("r"), Wire()
-        consumer = asyncio.create_task(_consume(stream, wire, 3))
-        await asyncio.sleep(0)
-        for i in range(3):
-            stream.put(_out(i))
-            await asyncio.sleep(0)
-        await consumer
-        return wire.sent
+        stream = RequestStream("r")
+        taken: list[str] = []
 
-    assert asyncio.run(main()) == ["task 0", "task 1", "task 2"]
+        async def consume() -> None:
+            while "StreamEnd" not in taken:
+                items = [await stream.next(5.0), *stream.take_ready()]
+                taken.extend(_name(item) for item in items)
 
-
-def test_a_waiting_consumer_lets_plain_outputs_through_the_lane_and_keeps_the_last() -> None:
-    async def main() -> list[str]:
-        stream, wire = RequestStream("r"), Wire()
-        stream.direct = wire.direct
-        consumer = asyncio.create_task(_consume(stream, wire, 4))
+        consumer = asyncio.create_task(consume())
         await asyncio.sleep(0)  # the consumer waits
-        for i in range(3):
-            stream.put(_out(i))  # no wake-up between them: all through the lane
-        stream.put(_out(3, FinishReason.LENGTH))
-        await consumer
-        return wire.sent
-
-    assert asyncio.run(main()) == ["lane 0", "lane 1", "lane 2", "task 3"]
-
-
-def test_an_output_put_before_the_consumer_took_the_last_one_waits_its_turn() -> None:
-    async def main() -> list[str]:
-        stream, wire = RequestStream("r"), Wire()
-        stream.direct = wire.direct
-        consumer = asyncio.create_task(_consume(stream, wire, 4))
-        await asyncio.sleep(0)
-        wire.accepts = False
-        stream.put(_out(0))  # refused: queued, the consumer is woken
-        wire.accepts = True
-        stream.put(_out(1))  # the consumer has not taken 0 yet: queued behind it
-        await asyncio.sleep(0)  # it takes both
-        stream.put(_out(2))  # it waits again: the lane
-        stream.put(_out(3, FinishReason.STOP))
-        await consumer
-        return wire.sent
-
-    assert asyncio.run(main()) == ["task 0", "task 1", "lane 2", "task 3"]
-
-
-def test_an_end_and_a_kv_ready_always_queue_and_shut_the_lane() -> None:
-    async def main() -> list[str]:
-        stream, wire = RequestStream("r"), Wire()
-        stream.direct = wire.direct
-        consumer = asyncio.create_task(_consume(stream, wire, 4))
-        await asyncio.sleep(0)
         stream.put(KVReady("r", (1,), 4, None))
-        stream.put(_out(0))  # behind the KVReady
+        stream.put(_out(0))
         await asyncio.sleep(0)
+        for i in range(1, 4):  # no wake-up between them: one take_ready
+            stream.put(_out(i))
         stream.end("aborted")
-        stream.put(_out(1))  # after the end: queued behind it, never through the lane
+        stream.put(_out(4))  # after the end: still queued behind it, never before
         await consumer
-        return wire.sent
+        return taken
 
-    assert asyncio.run(main()) == ["KVReady", "task 0", "StreamEnd", "task 1"]
-
-
-def test_a_deadline_passes_while_tokens_flow_through_the_lane() -> None:
-    async def main() -> tuple[list[str], bool]:
-        stream, wire = RequestStream("r"), Wire()
-        stream.direct = wire.direct
-        waiter = asyncio.create_task(stream.next(0.05))
-        await asyncio.sleep(0)
-        stream.put(_out(0))
-        try:
-            await waiter
-        except TimeoutError:
-            return wire.sent, True
-        return wire.sent, False
-
-    assert asyncio.run(main()) == (["lane 0"], True)
+    assert asyncio.run(main()) == ["KVReady", "out 0", "out 1", "out 2", "out 3", "StreamEnd",
+                                   "out 4"]
 
 
-def test_a_lane_that_raises_is_dropped_and_its_output_queued() -> None:
-    async def main() -> list[str]:
-        stream, wire = RequestStream("r"), Wire()
+def test_take_ready_takes_exactly_what_is_queued_now() -> None:
+    async def main() -> None:
+        stream = RequestStream("r")
+        assert stream.take_ready() == []
+        outputs = [_out(0), _out(1), _out(2, FinishReason.STOP)]
+        for out in outputs:
+            stream.put(out)
+        assert await stream.next(0.0) is outputs[0]  # queued: no wait, even with no time left
+        assert stream.take_ready() == outputs[1:]
+        assert stream.take_ready() == [] and stream.queue.empty()
 
-        def broken(out: RequestOutput) -> bool:
-            raise RuntimeError("lane bug")
+    asyncio.run(main())
 
-        stream.direct = broken
-        consumer = asyncio.create_task(_consume(stream, wire, 2))
-        await asyncio.sleep(0)
-        stream.put(_out(0))
-        await asyncio.sleep(0)
-        assert stream.direct is None
-        stream.put(_out(1, FinishReason.STOP))
-        await consumer
-        return wire.sent
 
-    assert asyncio.run(main()) == ["task 0", "task 1"]
+def test_an_end_carries_its_reason_and_error() -> None:
+    async def main() -> StreamEnd:
+        stream = RequestStream("r")
+        stream.end("engine failed", RuntimeError("boom"))
+        item = await stream.next(1.0)
+        assert isinstance(item, StreamEnd)
+        return item
+
+    end = asyncio.run(main())
+    assert end.reason == "engine failed" and isinstance(end.error, RuntimeError)
+
+
+def test_next_times_out_when_nothing_comes_and_loses_nothing_put_later() -> None:
+    async def main() -> None:
+        stream = RequestStream("r")
+        with pytest.raises(TimeoutError):
+            await stream.next(0.01)
+        with pytest.raises(TimeoutError):
+            await stream.next(-1.0)  # a deadline already past
+        stream.put(_out(7))
+        assert (await stream.next(1.0)).new_token_ids == [7]
+
+    asyncio.run(main())

@@ -19,8 +19,9 @@ from engine.kv_storage import KVStorage
 from engine.loader import load_model, read_model_config
 from engine.model_runner import ModelRunner
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
-from engine.tensor_parallel import (DrivingRunner, Followers, ShardDim, check_shardable, connect,
-                                    load_shard, shard_config, shard_dim, shard_tensor)
+from engine.tensor_parallel_group import DrivingRunner, Followers, connect, load_shard
+from engine.tensor_parallel_sharding import (ShardDim, check_shardable, shard_config, shard_dim,
+                                             shard_tensor)
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12], [300, 1, 64, 128, 9, 9, 9, 31, 77, 4, 200])
 NUM_TOKENS = 6

@@ -4,6 +4,7 @@ aiohttp server on 127.0.0.1 (port 0) driven from a private event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,7 +57,14 @@ class ScriptedBackend:
     def context_limit(self) -> int | None:
         return self.kv_cache_tokens
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+    async def generate_batches(self, request: GenerationRequest
+                               ) -> AsyncGenerator[list[TokenDelta], None]:
+        """One delta per batch."""
+        async with contextlib.aclosing(self._deltas(request)) as deltas:
+            async for delta in deltas:
+                yield [delta]
+
+    async def _deltas(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         self.requests.append(request)
         try:
             if self.fail_before_first:

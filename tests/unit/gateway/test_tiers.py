@@ -93,9 +93,27 @@ def test_local_prefill_threshold_is_per_tier():
     config = load_tier_config(TIERS_TOML, {"BOB_KEY": "sk-bob"})
     alice, bob = resolve("sk-alice", None, config), resolve("sk-bob", "gold", config)
     assert isinstance(alice, Caller) and isinstance(bob, Caller)
-    assert classify(alice, 99).local_prefill and not classify(alice, 100).local_prefill
-    assert classify(bob, 49).local_prefill and not classify(bob, 50).local_prefill
-    assert classify(alice, 99).key_id == "alice" and classify(bob, 1).tier.name == "gold"
+    def decide(caller: Caller, prompt_len: int):
+        return classify(caller, prompt_len, 16, config)
+
+    assert decide(alice, 99).local_prefill and not decide(alice, 100).local_prefill
+    assert decide(bob, 49).local_prefill and not decide(bob, 50).local_prefill
+    assert decide(alice, 99).key_id == "alice" and decide(bob, 1).tier.name == "gold"
+
+
+def test_classification_computes_the_targets_and_wire_priority_once():
+    config = load_tier_config(None, {})
+    tiers = config.tiers
+    urgent, relaxed = resolve(None, "interactive", config), resolve(None, "batch", config)
+    assert isinstance(urgent, Caller) and isinstance(relaxed, Caller)
+    first, last = classify(urgent, 10, 64, config), classify(relaxed, 10, 0, config)
+    # The protocol runs larger priorities first; a tier's smaller number is more urgent.
+    assert first.wire_priority == -tiers["interactive"].priority > last.wire_priority
+    assert first.targets.ttft_s == tiers["interactive"].ttft_ms / 1000
+    assert first.targets.tpot_s == tiers["interactive"].tpot_ms / 1000
+    assert first.targets.max_tokens == 64 and last.targets.max_tokens == 1
+    strictest = min(t.tpot_ms for t in tiers.values()) / 1000
+    assert first.targets.strictest_tpot_s == last.targets.strictest_tpot_s == strictest
 
 
 def test_keys_from_env_with_flags():

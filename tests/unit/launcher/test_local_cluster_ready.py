@@ -7,10 +7,11 @@ from __future__ import annotations
 from itertools import cycle
 
 from launcher.local_cluster import LocalCluster, WorkerSpec
+from protocol.messages import Role
 
 
 def cluster(tmp_path, num_gateways: int, ready_answers) -> LocalCluster:
-    spec = WorkerSpec("decode", "decode", "cpu", "decode-0-abc")
+    spec = WorkerSpec(Role.DECODE, "cpu", "decode-0-abc")
     up = LocalCluster([spec], [], [], "http://127.0.0.1:1", tmp_path, None, lambda _: None,
                       num_gateways=num_gateways)
     answers = cycle(ready_answers)

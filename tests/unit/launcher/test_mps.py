@@ -14,6 +14,7 @@ from launcher.local_cluster import LocalCluster, WorkerSpec
 from launcher.mps import (GpuShare, MpsDaemon, MpsError, MpsWorker, describe, find_control_binary,
                           gpu_index, mps_root, parse_sm_share, plan_gpu_shares,
                           query_total_memory_mib, smi_device_id, worker_envs)
+from protocol.messages import Role
 
 DAEMON_ENV = {"CUDA_MPS_PIPE_DIRECTORY": "/x/mps/pipe", "CUDA_MPS_LOG_DIRECTORY": "/x/mps/log"}
 
@@ -231,7 +232,7 @@ def test_a_daemon_without_a_pid_file_is_told_to_quit(
 def test_the_cluster_quits_its_daemon_when_start_up_fails_half_way(
         tmp_path: Path, fake_control: str, monkeypatch: pytest.MonkeyPatch) -> None:
     daemon = MpsDaemon(fake_control, tmp_path / "mps")
-    spec = WorkerSpec("decode", "both", "cuda:0", "both-0-abc",
+    spec = WorkerSpec(Role.BOTH, "cuda:0", "both-0-abc",
                       env={**daemon.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
     cluster = LocalCluster([spec], [], [], "http://127.0.0.1:1", tmp_path, "redis://x",
                            lambda line: None, mps=daemon)

@@ -1,5 +1,5 @@
 """Which workers `pdserve up` starts: --prefill/--decode as before, --colocated, and
---roles with --workers (decode-worker processes with `--role R`); and how they are named."""
+--roles with --workers (each worker starting in its role); how they are named and run."""
 
 from __future__ import annotations
 
@@ -8,37 +8,38 @@ import pytest
 from launcher.cli import main
 from launcher.local_cluster import WorkerSpec, worker_argv
 from launcher.up_cli import worker_names, worker_roles
+from protocol.messages import Role
+
+P, D, B, C = Role.PREFILL, Role.DECODE, Role.BOTH, Role.COLOCATED
 
 
 def roles(prefill: int | None = None, decode: int | None = None, colocated: bool = False,
-          workers: int | None = None, spec: str | None = None) -> list[tuple[str, str | None]]:
+          workers: int | None = None, spec: str | None = None) -> list[Role]:
     return worker_roles(prefill, decode, colocated, workers, spec)
 
 
 def test_the_default_is_one_prefill_worker_and_one_decode_worker() -> None:
-    assert roles() == [("prefill", None), ("decode", "decode")]
-    assert roles(prefill=2, decode=3) == [("prefill", None)] * 2 + [("decode", "decode")] * 3
-    assert roles(prefill=0) == [("decode", "decode")]
+    assert roles() == [P, D]
+    assert roles(prefill=2, decode=3) == [P] * 2 + [D] * 3
+    assert roles(prefill=0) == [D]
 
 
 def test_colocated_is_roles_colocated() -> None:
-    assert roles(colocated=True) == [("decode", "colocated")] * 2
-    assert roles(colocated=True, workers=3) == [("decode", "colocated")] * 3
+    assert roles(colocated=True) == [C] * 2
+    assert roles(colocated=True, workers=3) == [C] * 3
     assert roles(spec="colocated") == roles(colocated=True)
 
 
 def test_one_role_applies_to_every_worker() -> None:
-    assert roles(spec="both") == [("decode", "both")] * 2
-    assert roles(spec="both", workers=3) == [("decode", "both")] * 3
-    assert roles(spec="decode", workers=1) == [("decode", "decode")]
+    assert roles(spec="both") == [B] * 2
+    assert roles(spec="both", workers=3) == [B] * 3
+    assert roles(spec="decode", workers=1) == [D]
 
 
 def test_a_list_gives_each_worker_its_role() -> None:
-    assert roles(spec="prefill,decode") == [("decode", "prefill"), ("decode", "decode")]
-    assert roles(spec=" prefill , both,decode ") == [
-        ("decode", "prefill"), ("decode", "both"), ("decode", "decode")]
-    assert roles(spec="prefill,prefill,decode", workers=3) == [
-        ("decode", "prefill"), ("decode", "prefill"), ("decode", "decode")]
+    assert roles(spec="prefill,decode") == [P, D]
+    assert roles(spec=" prefill , both,decode ") == [P, B, D]
+    assert roles(spec="prefill,prefill,decode", workers=3) == [P, P, D]
 
 
 def test_a_list_must_match_workers() -> None:
@@ -82,15 +83,14 @@ def test_workers_are_named_by_role_and_counted_per_role() -> None:
         "prefill-0", "decode-0", "prefill-1", "both-0"]
 
 
-def test_role_workers_run_decode_worker_with_their_role() -> None:
+def test_workers_run_the_subcommand_of_their_role() -> None:
     base, common = ["python", "-m", "launcher.cli"], ["--model", "m"]
-    kind, role = roles(spec="prefill,decode")[0]
-    argv = worker_argv(WorkerSpec(kind, role, "cpu", "prefill-0-abc"), base, common)
+    argv = worker_argv(WorkerSpec(Role.BOTH, "cpu", "both-0-abc"), base, common)
     assert argv == [*base, "decode-worker", "--model", "m", "--device", "cpu",
-                    "--worker-id", "prefill-0-abc", "--role", "prefill"]
-    kind, role = roles()[0]  # --prefill N keeps its own subcommand, without --role
-    argv = worker_argv(WorkerSpec(kind, role, "cpu", "prefill-0-abc"), base, common)
-    assert argv[3] == "prefill-worker" and "--role" not in argv
+                    "--worker-id", "both-0-abc", "--role", "both"]
+    for role in roles(spec="prefill,decode")[0], roles()[0]:  # prefill-worker, as before
+        argv = worker_argv(WorkerSpec(role, "cpu", "prefill-0-abc"), base, common)
+        assert argv[3] == "prefill-worker" and "--role" not in argv
 
 
 def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():

@@ -1,6 +1,6 @@
-"""Worker channels over a real control server on 127.0.0.1, port 0: the same handlers as the
-HTTP API, many streams on one connection, the token, bad bytes, deadlines (moved with the
-loop's clock, tests/manual_clock.py), and the fallback to HTTP for a server without one."""
+"""Worker channels over a real control server on 127.0.0.1, port 0: calls and streams on one
+connection (the port's HTTP side serves the probes), the token, bad bytes, deadlines (moved
+with the loop's clock, tests/manual_clock.py), and a peer that is no worker's control port."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import struct
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from aiohttp import web
 from manual_clock import ManualClock, settle
@@ -20,9 +21,10 @@ from protocol.sampling_params import SamplingParams
 from rpc.channel_client import Channel, ChannelPool
 from rpc.channel_wire import MAGIC, ChannelHello, FrameSplitter, end_frame, frame
 from rpc.control_client import ControlClient
-from rpc.control_server import ControlServer, RequestRejected, add_call, add_stream, make_app
+from rpc.control_server import (ControlServer, FrameWriter, RequestRejected, add_call, add_stream,
+                                make_app)
 from rpc.errors import ControlError, FrameDeadlineError, RemoteError
-from rpc.frames import FrameBatchDecoder
+from rpc.frames import FrameDecoder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -48,7 +50,8 @@ class Worker:
         self.aborts: list[str] = []
         self.stall = asyncio.Event()
 
-    async def decode(self, request: DecodeRequest) -> AsyncIterator[TokenFrame | ErrorFrame]:
+    async def decode(self, request: DecodeRequest, out: FrameWriter
+                     ) -> AsyncIterator[TokenFrame | ErrorFrame]:
         try:
             for i in range(request.sampling.max_tokens):
                 if request.prompt_token_ids == [0] and i == 1:
@@ -71,12 +74,17 @@ class Worker:
         return AbortResponse(request_id=request.request_id, found=True)
 
 
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Worker, ControlServer]]:
     worker = Worker()
     app = make_app(token=TOKEN, max_body_bytes=64 << 10, body_timeout_s=2.0)
-    add_stream(app, "/internal/decode", DecodeRequest, worker.decode)
-    add_call(app, "/internal/abort", AbortRequest, worker.abort)
+    add_stream(app, DecodeRequest, worker.decode)
+    add_call(app, AbortRequest, worker.abort)
+    app.router.add_get("/health", health)
     server = ControlServer(app, token=TOKEN)
     await server.start()
     yield worker, server
@@ -98,38 +106,35 @@ def decode(rid: str, max_tokens: int = 4, prompt: list[int] | None = None) -> De
                          sampling=SamplingParams(max_tokens=max_tokens), timeout_ms=60_000)
 
 
-FRAMES: FrameBatchDecoder[TokenFrame] = FrameBatchDecoder(DecodeResponseFrame)
+FRAMES: FrameDecoder[TokenFrame] = FrameDecoder(DecodeResponseFrame)
 
 
 async def token_ids(stream: AsyncIterator[list[TokenFrame]]) -> list[int]:
     return [t async for batch in stream for frame in batch for t in frame.token_ids]
 
 
-async def test_one_port_serves_http_and_channels(served: tuple[Worker, ControlServer],
-                                                 pool: ChannelPool) -> None:
+async def test_one_port_serves_calls_and_streams_on_one_channel_and_probes_over_http(
+        served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     worker, server = served
-    over_http = ControlClient(server.url, TOKEN)
-    over_channel = ControlClient(server.url, TOKEN, channels=pool)
-    try:
-        for client in (over_http, over_channel):
-            answer = await client.call("/internal/abort", AbortRequest(request_id="a"),
-                                       AbortResponse, 5)
-            assert answer == AbortResponse(request_id="a", found=True)
-            frames = [f async for f in client.stream("/internal/decode", decode("d"),
-                                                     DecodeResponseFrame, 5, 5)]
-            assert [f.token_ids for f in frames] == [[0], [1], [2], [3]]
-            assert frames[-1].finish_reason is FinishReason.LENGTH
-        assert server.num_channels == 1 and pool.num_channels == 1
-    finally:
-        await over_http.aclose()
-        await over_channel.aclose()
+    client = ControlClient(server.url, pool)
+    for rid in ("a", "b"):
+        answer = await client.call(AbortRequest(request_id=rid), AbortResponse, 5)
+        assert answer == AbortResponse(request_id=rid, found=True)
+        frames = [f async for f in client.stream(decode(f"d{rid}"), DecodeResponseFrame, 5, 5)]
+        assert [f.token_ids for f in frames] == [[0], [1], [2], [3]]
+        assert frames[-1].finish_reason is FinishReason.LENGTH
+    assert worker.aborts == ["a", "b"]
+    assert server.num_channels == 1 and pool.num_channels == 1
+    async with aiohttp.ClientSession() as session:  # a probe carries no token
+        async with session.get(server.url + "/health") as response:
+            assert response.status == 200 and await response.text() == "ok"
+    assert server.num_channels == 1, "an HTTP connection was taken for a channel"
 
 
 async def test_many_streams_share_one_connection_each_exactly_once(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     _, server = served
     channel = await pool.get(server.url)
-    assert channel is not None
     streams = [channel.open(decode(f"r{i}", max_tokens=20), FRAMES, 5, 5) for i in range(100)]
     results = await asyncio.gather(*(token_ids(s) for s in streams))
     assert results == [list(range(20))] * 100
@@ -140,7 +145,6 @@ async def test_listener_and_pull_get_every_frame_once_in_order(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     _, server = served
     channel = await pool.get(server.url)
-    assert channel is not None
     stream = channel.open(decode("l", max_tokens=40), FRAMES, 5, 5)
     heard: list[int] = []
     choices = random.Random(3)
@@ -165,16 +169,14 @@ async def test_listener_and_pull_get_every_frame_once_in_order(
 async def test_error_frame_ends_the_stream_after_the_frames_before_it(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     _, server = served
-    client = ControlClient(server.url, TOKEN, channels=pool)
+    client = ControlClient(server.url, pool)
     seen = []
     with pytest.raises(RemoteError) as info:
-        async for f in client.stream("/internal/decode", decode("e", 5, [1]),
-                                     DecodeResponseFrame, 5, 5):
+        async for f in client.stream(decode("e", 5, [1]), DecodeResponseFrame, 5, 5):
             seen.append(f.token_ids)
     assert seen == [[0], [1]] and info.value.frame.code is ErrorCode.PEER_LOST
     with pytest.raises(RemoteError) as info:
-        await client.call("/internal/abort", AbortRequest(request_id="x", reason="reject"),
-                          AbortResponse, 5)
+        await client.call(AbortRequest(request_id="x", reason="reject"), AbortResponse, 5)
     assert info.value.frame.code is ErrorCode.BAD_REQUEST
     assert info.value.frame.message == "not this one"
 
@@ -183,7 +185,6 @@ async def test_closing_a_stream_early_closes_the_producer_on_the_worker(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     worker, server = served
     channel = await pool.get(server.url)
-    assert channel is not None
     stream = channel.open(decode("c", 10, [0]), FRAMES, 5, 5)  # stalls after one token
     assert [f.token_ids for f in await anext(stream)] == [[0]]
     await stream.aclose()
@@ -200,7 +201,6 @@ async def test_stalled_stream_misses_its_deadline_and_the_worker_drops_it(
     worker, server = served
     needs_manual_clock()
     channel = await pool.get(server.url)
-    assert channel is not None
     with ManualClock() as clock:
         stream = channel.open(decode("s", 10, [0]), FRAMES, 5, 1.0)
         assert [f.token_ids for f in await anext(stream)] == [[0]]
@@ -217,6 +217,27 @@ async def test_stalled_stream_misses_its_deadline_and_the_worker_drops_it(
             break
         await asyncio.sleep(0.01)
     assert "s" in worker.closed
+    # Only that stream missed its deadline: the channel carries the next one.
+    assert pool.ready(server.url) is channel
+    assert await token_ids(channel.open(decode("after", 5), FRAMES, 5, 1.0)) == list(range(5))
+
+
+async def test_frames_that_arrived_wait_for_a_consumer_that_pulls_late(
+        served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
+    # The frame deadline watches the worker, not the consumer: a handler busy elsewhere
+    # for longer than frame_timeout_s still gets every frame that came meanwhile.
+    needs_manual_clock()
+    _, server = served
+    channel = await pool.get(server.url)
+    with ManualClock() as clock:
+        stream = channel.open(decode("late", 20), FRAMES, 5, 1.0)
+        got = [t for f in await anext(stream) for t in f.token_ids]
+        async with asyncio.timeout(5):
+            while not stream.is_done:  # every frame and the end have arrived, unpulled
+                await asyncio.sleep(0.01)
+        await clock.advance(60.0)
+        got += await token_ids(stream)
+    assert got == list(range(20))
 
 
 async def test_wrong_token_is_refused(served: tuple[Worker, ControlServer]) -> None:
@@ -231,11 +252,10 @@ async def test_wrong_token_is_refused(served: tuple[Worker, ControlServer]) -> N
 async def test_server_going_away_fails_every_stream(pool: ChannelPool) -> None:
     worker = Worker()
     app = make_app(token=TOKEN)
-    add_stream(app, "/internal/decode", DecodeRequest, worker.decode)
+    add_stream(app, DecodeRequest, worker.decode)
     server = ControlServer(app, token=TOKEN)
     await server.start()
     channel = await pool.get(server.url)
-    assert channel is not None
     streams = [channel.open(decode(f"g{i}", 10, [0]), FRAMES, 5, 5) for i in range(3)]
     for stream in streams:
         await anext(stream)
@@ -249,36 +269,36 @@ async def test_server_going_away_fails_every_stream(pool: ChannelPool) -> None:
         await pool.get(server.url)
 
 
-async def test_a_server_without_channels_is_used_over_http(pool: ChannelPool) -> None:
-    worker = Worker()
+async def test_an_http_server_is_no_worker_and_is_asked_again_next_time(
+        pool: ChannelPool) -> None:
+    hits: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(text="not a worker")
+
     app = web.Application()
-
-    async def abort(request: web.Request) -> web.Response:
-        return await abort_over_http(worker, request)
-
-    app.router.add_post("/internal/abort", abort)
+    app.router.add_route("*", "/{tail:.*}", anything)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{site.port}"
+    client = ControlClient(url, pool)
     try:
-        assert await pool.get(url) is None
-        client = ControlClient(url, TOKEN, channels=pool)
-        answer = await client.call("/internal/abort", AbortRequest(request_id="h"),
-                                   AbortResponse, 5)
-        assert answer.found and worker.aborts == ["h"]
-        await client.aclose()
+        for _ in range(2):  # no memory of the refusal: each use connects and greets again
+            with pytest.raises(ControlError, match="HTTP") as info:
+                await pool.get(url)
+            assert not isinstance(info.value, RemoteError)
+            with pytest.raises(ControlError, match="HTTP"):
+                await client.call(AbortRequest(request_id="h"), AbortResponse, 5)
+            with pytest.raises(ControlError, match="HTTP"):
+                async for _ in client.stream(decode("h"), DecodeResponseFrame, 5, 5):
+                    pass
+        assert pool.ready(url) is None and pool.num_channels == 0
+        assert hits == [], "a greeting reached a handler"
     finally:
         await runner.cleanup()
-
-
-async def abort_over_http(worker: Worker, request: web.Request) -> web.Response:
-    from protocol.messages import decode as decode_message
-    message = decode_message(await request.read(), AbortRequest)
-    worker.aborts.append(message.request_id)
-    return web.Response(body=encode(AbortResponse(request_id=message.request_id, found=True)),
-                        content_type="application/x-msgpack")
 
 
 async def raw_channel(server: ControlServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -303,7 +323,7 @@ async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
 async def test_garbage_and_oversized_frames_close_only_that_channel(
         served: tuple[Worker, ControlServer], pool: ChannelPool) -> None:
     _, server = served
-    good = ControlClient(server.url, TOKEN, channels=pool)
+    good = ControlClient(server.url, pool)
     rng = random.Random(11)
     for case in range(30):
         reader, writer = await raw_channel(server)
@@ -323,9 +343,8 @@ async def test_garbage_and_oversized_frames_close_only_that_channel(
             assert got[0][0] == case and b"bad_request" in got[0][1] and got[1] == (case, b"")
             writer.write(end_frame(case))  # ending a finished stream: nothing happens
         writer.close()
-    answer = await good.call("/internal/abort", AbortRequest(request_id="ok"), AbortResponse, 5)
+    answer = await good.call(AbortRequest(request_id="ok"), AbortResponse, 5)
     assert answer.found
-    await good.aclose()
 
 
 async def test_a_frame_that_never_completes_closes_the_channel(

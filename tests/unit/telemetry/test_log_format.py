@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
 
-from protocol.messages import AbortRequest, AbortResponse, encode
-from rpc.control_server import make_app, message_handler
+from protocol.messages import AbortRequest, AbortResponse
+from rpc.channel_client import ChannelPool
+from rpc.control_client import ControlClient
+from rpc.control_server import ControlServer, add_call, make_app
 from telemetry.log_format import REQUEST_ID, JsonLineFormatter, configure_logging
 
 
@@ -66,19 +66,18 @@ def test_a_worker_handler_logs_with_the_request_id_of_its_message() -> None:
 
     async def main() -> None:
         app = make_app(None)
-        app.router.add_post("/internal/abort", message_handler(AbortRequest, abort))
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()
+        add_call(app, AbortRequest, abort)
+        server = ControlServer(app)
+        channels = ChannelPool(None, connect_timeout_s=5)
+        client = ControlClient(await server.start(), channels)
         try:
-            async with ClientSession() as session:
-                for rid in ("req-a", "req-b"):
-                    async with session.post(server.make_url("/internal/abort"),
-                                            data=encode(AbortRequest(request_id=rid)),
-                                            headers={"Content-Type": "application/x-msgpack"}
-                                            ) as resp:
-                        assert resp.status == 200
+            for rid in ("req-a", "req-b"):  # one channel, one task per call
+                answer = await client.call(AbortRequest(request_id=rid), AbortResponse, 5)
+                assert answer == AbortResponse(request_id=rid, found=False)
+            assert REQUEST_ID.get() is None  # set in the handler's task, not the caller's
         finally:
-            await server.close()
+            await channels.aclose()
+            await server.stop()
 
     try:
         asyncio.run(main())

@@ -58,11 +58,14 @@ def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() 
     from protocol.messages import DecodeRequest, PrefillRequest
     from worker.request_spans import traced_decode, traced_prefill
 
-    async def produce(request):
+    async def produce(request, out):
         yield request
 
-    async def produce_decode(request, lane):
-        yield request
+    class Writer:  # the stream's FrameWriter, which these producers leave unused
+        def send(self, frame: object) -> bool:
+            return False
+
+    out = Writer()
 
     prefill = PrefillRequest(request_id="r", prompt_token_ids=[1], timeout_ms=1000,
                              traceparent=GOOD)
@@ -71,12 +74,14 @@ def test_workers_stream_untouched_when_tracing_is_off_or_the_request_untraced() 
     async def frames(generator):
         return [frame async for frame in generator]
 
-    off_prefill = traced_prefill(NO_TRACING, produce, "tcp")(prefill)
+    off_prefill = traced_prefill(NO_TRACING, produce, "tcp")(prefill, out)
     assert off_prefill.ag_code is produce.__code__  # the producer itself, no wrapper
+    assert off_prefill.ag_frame.f_locals["out"] is out  # with the stream's writer
     assert asyncio.run(frames(off_prefill)) == [prefill]
     tracing = start_tracing("pdserve-test", "http://127.0.0.1:9")
-    untraced = traced_decode(tracing, produce_decode)(decode)
-    assert untraced.ag_code is produce_decode.__code__  # untraced: the producer itself
+    untraced = traced_decode(tracing, produce)(decode, out)
+    assert untraced.ag_code is produce.__code__  # untraced: the producer itself
+    assert untraced.ag_frame.f_locals["out"] is out  # tokens may still leave through it
     asyncio.run(tracing.shutdown())
 
 

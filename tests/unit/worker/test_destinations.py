@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protocol.messages import DecodeDestination
-from worker.destinations import FollowingDestinations
+from worker.handoff import FollowingDestinations
 
 
 def dest(worker: str = "d1", blocks: tuple[int, ...] = (1, 2)) -> DecodeDestination:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.push_plan import plan_push
+from worker.handoff import plan_push
 
 
 def test_sends_every_prompt_block_when_nothing_is_held() -> None:

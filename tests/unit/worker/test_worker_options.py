@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from engine.step_mode import StepMode
+from protocol.messages import Role
 from launcher.cli import build_parser, main
 
 
 def options(*extra: str, kind: str = "decode"):
+    """The options of `pdserve KIND-worker ...`."""
     from worker.options import options_from_args
 
     args = build_parser().parse_args([f"{kind}-worker", "--redis-url", "redis://x:1/0", *extra])
-    return options_from_args(args, kind)
+    return options_from_args(args)
 
 
 @pytest.mark.parametrize("extra, warms", [
@@ -41,23 +43,17 @@ def test_a_prefill_worker_overlaps_its_steps_on_cuda_unless_told() -> None:
     assert options(kind="prefill").step_mode is StepMode.PLAIN
 
 
-@pytest.mark.parametrize("extra, on", [((), True), (("--mixed-graphs", "off"), False),
-                                       (("--mixed-graphs", "on"), True)])
-def test_mixed_graphs_are_on_unless_told(extra, on) -> None:
-    assert options(*extra).mixed_graphs is on
-
-
-def test_mixed_graphs_come_from_the_environment_too() -> None:
+def test_choices_come_from_the_environment_too() -> None:
     import argparse
 
     from worker.options import add_worker_options
 
     parser = argparse.ArgumentParser()
-    add_worker_options(parser, "decode", env={"PDSERVE_MIXED_GRAPHS": "off"})
-    assert parser.parse_args([]).mixed_graphs == "off"
+    add_worker_options(parser, Role.DECODE, env={"PDSERVE_PIPELINED_STEPS": "off"})
+    assert parser.parse_args([]).pipelined_steps == "off"
 
 
-@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps", "--mixed-graphs"])
+@pytest.mark.parametrize("option", ["--warm-up", "--pipelined-steps", "--kv-mapping"])
 def test_an_unknown_auto_on_off_choice_is_a_usage_error(option, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["decode-worker", "--redis-url", "redis://x:1/0", option, "maybe"])
@@ -69,3 +65,10 @@ def test_the_gil_switch_interval_is_an_option_with_bounds() -> None:
     assert options("--gil-switch-ms", "5").gil_switch_ms == 5.0
     with pytest.raises(ValueError, match="--gil-switch-ms"):
         options("--gil-switch-ms", "0")
+
+
+def test_each_subcommand_starts_in_its_role_unless_role_says_else() -> None:
+    assert options(kind="prefill").role is Role.PREFILL
+    assert options().role is Role.DECODE
+    assert options("--role", "both").role is Role.BOTH
+    assert options("--role", "decode", kind="prefill").role is Role.DECODE

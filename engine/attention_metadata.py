@@ -1,4 +1,4 @@
-"""Paged attention: step metadata and the torch reference implementation.
+"""Attention metadata: one step's layout, built once per step and read by every layer.
 
 One step flattens the new tokens of every scheduled chunk into one dimension T. Chunk c
 owns the query rows [query_start[c], query_start[c+1]) of T and the sequence positions
@@ -9,39 +9,30 @@ owns the query rows [query_start[c], query_start[c+1]) of T and the sequence pos
     chunk 0 keys    positions [0, end_pos[0])   -> cache slots via its block table
     slot of pos p   block_ids[p // block_size] * block_size + p % block_size
 
-`paged_attention` first writes the new K/V rows into the cache at `slot_mapping`, then each
-query at position p attends to the cached keys at positions 0..p of its own sequence. So a
-chunk whose first `start_pos` positions were written by an earlier step (an earlier chunk of
-a chunked prefill, or a shared prefix) sees them exactly as if it had computed them itself.
-
-Chunks are attended in groups: all single-token chunks (decode steps) in one padded batch,
-every longer chunk on its own, so a long prefill never pads the decode batch to its length.
-All gather indices and masks are built once per step here and reused by every layer. A
-chunk that starts its sequence (`start_pos == 0`, the common first prefill chunk) has no
-cached keys to read: it attends over its own new K/V with a causal SDPA (`CausalChunk`),
+The torch path (engine/attention_reference.py) attends chunks in groups: all single-token
+chunks (decode steps) in one padded batch, every longer chunk on its own, so a long prefill
+never pads the decode batch to its length. All gather indices and masks are built here,
+once per step. A chunk that starts its sequence (`start_pos == 0`, the common first prefill
+chunk) has no cached keys to read: it is a `CausalChunk`, attended over its own new K/V
 without gathering from the cache or building a mask (on the CPU a 512-token prefill step
 takes a fifth less time than through the gather).
 
-The kernel path (Triton, chosen on CUDA) needs no padded groups: `KernelAttentionMetadata`
-carries what the kernels read, one row per chunk,
+The kernel path (Triton, chosen on CUDA; engine/attention_kernels.py) needs no padded
+groups: `KernelAttentionMetadata` carries what the kernels read, one row per chunk,
 
     block_tables[c, :]   chunk c's block ids, zero-padded to the widest table of the step
     context_lens[c]      end_pos[c]: positions [0, end_pos) are attended after the write
     cu_seqlens_q         query_start as an int32 tensor
     slot_mapping[t]      as above; a negative slot is a padding token (never written)
 
-A step whose chunks are all single tokens runs the decode kernel (split-K over the context).
-A mixed step runs both when its decode rows carry enough context (`split_mixed_step`): the
-scheduler puts the decodes first, so its leading single-token chunks go to the decode
-kernel and the rest to the chunked-prefill kernel (which would give each decode row a whole
-tile of query rows and no split over its context):
+A mixed step whose decode rows carry enough context (engine/mixed_split.py) also gets a
+`prefill_part`: the chunks after the leading decodes, as a step of their own. The prefill
+part has tensors of its own rather than views into the step's: a view that starts past a
+tensor's first 16 bytes would make Triton compile another variant of the kernel,
+mid-traffic.
 
-    token rows  [0, num_decode_chunks)        decode kernel   (one row per chunk)
-                [num_decode_chunks, T)        prefill kernel  (`prefill_part`)
-
-The prefill part has tensors of its own rather than views into the step's: a view that
-starts past a tensor's first 16 bytes would make Triton compile another variant of the
-kernel, mid-traffic.
+Side-effect free: building metadata uploads index tensors to the device and writes nothing
+else.
 """
 
 from __future__ import annotations
@@ -51,10 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.device_upload import to_device
 from engine.kernels.backend import import_triton
+from engine.mixed_split import MIXED_SPLIT_MIN_CONTEXT_TOKENS, split_mixed_step
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 
@@ -88,36 +79,6 @@ class KernelAttentionMetadata:
         return cls(slot_mapping=slot_mapping, block_tables=block_tables,
                    context_lens=context_lens, cu_seqlens_q=context_lens[:0],
                    max_query_len=1, num_decode_splits=num_decode_splits)
-
-
-# Decode rows x their longest context below which a mixed step keeps them in the prefill
-# kernel. The split saves GPU time from about 16k up (benchmarks/mixed_step.py, H200,
-# Llama-3-8B attention: 16 rows at 512 took 0.20 ms split vs 0.17 whole; 16 at 2048, 0.21
-# vs 0.37; 64 at 2048, 0.21 vs 1.22 per layer), but costs two more kernel launches per
-# layer on the CPU, which a small model's CPU-bound serving loop pays in full. Measured on
-# one H200 (docs/benchmark_journal.md): from 16k, one colocated Llama-3.2-1B worker served 48
-# req/s against 72 unsplit, and its closed decode loop (benchmarks/serving_loop.py) lost
-# 6-7%; from 128k, 60 and 60 twice. The Llama-3-8B loop, whose steps are GPU-bound, gained
-# 14% (128 requests) and 45% (256) from 16k: its mixed steps' GPU time halved.
-MIXED_SPLIT_MIN_CONTEXT_TOKENS = 128 * 1024  # small models: the CPU-bound loop
-MIXED_SPLIT_MIN_CONTEXT_TOKENS_WIDE = 16 * 1024  # hidden size >= 4096: the GPU-bound loop
-WIDE_HIDDEN_SIZE = 4096
-
-
-def mixed_split_threshold(hidden_size: int) -> int:
-    """Pure policy: from how many decode context tokens a model's mixed steps are split.
-
-    Wide models (the 8B shape and up) spend long enough on the GPU per step that the
-    split's GPU saving counts; narrower ones are bound by the host, which the split's extra
-    launches cost. Two shapes measured, one on each side of the line."""
-    return (MIXED_SPLIT_MIN_CONTEXT_TOKENS_WIDE if hidden_size >= WIDE_HIDDEN_SIZE
-            else MIXED_SPLIT_MIN_CONTEXT_TOKENS)
-
-
-def split_mixed_step(num_decode_rows: int, max_decode_context: int,
-                     min_tokens: int = MIXED_SPLIT_MIN_CONTEXT_TOKENS) -> bool:
-    """Pure policy: do a mixed step's leading decode rows get the decode kernel?"""
-    return num_decode_rows * max_decode_context >= min_tokens
 
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
@@ -309,92 +270,3 @@ def _build_group(meta: AttentionMetadata, chunk_ids: list[int],
         out_rows=query_rows[query_valid].to(device),
     )
 
-
-def _attend_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                   chunk: CausalChunk, cache_dtype: torch.dtype, scale: float,
-                   out: torch.Tensor) -> None:
-    """A chunk from position 0: its own K/V (rounded as the cache stores them), causal."""
-    a, b = chunk.row_start, chunk.row_end
-    qg = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-    kg = k_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    vg = v_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
-                                        enable_gqa=qg.shape[1] != kg.shape[1])
-    out[a:b] = og[0].transpose(0, 1)
-
-
-def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Writes the step's K/V into the paged cache, then attends through the block tables.
-
-    Shapes: q [T, num_heads, head_dim]; k_new, v_new [T, num_kv_heads, head_dim];
-    kv_layer_k, kv_layer_v [num_blocks, block_size, num_kv_heads, head_dim] (one layer of
-    `KVStorage`, written in place at `meta.slot_mapping` only). Returns [T, num_heads,
-    head_dim]. num_heads must be a multiple of num_kv_heads (grouped-query attention).
-    This is the reference every faster kernel is tested against.
-    """
-    num_kv_heads, head_dim = kv_layer_k.shape[2], kv_layer_k.shape[3]
-    cache_k = kv_layer_k.view(-1, num_kv_heads, head_dim)
-    cache_v = kv_layer_v.view(-1, num_kv_heads, head_dim)
-    # index_copy_/index_select over flat slot ids: far less per-call overhead on CPU than
-    # advanced-index assignment, which matters with 16+ sequences per decode step.
-    cache_k.index_copy_(0, meta.slot_mapping, k_new.to(cache_k.dtype))
-    cache_v.index_copy_(0, meta.slot_mapping, v_new.to(cache_v.dtype))
-    out = torch.empty_like(q)
-    for group in meta.groups:
-        if isinstance(group, CausalChunk):
-            _attend_causal(q, k_new, v_new, group, cache_k.dtype, scale, out)
-            continue
-        num_chunks, num_keys = group.key_slots.shape
-        keys = group.key_slots.reshape(-1)
-        # [C, Q, H, D] -> [C, H, Q, D]; keys [C, L, KVH, D] -> [C, KVH, L, D]
-        qg = q.index_select(0, group.query_rows.reshape(-1))
-        qg = qg.view(num_chunks, -1, *q.shape[1:]).transpose(1, 2)
-        kg = cache_k.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        vg = cache_v.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scale,
-                                            enable_gqa=qg.shape[1] != kg.shape[1])
-        out.index_copy_(0, group.out_rows, og.transpose(1, 2)[group.query_valid])
-    return out
-
-
-def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                            kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                            meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
-    """The Triton path of `paged_attention`: same shapes and side effects (K/V written at
-    `meta.slot_mapping`, padding slots skipped), allocation-free apart from its output, so
-    it can be captured in a CUDA graph. q, k_new and v_new may be strided views."""
-    from engine.kernels.kv_cache_write import write_kv_cache_triton_
-
-    write_kv_cache_triton_(k_new, v_new, kv_layer_k, kv_layer_v, meta.slot_mapping)
-    return attend_cached_kernels(q, kv_layer_k, kv_layer_v, meta, scale)
-
-
-def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                          meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
-    """`paged_attention_kernels` for a step whose K/V the caller already wrote at
-    `meta.slot_mapping` (the model fuses that write into its RoPE kernel)."""
-    from engine.kernels.paged_decode_attention import paged_decode_attention_triton
-    from engine.kernels.prefill_attention import prefill_attention_triton
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if meta.is_decode:
-        return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
-                                             meta.context_lens, scale,
-                                             meta.num_decode_splits, out=out)
-    n, rest = meta.num_decode_chunks, meta.prefill_part
-    if rest is not None:  # a mixed step (see the module docstring)
-        # Decode first: padded decode rows' zeros land on prefill rows, overwritten next.
-        paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
-                                      meta.context_lens[:n], scale, meta.num_decode_splits,
-                                      out=out[:n])
-        lo = 0 if meta.prefill_rows_absolute else n
-        prefill_attention_triton(q[lo:], kv_layer_k, kv_layer_v, rest.block_tables,
-                                 rest.cu_seqlens_q, rest.context_lens, scale,
-                                 rest.max_query_len, out=out[lo:])
-        return out
-    return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
-                                    meta.cu_seqlens_q, meta.context_lens, scale,
-                                    meta.max_query_len, out=out)

@@ -1,4 +1,4 @@
-"""The UCX receive plane on a real ucxx worker: a post that UCX refuses part-way leaves
+"""The UCX receive carrier on a real ucxx worker: a post that UCX refuses part-way leaves
 every receive posted before it tracked, so the transfer's flush completes them (none may
 stay posted into blocks the receiver is about to release)."""
 
@@ -23,7 +23,7 @@ def test_a_post_refused_part_way_leaves_the_posted_receives_to_the_flush(monkeyp
     async def main() -> None:
         worker = ucx.UcxWorker(flush_timeout_s=2.0)
         storage = KVStorage(LAYOUT)
-        plane = ucx.UcxReceivePlane(worker, storage.kv,
+        carrier = ucx.UcxReceiveCarrier(worker, storage.kv,
                                     StagingPool("cpu", slot_bytes=1 << 16, num_slots=2))
         # Blocks 3 and 9 are two runs: 2 layers x K|V x 2 runs = 8 messages.
         spec = TransferSpec(request_id="a", src_block_ids=[1, 2], dst_block_ids=[3, 9],
@@ -43,14 +43,14 @@ def test_a_post_refused_part_way_leaves_the_posted_receives_to_the_flush(monkeyp
             return real_array(view)
         monkeypatch.setattr(ucx, "Array", refusing_array)
         with pytest.raises(RuntimeError, match="refused"):
-            plane.post(transfer, lambda t: None, lambda t, exc: None)
-        assert plane.num_posted == 2  # the two posted before the refusal are tracked
-        plane.check_invariants()
+            carrier.post(transfer, lambda t: None, lambda t, exc: None)
+        assert carrier.num_posted == 2  # the two posted before the refusal are tracked
+        carrier.check_invariants()
 
-        await plane.flush(transfer)  # zero-byte self-sends complete them
-        assert plane.num_posted == 0
-        plane.check_invariants()
+        await carrier.flush(transfer)  # zero-byte self-sends complete them
+        assert carrier.num_posted == 0
+        carrier.check_invariants()
         assert not torch.count_nonzero(storage.kv.view(torch.int16))  # nothing landed
-        await plane.close()
+        await carrier.close()
 
     asyncio.run(main())

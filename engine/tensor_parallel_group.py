@@ -1,19 +1,8 @@
-"""Tensor parallelism inside one engine: N processes on one host each hold 1/N of every layer.
+"""The tensor-parallel process group: N processes on one host, each holding 1/N of every layer.
 
-Sharding (Megatron-style; rank r of N holds the r-th contiguous slice):
-
-    q/k/v_proj  [heads * head_dim, hidden]   column-parallel: rows of heads  [r*H/N, (r+1)*H/N)
-    gate/up     [intermediate, hidden]        column-parallel: rows           [r*I/N, (r+1)*I/N)
-    o_proj      [hidden, heads * head_dim]    row-parallel: columns of the same heads, then
-    down_proj   [hidden, intermediate]        row-parallel   all-reduce(sum) of the partial outputs
-    embeddings, norms, lm_head                replicated
-
-Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
-attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
-rank is therefore an ordinary `LlamaForCausalLM` built from `shard_config()`, with two
-all-reduces per layer. N must divide num_kv_heads (hence num_heads) and intermediate_size.
-
-Rank 0 drives; the other ranks follow:
+Which slice each rank holds is engine/tensor_parallel_sharding.py's; this module spawns the
+ranks, connects them, loads each rank's shard, and runs the steps. Rank 0 drives; the other
+ranks follow:
 
     rank 0:  schedule -> broadcast(StepMessage) -> execute -> sample -> postprocess
     rank k:               receive(StepMessage)  -> execute (logits discarded)
@@ -37,7 +26,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import enum
 import os
 import subprocess
 import sys
@@ -49,9 +37,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
 from engine.kv_storage import KVLayout, KVStorage
 from engine.schedule_output import ScheduleOutput
+from engine.tensor_parallel_sharding import check_shardable, shard_config, shard_tensor
 
 if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports this module early
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -60,59 +48,6 @@ if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports thi
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def check_shardable(config: ModelConfig, tp_size: int) -> None:
-    """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model."""
-    if tp_size < 1:
-        raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
-    if config.num_kv_heads % tp_size:
-        raise ValueError(
-            f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "
-            f"KV heads ({config.num_heads} attention heads); use a size that divides "
-            f"{config.num_kv_heads}")
-    if config.intermediate_size % tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
-                         f"intermediate size {config.intermediate_size}")
-
-
-def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
-    """The shape one rank holds: heads and intermediate size divided by `tp_size`."""
-    check_shardable(config, tp_size)
-    return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
-                               num_kv_heads=config.num_kv_heads // tp_size,
-                               intermediate_size=config.intermediate_size // tp_size)
-
-
-class ShardDim(enum.Enum):
-    REPLICATED = None
-    COLUMN = 0  # split the output features (weight rows, bias)
-    ROW = 1  # split the input features (weight columns)
-
-
-_COLUMN_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
-                    "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight")
-_ROW_SUFFIXES = ("o_proj.weight", "down_proj.weight")
-
-
-def shard_dim(name: str) -> ShardDim:
-    """How the checkpoint tensor `name` is split across ranks (pure)."""
-    if name.endswith(_COLUMN_SUFFIXES):
-        return ShardDim.COLUMN
-    if name.endswith(_ROW_SUFFIXES):
-        return ShardDim.ROW
-    return ShardDim.REPLICATED
-
-
-def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor)."""
-    dim = shard_dim(name)
-    if dim is ShardDim.REPLICATED or tp_size == 1:
-        return tensor
-    if tensor.shape[dim.value] % tp_size:
-        raise ValueError(f"{name}: dimension {dim.value} of shape {list(tensor.shape)} "
-                         f"does not split into {tp_size}")
-    return tensor.chunk(tp_size, dim=dim.value)[tp_rank]
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +204,7 @@ class Followers:
             env["NCCL_NVLS_ENABLE"] = "0"
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, tp_size):
-            argv = [sys.executable, "-m", "engine.tensor_parallel", "--rank", str(rank),
+            argv = [sys.executable, "-m", "engine.tensor_parallel_group", "--rank", str(rank),
                     "--tp", str(tp_size), "--port", str(self.store.port), "--model", model,
                     "--dtype", dtype, "--device", device, "--timeout-s", str(timeout_s)]
             if threads is not None:
@@ -363,8 +298,9 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """A follower rank: `python -m engine.tensor_parallel --rank R --tp N --port P ...`."""
-    parser = argparse.ArgumentParser(prog="engine.tensor_parallel")
+    """A follower rank:
+    `python -m engine.tensor_parallel_group --rank R --tp N --port P ...`."""
+    parser = argparse.ArgumentParser(prog="engine.tensor_parallel_group")
     parser.add_argument("--rank", type=int, required=True, help="this follower's rank (>= 1)")
     parser.add_argument("--tp", type=int, required=True, help="the tensor-parallel degree")
     parser.add_argument("--port", type=int, required=True, help="the leader's rendezvous port")
