@@ -58,9 +58,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "long for free blocks (by tier priority) before the gateway tries elsewhere or "
              "answers 503 (default 60)")
     opt("--admission", "adaptive", choices=("adaptive", "static"),
-        help="adaptive: the concurrency limit follows the workers' TTFT and lower tiers are "
-             "shed early while the most urgent tier is at risk; static: --max-running "
-             "fixed, tiers shed only when their own deadline cannot be met (default adaptive)")
+        help="adaptive: the concurrency limit is cut when a tier misses its TTFT target, and "
+             "lower tiers are shed early only while the most urgent tier is predicted or "
+             "measured to miss its own; static: --max-running fixed, tiers shed only when "
+             "their own deadline cannot be met (default adaptive)")
     opt("--shared-limits", "on", choices=("on", "off"),
         help="on: tier concurrency and queue limits and per-key token rates are held in "
              "Redis, so every gateway replica of the namespace together admits what one "

@@ -129,7 +129,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
         window, {t.name: t.ttft_ms / 1000 for t in tiers.tiers.values()},
         controller.urgent_tiers,
         lambda: GateState(controller.max_running_total, controller.num_running,
-                          controller.num_queued, controller.num_queued_urgent()),
+                          controller.num_queued, controller.num_queued_urgent(),
+                          controller.urgent_wait_s()),
         gate.set_capacity, gate.set_protection,
         CapacityBounds(max_limit=config.max_running),
         limit_tiers=limit_tiers(tiers.tiers.values()))

@@ -29,11 +29,11 @@ requests ahead, so under overload they are rejected first; when the shared queue
 full, an arrival sheds the least urgent queued request of a strictly lower tier. Queued
 requests are ordered by TTFT deadline (arrival + target), whatever their wait limit.
 
-Protection (`set_protection`, driven by gateway/admission/capacity.py while the most urgent tier is
-near its target or has to queue): lower tiers may hold at most `protected_share` of the
-slots, and a lower-tier arrival that cannot start at once is rejected (429, reason
-"overload") instead of queueing behind the urgent tier. Batch is shed early, by design,
-so that the urgent tier keeps its TTFT.
+Protection (`set_protection`, driven by gateway/admission/capacity.py only while the most
+urgent tier is predicted or measured to miss its target): lower tiers may hold at most
+`protected_share` of the slots, and a lower-tier arrival that cannot start at once is
+rejected (429, reason "overload") instead of queueing behind the urgent tier. While the
+urgent tier meets its target, a lower tier is refused only when its own wait cannot fit.
 
 Invariants (`check_invariants`):
   * queued and running ids are disjoint; per-tier counts match the entries;
@@ -144,6 +144,14 @@ class AdmissionController:
 
     def num_queued_urgent(self) -> int:
         return sum(self._tiers[name].num_queued for name in self.urgent_tiers)
+
+    def urgent_wait_s(self) -> float:
+        """The queue wait of the most urgent tier's requests: 0 while none of them waits
+        (they start at once, and their backend TTFT says how they fare), else the expected
+        wait behind the queue (side-effect free)."""
+        waits = [self._expected_wait_s(state) for state in self._by_priority
+                 if state.spec.priority == self._top_priority and state.num_queued > 0]
+        return max(waits, default=0.0)
 
     # ------------------------------------------------------------ commands
 

@@ -7,10 +7,13 @@ it admits everything, the queues form inside the workers instead, in arrival ord
 every tier misses together. So the limit follows the workers' latency:
 
     every period: r = max over tiers of (recent backend TTFT p90 / the tier's TTFT target)
-      r > high (0.8), and no cut in the last cooldown_s
+      r > high (1.0: a tier misses), and no cut in the last cooldown_s
                                       → limit = max(min, 0.75 · min(limit, running))
       r < low (0.4) and requests wait → limit = min(max, limit + max(1, limit / 8))
       otherwise, or no recent samples → unchanged
+
+A tier whose requests meet their target never makes the limit smaller: the limit is cut
+only for a tier that misses (r > 1), never on the way there.
 
 The cooldown lets the window fill with samples taken under the new limit before the next
 cut; without it a slow window keeps cutting down to the minimum.
@@ -21,15 +24,20 @@ request that cannot start within its TTFT target gets a 429) drive the limit
 the limit for it would only shrink the workers' batches while its queue grows.
 
 The backend TTFT is measured from admission to the first token, so it is the workers'
-share; keeping it under 80% of the most urgent tier's target leaves the rest for the
-queue, where that tier goes first. Lower tiers then wait longer and are shed early when
-their wait cannot fit (429 with Retry-After), instead of everyone missing.
+share; the queue adds to it, and there the most urgent tier goes first. Lower tiers wait
+longer and are refused early only when their own wait cannot fit their own target (429
+with Retry-After), never because another tier is busy.
 
-Protection: while the most urgent tier is at risk, admission sheds lower tiers at once
-rather than queueing them (gateway/admission/admission.py, `set_protection`):
+Protection: only while the most urgent tier is predicted or measured to miss its target,
+admission sheds lower tiers at once rather than queueing them
+(gateway/admission/admission.py, `set_protection`):
 
-    at risk = that tier's TTFT p90 / its target > high, or requests of it wait in the queue
+    predicted TTFT = the urgent tier's backend TTFT p90 + the wait its queued requests
+                     have ahead of them (0 while none of them waits)
+    at risk        = predicted TTFT > its target (a p90 over the target is a measured miss)
     protected until = now + hold_s after the last tick at risk (hysteresis: no flapping)
+
+A lower tier meeting its own targets is never shed while the urgent tier meets its own.
 
 `next_limit` and `protected_until` are the policies (pure); `TtftWindow` the recent
 samples; `CapacityGovernor` the owned task that applies them. Lifecycle of the governor:
@@ -55,7 +63,7 @@ log = logging.getLogger(__name__)
 class CapacityBounds:
     min_limit: int = 4  # never fewer: a handful of requests at once is no overload
     max_limit: int = 1024
-    high: float = 0.8  # TTFT p90 / target above this: too much runs at once
+    high: float = 1.0  # TTFT p90 / target above this: a tier misses, too much runs at once
     low: float = 0.4  # below this (and requests waiting): room for more
     hold_s: float = 5.0  # protection lasts this long after the urgent tier was last at risk
     cooldown_s: float = 2.0  # at least this long between two cuts of the limit
@@ -106,11 +114,21 @@ class TtftWindow:
         return out
 
 
-def protected_until(now: float, until: float, urgent_pressure: float | None,
-                    num_urgent_queued: int, bounds: CapacityBounds) -> float:
-    """When protection of the most urgent tier ends (see the module docstring); pure."""
-    at_risk = num_urgent_queued > 0 or (urgent_pressure is not None
-                                        and urgent_pressure > bounds.high)
+def predicted_pressure(p90_s: Mapping[str, float], wait_s: float,
+                       targets_s: Mapping[str, float]) -> float | None:
+    """max over the tiers of `targets_s` of (backend TTFT p90 + queue wait) / target: above
+    1, a request of that tier arriving now is predicted to miss; None without samples and
+    without a wait (pure)."""
+    ratios = [(p90_s.get(tier, 0.0) + wait_s) / target for tier, target in targets_s.items()
+              if tier in p90_s or wait_s > 0]
+    return max(ratios, default=None)
+
+
+def protected_until(now: float, until: float, urgent_predicted: float | None,
+                    bounds: CapacityBounds) -> float:
+    """When protection of the most urgent tier ends (see the module docstring); pure.
+    `urgent_predicted`: `predicted_pressure` of the urgent tiers."""
+    at_risk = urgent_predicted is not None and urgent_predicted > 1.0
     return max(until, now + bounds.hold_s) if at_risk else until
 
 
@@ -120,6 +138,7 @@ class GateState:
     num_running: int
     num_queued: int
     num_urgent_queued: int  # queued requests of the most urgent tier(s)
+    urgent_wait_s: float = 0.0  # the queue wait of the urgent tier's queued requests (0: none)
 
 
 def limit_tiers(specs: Iterable[TierSpec]) -> tuple[str, ...]:
@@ -176,8 +195,8 @@ class CapacityGovernor:
                      state.num_running, state.num_queued)
             self._set_limit(new)
         self._protected_until = protected_until(
-            now, self._protected_until, pressure(p90, self.urgent_targets_s),
-            state.num_urgent_queued, self.bounds)
+            now, self._protected_until,
+            predicted_pressure(p90, state.urgent_wait_s, self.urgent_targets_s), self.bounds)
         protecting = now < self._protected_until
         if protecting != self.protecting:
             log.info("%s shedding lower tiers early", "start" if protecting else "stop")
