@@ -3,8 +3,12 @@
 Discovery is only through Redis (state/redis_state.py). One owned task polls the live
 workers and their loads every `poll_period_s` and rebuilds the routing snapshot; the
 prefix-index mirror (state/prefix_index_mirror.py) follows the index stream in its own
-task. Every `purge_period_s` the poller also purges workers whose lease lapsed (a crashed
-worker never deregisters), so their prefix entries stop attracting routes.
+task. Every `purge_period_s` the poller also purges workers whose lease lapsed at least
+`purge_grace_s` ago (a crashed worker never deregisters), so their prefix entries stop
+attracting routes. Routing stops at the lapse itself (a lapsed worker has no entry to route
+by); the grace is for the operations agent, which must still find the lapsed entry to act on
+it: a frozen worker's lease lapses, and purged at once it would vanish unrestarted.
+(`purgeable`: pure.)
 
 Lifecycle: created (empty, not ready) → start(): first poll + mirror snapshot within a
 deadline, or keep trying in the background when Redis is not up yet → polling ... →
@@ -72,7 +76,8 @@ class WorkerEntry:
 class ClusterView:
     def __init__(self, state: RedisState, mirror: PrefixIndexMirror, rng: random.Random,
                  poll_period_s: float = 0.25, purge_period_s: float = 5.0,
-                 vanish_grace_s: float = 8.0, agent_state: AgentState | None = None) -> None:
+                 vanish_grace_s: float = 8.0, agent_state: AgentState | None = None,
+                 purge_grace_s: float = 10.0) -> None:
         """`agent_state`: where the operations agent's ejections are read (None: none)."""
         self.state = state
         self.agent_state = agent_state
@@ -81,7 +86,9 @@ class ClusterView:
         self.rng = rng
         self.poll_period_s = poll_period_s
         self.purge_period_s = purge_period_s
+        self.purge_grace_s = purge_grace_s
         self.vanish_grace_s = vanish_grace_s
+        self._lapsed_since: dict[str, float] = {}  # registered, no lease: since (monotonic)
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.registered_ids: list[str] = []
@@ -255,13 +262,18 @@ class ClusterView:
         self.redis_connected = True
         self.last_poll_monotonic = time.monotonic()
 
-    async def purge_expired(self) -> list[str]:
-        """Purge every registered worker without a live lease; returns the ids purged."""
+    async def purge_expired(self, now: float | None = None) -> list[str]:
+        """Purge every registered worker whose lease lapsed `purge_grace_s` ago or more;
+        returns the ids purged."""
+        now = time.monotonic() if now is None else now
+        self._lapsed_since = lapsed_since(self._lapsed_since, self.registered_ids,
+                                          self.workers, now)
         purged = []
-        for worker_id in set(self.registered_ids) - set(self.workers):
+        for worker_id in purgeable(self._lapsed_since, now, self.purge_grace_s):
             if await self.state.purge_expired_worker(worker_id):
                 log.info("purged worker %s: its lease expired", worker_id)
                 purged.append(worker_id)
+                self._lapsed_since.pop(worker_id, None)
         return purged
 
     async def _run(self) -> None:
@@ -291,6 +303,17 @@ class ClusterView:
             if view.worker_id in active_ejections(self.ejected, self._live_epochs,
                                                   now_unix_ms() - 1000):
                 raise AssertionError(f"{view.worker_id} routable but ejected")
+
+
+def lapsed_since(since: Mapping[str, float], registered_ids: Sequence[str],
+                 live: Mapping[str, WorkerInfo], now: float) -> dict[str, float]:
+    """When each registered worker without a live lease was first seen so (pure)."""
+    return {w: since.get(w, now) for w in registered_ids if w not in live}
+
+
+def purgeable(since: Mapping[str, float], now: float, grace_s: float) -> list[str]:
+    """The lapsed workers whose lapse is at least `grace_s` old (pure)."""
+    return sorted(w for w, at in since.items() if now - at >= grace_s)
 
 
 def keep_vanished(known: Mapping[str, WorkerInfo], known_loads: Mapping[str, LoadReport],

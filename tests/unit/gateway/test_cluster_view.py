@@ -15,7 +15,7 @@ import random
 import pytest
 
 from gateway.routing.router import NoWorkers, RoutePlan
-from gateway.upstream.cluster import ClusterView
+from gateway.upstream.cluster import ClusterView, lapsed_since, purgeable
 from protocol.messages import Role, WorkerInfo
 from state.redis_state import Registry
 
@@ -160,3 +160,19 @@ def test_the_largest_decoding_pool_bounds_the_context(view) -> None:
     assert cluster.max_kv_tokens() == 30 * 16  # prefill pools do not count
     cluster.mark_unreachable("c0")
     assert cluster.max_kv_tokens() == 10 * 16
+
+
+def test_a_lapsed_worker_is_purged_only_after_the_grace() -> None:
+    # The agent must still find a frozen worker's lapsed entry to restart it: the purge of
+    # its index waits purge_grace_s after the lapse was first seen, then takes it.
+    live = {"d0": info("d0", Role.DECODE)}
+    since = lapsed_since({}, ["d0", "d1"], live, now=100.0)
+    assert since == {"d1": 100.0}
+    assert purgeable(since, 105.0, grace_s=10.0) == []
+    since = lapsed_since(since, ["d0", "d1"], live, now=108.0)
+    assert since == {"d1": 100.0}, "the first sighting of the lapse is kept"
+    assert purgeable(since, 110.0, grace_s=10.0) == ["d1"]
+    # Back with a lease (or deregistered) before the grace: forgotten.
+    assert lapsed_since(since, ["d0", "d1"], {**live, "d1": info("d1", Role.DECODE)},
+                        now=109.0) == {}
+    assert lapsed_since(since, ["d0"], live, now=109.0) == {}
