@@ -54,8 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--model", "default", help='the model: "default", a .gguf file or an HF directory')
     opt("--port", "8000", type=int, help="gateway port (default 8000; 0 picks a free one)")
     opt("--host", "127.0.0.1", help="gateway address (default 127.0.0.1)")
-    opt("--prefill", type=int, help="prefill workers (default 1; not with --roles, --colocated)")
-    opt("--decode", type=int, help="decode workers (default 1; not with --roles, --colocated)")
+    opt("--prefill", type=int, help="prefill workers (1 when only --decode is given; not with "
+        "--roles, --colocated). Without any role option: the layout measured best on the "
+        "host (docs/running.md)")
+    opt("--decode", type=int, help="decode workers (1 when only --prefill is given; not with "
+        "--roles, --colocated)")
     options.flag("--colocated",
                  help="run --workers colocated decode workers that prefill locally; the "
                       "same as --roles colocated")
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         roles = worker_roles(args.prefill, args.decode, args.colocated, args.workers,
-                             args.roles)
+                             args.roles, _default_roles(args))
         sm_share = parse_sm_share(args.sm_share)
     except ValueError as exc:
         return _fail(str(exc))
@@ -211,12 +214,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: bool,
-                 num_workers: int | None, roles: str | None) -> list[Role]:
+                 num_workers: int | None, roles: str | None,
+                 default: Sequence[Role] = (Role.PREFILL, Role.DECODE)) -> list[Role]:
     """The role each worker to start starts in, from --prefill/--decode, --colocated or
     --roles (with --workers); None is an option not given. Side-effect free; raises
     ValueError with a message for the user.
 
-    --prefill N --decode M  →  N × PREFILL + M × DECODE
+    no role option          →  `default` (launcher/default_layout.py: what wins on the host)
+    --prefill N --decode M  →  N × PREFILL + M × DECODE (either alone: the other is 1)
     --roles R1,...,Rk       →  R1, ..., Rk (--workers K with one role: K of it; with k
                                roles, K == k)
     --colocated             →  --roles colocated (two workers unless --workers says)
@@ -225,7 +230,9 @@ def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: boo
         raise ValueError("--roles conflicts with --colocated (--colocated is the same as "
                          "--roles colocated)")
     grouped = "--roles" if roles is not None else "--colocated" if colocated else None
-    if grouped is None:
+    if grouped is None and num_prefill is None and num_decode is None and num_workers is None:
+        chosen = list(default)
+    elif grouped is None:
         if num_workers is not None:
             raise ValueError("--workers counts the workers of --roles or --colocated; "
                              "use --prefill / --decode without them")
@@ -300,6 +307,16 @@ def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], 
             last_line, last_print = line, time.monotonic()
         time.sleep(0.25)
     return "interrupted"
+
+
+def _default_roles(args: argparse.Namespace) -> list[Role]:
+    """The layout measured best for this host (launcher/default_layout.py)."""
+    from launcher.default_layout import default_roles, model_weight_bytes
+    from launcher.mps import find_control_binary
+
+    num_gpus = 0 if args.device == "cpu" else _count_gpus()
+    mps = not args.no_mps and find_control_binary(os.environ.get("PATH")) is not None
+    return default_roles(num_gpus, model_weight_bytes(args.model), mps)
 
 
 def _devices(choice: str, num_workers: int) -> list[str]:

@@ -43,7 +43,8 @@ def test_requests_beyond_the_kv_pool_wait_and_all_complete(tmp_path, hf_referenc
     tiers.write_text(TIERS)
     # 2 MiB of KV per worker: 2 blocks of 16 tokens on this model in fp32 (45 KiB a token),
     # so one request of ~20 prompt + 8 generated tokens at a time on the decode worker.
-    up = UpProcess("--tiers", str(tiers), "--kv-cache-mb", "2", "--gateways", "2",
+    up = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                   "--kv-cache-mb", "2", "--gateways", "2",
                    log_dir=tmp_path / "logs")
     try:
         # Both replicas answer on the one port (the kernel spreads new connections).

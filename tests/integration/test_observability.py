@@ -61,7 +61,8 @@ def up(tmp_path_factory, receiver: OtlpReceiver):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(TIERS)
     keys = f"{ADMIN_KEY}:standard:header+admin,{LIMITED_KEY}:limited"
-    process = UpProcess("--tiers", str(tiers), "--otlp-endpoint", receiver.url,
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        "--otlp-endpoint", receiver.url,
                         log_dir=tmp_path_factory.mktemp("up-logs"),
                         env={"PDSERVE_API_KEYS": keys})
     yield process

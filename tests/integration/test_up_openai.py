@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 def up(tmp_path_factory):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
-    process = UpProcess("--tiers", str(tiers), log_dir=tmp_path_factory.mktemp("up-logs"),
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
                         env={"PDSERVE_PIPELINED_STEPS": "overlap"})
     yield process
     process.stop()
