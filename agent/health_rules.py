@@ -8,7 +8,8 @@ reads a clock: `now_s` is passed in, so the rules are tested with hand-written w
                  control API does not answer either (heartbeats stopped: a killed, frozen
                  or partitioned worker) — act before it expires
     hung         alive and leased, but no engine step for `hung_after_s` while it has
-                 running requests, or its control API missed its deadline that long
+                 running requests, or its control API missed its deadline that long: at
+                 every tick since the last one at least `hung_after_s` ago (`covering`)
     slow         its decode steps take `slow_factor` x what its role's peers take for the
                  same shape: the median of the peers' fitted step models (StepModel)
                  evaluated at its own mean batch and context (peers without a model yet
@@ -99,6 +100,25 @@ def current_epoch(window: Sequence[WorkerSample]) -> list[WorkerSample]:
     return [s for s in window if s.epoch == epoch]
 
 
+def covering(samples: Sequence[WorkerSample], start_s: float) -> list[WorkerSample] | None:
+    """The samples that cover [start_s, now]: the newest one taken at or before `start_s`
+    and every later one; None when the samples do not reach back that far (or there are
+    fewer than two).
+
+    Anchored at the old end by a sample, not cut at `start_s`: ticks come every period
+    plus the time a tick takes (~1.007 s, not 1 s), so the samples taken after `start_s`
+    span one period less than the interval, every time (~2.0 s of a 3 s one), and a rule
+    asking for most of the interval would never be satisfied."""
+    anchor = None
+    for i in range(len(samples) - 1, -1, -1):
+        if samples[i].at_s <= start_s:
+            anchor = i
+            break
+    if anchor is None or len(samples) - anchor < 2:
+        return None
+    return list(samples[anchor:])
+
+
 def dead(window: Sequence[WorkerSample], t: Thresholds) -> Detection | None:
     if not window:
         return None
@@ -116,8 +136,8 @@ def dead(window: Sequence[WorkerSample], t: Thresholds) -> Detection | None:
 
 
 def hung(window: Sequence[WorkerSample], now_s: float, t: Thresholds) -> Detection | None:
-    samples = [s for s in current_epoch(window) if s.at_s >= now_s - t.hung_after_s]
-    if len(samples) < 2 or samples[-1].at_s - samples[0].at_s < 0.8 * t.hung_after_s:
+    samples = covering(current_epoch(window), now_s - t.hung_after_s)
+    if samples is None:
         return None
     last = samples[-1]
     if all(not s.control_ok for s in samples):

@@ -53,6 +53,36 @@ def test_hung_when_the_control_api_misses_every_deadline() -> None:
     assert hung(window, 4.0, T) is None
 
 
+TICK_S = 1.007  # what the agent's 1 s period gives: each tick also takes its own time
+
+
+@pytest.mark.parametrize("fields, evidence", [
+    (dict(control_ok=False), "its control API missed"),  # refuses every connection
+    (dict(num_running=1, num_steps=7), "no engine step"),  # busy, no step
+])
+def test_hung_fires_once_the_failing_ticks_cover_hung_after_s(fields, evidence) -> None:
+    # The lease is renewed all along (lease_left_s 2.5): only `hung` can see it.
+    window = [sample(i * TICK_S, **fields) for i in range(30)]
+    fired = [i for i in range(1, 30) if hung(window[:i + 1], i * TICK_S, T) is not None]
+    # From the first tick at least hung_after_s after the first failing one, at every tick.
+    first = next(i for i in range(30) if i * TICK_S >= T.hung_after_s)
+    assert fired == list(range(first, 30))
+    assert evidence in hung(window, 29 * TICK_S, T).evidence
+    # One tick that answered (or one step) within the last hung_after_s clears it.
+    if "control" in evidence:
+        window[-3] = sample(27 * TICK_S, control_ok=True)
+    else:
+        window[-3:] = [sample(i * TICK_S, num_running=1, num_steps=8) for i in (27, 28, 29)]
+    assert hung(window, 29 * TICK_S, T) is None
+
+
+def test_hung_waits_for_hung_after_s_of_evidence() -> None:
+    # Samples since 1.2 s only: 2.8 s of a 3 s interval proves nothing yet.
+    window = [sample(1.2 + i * TICK_S, control_ok=False) for i in range(3)]
+    assert hung(window, 4.0, T) is None
+    assert hung(window + [sample(4.2 + TICK_S, control_ok=False)], 4.2 + TICK_S, T) is not None
+
+
 def test_a_restart_starts_a_clean_window() -> None:
     old = [sample(float(t), epoch=1, num_running=1, num_steps=5) for t in range(4)]
     new = [sample(4.0, epoch=2, num_running=1, num_steps=0)]
