@@ -3,7 +3,7 @@
     GatewayConfig ─▶ make_app(): model facts + tokenizer (no weights), tiers, admission gate,
                      WorkerBackend ─▶ ClusterView (Redis registry/load polling, prefix-index
                      mirror, purges) ─▶ the aiohttp app (gateway/api/http_api.py + ops_api.py)
-    serve(): AppRunner (client hang-up cancels its handler) → print the URL → wait for
+    serve(): GatewayRunner (client hang-up cancels its handler) → print the URL → wait for
              SIGINT/SIGTERM → stop listening → drain (gateway/api/drain.py: running requests
              finish within --drain-timeout-s, the rest end with an error and [DONE])
              → runner.cleanup() runs the cleanup_ctx below.
@@ -38,6 +38,7 @@ from gateway.admission.shared_limits import SharedLimits
 from gateway.admission.tiers import load_tier_config
 from gateway.api.admission_gate import AdmissionGate
 from gateway.api.http_api import DRAIN, ApiSettings, create_app
+from gateway.api.http_server import GatewayRunner
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.model_files import read_model_info
 from gateway.api.prompt_tokenizer import GatewayTokenizer
@@ -178,7 +179,9 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
     app = await make_app(config)
     # handler_cancellation: a client that hangs up cancels its handler at once, which is
     # what aborts its request on the workers within milliseconds.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # GatewayRunner: what aiohttp's parser refuses is answered as an OpenAI error too.
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
     await runner.setup()
     # What start-up allocated (tokenizer, tiers, modules) lives as long as the process: out
     # of the collector's sight, and the young generation collected less often, so the

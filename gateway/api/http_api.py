@@ -12,7 +12,8 @@ production, a fake in tests). A request goes through, in order:
 
 Every failure becomes an `ApiError` rendered by `error_middleware`, including aiohttp's
 own (unknown route, wrong method); anything else is a bug, logged with its traceback and
-answered as an OpenAI-style 500. A failing request touches no shared state beyond the
+answered as an OpenAI-style 500. What aiohttp's parser refuses before any handler runs (a
+malformed header) is answered the same way by the server itself (gateway/api/http_server.py). A failing request touches no shared state beyond the
 admission gate, which it leaves in `finally`.
 
 Every request runs inside the drain's tracking (gateway/api/drain.py): a shutdown waits for it,

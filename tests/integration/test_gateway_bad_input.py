@@ -107,6 +107,25 @@ def test_a_body_that_does_not_arrive_is_answered_408_and_closed(cluster: Gateway
     assert took_s < 10, f"closed after {took_s:.1f} s (the limit is 2 s)"
 
 
+def test_a_malformed_header_gets_a_json_400(cluster: GatewayCluster) -> None:
+    # aiohttp's parser refuses it before any handler runs (gateway/api/http_server.py).
+    cluster.decode.requests.clear()
+    host, port = cluster.url.removeprefix("http://").split(":")
+    body = json.dumps(GOOD_CHAT).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\x7f\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, raw = answer.partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head, answer[:300]
+    assert json.loads(raw)["error"]["code"] == "bad_http_request"
+    assert cluster.decode.requests == []
+    assert httpx.post(cluster.url + CHAT, json=GOOD_CHAT, timeout=10).status_code == 200
+
+
 def _fuzzed_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
     """A request a fuzzer would send: mostly almost-valid bodies, some garbage."""
     path = rng.choice([CHAT, CHAT, COMPLETIONS, COMPLETIONS, "/v1/models", "/v1/x", "/"])

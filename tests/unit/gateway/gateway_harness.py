@@ -19,6 +19,7 @@ from gateway.admission.tiers import TierConfig, load_tier_config
 from gateway.api.admission_gate import AdmissionGate
 from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelta, TokenLogprob
 from gateway.api.http_api import ApiSettings, create_app
+from gateway.api.http_server import GatewayRunner
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.request_parsing import RequestLimits
 from gateway.ops.ops_api import METRICS, REFUSALS, count_middleware
@@ -90,6 +91,13 @@ class ScriptedBackend:
             self.num_closed += 1
 
 
+class GatewayTestServer(TestServer):
+    """aiohttp's test server with the gateway's own runner (gateway/api/http_server.py)."""
+
+    async def _make_runner(self, **kwargs) -> GatewayRunner:
+        return GatewayRunner(self.app, **kwargs)
+
+
 def default_limits(**overrides) -> RequestLimits:
     values = dict(max_model_len=512, vocab_size=1000, max_body_bytes=64 * 1024)
     values.update(overrides)
@@ -124,7 +132,7 @@ class Harness:
             self.app.middlewares.insert(0, count_middleware)
         if install is not None:
             install(self.app)
-        self.server = TestServer(self.app, host="127.0.0.1", port=0)
+        self.server = GatewayTestServer(self.app, host="127.0.0.1", port=0)
         self.loop.run_until_complete(self.server.start_server())
         self.session = self.loop.run_until_complete(self._session())
 

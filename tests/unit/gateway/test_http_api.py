@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 
 import pytest
@@ -385,4 +387,42 @@ def test_a_prompt_too_long_in_any_tokenization_is_refused_by_its_length(harness_
     assert time.monotonic() - started < 2.0
     assert_openai_error(status, raw, 400, "prompt", "context_length_exceeded")
     assert "characters" in json.loads(raw)["error"]["message"]
+    assert_still_serving(h)
+
+
+MALFORMED = [
+    b"Content-Type: application/json\x7f\r\n",  # a control character in a header value
+    b"Bad Header: y\r\n",  # a space in a header name
+    b"Transfer-Encoding: chunked\r\n",  # beside Content-Length
+    b"X-Long: " + b"a" * 9000 + b"\r\n",  # a header line over aiohttp's limit
+]
+
+
+@pytest.mark.parametrize("header", MALFORMED)
+def test_a_request_the_http_parser_refuses_gets_a_json_400_and_no_traceback(
+        harness_factory, caplog, header: bytes):
+    h = harness_factory()
+    caplog.set_level(logging.DEBUG)
+    host, port = h.server.host, h.server.port
+    payload = json.dumps(GOOD_COMPLETION).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header +
+               b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+
+    def send() -> bytes:
+        with socket.create_connection((host, port), timeout=5) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):  # until the gateway closes the connection
+                answer += chunk
+            return answer
+
+    answer = h.loop.run_until_complete(asyncio.to_thread(send))
+    head, _, raw = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") or head.startswith(b"HTTP/1.0 400"), answer[:300]
+    assert b"Content-Type: application/json" in head
+    assert_openai_error(400, raw, 400, code="bad_http_request")
+    assert b"\\u007f" not in raw and b"aaaa" not in raw  # the client's bytes are not echoed
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert any("malformed HTTP request" in r.getMessage() for r in caplog.records)
+    assert h.backend.requests == []
     assert_still_serving(h)
