@@ -167,7 +167,8 @@ class WorkerBackend:
     async def _plan(self, generation: Generation) -> Attempt:
         """The next attempt: a fresh plan, or (tokens delivered) a decode worker to resume.
         With no worker to route to (one restarting, say), waits for one up to
-        `timeouts.worker_wait_s`, then gives up with 503."""
+        `timeouts.worker_wait_s`, then gives up with 503; at once when decode workers are
+        up but the request already failed on each of them (only a new one could take it)."""
         request, relay = generation.request, generation.relay
         resuming = relay.num_tokens > 0
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
@@ -185,6 +186,11 @@ class WorkerBackend:
                 self.metrics.observe_plan(plan.kind, plan.predicted is not None, request.tier)
                 return generation.new_attempt(plan)
             if time.monotonic() >= deadline:
+                break
+            if generation.excluded and self.cluster.num_decode_workers() > 0:
+                # Decode workers are up, but this request failed on each of them in its
+                # current epoch (one that aborted the stream, say): only a new worker could
+                # take it, so it fails now instead of leaving its client silent.
                 break
             await asyncio.sleep(WORKER_WAIT_POLL_S)
         if generation.last_failure is not None:  # every worker failed it once already

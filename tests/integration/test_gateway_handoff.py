@@ -12,7 +12,7 @@ import pytest
 from gateway_cluster import (GatewayCluster, launch, leave_during_prefill, restart, shutdown,
                              sse_events, wait_ready, wait_workers)
 
-from protocol.messages import Role
+from protocol.messages import AbortRequest, Role
 from testing.stub_worker import DecodeCut, StubWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -268,6 +268,32 @@ def test_client_disconnect_aborts_both_workers_before_another_token(
     gate.set()
     time.sleep(0.1)
     assert cluster.decode.tokens_sent[rid] == 2
+
+
+def test_a_stream_aborted_on_its_only_decode_worker_gets_its_error_event_at_once(
+        cluster: GatewayCluster) -> None:
+    gate = cluster.decode.decode_gate = threading.Event()
+    cluster.decode.decode_hold_after = 2
+    with httpx.stream("POST", cluster.url + "/v1/completions", timeout=30,
+                      headers={"x-pdserve-tier": "interactive"},  # prefilled on D
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 50,
+                            "stream": True}) as response:
+        lines, events = response.iter_lines(), []
+        while len(events) < 2:
+            line = next(lines, None)
+            assert line is not None, f"the stream ended early: {events}"
+            events += sse_events([line])
+        (rid,) = cluster.decode.held
+        # The worker aborts it (an operator's AbortRequest, a drain): its next frame says so.
+        cluster.loop.run(cluster.decode._abort(AbortRequest(request_id=rid)))
+        aborted_at = time.monotonic()
+        gate.set()
+        events += sse_events(lines)
+        took_s = time.monotonic() - aborted_at
+    # The only decode worker is up, and this request failed on it: nothing to wait for.
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and events[-1] == "[DONE]", events
+    assert took_s < 3.0, f"the error event came {took_s:.1f} s after the abort"
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
