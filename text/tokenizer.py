@@ -99,8 +99,13 @@ class Tokenizer:
         return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Special-token strings in `text` (e.g. "<|im_start|>") always become their one id."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Special-token strings in `text` (e.g. "<|im_start|>") always become their one id.
+
+        Through `encode_batch`, which runs the Rust code with the interpreter lock released
+        (the single `encode` holds it throughout: 0.34 s for a 660 kB prompt, every other
+        thread of the process stopped meanwhile, the gateway's event loop included); the
+        same ids, and no slower for a short text."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids if type(ids) is list else list(ids),

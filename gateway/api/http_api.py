@@ -286,8 +286,8 @@ async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,
             return tuple(await pool.encode_chat(validated.chat_turns))
         assert validated.prompt_text is not None
         return tuple(await pool.encode(validated.prompt_text))
-    except TokenizerBusy as exc:
-        raise overloaded("Too many prompts are being tokenized; retry in a moment.",
-                         retry_after_s=1) from exc
+    except TokenizerBusy as exc:  # too many at once, or this one past its deadline
+        raise overloaded(f"The gateway is busy tokenizing prompts ({exc}); retry in a "
+                         "moment.", retry_after_s=1) from exc
     except ValueError as exc:  # e.g. a chat template that refuses the conversation
         raise invalid_request(f"The messages cannot be rendered: {exc}", param) from exc
