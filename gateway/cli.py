@@ -11,7 +11,7 @@ import os
 import sys
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import INTERNAL_TOKEN_ENV, EnvOptions
+from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, EnvOptions
 from telemetry.tracing import ENDPOINT_ENV
 
 
@@ -86,6 +86,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"unset: no traces (default: $PDSERVE_OTLP_ENDPOINT or ${ENDPOINT_ENV})")
     p.add_argument("--internal-token", default=env.get(INTERNAL_TOKEN_ENV),
                    help=f"token for the workers' control API (default: ${INTERNAL_TOKEN_ENV})")
+    p.add_argument("--admin-token", default=env.get(ADMIN_TOKEN_ENV),
+                   help="the cluster's admin token: role changes need it (or an admin API "
+                        "key), and so do the /admin views of a gateway that listens beyond "
+                        "loopback or has API keys; unset and no admin key: role changes "
+                        f"are off (prefer the {ADMIN_TOKEN_ENV} environment variable to "
+                        f"the option; default: ${ADMIN_TOKEN_ENV})")
     p.set_defaults(func=run)
 
 
@@ -139,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         timeouts=UpstreamTimeouts(worker_wait_s=args.worker_wait_s,
                                   kv_wait_ms=int(args.kv_wait_s * 1000)),
         adaptive_admission=args.admission == "adaptive", expect_workers=args.expect_workers,
-        internal_token=args.internal_token or None, otlp_endpoint=args.otlp_endpoint or None,
+        internal_token=args.internal_token or None, admin_token=args.admin_token or None,
+        otlp_endpoint=args.otlp_endpoint or None,
         shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
         reuse_port=args.reuse_port)
     try:

@@ -45,6 +45,7 @@ from gateway.api.prompt_tokenizer import GatewayTokenizer
 from gateway.api.request_parsing import RequestLimits
 from gateway.api.slo_accounting import SloOutcome
 from gateway.ops import cluster_page, startup
+from gateway.ops.admin_access import AdminAccess
 from gateway.ops.ops_api import install
 from gateway.ops.startup import StartupGate
 from gateway.routing.retry_policy import RetryLimits
@@ -75,6 +76,7 @@ class GatewayConfig:
     max_running: int = 1024
     max_queued: int = 4096
     internal_token: str | None = None
+    admin_token: str | None = None  # the /admin API's (gateway/ops/admin_access.py)
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
@@ -96,6 +98,9 @@ async def make_app(config: GatewayConfig) -> web.Application:
     if tiers.is_open:
         log.warning("no API keys configured: the API is open to anyone who can reach %s:%d",
                     config.host, config.port)
+        if not config.admin_token:
+            log.warning("no admin token (PDSERVE_ADMIN_TOKEN) and no admin API key: role "
+                        "changes are off")
     names = [config.model_name or info.name]
     names += [n for n in (info.name, config.tokenizer_model) if n not in names]
     settings = ApiSettings(
@@ -137,7 +142,8 @@ async def make_app(config: GatewayConfig) -> web.Application:
         limit_tiers=limit_tiers(tiers.tiers.values()))
     tracing = start_tracing("pdserve-gateway", config.otlp_endpoint)
     app = create_app(settings, tiers, backend, tokenizer, gate, tracing=tracing)
-    install(app, cluster, backend, metrics)
+    install(app, cluster, backend, metrics,
+            AdminAccess.for_host(config.admin_token, config.host))
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, channels, state,

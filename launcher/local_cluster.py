@@ -16,9 +16,15 @@
 Every child gets the cluster's internal token in its environment (PDSERVE_INTERNAL_TOKEN,
 never on a command line), so the workers' control APIs answer only this cluster: the one
 in `pdserve up`'s own environment if set, else a new random one; a worker's spec adds its
-own variables (the MPS ones) on top. Worker ids are fixed per cluster (`ROLE-INDEX-TAG`),
-so a restarted worker replaces its own registry entry (a higher epoch) instead of leaving
-a stale one beside it.
+own variables (the MPS ones) on top. The gateways alone get the admin token
+(PDSERVE_ADMIN_TOKEN: role changes, and the /admin views of a gateway beyond loopback,
+gateway/ops/admin_access.py), taken the same way; a generated one is written to
+LOG_DIR/admin-token (mode 0600) for the operator, and never printed. It is not the
+internal token: that one every worker and the agent hold, and it opens the workers'
+control ports; the admin token opens /admin only, and no worker ever sees it.
+
+Worker ids are fixed per cluster (`ROLE-INDEX-TAG`), so a restarted worker replaces its
+own registry entry (a higher epoch) instead of leaving a stale one beside it.
 
 Lifecycle: created → started → (supervise)* → stopped; `failure` is set when something
 essential cannot be kept up, and the caller then stops. stop() is also the clean-up after
@@ -42,9 +48,12 @@ from pathlib import Path
 from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
+from launcher.secret_file import write_secret
 from launcher.supervisor import Child, Supervisor
 from protocol.messages import Role
-from telemetry.options import INTERNAL_TOKEN_ENV
+from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV
+
+ADMIN_TOKEN_FILE = "admin-token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +91,11 @@ class LocalCluster:
         self.mps = mps  # started before the workers, stopped after them
         # The operator's token when the environment has one, else a fresh one per cluster.
         self.token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_hex(16)
+        self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16)
+        # Where the operator finds a generated admin token (None: their own, from the
+        # environment); written by start().
+        self.admin_token_path: Path | None = None
+        self._admin_token_generated = not os.environ.get(ADMIN_TOKEN_ENV)
         self.failure: str | None = None
         self.workers: list[Child] = []
         self.num_gateways = num_gateways
@@ -92,12 +106,17 @@ class LocalCluster:
         self._redis_started_at = 0.0
         self._redis_restart_at: float | None = None
         self._env = {**os.environ, INTERNAL_TOKEN_ENV: self.token}
+        self._env.pop(ADMIN_TOKEN_ENV, None)  # the gateways' alone (below)
 
     # ---------------------------------------------------------------- start
 
     def start(self) -> None:
         """Start everything; raises RedisServerError when no Redis can run, MpsError when
-        the MPS daemon does not (call stop() then too)."""
+        the MPS daemon does not, OSError when the admin token's file cannot be written
+        (call stop() then too)."""
+        if self._admin_token_generated:
+            self.admin_token_path = write_secret(self.supervisor.log_dir / ADMIN_TOKEN_FILE,
+                                                 self.admin_token)
         if self.redis_url is None:
             self.redis = RedisServer(die_with_parent=True)
             self.redis.start()
@@ -121,8 +140,9 @@ class LocalCluster:
             gateway += ["--reuse-port", "--replicas", str(self.num_gateways)]
         for index in range(self.num_gateways):
             name = "gateway" if self.num_gateways == 1 else f"gateway {index}"
-            self.gateways.append(self.supervisor.start(name, gateway, env=self._env,
-                                                       essential=True))
+            self.gateways.append(self.supervisor.start(
+                name, gateway, env={**self._env, ADMIN_TOKEN_ENV: self.admin_token},
+                essential=True))
         if self.agent_args is not None:
             self.agent = self.supervisor.start(
                 "agent", [*base, "agent", "--redis-url", self.redis_url, *self.agent_args],
@@ -168,8 +188,9 @@ class LocalCluster:
         return str(data[0]["id"])
 
     def _get_json(self, path: str) -> dict | None:
-        request = urllib.request.Request(self.gateway_url + path,
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        # The admin token: /admin/workers needs it on a gateway beyond loopback.
+        request = urllib.request.Request(
+            self.gateway_url + path, headers={"Authorization": f"Bearer {self.admin_token}"})
         try:
             with urllib.request.urlopen(request, timeout=1.0) as response:
                 return json.loads(response.read())

@@ -5,9 +5,10 @@
     M decode workers, or --workers K decode-worker processes with --roles R1,R2,...
     (--colocated --workers K is --roles colocated)  →  the gateway on --port (--gateways
     N: N replicas sharing the port and their limits)  →  progress
-    until /ready answers 200 and every worker has registered  →  the URL and a curl
-    example  →  supervise (restart what exits) until Ctrl-C / SIGTERM  →  stop: the gateway
-    (it drains its streams), the workers, the MPS daemon, Redis.
+    until /ready answers 200 and every worker has registered  →  the URL, a curl
+    example and where the admin token is (LOG_DIR/admin-token)  →  supervise (restart
+    what exits) until Ctrl-C / SIGTERM  →  stop: the gateway (it drains its streams), the
+    workers, the MPS daemon, Redis.
 
 Children run in their own process groups with a parent-death signal (launcher/supervisor.py),
 so neither Ctrl-C nor a killed `pdserve up` leaves orphans (but the MPS daemon, which
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             cluster.start()
-        except (RedisServerError, MpsError) as exc:
+        except (RedisServerError, MpsError, OSError) as exc:
             return _fail(str(exc))
         for line in [] if mps is None else mps.lines:
             _say(line)
@@ -194,10 +195,13 @@ def run(args: argparse.Namespace) -> int:
         model = cluster.served_model()
         example = json.dumps({"model": model, "stream": True, "max_tokens": 64,
                               "messages": [{"role": "user", "content": "Tell me a joke."}]})
+        admin = "$PDSERVE_ADMIN_TOKEN (yours)" if cluster.admin_token_path is None \
+            else f"in {cluster.admin_token_path} (mode 0600)"
         _say(f"\npdserve is up: {url}   (model {model})\n\n"
              f"Try it:\n  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
              f"-d '{example}'\n\n"
              f"Cluster page: {url}/dashboard   Metrics: {url}/metrics   Logs: {log_dir}\n"
+             f"Admin token (role changes, POST /admin/...): {admin}\n"
              f"A worker that exits is restarted; Ctrl-C stops everything.")
         while not stopping:
             cluster.supervise()

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 
 # The shared secret of the internal control API and the KV transfer handshake.
 INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
+# The gateway's /admin API (gateway/ops/admin_access.py): held by the gateways and the
+# operator only, never by a worker or the agent.
+ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})

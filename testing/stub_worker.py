@@ -11,6 +11,7 @@ back).
              set; the stream dies instead when `prefill_cut`), then TransferResult after
              transfer_delay_s (FAILED when fail_transfer); a request sent with
              `destination_follows` first waits for its DestinationNotice
+    role change: recorded in `role_changes` and answered (the stub keeps its role)
     decode:  with first_token_id: checks it is reply[0], streams reply[1:]
              without (local prefill): streams reply[0:]
              last frame: finish_reason (length when max_tokens cut the reply) + usage
@@ -44,7 +45,8 @@ from aiohttp import web
 from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                DestinationAck, DestinationNotice, ErrorCode, FinishReason,
                                PrefillRequest, PrefillResult, ReserveRequest, ReserveResponse, Role,
-                               TokenFrame, TransferResult, TransferStatus, Usage, WorkerInfo)
+                               RoleChangeRequest, RoleChangeResponse, TokenFrame, TransferResult,
+                               TransferStatus, Usage, WorkerInfo)
 from protocol.worker_load import WorkerLoad
 from rpc.control_server import (ControlServer, FrameWriter, RequestRejected, add_call, add_stream,
                                 make_app)
@@ -91,6 +93,7 @@ class StubWorker:
         self.held: dict[str, str] = {}  # request id -> what holds it ("reserved", ...)
         self.released_at: dict[str, float] = {}  # request id -> monotonic time freed
         self.aborts: list[str] = []
+        self.role_changes: list[Role] = []  # recorded and answered; the stub keeps its role
         self.destinations: dict[str, asyncio.Event] = {}  # DestinationNotices, by request id
         self.requests: list[str] = []  # "<kind>:<request id>" in arrival order
         self.server: ControlServer | None = None
@@ -105,6 +108,7 @@ class StubWorker:
         add_call(app, DestinationNotice, self._destination)
         add_stream(app, DecodeRequest, self._decode)
         add_call(app, AbortRequest, self._abort)
+        add_call(app, RoleChangeRequest, self._change_role)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._health)
         app.router.add_get("/admin/state", self._state)
@@ -161,6 +165,10 @@ class StubWorker:
         found = message.request_id in self.held
         self._release(message.request_id)
         return AbortResponse(request_id=message.request_id, found=found)
+
+    async def _change_role(self, message: RoleChangeRequest) -> RoleChangeResponse:
+        self.role_changes.append(message.role)
+        return RoleChangeResponse(role=message.role, epoch=self.publisher.epoch)
 
     async def _destination(self, message: DestinationNotice) -> DestinationAck:
         rid = message.request_id

@@ -11,9 +11,11 @@ gateway/static/, no CDN) and `GET /admin/cluster`, the JSON the page polls every
                                        {"met", "missed", "refused", "failed"}}}],
                             "recent": [requests that missed, newest first, with stages],
                             "agent_events": []}
-                           behind the admin key when keys are configured (the page asks
-                           for it, or reads it from the URL's #key=... fragment, which no
-                           server or proxy log sees)
+                           open on a loopback-only gateway without API keys, else
+                           behind an admin key or the cluster's admin token
+                           (gateway/ops/admin_access.py; the page asks for it, or reads it
+                           from the URL's #key=... fragment, which no server or proxy log
+                           sees)
 
 The page sends the key as `Authorization: Bearer`; the answers carry a strict
 Content-Security-Policy (scripts and styles from this origin only).
@@ -29,6 +31,7 @@ from aiohttp import web
 
 from gateway.api.http_api import GATE, SETTINGS, TIERS
 from gateway.api.request_trace import RequestRecord
+from gateway.ops.admin_access import AdminCall
 from gateway.ops.ops_api import CLUSTER, HISTORY, WorkerRow, require_admin, worker_row
 from gateway.ops.request_history import Bucket
 
@@ -88,7 +91,7 @@ async def handle_asset(request: web.Request) -> web.Response:
 
 async def handle_cluster(request: web.Request) -> web.Response:
     app = request.app
-    require_admin(request, app[TIERS])
+    require_admin(request, AdminCall.READ)
     controller, now = app[GATE].controller, time.time()
     tiers = [TierRow(name=t.name, priority=t.priority, ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms,
                      queued=controller.num_queued_in(t.name),

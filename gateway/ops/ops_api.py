@@ -1,4 +1,4 @@
-"""Operator endpoints of the gateway: /health, /ready, /metrics, GET /admin/workers.
+"""Operator endpoints of the gateway: /health, /ready, /metrics and the /admin API.
 
     /health          200 while the process serves HTTP
     /ready           200 once at least one decode (or colocated) worker is routable, the
@@ -10,16 +10,19 @@
                                             "kv_blocks_total"}}]}
                      state: "ready" | "draining" | "ejected" (the operations agent keeps
                      it out of routing: "ejection" says why) | "expired" (lease lapsed,
-                     not yet purged);
-                     needs an admin key when keys are configured (401/403 otherwise), or
-                     the cluster's internal token.
+                     not yet purged)
     POST /admin/workers/{id}/role   {"role", "drain_timeout_s"}: change a worker's role
-                     (gateway/ops/role_admin.py); admin key or the internal token as above.
+                     (gateway/ops/role_admin.py)
     /admin/agent/events?limit=N   {"events": [...]}: the operations agent's last N
-                     decisions (default 100, at most 1000), newest first; admin key.
+                     decisions (default 100, at most 1000), newest first
     /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
                       "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
-                     its invariants checked on the spot (null: all hold); admin key as above.
+                     its invariants checked on the spot (null: all hold)
+
+Who may call /admin (gateway/ops/admin_access.py): the GET views are open on a gateway
+that listens on loopback only and has no API keys, else need an admin key or the
+cluster's admin token; a role change always needs one of those, as JSON, and no foreign
+Origin (401/403, 415, 403).
 
 `install(app, ...)` adds the routes and the outermost middleware that counts every answer
 by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them),
@@ -31,7 +34,6 @@ trace and keeps it in the request history the cluster page shows (gateway/ops/cl
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Iterator
@@ -40,15 +42,14 @@ import msgspec
 from aiohttp import web
 
 from gateway.admission.refusals import RefusalLog
-from gateway.admission.tiers import TierConfig, TierError, resolve
 from gateway.api.errors import ApiError, invalid_request
 from gateway.api.http_api import DRAIN, GATE, TIERS, Handler, bearer_key
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.responses import REFUSAL, SENT_RESPONSE, SLO_TIMING, TRACE
 from gateway.api.slo_accounting import SloOutcome, slo_outcome
+from gateway.ops.admin_access import AdminAccess, AdminCall, AdminRequest, admin_refusal
 from gateway.ops.request_history import RequestHistory
-from gateway.ops.role_admin import (MAX_BODY_BYTES, change_worker_role,
-                                    json_answer)
+from gateway.ops.role_admin import MAX_BODY_BYTES, change_worker_role, json_answer
 from gateway.ops.startup import STARTUP
 from gateway.upstream.cluster import ClusterView, WorkerEntry
 from gateway.upstream.upstream import WorkerBackend
@@ -62,6 +63,7 @@ UPSTREAM = web.AppKey("upstream", WorkerBackend)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 REFUSALS = web.AppKey("refusals", RefusalLog)
 HISTORY = web.AppKey("request_history", RequestHistory)
+ADMIN = web.AppKey("admin_access", AdminAccess)
 FINISHED = frozenset({SloOutcome.MET, SloOutcome.MISSED_TTFT, SloOutcome.MISSED_TPOT,
                       SloOutcome.MISSED_BOTH})
 log = logging.getLogger(__name__)
@@ -91,8 +93,8 @@ class WorkerList(msgspec.Struct):
 
 
 def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
-            metrics: GatewayMetrics) -> None:
-    app[CLUSTER], app[UPSTREAM], app[METRICS] = cluster, backend, metrics
+            metrics: GatewayMetrics, access: AdminAccess) -> None:
+    app[CLUSTER], app[UPSTREAM], app[METRICS], app[ADMIN] = cluster, backend, metrics, access
     app[REFUSALS], app[HISTORY] = RefusalLog(), RequestHistory()
     app.middlewares.insert(0, count_middleware)
     app.router.add_get("/health", handle_health)
@@ -199,7 +201,7 @@ def _gauges(app: web.Application) -> Iterator[tuple[str, str, str, float]]:
 
 
 async def handle_admin_role(request: web.Request) -> web.Response:
-    require_admin(request, request.app[TIERS])
+    require_admin(request, AdminCall.CHANGE)
     backend = request.app[UPSTREAM]
     body = await request.content.read(MAX_BODY_BYTES + 1)
     changed = await change_worker_role(request.app[CLUSTER], backend.clients.get,
@@ -208,7 +210,7 @@ async def handle_admin_role(request: web.Request) -> web.Response:
 
 
 async def handle_admin_workers(request: web.Request) -> web.Response:
-    require_admin(request, request.app[TIERS])
+    require_admin(request, AdminCall.READ)
     rows = [worker_row(entry) for entry in request.app[CLUSTER].entries()]
     return web.Response(body=msgspec.json.encode(WorkerList(workers=rows)),
                         content_type="application/json")
@@ -219,7 +221,7 @@ class AgentEvents(msgspec.Struct):
 
 
 async def handle_agent_events(request: web.Request) -> web.Response:
-    require_admin(request, request.app[TIERS])
+    require_admin(request, AdminCall.READ)
     raw = request.query.get("limit", "100")
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_AGENT_EVENTS:
         raise invalid_request(f"limit must be an integer in [1, {MAX_AGENT_EVENTS}]",
@@ -247,7 +249,7 @@ class GatewayState(msgspec.Struct):
 
 async def handle_admin_state(request: web.Request) -> web.Response:
     app = request.app
-    require_admin(request, app[TIERS])
+    require_admin(request, AdminCall.READ)
     backend, gate, cluster = app[UPSTREAM], app[GATE], app[CLUSTER]
     error = None
     try:
@@ -266,16 +268,14 @@ async def handle_admin_state(request: web.Request) -> web.Response:
     return web.Response(body=msgspec.json.encode(state), content_type="application/json")
 
 
-def require_admin(request: web.Request, tiers: TierConfig) -> None:
-    key = bearer_key(request)
-    token = request.app[UPSTREAM].internal_token
-    if token and key and hmac.compare_digest(key.encode(), token.encode()):
-        return  # the cluster's own internal token (`pdserve up` watches readiness with it)
-    caller = resolve(key, None, tiers)
-    if isinstance(caller, TierError):
-        raise ApiError(caller.kind.status, caller.message, code=caller.kind.value)
-    if not caller.is_admin:
-        raise ApiError(403, "This API key may not call /admin endpoints.", code="not_admin")
+def require_admin(request: web.Request, call: AdminCall) -> None:
+    """Raise the ApiError that refuses `call` to this request, if any."""
+    facts = AdminRequest(credential=bearer_key(request), host=request.headers.get("Host"),
+                         origin=request.headers.get("Origin"),
+                         content_type=request.content_type)
+    refusal = admin_refusal(call, facts, request.app[ADMIN], request.app[TIERS])
+    if refusal is not None:
+        raise refusal
 
 
 def worker_row(entry: WorkerEntry) -> WorkerRow:

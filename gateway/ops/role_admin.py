@@ -3,8 +3,9 @@ gateway (which holds the cluster's internal token).
 
     request   {"role": "prefill" | "decode" | "both" | "colocated", "drain_timeout_s": 30}
     answer    {"id", "role", "epoch", "num_aborted"}  (the worker's RoleChangeResponse)
-    errors    400 bad body, 401/403 not an admin, 404 unknown worker, 502 the worker failed
-              or did not answer within drain_timeout_s + 10 s
+    errors    400 bad body, 401/403 no admin token or admin key (gateway/ops/admin_access.py),
+              403 a foreign Origin, 415 not application/json, 404 unknown worker, 502 the
+              worker failed or did not answer within drain_timeout_s + 10 s
 
 The worker refuses new work its new role forbids at once, lets what it has in flight finish
 for drain_timeout_s, then registers the new role under a new epoch

@@ -95,11 +95,6 @@ class WorkerBackend:
         self._decode_frames: FrameDecoder[TokenFrame] = FrameDecoder(DecodeResponseFrame)
         self._active: dict[str, Generation] = {}  # generations in progress, by request id
 
-    @property
-    def internal_token(self) -> str | None:
-        """The cluster's internal token (the workers' channels are opened with it)."""
-        return self.channels.token
-
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded), then cancel what is left."""
         await self.clients.aclose()

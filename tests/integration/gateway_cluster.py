@@ -81,12 +81,14 @@ class GatewayCluster:
 
 
 def start_gateway(redis_url: str, namespace: str, tiers_file: Path,
-                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
+    """`env`: on top of this process's environment (e.g. PDSERVE_ADMIN_TOKEN)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
          "--namespace", namespace, "--tiers", str(tiers_file), "--log-level", "warning", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     line = process.stdout.readline()  # the process prints its URL once it listens
     if "listening on" not in line:
         process.kill()
@@ -106,7 +108,8 @@ def wait_ready(url: str, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"{url}/ready did not answer 200 within {timeout_s} s")
 
 
-def launch(redis_url: str, tmp_dir: Path, extra: tuple[str, ...] = ()) -> GatewayCluster:
+def launch(redis_url: str, tmp_dir: Path, extra: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> GatewayCluster:
     namespace = f"gwtest-{uuid.uuid4().hex[:8]}"
     _, tokenizer = read_model_info("default")
     reply = word_reply(tokenizer, REPLY_TEXT)
@@ -117,7 +120,7 @@ def launch(redis_url: str, tmp_dir: Path, extra: tuple[str, ...] = ()) -> Gatewa
     loop.run(decode.start())
     tiers_file = tmp_dir / "tiers.toml"
     tiers_file.write_text(TIERS_TOML)
-    process, url = start_gateway(redis_url, namespace, tiers_file, extra)
+    process, url = start_gateway(redis_url, namespace, tiers_file, extra, env)
     wait_ready(url)
     cluster = GatewayCluster(url, prefill, decode, reply, process, loop, namespace)
     wait_workers(cluster, 2)  # /ready needs one decode worker; wait for the prefill worker too

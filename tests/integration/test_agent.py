@@ -52,7 +52,7 @@ def complete(client: openai.OpenAI, max_tokens: int = 8) -> str:
 
 def events(up: UpProcess) -> list[dict]:
     """The agent's decisions, oldest first."""
-    return list(reversed(up.internal_get(f"{up.url}/admin/agent/events?limit=1000")["events"]))
+    return list(reversed(up.admin_get("/admin/agent/events?limit=1000")["events"]))
 
 
 def wait_event(up: UpProcess, predicate, timeout_s: float, what: str) -> dict:
@@ -126,7 +126,7 @@ class Load:
 
 
 def test_the_events_endpoint_refuses_bad_limits(up) -> None:
-    token = {"Authorization": f"Bearer {up.token}"}
+    token = up.admin_headers
     for limit in ("0", "1001", "ten", "-1"):
         response = httpx.get(f"{up.url}/admin/agent/events?limit={limit}", headers=token)
         assert response.status_code == 400, response.text

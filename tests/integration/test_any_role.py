@@ -153,9 +153,12 @@ class Streams:
             assert not thread.is_alive(), "a stream never ended"
 
 
-def change_role(up: UpProcess, worker_id: str, role: str, drain_s: float = 1.0) -> httpx.Response:
+def change_role(up: UpProcess, worker_id: str, role: str, drain_s: float = 1.0,
+                token: str | None = None) -> httpx.Response:
+    """POST the role change with the cluster's admin token (or `token`)."""
     return httpx.post(f"{up.url}/admin/workers/{worker_id}/role", timeout=60,
-                      json={"role": role, "drain_timeout_s": drain_s})
+                      json={"role": role, "drain_timeout_s": drain_s},
+                      headers={"Authorization": f"Bearer {token or up.admin_token}"})
 
 
 def wait_for_role(up: UpProcess, worker_id: str, role: str) -> None:
@@ -200,6 +203,11 @@ def test_bad_role_changes_get_clear_errors_and_change_nothing(up) -> None:
     assert bad.status_code == 400 and "role must be one of" in bad.json()["error"]["message"]
     assert change_role(up, "no-such-worker", "decode").status_code == 404
     garbage = httpx.post(f"{up.url}/admin/workers/{worker_id}/role", content=b"{not json",
-                         timeout=10)
+                         timeout=10, headers={**up.admin_headers,
+                                              "Content-Type": "application/json"})
     assert garbage.status_code == 400 and garbage.json()["error"]["type"]
+    # Closed by default: no admin token, or the workers' internal token instead, is refused.
+    assert httpx.post(f"{up.url}/admin/workers/{worker_id}/role", timeout=10,
+                      json={"role": "decode"}).status_code == 401
+    assert change_role(up, worker_id, "decode", token=up.token).status_code == 401
     assert sorted(w["role"] for w in workers(up)) == ["both", "both"]

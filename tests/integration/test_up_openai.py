@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -46,6 +47,13 @@ def model(client: openai.OpenAI) -> str:
 def test_up_prints_a_curl_example_and_registers_both_workers(up: UpProcess) -> None:
     assert f"curl -N {up.url}/v1/chat/completions" in up.output
     assert sorted(w["role"] for w in up.workers()) == ["decode", "prefill"]
+    # The admin token is in a file only this user reads, named in the banner, never printed.
+    token_file = up.log_dir / "admin-token"
+    assert str(token_file) in up.output and up.admin_token not in up.output
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    for worker in up.workers():  # the gateways' alone: no worker holds it
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        assert not any(v.startswith(b"PDSERVE_ADMIN_TOKEN=") for v in environ)
 
 
 def _chat(client: openai.OpenAI, model: str, question: str, max_tokens: int, **kwargs):

@@ -34,11 +34,14 @@ class UpProcess:
     def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0,
                  env: dict[str, str] | None = None) -> None:
         self.token = secrets.token_hex(8)  # the cluster's internal token (workers need it)
+        self.log_dir = log_dir
+        # `pdserve up` generates the admin token and writes it to LOG_DIR/admin-token.
+        inherited = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_TOKEN"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--threads-per-worker", "1",
              "--log-dir", str(log_dir), "--log-level", "warning", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": self.token,
+            env={**inherited, "PYTHONUNBUFFERED": "1", "PDSERVE_INTERNAL_TOKEN": self.token,
                  **(env or {})})
         self.lines: list[str] = []
         self.url: str | None = None
@@ -72,6 +75,21 @@ class UpProcess:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
 
+    @property
+    def admin_token(self) -> str:
+        """The gateway's admin token, from the file `pdserve up` wrote."""
+        return (self.log_dir / "admin-token").read_text().strip()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def admin_get(self, path: str) -> dict:
+        """GET one of the gateway's /admin views with the admin token."""
+        request = urllib.request.Request(self.url + path, headers=self.admin_headers)
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read())
+
     def control_call(self, worker: dict, message, answer_type, timeout_s: float = 10.0):
         """One call over the worker's channel with the cluster's token, as the gateway and
         the agent make it."""
@@ -89,7 +107,7 @@ class UpProcess:
         return asyncio.run(call())
 
     def workers(self) -> list[dict]:
-        return self.internal_get(f"{self.url}/admin/workers")["workers"]
+        return self.admin_get("/admin/workers")["workers"]
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
         if self.process.poll() is None:

@@ -4,13 +4,14 @@ handler makes, on a real aiohttp server with a scripted backend."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from gateway.admission.tiers import load_tier_config
 from gateway.ops import cluster_page
-from gateway.ops.ops_api import CLUSTER, HISTORY, UPSTREAM
+from gateway.ops.admin_access import AdminAccess
+from gateway.ops.ops_api import ADMIN as ADMIN_ACCESS
+from gateway.ops.ops_api import CLUSTER, HISTORY
 from gateway.ops.request_history import RequestHistory
 from tests.unit.gateway.gateway_harness import MODEL, Harness, ScriptedBackend
 
@@ -25,7 +26,7 @@ class NoWorkers:
 
 def _page_routes(app) -> None:
     app[CLUSTER], app[HISTORY] = NoWorkers(), RequestHistory()
-    app[UPSTREAM] = SimpleNamespace(internal_token=None)  # what require_admin reads
+    app[ADMIN_ACCESS] = AdminAccess(admin_token=None, loopback_only=True)
     cluster_page.install(app)
 
 
