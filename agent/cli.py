@@ -7,11 +7,12 @@ the command line wins. The internal token comes from PDSERVE_INTERNAL_TOKEN only
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import EnvOptions
+from telemetry.options import REDIS_INSECURE_HELP, REDIS_URL_HELP, EnvOptions
 
 RESTART_MODES = ("auto", "local", "exit", "kubernetes", "none")
 
@@ -34,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     def flag(name: str, help_text: str) -> None:
         options.flag(name, help=help_text)
 
-    opt("--redis-url", help="Redis of the cluster (required), e.g. redis://127.0.0.1:6379/0")
+    opt("--redis-url", help=REDIS_URL_HELP)
+    flag("--redis-insecure", REDIS_INSECURE_HELP)
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--host", "127.0.0.1", help="address of this process's /health and /metrics "
                                     "(default 127.0.0.1)")
@@ -109,6 +111,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
+        print(f"pdserve agent: {exc}", file=sys.stderr)
+        return 2
+    from state.redis_access import RedisAccessError, check_access, resolve_url
+
+    args.redis_url = resolve_url(args.redis_url, os.environ)
+    try:
+        for line in check_access(args.redis_url, args.redis_insecure):
+            logging.getLogger(__name__).warning("%s", line)
+    except RedisAccessError as exc:
         print(f"pdserve agent: {exc}", file=sys.stderr)
         return 2
     return run_agent(args, config)

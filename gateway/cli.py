@@ -7,11 +7,12 @@ the command line wins. The environment is read when the parser is built, not at 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, EnvOptions
+from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, REDIS_INSECURE_HELP, REDIS_URL_HELP, EnvOptions
 from telemetry.tracing import ENDPOINT_ENV
 
 
@@ -27,8 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     opt("--host", "127.0.0.1", help="address to bind (default 127.0.0.1)")
     opt("--port", "8000", type=int, help="port to bind; 0 picks a free one (default 8000)")
-    opt("--redis-url", help="Redis holding the worker registry (required), "
-                            "e.g. redis://127.0.0.1:6379/0")
+    opt("--redis-url", help=REDIS_URL_HELP)
+    options.flag("--redis-insecure", help=REDIS_INSECURE_HELP)
     opt("--model-name", help="served model id (default: the model's name)")
     opt("--tiers", help="TOML file with SLO tiers and API keys (default: built-in tiers)")
     opt("--tokenizer-model", "default",
@@ -134,8 +135,17 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.kv_wait_s <= 600:
         print("pdserve gateway: --kv-wait-s must be within 0..600", file=sys.stderr)
         return 2
+    from state.redis_access import RedisAccessError, check_access, resolve_url
+
+    redis_url = resolve_url(args.redis_url, os.environ)
+    try:
+        for line in check_access(redis_url, args.redis_insecure):
+            logging.getLogger(__name__).warning("%s", line)
+    except RedisAccessError as exc:
+        print(f"pdserve gateway: {exc}", file=sys.stderr)
+        return 2
     config = GatewayConfig(
-        redis_url=args.redis_url, host=args.host, port=args.port,
+        redis_url=redis_url, host=args.host, port=args.port,
         tokenizer_model=args.tokenizer_model, model_name=args.model_name,
         tiers_toml=tiers_toml, env=dict(os.environ), namespace=args.namespace,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,

@@ -23,8 +23,14 @@ LOG_DIR/admin-token (mode 0600) for the operator, and never printed. It is not t
 internal token: that one every worker and the agent hold, and it opens the workers'
 control ports; the admin token opens /admin only, and no worker ever sees it.
 
-Worker ids are fixed per cluster (`ROLE-INDEX-TAG`), so a restarted worker replaces its
-own registry entry (a higher epoch) instead of leaving a stale one beside it.
+The Redis URL goes the same way (PDSERVE_REDIS_URL): the Redis started here has a
+password, and each child gets the credentials of its own ACL user (state/redis_users.py:
+the gateway's, the agent's, one per worker id), so a command line shows none; the default
+user's URL goes to LOG_DIR/redis-url (mode 0600) for the operator. A Redis given by URL is
+passed on as it is (PDSERVE_REDIS_INSECURE=1 too when the operator accepted one without a
+password). Worker ids are fixed per cluster (`ROLE-INDEX-TAG`), so a restarted worker
+replaces its own registry entry (a higher epoch) instead of leaving a stale one beside it,
+and keeps its Redis user.
 
 Lifecycle: created → started → (supervise)* → stopped; `failure` is set when something
 essential cannot be kept up, and the caller then stops. stop() is also the clean-up after
@@ -51,9 +57,11 @@ from launcher.restart_policy import RestartPolicy, consecutive_failures, restart
 from launcher.secret_file import write_secret
 from launcher.supervisor import Child, Supervisor
 from protocol.messages import Role
-from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV
+from state.redis_users import AGENT_USER, GATEWAY_USER, cluster_grants, worker_username
+from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, env_name
 
 ADMIN_TOKEN_FILE = "admin-token"
+REDIS_URL_FILE = "redis-url"  # in the log folder: the default user's URL, mode 0600
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +81,12 @@ class LocalCluster:
                  gateway_url: str, log_dir: Path, redis_url: str | None,
                  say: Callable[[str], None], policy: RestartPolicy = RestartPolicy(),
                  drain_timeout_s: float = 30.0, mps: MpsDaemon | None = None,
-                 num_gateways: int = 1, agent_args: list[str] | None = None) -> None:
+                 num_gateways: int = 1, agent_args: list[str] | None = None,
+                 namespace: str = "pdserve", redis_insecure: bool = False) -> None:
         """`agent_args`: the operations agent's options (it is started after the gateway
-        and restarted like a worker); None: no agent."""
+        and restarted like a worker); None: no agent. `namespace`: the children's Redis key
+        namespace (their ACL users' keys); `redis_insecure`: the children accept a
+        `redis_url` without a password."""
         if num_gateways < 1:
             raise ValueError("num_gateways must be >= 1")
         self.worker_specs = workers
@@ -85,6 +96,8 @@ class LocalCluster:
         self.supervisor = Supervisor(log_dir)
         self.redis_url = redis_url
         self.redis: RedisServer | None = None
+        self.namespace = namespace
+        self.redis_insecure = redis_insecure
         self.say = say
         self.policy = policy
         self.drain_timeout_s = drain_timeout_s
@@ -118,35 +131,52 @@ class LocalCluster:
             self.admin_token_path = write_secret(self.supervisor.log_dir / ADMIN_TOKEN_FILE,
                                                  self.admin_token)
         if self.redis_url is None:
-            self.redis = RedisServer(die_with_parent=True)
+            grants = cluster_grants(self.namespace, [s.worker_id for s in self.worker_specs])
+            self.redis = RedisServer(die_with_parent=True, users=grants)
             self.redis.start()
             self._redis_started_at = time.monotonic()
-            self.redis_url = self.redis.url
-            self.say(f"redis: {self.redis_url} ({Path(self.redis.binary.path).name})")
+            self.redis_url = self.redis.address
+            url_file = self.supervisor.log_dir / REDIS_URL_FILE
+            write_secret(url_file, self.redis.url)
+            users = "a password per role" if self.redis.has_acl_users else \
+                "one password: this server has no ACL users"
+            self.say(f"redis: {self.redis.address} ({Path(self.redis.binary.path).name}; "
+                     f"{users}; the admin URL is in {url_file})")
         if self.mps is not None:
             self.mps.start(self._env)
         base = [sys.executable, "-m", "launcher.cli"]
-        common = [*self.common_args, "--redis-url", self.redis_url]
         counts: dict[str, int] = {}
         for spec in self.worker_specs:
             index = counts.get(spec.label, 0)
             counts[spec.label] = index + 1
             self.workers.append(self.supervisor.start(
-                f"{spec.label} worker {index}", worker_argv(spec, base, common),
-                env={**self._env, **spec.env}))
-        gateway = [*base, "gateway", "--redis-url", self.redis_url, *self.gateway_args,
+                f"{spec.label} worker {index}", worker_argv(spec, base, self.common_args),
+                env={**self._redis_env(worker_username(spec.worker_id)), **spec.env}))
+        gateway = [*base, "gateway", *self.gateway_args,
                    "--drain-timeout-s", str(self.drain_timeout_s)]
         if self.num_gateways > 1:
             gateway += ["--reuse-port", "--replicas", str(self.num_gateways)]
         for index in range(self.num_gateways):
             name = "gateway" if self.num_gateways == 1 else f"gateway {index}"
             self.gateways.append(self.supervisor.start(
-                name, gateway, env={**self._env, ADMIN_TOKEN_ENV: self.admin_token},
+                name, gateway,
+                env={**self._redis_env(GATEWAY_USER), ADMIN_TOKEN_ENV: self.admin_token},
                 essential=True))
         if self.agent_args is not None:
             self.agent = self.supervisor.start(
-                "agent", [*base, "agent", "--redis-url", self.redis_url, *self.agent_args],
-                env=self._env)
+                "agent", [*base, "agent", *self.agent_args], env=self._redis_env(AGENT_USER))
+
+    def _redis_env(self, username: str) -> dict[str, str]:
+        """A child's environment: the cluster's, and its way into Redis."""
+        env = dict(self._env)
+        if self.redis is not None:
+            env[env_name("--redis-url")] = self.redis.url_for(username)
+        else:
+            assert self.redis_url is not None
+            env[env_name("--redis-url")] = self.redis_url
+            if self.redis_insecure:
+                env[env_name("--redis-insecure")] = "1"
+        return env
 
     # ---------------------------------------------------------------- readiness
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
-from telemetry.options import EnvOptions
+from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "and re-admits bad workers and rebalances roles; its options come "
                       "from their PDSERVE_* variables, its decisions go to "
                       "LOG_DIR/agent-audit.jsonl: docs/operations.md)")
-    opt("--redis-url", help="use this Redis instead of starting one")
+    opt("--redis-url", help="use this Redis instead of starting one (by default pdserve "
+                            "starts one with a generated password and a user per role); "
+                            f"its password in the URL or in {REDIS_PASSWORD_ENV}")
+    options.flag("--redis-insecure", help=REDIS_INSECURE_HELP)
     opt("--tiers", help="tiers TOML file for the gateway")
     opt("--device", "auto", help="auto (CUDA GPUs round-robin when present, else cpu), cpu, "
                                  "cuda")
@@ -123,6 +126,15 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--drain-timeout-s must be >= 0")
     if args.gateways < 1:
         return _fail("--gateways must be >= 1")
+    if args.redis_url:
+        from state.redis_access import RedisAccessError, check_access, resolve_url
+
+        try:
+            for line in check_access(resolve_url(args.redis_url, os.environ),
+                                     args.redis_insecure):
+                _say(f"warning: {line}")
+        except RedisAccessError as exc:
+            return _fail(str(exc))
     devices = _devices(args.device, len(roles))
     names = worker_names(roles)
     try:
@@ -165,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(specs, common, gateway_args, url, log_dir, args.redis_url, _say,
                            drain_timeout_s=args.drain_timeout_s,
                            mps=None if mps is None else mps.daemon, num_gateways=args.gateways,
-                           agent_args=agent_args)
+                           agent_args=agent_args, namespace=args.namespace,
+                           redis_insecure=args.redis_insecure)
 
     stopping = False
 

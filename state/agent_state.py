@@ -23,14 +23,17 @@ from collections.abc import Mapping
 
 import msgspec
 
-from state.redis_state import RedisState, StaleEpochError
+from state.redis_state import RedisState, StaleEpochError, glob_escape
 
 EVENTS_MAXLEN = 10_000
+# The key names after "{ns}:" (the schema above).
+_EJECTED, _EVENTS, _LEADER = "ejected", "agent_events", "agent_leader"
 
-# KEYS: ejected, epoch counter. ARGV: worker id, epoch, entry (JSON).
-# Returns -1 when a newer epoch registered, else 1.
+# KEYS: ejected. ARGV: worker id, epoch, entry (JSON), the worker's epoch counter key (an
+# argument, not a key: a script's keys need write access, and the agent's Redis user may
+# only read it, state/redis_users.py). Returns -1 when a newer epoch registered, else 1.
 _EJECT = """
-local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local cur = tonumber(redis.call('GET', ARGV[4]) or '0')
 if cur > tonumber(ARGV[2]) then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
@@ -90,6 +93,12 @@ def now_unix_ms() -> int:
     return int(time.time() * 1000)
 
 
+def agent_write_patterns(namespace: str) -> list[str]:
+    """The keys the agent writes, as glob patterns (its ACL user's): these three only."""
+    ns = glob_escape(namespace)
+    return [f"{ns}:{name}" for name in (_EJECTED, _EVENTS, _LEADER)]
+
+
 def active_ejections(ejected: Mapping[str, Ejection], live_epochs: Mapping[str, int],
                      now_ms: int) -> frozenset[str]:
     """The worker ids that must get nothing new now (pure)."""
@@ -110,15 +119,15 @@ class AgentState:
 
     @property
     def ejected_key(self) -> str:
-        return f"{self.state.ns}:ejected"
+        return f"{self.state.ns}:{_EJECTED}"
 
     @property
     def events_key(self) -> str:
-        return f"{self.state.ns}:agent_events"
+        return f"{self.state.ns}:{_EVENTS}"
 
     @property
     def leader_key(self) -> str:
-        return f"{self.state.ns}:agent_leader"
+        return f"{self.state.ns}:{_LEADER}"
 
     async def lead(self, agent_id: str, ttl_ms: int, timeout_s: float | None = None) -> bool:
         """Take or renew the leader lease; False while another agent holds it."""
@@ -131,9 +140,10 @@ class AgentState:
 
     async def eject(self, ejection: Ejection, timeout_s: float | None = None) -> None:
         """Write (or renew) an ejection; StaleEpochError when a newer epoch registered."""
-        keys = [self.ejected_key, self.state.epoch_key(ejection.worker_id)]
+        keys = [self.ejected_key]
         args: list[bytes | str | int] = [ejection.worker_id, ejection.epoch,
-                                         msgspec.json.encode(ejection)]
+                                         msgspec.json.encode(ejection),
+                                         self.state.epoch_key(ejection.worker_id)]
         async with self.state.deadline(timeout_s):
             result = int(await self._eject(keys=keys, args=args))
         if result < 0:

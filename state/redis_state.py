@@ -46,6 +46,9 @@ from protocol.messages import (WORKER_ID_PATTERN, LoadReport, MessageDecoder, Pr
 from state.redis_scripts import APPLY_INDEX, HEARTBEAT, PURGE, SNAPSHOT
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
+# The key names after "{ns}:" (the schema above); worker entries are "{ns}:worker:{id}:{field}".
+_WORKER, _WORKERS, _PREFIX = "worker:", "workers", "prefix:"
+_EVENTS, _GENERATION = "prefix_events", "index_generation"
 ScriptArg = bytes | str | int | float  # what a Lua script's ARGV takes
 
 # What a lost, restarted, loading or hung Redis looks like from redis-py and asyncio. Other
@@ -144,7 +147,7 @@ class RedisState:
     def _worker_key(self, worker_id: str, field: str) -> str:
         if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
             raise ValueError(f"invalid worker id {worker_id!r}: must match {WORKER_ID_PATTERN}")
-        return f"{self.ns}:worker:{worker_id}:{field}"
+        return f"{self.ns}:{_WORKER}{worker_id}:{field}"
 
     def epoch_key(self, worker_id: str) -> str:
         """The epoch counter's key, for scripts of other modules that fence by epoch."""
@@ -152,19 +155,19 @@ class RedisState:
 
     @property
     def _workers_key(self) -> str:
-        return f"{self.ns}:workers"
+        return f"{self.ns}:{_WORKERS}"
 
     @property
     def _prefix_key_prefix(self) -> str:
-        return f"{self.ns}:prefix:"
+        return f"{self.ns}:{_PREFIX}"
 
     @property
     def events_key(self) -> str:
-        return f"{self.ns}:prefix_events"
+        return f"{self.ns}:{_EVENTS}"
 
     @property
     def _generation_key(self) -> str:
-        return f"{self.ns}:index_generation"
+        return f"{self.ns}:{_GENERATION}"
 
     def deadline(self, timeout_s: float | None) -> asyncio.Timeout:
         return asyncio.timeout(self.op_timeout_s if timeout_s is None else timeout_s)
@@ -282,7 +285,7 @@ class RedisState:
         async with self.deadline(timeout_s):
             out = await self._snapshot(keys=[self._workers_key, self.events_key,
                                              self._generation_key],
-                                       args=[f"{self.ns}:worker:"])
+                                       args=[f"{self.ns}:{_WORKER}"])
         holdings = {_text(out[i]): (int(out[i + 1]), [int(h) for h in out[i + 2]])
                     for i in range(2, len(out), 3)}
         return IndexSnapshot(_text(out[0]), _text(out[1]), holdings)
@@ -316,6 +319,27 @@ class RedisState:
         """Exact trim; for tests and operators (writers trim approximately on their own)."""
         async with self.deadline(timeout_s):
             await self.client.xtrim(self.events_key, maxlen=max_len, approximate=False)
+
+
+def glob_escape(text: str) -> str:
+    """`text` matched literally inside a Redis glob pattern (an ACL user's key patterns)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def namespace_pattern(namespace: str) -> str:
+    """Every key of the namespace, as a glob pattern."""
+    return f"{glob_escape(namespace)}:*"
+
+
+def worker_write_patterns(namespace: str, worker_id: str) -> list[str]:
+    """The keys one worker's writes touch, as glob patterns (its ACL user's: register,
+    heartbeat, index events, deregister): its own entries and the index keys every worker
+    shares. Another worker's entries (epoch, lease, load) are not among them."""
+    if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
+        raise ValueError(f"invalid worker id {worker_id!r}: must match {WORKER_ID_PATTERN}")
+    ns = glob_escape(namespace)
+    return [f"{ns}:{_WORKER}{worker_id}:*", f"{ns}:{_WORKERS}", f"{ns}:{_PREFIX}*",
+            f"{ns}:{_EVENTS}", f"{ns}:{_GENERATION}"]
 
 
 def live_epochs(workers: Mapping[str, WorkerInfo] | Iterable[WorkerInfo]) -> dict[str, int]:

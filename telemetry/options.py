@@ -16,6 +16,16 @@ INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 # The gateway's /admin API (gateway/ops/admin_access.py): held by the gateways and the
 # operator only, never by a worker or the agent.
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+# The Redis password, for a --redis-url that carries none (state/redis_access.py). Read from
+# the environment only, never an option: a command line is readable by every local process.
+REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+# The help of --redis-url for the processes that need one, and of --redis-insecure, the same
+# in every CLI that takes --redis-url.
+REDIS_URL_HELP = ("Redis of the cluster (required), e.g. redis://:PASSWORD@127.0.0.1:6379/0 "
+                  f"(the password may come from {REDIS_PASSWORD_ENV} instead)")
+REDIS_INSECURE_HELP = ("use a Redis that answers without a password, with a warning (refused "
+                       "by default: whoever reaches it can register workers that receive "
+                       "the internal token and users' prompts)")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})

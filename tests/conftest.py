@@ -34,7 +34,8 @@ def float32_workers() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    """One real Redis-protocol server on a free loopback port for the whole session.
+    """One real Redis-protocol server on a free loopback port for the whole session, with a
+    password as `pdserve up`'s has (its `url` carries it; a client without it is refused).
 
     Tests that share it must use their own key namespace (or worker ids) rather than flush
     it; a test that needs to stop and restart a server starts its own RedisServer.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engine.step_mode import STEP_MODE_CHOICES, StepMode, choose_step_mode
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
-from telemetry.options import EnvOptions, env_name
+from telemetry.options import REDIS_INSECURE_HELP, REDIS_URL_HELP, EnvOptions, env_name
 from telemetry.tracing import ENDPOINT_ENV
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,6 +52,7 @@ class WorkerOptions:
     pipelined_steps: str = "auto"  # auto | on | off | overlap (engine/step_mode.py)
     gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
+    redis_insecure: bool = False  # accept a Redis that answers without a password
 
     @property
     def warms_up(self) -> bool:
@@ -87,8 +88,8 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         options.add(option, default, help=help_text, secret=secret, show_default=True, **kwargs)
 
     add("--model", "default", "model directory, .gguf file, or 'default'")
-    add("--redis-url", None, "Redis URL of the routing state (required), e.g. "
-        "redis://127.0.0.1:6379/0")
+    options.add("--redis-url", help=REDIS_URL_HELP)
+    options.flag("--redis-insecure", help=REDIS_INSECURE_HELP)
     add("--host", "127.0.0.1", "address of the control HTTP server (a non-loopback address "
         "needs PDSERVE_INTERNAL_TOKEN)")
     add("--port", 0, "control HTTP port; 0 picks a free one", type=int)
@@ -157,11 +158,14 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     if not args.redis_url:
         raise ValueError(f"--redis-url (or {env_name('--redis-url')}) is required: workers "
                          "find each other only through the Redis registry")
+    from state.redis_access import resolve_url
+
     role = Role(args.role)
     worker_id = args.worker_id or f"{role.value}-{socket.gethostname()}-{os.getpid()}"
     return WorkerOptions(
-        role=role, model=args.model, redis_url=args.redis_url, host=args.host,
-        port=int(args.port), worker_id=worker_id, device=args.device, dtype=args.dtype,
+        role=role, model=args.model, redis_url=resolve_url(args.redis_url, os.environ),
+        host=args.host, port=int(args.port), worker_id=worker_id, device=args.device,
+        dtype=args.dtype,
         threads=int(args.threads), kv_cache_mb=int(args.kv_cache_mb),
         block_size=int(args.block_size), max_num_seqs=int(args.max_num_seqs),
         max_num_batched_tokens=int(args.max_num_batched_tokens),
@@ -175,7 +179,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         warm_up=getattr(args, "warm_up", "auto"),
         pipelined_steps=getattr(args, "pipelined_steps", "auto"),
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
-        kv_mapping=getattr(args, "kv_mapping", "on") == "on")
+        kv_mapping=getattr(args, "kv_mapping", "on") == "on",
+        redis_insecure=bool(getattr(args, "redis_insecure", False)))
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

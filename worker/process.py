@@ -36,6 +36,14 @@ def run_worker(args: argparse.Namespace, build_role: BuildRole) -> int:
 
     configure_logging(options.log_level, options.log_format, options.worker_id,
                       f"%(asctime)s {options.worker_id} %(levelname)s %(name)s: %(message)s")
+    from state.redis_access import RedisAccessError, check_access
+
+    try:  # before the model loads: a refused Redis is a configuration error
+        for line in check_access(options.redis_url, options.redis_insecure):
+            logging.getLogger(__name__).warning("%s", line)
+    except RedisAccessError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(options.threads)

@@ -83,12 +83,14 @@ class GatewayCluster:
 def start_gateway(redis_url: str, namespace: str, tiers_file: Path,
                   extra: tuple[str, ...] = (), env: dict[str, str] | None = None
                   ) -> tuple[subprocess.Popen, str]:
-    """`env`: on top of this process's environment (e.g. PDSERVE_ADMIN_TOKEN)."""
+    """`env`: on top of this process's environment (e.g. PDSERVE_ADMIN_TOKEN). The URL holds
+    the password: it goes in the environment, never on the command line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "gateway", "--redis-url", redis_url, "--port", "0",
+        [sys.executable, "-m", "launcher.cli", "gateway", "--port", "0",
          "--namespace", namespace, "--tiers", str(tiers_file), "--log-level", "warning", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REDIS_URL": redis_url,
+             **(env or {})})
     line = process.stdout.readline()  # the process prints its URL once it listens
     if "listening on" not in line:
         process.kill()

@@ -6,6 +6,7 @@ restarter to kill. The ticks are driven by the test, so every step of a recovery
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import uuid
@@ -306,10 +307,11 @@ async def test_once_prints_what_it_would_do_and_does_nothing(cluster, channels,
     workers[1].answering = False
     await workers[1].publisher.stop(deregister=False)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "launcher.cli", "agent", "--once", "--redis-url", redis_url,
+        sys.executable, "-m", "launcher.cli", "agent", "--once",
         "--namespace", state.ns, "--period-s", "0.5", "--hung-after-s", "2",
         "--leak-after-s", "1", "--control-timeout-s", "0.3",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PDSERVE_REDIS_URL": redis_url})  # it holds the password
     out, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, err.decode()
     decided = [msgspec.json.decode(line) for line in out.splitlines()]

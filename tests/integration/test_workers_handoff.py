@@ -71,11 +71,12 @@ class Worker:
     def start(self, redis_url: str) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", *self.args, "--redis-url", redis_url,
+            [sys.executable, "-m", "launcher.cli", *self.args,
              "--worker-id", self.worker_id, "--namespace", NAMESPACE, "--threads", "1",
              "--kv-cache-mb", "48", "--log-level", "warning"],
-            cwd=ROOT, stdout=log, stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            cwd=ROOT, stdout=log, stderr=log,  # the URL holds the password: in the environment
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REDIS_URL": redis_url,
+                 **self.env})
 
     def kill(self) -> None:
         self.process.kill()

