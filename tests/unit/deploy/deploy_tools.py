@@ -23,8 +23,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = REPO_ROOT / "deploy"
 BIN_DIR = Path(sys.executable).parent
-# Options that are not pdserve options but are read from the environment by name.
-NON_OPTION_ENV = {"PDSERVE_API_KEYS"}  # gateway/admission/tiers.py KEYS_ENV
+# Options that are not pdserve options but are read from the environment by name:
+# gateway/admission/tiers.py KEYS_ENV, telemetry/options.py REDIS_PASSWORD_ENV.
+NON_OPTION_ENV = {"PDSERVE_API_KEYS", "PDSERVE_REDIS_PASSWORD"}
+# What the compose file demands from the operator's environment, as the tests give it.
+COMPOSE_SECRETS = {"PDSERVE_INTERNAL_TOKEN": "test-token",
+                   "PDSERVE_REDIS_PASSWORD": "test-redis-password"}
 OPTION_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 METRIC_RE = re.compile(r"\bpdserve_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -92,7 +96,7 @@ def compose_config(files: tuple[str, ...], extra_env: dict[str, str] | None = No
 
 def resolved_compose(files: tuple[str, ...] = ("docker-compose.yml",),
                      profiles: tuple[str, ...] = ()) -> dict:
-    result = compose_config(files, {"PDSERVE_INTERNAL_TOKEN": "test-token"}, profiles)
+    result = compose_config(files, COMPOSE_SECRETS, profiles)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

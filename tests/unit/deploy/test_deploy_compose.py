@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import posixpath
+import shutil
+import subprocess
+import time
 from types import ModuleType
 
 import pytest
-from deploy_tools import (DEPLOY, compose_config, invocation_errors, parsed_namespace,
-                          resolved_compose)
+import redis
+import redis.exceptions
+from deploy_tools import (COMPOSE_SECRETS, DEPLOY, compose_config, invocation_errors,
+                          parsed_namespace, resolved_compose)
 
-from telemetry.options import INTERNAL_TOKEN_ENV
+from launcher.redis_server import free_port
+from telemetry.options import INTERNAL_TOKEN_ENV, REDIS_PASSWORD_ENV
 
 pytestmark = pytest.mark.timeout(120)
 PDSERVE_SERVICES = ("prefill", "decode", "gateway", "agent")
@@ -38,14 +45,56 @@ def gpu_cluster() -> dict:
 
 def test_compose_files_resolve_quietly() -> None:
     for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")):
-        result = compose_config(files, {"PDSERVE_INTERNAL_TOKEN": "t"}, ("monitoring",))
+        result = compose_config(files, COMPOSE_SECRETS, ("monitoring",))
         assert result.returncode == 0, f"{files}: {result.stderr}"
 
 
-def test_compose_refuses_to_start_without_a_shared_token() -> None:
-    result = compose_config(("docker-compose.yml",))
+@pytest.mark.parametrize("missing", sorted(COMPOSE_SECRETS))
+def test_compose_refuses_to_start_without_each_secret(missing: str) -> None:
+    given = {k: v for k, v in COMPOSE_SECRETS.items() if k != missing}
+    result = compose_config(("docker-compose.yml",), given)
     assert result.returncode != 0
-    assert "PDSERVE_INTERNAL_TOKEN" in result.stderr
+    assert missing in result.stderr
+
+
+def test_every_component_gives_redis_the_password_it_was_started_with(cluster: dict) -> None:
+    services = cluster["services"]
+    for name in PDSERVE_SERVICES:
+        env = services[name]["environment"]
+        assert env[REDIS_PASSWORD_ENV] == "test-redis-password", name
+        assert "@" not in env["PDSERVE_REDIS_URL"], name  # the URL carries no password
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "test-redis-password"
+    assert "test-redis-password" not in json.dumps(services["redis"]["command"])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+                    reason="needs redis-server and redis-cli (make test-tools)")
+def test_the_compose_redis_run_for_real_asks_for_the_password(cluster: dict) -> None:
+    """The redis service's command and health check, run here as the container would run
+    them (on a free port): a client without the password is refused, the check passes."""
+    redis_service = cluster["services"]["redis"]
+    shell, flag, script = redis_service["command"]
+    script = script.replace("$$", "$")  # `config` keeps Compose's escape; the container not
+    port = free_port()
+    env = {**os.environ, **redis_service["environment"]}
+    server = subprocess.Popen([shell, flag, f"{script} --port {port} --bind 127.0.0.1"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        cli, *check = redis_service["healthcheck"]["test"][1:]  # after "CMD"
+        health = [cli, "-p", str(port), *check]
+        deadline = time.monotonic() + 10
+        while subprocess.run(health, env=env, capture_output=True, text=True).stdout.strip() \
+                != "PONG":
+            assert time.monotonic() < deadline, "the health check never passed"
+            time.sleep(0.05)
+        with redis.Redis(port=port) as anonymous:
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                anonymous.get("pdserve:workers")
+        with redis.Redis(port=port, password="test-redis-password") as client:
+            assert client.ping()
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_every_component_shares_the_same_token(cluster: dict) -> None:
@@ -66,7 +115,7 @@ def test_only_the_gateway_port_is_published(cluster: dict) -> None:
 
 
 def test_the_gateway_scales_like_the_pools() -> None:
-    result = compose_config(("docker-compose.yml",), {"PDSERVE_INTERNAL_TOKEN": "t",
+    result = compose_config(("docker-compose.yml",), {**COMPOSE_SECRETS,
                                                         "GATEWAY_REPLICAS": "3"})
     assert result.returncode == 0, result.stderr
     gateway = json.loads(result.stdout)["services"]["gateway"]

@@ -12,7 +12,7 @@ import yaml
 from deploy_tools import (DEPLOY, exported_metric_names, invocation_errors, kubectl,
                           kubernetes_validate, run)
 
-from telemetry.options import INTERNAL_TOKEN_ENV
+from telemetry.options import INTERNAL_TOKEN_ENV, REDIS_PASSWORD_ENV
 
 pytestmark = pytest.mark.timeout(180)
 KUSTOMIZE = DEPLOY / "kubernetes"
@@ -220,6 +220,33 @@ def test_containers_run_real_subcommands_with_real_options(rendered, tree: str) 
         errors += invocation_errors(f"{tree} {deployment['metadata']['name']}",
                                     container["args"], env)
     assert errors == []
+
+
+REDIS_SECRET = {"name": "pdserve-secrets", "key": "redis-password"}
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_every_pdserve_container_reads_the_redis_password_from_the_secret(rendered,
+                                                                         tree: str) -> None:
+    docs = rendered[tree]
+    config = by_name(docs, "ConfigMap", "pdserve-config")["data"]
+    assert "@" not in config["PDSERVE_REDIS_URL"]  # the URL carries no password
+    for name in WORKERS + ("pdserve-gateway", AGENT):
+        (container,) = by_name(docs, "Deployment", name)["spec"]["template"]["spec"][
+            "containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env[REDIS_PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == REDIS_SECRET, name
+
+
+def test_the_in_cluster_redis_asks_for_the_secrets_password(rendered) -> None:
+    (container,) = by_name(rendered["base"], "Deployment", "pdserve-redis")["spec"][
+        "template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    # redis-cli (the readiness probe) reads REDISCLI_AUTH; the server gets it expanded.
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
+    args = container["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDISCLI_AUTH)"
+    assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
 
 
 def test_tiers_configmap_is_the_tiers_file(rendered) -> None:
