@@ -1,8 +1,9 @@
 """`pdserve agent` process: wiring only (the loop itself is agent/control_loop.py).
 
     config_from_args ─▶ run_agent: uvloop ─▶ serve():
-        Redis client + RedisState + AgentState, the workers' channels (rpc/), an aiohttp
-        session for the Kubernetes API, the metrics registry,
+        Redis client + RedisState (only entries bound by the cluster's secret) + AgentState,
+        the workers' channels (rpc/), an aiohttp session for the Kubernetes API, the metrics
+        registry,
         GET /health and /metrics on --host:--port ─▶ Observer, Actuator (with the restarter
         of --restart), Audit (--audit-log) ─▶ ControlLoop.adopt() (ejections a previous
         agent left) ─▶ tick every --period-s until SIGTERM/SIGINT (--once: a few ticks in
@@ -37,6 +38,7 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
+from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
@@ -96,7 +98,9 @@ def run_agent(args: argparse.Namespace, config: AgentConfig) -> int:
 async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
     token = os.environ.get(INTERNAL_TOKEN_ENV) or None
     metrics = MetricsRegistry()
-    state = RedisState(connect(args.redis_url), args.namespace)
+    # The agent acts only on entries bound by the cluster's secret (protocol/cluster_secret.py).
+    state = RedisState(connect(args.redis_url), args.namespace,
+                       entry_key=derive_optional_key(token, KeyPurpose.REGISTRY))
     agent_state = AgentState(state)
     session = aiohttp.ClientSession()
     channels = ChannelPool(token)

@@ -52,6 +52,7 @@ from gateway.routing.retry_policy import RetryLimits
 from gateway.upstream.cluster import ClusterView
 from gateway.upstream.handoff import UpstreamTimeouts
 from gateway.upstream.upstream import WorkerBackend
+from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.prefix_index_mirror import PrefixIndexMirror
@@ -109,7 +110,9 @@ async def make_app(config: GatewayConfig) -> web.Application:
                              max_prompt_tokens=config.max_prompt_tokens,
                              vocab_size=info.vocab_size, max_body_bytes=config.max_body_bytes),
         body_timeout_s=config.body_timeout_s)
-    state = RedisState(connect(config.redis_url), namespace=config.namespace)
+    # Only entries bound by the cluster's secret are routed to (protocol/cluster_secret.py).
+    state = RedisState(connect(config.redis_url), namespace=config.namespace,
+                       entry_key=derive_optional_key(config.internal_token, KeyPurpose.REGISTRY))
     # Its own few connections: a burst of admissions queues for them (within the store's
     # deadline) instead of opening one connection per request.
     limits_client = (connect(config.redis_url, max_connections=16, wait_s=0.25)

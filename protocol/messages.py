@@ -24,6 +24,7 @@ receipt, so no two hosts need agreeing clocks.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Union
 
 import msgspec
@@ -53,8 +54,13 @@ TokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS_PER_MESSAGE)]
 BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE)]
 BlockHashes = Annotated[list[int], msgspec.Meta(max_length=MAX_HASHES_PER_EVENT)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-# Worker ids become parts of Redis keys and URLs: keep them to a safe alphabet.
-WORKER_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+# Worker ids become parts of Redis keys and URLs: keep them to a safe alphabet. The names of
+# a cluster's other processes (in any case) are never a worker id, so no registry entry can
+# name one of them to anything that acts on workers.
+RESERVED_WORKER_IDS = ("gateway", "agent", "redis", "redis-server", "valkey", "valkey-server",
+                       "launcher", "supervisor", "up", "bench", "generate")
+WORKER_ID_PATTERN = (r"^(?!(?i:" + "|".join(re.escape(n) for n in RESERVED_WORKER_IDS)
+                     + r")$)[A-Za-z0-9_.\-]{1,128}$")
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -63,6 +69,13 @@ ReservationMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_RESERVATION_MS)]
 # W3C trace context: version-trace_id-parent_id-flags, lower-case hex.
 TRACEPARENT_PATTERN = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 Traceparent = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]  # W3C: the caller's span
+
+_WORKER_ID = re.compile(WORKER_ID_PATTERN)
+
+
+def is_worker_id(text: str) -> bool:
+    """Could `text` be a worker id (the alphabet, the length, not a reserved name)?"""
+    return _WORKER_ID.fullmatch(text) is not None
 
 
 class Role(enum.StrEnum):
@@ -313,7 +326,8 @@ class ErrorFrame(Message, tag="error_frame", frozen=True, kw_only=True):
 
 
 class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
-    """A worker's registry entry; `epoch` is assigned by Redis at every start."""
+    """A worker's registry entry; `epoch` is assigned by Redis at every start, `binding` by
+    the worker (its publisher) whenever a field changes."""
 
     worker_id: WorkerId
     role: Role
@@ -330,6 +344,10 @@ class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
     kv_bytes_per_token: NonNegInt = 0  # KV of one token over all layers (0: not told)
     sm_share_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0  # CUDA MPS share; 0: none
     draining: bool = False  # still serving what it has; route nothing new here
+    # A MAC of every other field with the cluster's registry key (protocol/cluster_secret.py):
+    # the gateway and the agent ignore an entry whose binding does not verify. b"": unbound
+    # (a cluster without a token).
+    binding: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class LoadReport(Message, tag="load_report", frozen=True, kw_only=True):

@@ -5,13 +5,12 @@ gateway and the operations agent reach workers only this way.
     ChannelPool.get(url) ─▶ Channel (connected and greeted once, again after a loss)
     Channel.open(message) ─▶ ChannelStream: the answer's frames, in batches
 
-A stream's frames are decoded in the connection's read callback. A consumer pulls them in
-batches (`async for batch in stream`), or registers a listener (`listen`) that is offered
-each frame as it is read, while nothing is waiting to be pulled; a frame the listener
-takes is never pulled, one it refuses is queued for the consumer, and so is every later
-one until the queue is empty again: frames reach the one or the other exactly once, in
-wire order. This is how a token reaches a client without waking a task
-(gateway/api/stream_writer.py).
+A stream's frames are decoded in the connection's read callback and pulled in batches, or
+offered to a listener (rpc/channel_stream.py).
+
+Trust: nothing but the greeting is sent (never a request; the token never travels) until
+the worker proved it holds the cluster's token and serves the address dialled
+(rpc/channel_greeting.py); one that does not raises PeerUnverifiedError.
 
 Errors: an ErrorFrame raises RemoteError after the
 frames before it were pulled; a lost connection ControlError (for every stream on it); no
@@ -32,15 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Generic, TypeVar, cast
+from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
+from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import (MAX_MESSAGE_BYTES, ErrorCode, ErrorFrame, Message, MessageDecoder,
                                ProtocolError, encode)
-from rpc.channel_wire import (CONNECTION_STREAM_ID, MAGIC, MAX_STREAM_ID, ChannelHello,
-                              ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, frame)
-from rpc.errors import ControlError, FrameDeadlineError, RemoteError
+from rpc.channel_greeting import CallerGreeting
+from rpc.channel_stream import ChannelStream
+from rpc.channel_wire import (CONNECTION_STREAM_ID, MAGIC, MAX_STREAM_ID, ChannelChallenge,
+                              ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, endpoint,
+                              frame)
+from rpc.errors import ControlError, FrameDeadlineError, PeerUnverifiedError, RemoteError
 from rpc.frames import FrameDecoder
 
 log = logging.getLogger(__name__)
@@ -48,140 +50,17 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Message)
 
 
-class ChannelStream(Generic[F]):
-    """One request's answer on a channel (see the module docstring)."""
-
-    __slots__ = ("_channel", "stream_id", "_decoder", "_what", "_loop", "_pending", "_waiter",
-                 "_done", "_error", "_listener", "_last_frame_s", "_timeout_s",
-                 "_frame_timeout_s", "_timer")
-
-    def __init__(self, channel: Channel, stream_id: int, decoder: FrameDecoder[F],
-                 first_frame_timeout_s: float, frame_timeout_s: float, what: str) -> None:
-        self._channel = channel
-        self.stream_id = stream_id
-        self._decoder = decoder
-        self._what = what
-        self._loop = channel.loop
-        self._pending: list[F | ErrorFrame] = []
-        self._waiter: asyncio.Future[None] | None = None
-        self._done = False  # ended, failed or closed: nothing more arrives
-        self._error: BaseException | None = None
-        self._listener: Callable[[F], bool] | None = None
-        self._last_frame_s = self._loop.time()
-        self._timeout_s = first_frame_timeout_s
-        self._frame_timeout_s = frame_timeout_s
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last_frame_s + first_frame_timeout_s, self._check_deadline)
-
-    def listen(self, listener: Callable[[F], bool] | None) -> bool:
-        """Offer each frame to `listener` as it is read (None: stop); True: supported."""
-        self._listener = listener
-        return True
-
-    # ---------------------------------------------------------------- the channel's side
-
-    def on_body(self, body: bytes | memoryview, now: float) -> None:
-        try:
-            item = self._decoder.decode(body)
-        except ProtocolError as exc:
-            self.fail(ControlError(f"{self._what}: undecodable frame: {exc}"))
-            return
-        self._last_frame_s = now
-        if self._timeout_s != self._frame_timeout_s:  # the first frame: later ones' timeout
-            self._timeout_s = self._frame_timeout_s
-            if self._timer is not None and now + self._timeout_s < self._timer.when():
-                self._timer.cancel()
-                self._timer = self._loop.call_at(now + self._timeout_s, self._check_deadline)
-        listener = self._listener
-        if listener is not None and not self._pending and type(item) is not ErrorFrame \
-                and listener(item):  # type: ignore[arg-type]
-            return
-        self._pending.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def on_end(self) -> None:
-        self._finish(None, cancel=False)
-
-    def fail(self, error: BaseException) -> None:
-        self._finish(error, cancel=True)
-
-    def _finish(self, error: BaseException | None, cancel: bool) -> None:
-        if self._done:
-            return
-        self._done, self._error, self._listener = True, error, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._channel.drop(self.stream_id, cancel)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _check_deadline(self) -> None:
-        self._timer = None
-        if self._done:
-            return
-        deadline = self._last_frame_s + self._timeout_s
-        if self._loop.time() < deadline:
-            self._timer = self._loop.call_at(deadline, self._check_deadline)
-            return
-        self.fail(FrameDeadlineError(
-            f"{self._what}: no frame within {self._timeout_s:g} s (stream stalled)"))
-
-    # ---------------------------------------------------------------- the consumer's side
-
-    def __aiter__(self) -> ChannelStream[F]:
-        return self
-
-    async def __anext__(self) -> list[F]:
-        while True:
-            pending = self._pending
-            if pending:
-                for i, item in enumerate(pending):
-                    if type(item) is ErrorFrame:
-                        break
-                else:
-                    self._pending = []
-                    return pending  # type: ignore[return-value]
-                if i:
-                    self._pending = pending[i:]
-                    return pending[:i]  # type: ignore[return-value]
-                self._pending = []
-                self._finish(None, cancel=False)
-                assert isinstance(item, ErrorFrame)
-                raise RemoteError(item)
-            if self._done:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    async def aclose(self) -> None:
-        """Stop reading; before the end, the worker is told to drop the stream."""
-        self._pending = []
-        self._finish(None, cancel=True)
-
-    @property
-    def is_done(self) -> bool:
-        return self._done
-
-
 class Channel(asyncio.Protocol):
     """One connection to one worker's control port, carrying many streams."""
 
-    def __init__(self, what: str, max_frame_bytes: int) -> None:
+    def __init__(self, what: str, max_frame_bytes: int, greeting: CallerGreeting) -> None:
         self.loop = asyncio.get_running_loop()
         self.what = what
         self.closed = False
         self._splitter = FrameSplitter(max_frame_bytes)
-        self._greeting: MessageDecoder[ChannelWelcome | ErrorFrame] = MessageDecoder(
-            ChannelWelcome | ErrorFrame, 1 << 16)
+        self._greeting: MessageDecoder[ChannelChallenge | ChannelWelcome | ErrorFrame] = \
+            MessageDecoder(ChannelChallenge | ChannelWelcome | ErrorFrame, 1 << 16)
+        self._greeter = greeting
         self._welcome: asyncio.Future[ChannelWelcome] = self.loop.create_future()
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, ChannelStream[Message]] = {}
@@ -191,19 +70,21 @@ class Channel(asyncio.Protocol):
     @classmethod
     async def connect(cls, url: str, token: str | None, timeout_s: float,
                       max_frame_bytes: int = MAX_MESSAGE_BYTES) -> Channel:
-        """A greeted channel to the control server at `url` (http://host:port)."""
+        """A greeted channel to the control server at `url` (http://host:port), whose
+        worker proved it holds `token` (None: no token, nothing proved either way)."""
         parts = urlsplit(url)
         if parts.hostname is None or parts.port is None:
             raise ControlError(f"not a control URL with a host and port: {url!r}")
+        greeting = CallerGreeting(derive_optional_key(token, KeyPurpose.CHANNEL),
+                                  endpoint(parts.hostname, parts.port))
         loop = asyncio.get_running_loop()
         channel: Channel | None = None
         try:
             async with asyncio.timeout(timeout_s):
                 _, channel = await loop.create_connection(
-                    lambda: cls(url, max_frame_bytes), parts.hostname, parts.port)
+                    lambda: cls(url, max_frame_bytes, greeting), parts.hostname, parts.port)
                 assert channel._transport is not None
-                channel._transport.write(MAGIC + frame(CONNECTION_STREAM_ID,
-                                                       encode(ChannelHello(token=token))))
+                channel._transport.write(MAGIC + frame(CONNECTION_STREAM_ID, greeting.hello()))
                 await channel._welcome
         except TimeoutError as exc:
             if channel is not None:
@@ -298,12 +179,24 @@ class Channel(asyncio.Protocol):
             return
         try:
             answer = self._greeting.decode(body)
+            if not isinstance(answer, ErrorFrame) and \
+                    isinstance(answer, ChannelChallenge) == self._greeter.answered:
+                raise ProtocolError(f"{type(answer).__name__} out of the greeting's order")
+            # The worker's proof is checked before ours leaves; if wrong, nothing more does.
+            proof = self._greeter.answer(answer) if isinstance(answer, ChannelChallenge) \
+                else None
         except ProtocolError as exc:
-            self._welcome.set_exception(ControlError(f"{self.what}: bad greeting: {exc}"))
+            self._lost(ControlError(f"{self.what}: bad greeting: {exc}"))
+            return
+        except PeerUnverifiedError as exc:
+            self._lost(PeerUnverifiedError(f"{self.what}: {exc}"))
             return
         if isinstance(answer, ErrorFrame):
             self._welcome.set_exception(RemoteError(answer))
-        else:
+        elif proof is not None:
+            assert self._transport is not None
+            self._transport.write(frame(CONNECTION_STREAM_ID, proof))
+        elif isinstance(answer, ChannelWelcome):
             self.peer_max_frame_bytes = answer.max_frame_bytes
             self._welcome.set_result(answer)
 

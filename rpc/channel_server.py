@@ -3,6 +3,7 @@ itself (rpc/channel_wire.py has the wire, channel_client.py the caller's end).
 
     connection ──▶ PortSniffer: first bytes MAGIC? ──yes──▶ ServerChannel
                                                    └─no──▶ aiohttp (probes and /admin)
+                   (rpc/channel_site.py)
 
 A ServerChannel runs the handlers the app registered with `control_server.add_call` /
 `add_stream`, one task per stream, and writes their frames; a stream's producer may also
@@ -10,9 +11,12 @@ send frames through its stream's `StreamFrameWriter` from a callback, while its 
 (a decode step's tokens: worker/stream_frames.py). Frames written in one turn of the event
 loop leave in one socket write (a decode step's tokens for many requests).
 
-Security: the greeting carries the internal token; a server with a token refuses a wrong
-or missing one (ErrorFrame UNAUTHORIZED, then close), as the HTTP API answers 401.
-A frame over `max_body_bytes` closes the channel (TOO_LARGE first).
+Security: the greeting (rpc/channel_wire.py) is a challenge both ways over the cluster's
+channel key: this worker proves it holds the token and serves the endpoint the caller
+dialled, then the caller proves it; a server with a token refuses a wrong or missing proof
+(ErrorFrame UNAUTHORIZED, then close), as the HTTP API answers 401. No handler runs and no
+frame but the greeting's is read before that. A frame over `max_body_bytes` closes the
+channel (TOO_LARGE first).
 
 Deadlines: the greeting, and every frame once its first bytes came, must arrive whole within
 `body_timeout_s`, else the channel is closed; a gateway that takes none of our bytes for
@@ -36,14 +40,12 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import cast
 
-from aiohttp import web
-
 from protocol.messages import (ErrorCode, ErrorFrame, Message, MessageDecoder, ProtocolError,
                                ProtocolVersionError, encode)
-from rpc.channel_wire import (CONNECTION_STREAM_ID, END, MAGIC, ChannelHello, ChannelWelcome,
-                              FrameSplitter, FrameTooLarge, end_frame, frame)
-from rpc.control_app import (ChannelRoutes, ControlLimits, RequestRejected, name_request,
-                             token_matches)
+from rpc.channel_greeting import WorkerGreeting
+from rpc.channel_wire import (CONNECTION_STREAM_ID, END, MAGIC, ChannelHello, ChannelProof,
+                              ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, frame)
+from rpc.control_app import ChannelRoutes, ControlLimits, RequestRejected, name_request
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +59,18 @@ class ChannelClosed(ConnectionError):
 class ServerChannel(asyncio.Protocol):
     """One gateway's channel into this worker (see the module docstring)."""
 
-    def __init__(self, routes: ChannelRoutes, limits: ControlLimits, token: str | None,
-                 on_lost: Callable[[ServerChannel], None]) -> None:
+    def __init__(self, routes: ChannelRoutes, limits: ControlLimits, key: bytes | None,
+                 served_endpoint: str, on_lost: Callable[[ServerChannel], None]) -> None:
+        """`key`: the cluster's channel key (None: no token, nothing proved);
+        `served_endpoint`: host:port of the control URL this worker registered."""
         self._routes = routes
         self._limits = limits
-        self._token = token
+        self._greeter = WorkerGreeting(key, served_endpoint)
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self._splitter = FrameSplitter(limits.max_body_bytes)
-        self._hello: MessageDecoder[ChannelHello] = MessageDecoder(ChannelHello, 1 << 16)
+        self._greeting: MessageDecoder[ChannelHello | ChannelProof] = MessageDecoder(
+            ChannelHello | ChannelProof, 1 << 16)
         self._transport: asyncio.Transport | None = None
         self._magic_seen = False
         self._greeted = False
@@ -147,17 +152,24 @@ class ServerChannel(asyncio.Protocol):
     # ---------------------------------------------------------------- requests
 
     def _greet(self, stream_id: int, body: bytes | memoryview) -> None:
+        """One frame of the greeting: the hello (answered with this side's challenge and
+        proof), then the caller's proof (answered with the welcome, or refused)."""
         try:
             if stream_id != CONNECTION_STREAM_ID:
                 raise ProtocolError("the channel must open with a greeting")
-            hello = self._hello.decode(body)
+            message = self._greeting.decode(body)
+            if isinstance(message, ChannelHello) == self._greeter.challenged:
+                raise ProtocolError(f"{type(message).__name__} out of the greeting's order")
         except ProtocolError as exc:
             self._refuse(CONNECTION_STREAM_ID, ErrorCode.BAD_REQUEST, str(exc))
             self.close()
             return
-        if self._token and not token_matches(hello.token, self._token):
+        if isinstance(message, ChannelHello):
+            self._send(CONNECTION_STREAM_ID, self._greeter.challenge(message))
+            return
+        if not self._greeter.admits(message):
             self._refuse(CONNECTION_STREAM_ID, ErrorCode.UNAUTHORIZED,
-                         "missing or wrong internal token")
+                         "missing or wrong proof of the internal token")
             self.close()
             return
         self._greeted = True
@@ -297,83 +309,3 @@ class StreamFrameWriter:
 
     def send(self, frame: Message) -> bool:
         return self._channel.send_direct(self._stream_id, frame)
-
-
-class PortSniffer(asyncio.Protocol):
-    """Tells a channel from an HTTP connection by its first bytes, then hands it over."""
-
-    def __init__(self, http: Callable[[], asyncio.Protocol],
-                 channel: Callable[[], asyncio.Protocol], first_bytes_timeout_s: float) -> None:
-        self._http = http
-        self._channel = channel
-        self._timeout_s = first_bytes_timeout_s
-        self._buffer = b""
-        self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport (uvloop's is not an asyncio.Transport subclass).
-        self._transport = cast(asyncio.Transport, transport)
-        self._timer = asyncio.get_running_loop().call_later(self._timeout_s,
-                                                            self._transport.abort)
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer + data
-        if len(buffer) < len(MAGIC) and MAGIC.startswith(buffer):
-            self._buffer = buffer  # "P" may still be "POST"
-            return
-        assert self._transport is not None
-        if self._timer is not None:
-            self._timer.cancel()
-        protocol = self._channel() if buffer.startswith(MAGIC) else self._http()
-        self._transport.set_protocol(protocol)
-        protocol.connection_made(self._transport)
-        protocol.data_received(buffer)
-
-    def eof_received(self) -> bool:
-        return False  # closes the transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-
-class ChannelSite(web.BaseSite):
-    """A TCP site serving the runner's HTTP app and channels on one port."""
-
-    def __init__(self, runner: web.AppRunner, host: str, port: int, routes: ChannelRoutes,
-                 limits: ControlLimits, token: str | None) -> None:
-        super().__init__(runner)
-        self._host, self._port = host, port
-        self._routes, self._limits, self._token = routes, limits, token
-        self.channels: set[ServerChannel] = set()
-        self.bound_port: int | None = None
-
-    @property
-    def name(self) -> str:
-        return f"http://{self._host}:{self.bound_port or self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        http = self._runner.server
-        assert http is not None
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: PortSniffer(http, self._new_channel, self._limits.body_timeout_s),
-            self._host, self._port)
-        self.bound_port = self._server.sockets[0].getsockname()[1]
-
-    def _new_channel(self) -> ServerChannel:
-        channel = ServerChannel(self._routes, self._limits, self._token, self.channels.discard)
-        self.channels.add(channel)
-        return channel
-
-    async def close_channels(self, timeout_s: float) -> None:
-        """Close every channel and wait (bounded) for its streams' producers to close."""
-        tasks = [task for channel in self.channels for task in channel.tasks.values()]
-        for channel in list(self.channels):
-            channel.close()
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)

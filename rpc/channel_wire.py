@@ -8,12 +8,30 @@ worker's control port; the worker tells it from HTTP by its first bytes
     │ length, unsigned, big   │ stream id        │ msgpack [version, message] or ""  │
     └─────────────────────────┴──────────────────┴───────────────────────────────────┘
 
-    gateway ── MAGIC, (0, ChannelHello(token)) ─────────────▶ worker
+    gateway ── MAGIC, (0, ChannelHello(nonce_c)) ───────────▶ worker
+            ◀─ (0, ChannelChallenge(nonce_w, proof_w)) ─────── (the greeting: below)
+            ── (0, ChannelProof(proof_c)) ──────────────────▶
             ◀─ (0, ChannelWelcome) or (0, ErrorFrame) + close ─
             ── (n, request message) ───────────────────────▶ opens stream n: a call or a
             ◀─ (n, answer) ... (n, "") ─────────────────────  stream answer, then its end
             ── (n, "") ─────────────────────────────────────▶ the gateway dropped stream n
                                                               (the worker aborts it)
+
+The greeting proves, both ways, that the peer holds the cluster's token, and the token
+never travels (protocol/cluster_secret.py has the keys and MACs):
+
+    proof_w = MAC(channel key; "worker", endpoint, nonce_c, nonce_w)
+    proof_c = MAC(channel key; "caller", endpoint, nonce_c, nonce_w)
+
+`endpoint` is host:port as the caller dialled it (the control URL the worker registered)
+and as the worker serves it. The worker proves first: the caller checks proof_w before it
+sends anything else, and closes the connection when it is wrong or missing, so a listener
+at an address a registry entry names (a forged or stale entry, a port taken over) learns
+neither the token nor a request; one that relays the greeting to a real worker gets that
+worker's proof for the worker's own endpoint, which is not the one dialled. Then the worker
+checks proof_c (a wrong one: ErrorFrame UNAUTHORIZED, then close). Fresh nonces on both
+sides: no proof is good twice. A side without a token proves nothing (its proof is None)
+and takes the other side's on trust; a caller with a token refuses a worker without one.
 
 Stream 0 is the connection's own (the greeting); the gateway numbers its streams from 1
 and never reuses a number on one connection. An empty body ends a stream: from the worker,
@@ -31,9 +49,10 @@ from typing import Annotated
 
 import msgspec
 
+from protocol.cluster_secret import NONCE_BYTES
 from protocol.messages import Message
 
-MAGIC = b"PDSVCH01"  # never the start of an HTTP request line; "01": this wire's version
+MAGIC = b"PDSVCH02"  # never the start of an HTTP request line; "02": this wire's version
 HEADER = struct.Struct(">II")
 HEADER_SIZE = HEADER.size
 CONNECTION_STREAM_ID = 0
@@ -43,10 +62,27 @@ _unpack = HEADER.unpack_from
 _pack = HEADER.pack
 
 
-class ChannelHello(Message, tag="channel_hello", frozen=True, kw_only=True):
-    """Gateway → worker, first: the internal token (None where the worker needs none)."""
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
 
-    token: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+class ChannelHello(Message, tag="channel_hello", frozen=True, kw_only=True):
+    """Caller → worker, first: a fresh nonce (nothing secret)."""
+
+    nonce: Nonce
+
+
+class ChannelChallenge(Message, tag="channel_challenge", frozen=True, kw_only=True):
+    """Worker → caller: a fresh nonce, and the worker's proof (None: it has no token)."""
+
+    nonce: Nonce
+    proof: Proof | None = None
+
+
+class ChannelProof(Message, tag="channel_proof", frozen=True, kw_only=True):
+    """Caller → worker, once the worker's proof checked out: the caller's (None: no token)."""
+
+    proof: Proof | None = None
 
 
 class ChannelWelcome(Message, tag="channel_welcome", frozen=True, kw_only=True):
@@ -57,6 +93,11 @@ class ChannelWelcome(Message, tag="channel_welcome", frozen=True, kw_only=True):
 
 class FrameTooLarge(ValueError):
     pass
+
+
+def endpoint(host: str, port: int) -> str:
+    """host:port as both ends of a greeting name it (the host as written, lower case)."""
+    return f"{host.strip('[]').lower()}:{port}"
 
 
 def frame(stream_id: int, body: bytes) -> bytes:

@@ -25,7 +25,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
 from protocol.messages import Message
-from rpc.channel_client import ChannelPool, ChannelStream
+from rpc.channel_client import ChannelPool
+from rpc.channel_stream import ChannelStream
 from rpc.errors import ControlError, FrameDeadlineError
 from rpc.frames import FrameDecoder
 

@@ -9,8 +9,9 @@ One port serves both (rpc/channel_server.py tells them apart by the first bytes)
 
 Security: a control server bound to a loopback address may run without a token; bound to any
 other address it refuses to start without one (`PDSERVE_INTERNAL_TOKEN`, read by the CLI, not
-here). With a token set, a channel's greeting must carry it (else UNAUTHORIZED and the
-channel closes) and every HTTP request must carry `Authorization: Bearer <token>`, else 401,
+here). With a token set, a channel's greeting must prove it (rpc/channel_greeting.py: the
+worker proves it first; a caller that cannot gets UNAUTHORIZED and the channel closes) and
+every HTTP request must carry `Authorization: Bearer <token>`, else 401,
 except the probe paths (`/health`, `/ready`, `/metrics`), which must answer orchestrators'
 probes and Prometheus scrapes that carry no token. HTTP bodies above `max_body_bytes` get
 413 before they are read into memory; a channel frame above it closes the channel.
@@ -34,7 +35,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from protocol.messages import ErrorCode, ErrorFrame, Message, encode
-from rpc.channel_server import ChannelSite
+from rpc.channel_site import ChannelSite
 from rpc.control_app import (CHANNEL_ROUTES, DEFAULT_MAX_BODY_BYTES, LIMITS, ChannelRoutes,
                              ControlLimits, FrameWriter, RequestRejected, token_matches)
 from telemetry.options import INTERNAL_TOKEN_ENV

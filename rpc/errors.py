@@ -17,6 +17,11 @@ class FrameDeadlineError(ControlError, TimeoutError):
     """No frame (or no response) arrived within its deadline."""
 
 
+class PeerUnverifiedError(ControlError):
+    """The peer did not prove, in the channel's greeting, that it is this cluster's worker
+    at the address dialled; nothing but the greeting was sent to it."""
+
+
 class RemoteError(ControlError):
     """The worker answered with an ErrorFrame."""
 

@@ -25,12 +25,14 @@ Invariants (kept atomic by Lua scripts, so no reader sees half a batch):
   - every index change appends exactly one event to the stream, in the same script.
 Every method has a deadline (`timeout_s`, else the instance's op_timeout_s). Only a single
 Redis instance is supported (scripts touch keys they compute; not Redis Cluster safe).
+
+Trust: `read_registry` returns only entries bound by the cluster's secret (state/entry_check.py);
+the others, and ids that are no worker id, are left out and listed in `unbound_ids`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -42,7 +44,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from protocol.messages import (WORKER_ID_PATTERN, LoadReport, MessageDecoder, PrefixIndexEvent,
-                               WorkerInfo, encode)
+                               ProtocolError, WorkerInfo, encode, is_worker_id)
+from state.entry_check import EntryCheck
 from state.redis_scripts import APPLY_INDEX, HEARTBEAT, PURGE, SNAPSHOT
 
 StreamId = str  # "<ms>-<seq>"; "0-0" before the first event
@@ -65,10 +68,13 @@ class Registry(msgspec.Struct, frozen=True, kw_only=True):
     """The registry as one read saw it."""
 
     registered_ids: list[str]  # registered and not yet purged, live or with a lapsed lease
-    workers: dict[str, WorkerInfo]  # holding a live lease, by id
+    workers: dict[str, WorkerInfo]  # holding a live lease (and a binding that verifies), by id
     loads: dict[str, LoadReport]  # of live workers, at their live epoch
     # ms left on each registered worker's lease (0: lapsed); read only when asked for
     lease_left_ms: dict[str, int] = {}
+    # Ids whose entry is not bound by the cluster's secret (or that are no worker id): in
+    # neither of the above (state/entry_check.py)
+    unbound_ids: list[str] = []
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True):
@@ -121,11 +127,19 @@ def stream_id_key(stream_id: StreamId) -> tuple[int, int]:
 
 
 class RedisState:
-    """Typed operations on the routing state; owns no tasks, holds no state but the client."""
+    """Typed operations on the routing state; owns no tasks, holds no state but the client
+    and its entry check.
+
+    `entry_key`: the cluster's registry key (protocol/cluster_secret.py's `derive_key`),
+    with which the publisher binds this process's own entry and `read_registry` checks
+    every other one; None: a cluster without a token (nothing bound, nothing checked)."""
 
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
-                 op_timeout_s: float = 1.0, stream_maxlen: int = 100_000) -> None:
+                 op_timeout_s: float = 1.0, stream_maxlen: int = 100_000,
+                 entry_key: bytes | None = None) -> None:
         self.client = client
+        self.entry_key = entry_key
+        self.entries = EntryCheck(entry_key)
         self.ns = namespace
         self.op_timeout_s = op_timeout_s
         self.stream_maxlen = stream_maxlen
@@ -133,7 +147,6 @@ class RedisState:
         self._apply_index = client.register_script(APPLY_INDEX)
         self._purge = client.register_script(PURGE)
         self._snapshot = client.register_script(SNAPSHOT)
-        self._info_decoder: MessageDecoder[WorkerInfo] = MessageDecoder(WorkerInfo)
         self._load_decoder: MessageDecoder[LoadReport] = MessageDecoder(LoadReport)
         self._event_decoder: MessageDecoder[PrefixIndexEvent] = MessageDecoder(PrefixIndexEvent)
         # A fresh token per process: whichever writer first touches an empty Redis sets it.
@@ -145,7 +158,7 @@ class RedisState:
     # ---------------------------------------------------------------- keys (the schema)
 
     def _worker_key(self, worker_id: str, field: str) -> str:
-        if not re.fullmatch(WORKER_ID_PATTERN, worker_id):
+        if not is_worker_id(worker_id):
             raise ValueError(f"invalid worker id {worker_id!r}: must match {WORKER_ID_PATTERN}")
         return f"{self.ns}:{_WORKER}{worker_id}:{field}"
 
@@ -231,25 +244,44 @@ class RedisState:
         """The whole registry in two round trips: the id set, then every info and load (and,
         `with_leases`, what each lease has left)."""
         async with self.deadline(timeout_s):
-            ids = sorted(_text(m) for m in await self.client.smembers(self._workers_key))
+            members = sorted(_text(m) for m in await self.client.smembers(self._workers_key))
+            ids = [w for w in members if is_worker_id(w)]
+            unbound = [w for w in members if not is_worker_id(w)]
+            for worker_id in unbound:
+                self.entries.report(worker_id, b"", "its id is not a worker id")
             if not ids:
-                return Registry(registered_ids=[], workers={}, loads={})
+                return Registry(registered_ids=[], workers={}, loads={}, unbound_ids=unbound)
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.mget([self._worker_key(w, f) for f in ("info", "load") for w in ids])
                 for w in ids if with_leases else ():
                     pipe.pttl(self._worker_key(w, "info"))
                 blobs, *ttls = await pipe.execute()
-        infos = [self._info_decoder.decode(_blob(b)) for b in blobs[:len(ids)] if b is not None]
-        workers = {w.worker_id: w for w in infos}
+        workers = {}
+        for worker_id, blob in zip(ids, blobs[:len(ids)]):
+            if blob is None:
+                continue
+            info = self.entries.trusted(worker_id, _blob(blob))
+            if info is None:
+                unbound.append(worker_id)
+            else:
+                workers[worker_id] = info
         loads = {}
-        for blob in blobs[len(ids):]:
-            if blob is not None:
+        for worker_id, blob in zip(ids, blobs[len(ids):]):
+            live = workers.get(worker_id)
+            if blob is None or live is None:
+                continue
+            try:
                 report = self._load_decoder.decode(_blob(blob))
-                live = workers.get(report.worker_id)
-                if live is not None and live.epoch == report.epoch:
-                    loads[report.worker_id] = report
-        leases = {w: max(0, int(ttl)) for w, ttl in zip(ids, ttls)}
-        return Registry(registered_ids=ids, workers=workers, loads=loads, lease_left_ms=leases)
+            except ProtocolError:
+                continue  # no load known: routed as an idle worker, as before its first one
+            if report.worker_id == worker_id and report.epoch == live.epoch:
+                loads[worker_id] = report
+        # An id whose entry cannot be trusted is neither live nor lapsed: nobody calls it,
+        # and nobody restarts a worker because someone overwrote its entry. Once that entry
+        # lapses, the id is an ordinary lapsed one (and purged as such).
+        leases = {w: max(0, int(ttl)) for w, ttl in zip(ids, ttls) if w not in unbound}
+        return Registry(registered_ids=[w for w in ids if w not in unbound], workers=workers,
+                        loads=loads, lease_left_ms=leases, unbound_ids=sorted(unbound))
 
     # ---------------------------------------------------------------- prefix index
 

@@ -2,7 +2,8 @@
 
 It registers in Redis like a real worker (WorkerPublisher) and answers /internal/reserve,
 /internal/prefill, /internal/destination, /internal/decode and /internal/abort with
-protocol messages, but it computes nothing: every request's output is the scripted `reply`
+protocol messages, and the operations agent's HealthRequest (each prefill and each token
+counts as an engine step), but it computes nothing: every request's output is the scripted `reply`
 (token id, text) list, one TokenFrame per token, paced `token_interval_s` apart (0: back to
 back).
 
@@ -20,6 +21,11 @@ back).
 `decode_hold_after`-th token until it is set, so a test can check what happens while the
 decode worker is busy (token 1 reaching the client first; an abort arriving before the next
 token); `tokens_sent` counts the tokens each decode stream produced.
+
+With `token` (the cluster's internal token), the stub is a worker of a cluster that has one:
+its control API proves the token in every channel's greeting and takes only callers that
+prove it, and its registry entry is bound to the token, as a real worker's
+(protocol/cluster_secret.py); without, it is a worker of a cluster without a token.
 
 `held` is what a real worker would hold KV for (reservations, prefills in flight, decodes);
 abort, a dropped stream or the end of a request removes the id and records when
@@ -42,6 +48,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from protocol.agent_messages import HealthReport, HealthRequest
+from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import (AbortRequest, AbortResponse, DecodeDestination, DecodeRequest,
                                DestinationAck, DestinationNotice, ErrorCode, FinishReason,
                                PrefillRequest, PrefillResult, ReserveRequest, ReserveResponse, Role,
@@ -51,6 +59,7 @@ from protocol.worker_load import WorkerLoad
 from rpc.control_server import (ControlServer, FrameWriter, RequestRejected, add_call, add_stream,
                                 make_app)
 from state.redis_state import RedisState, connect
+from telemetry.options import INTERNAL_TOKEN_ENV
 from worker.publisher import WorkerPublisher
 
 BLOCK_SIZE = 16
@@ -67,11 +76,12 @@ class StubWorker:
                  reply: Sequence[tuple[int, str]], namespace: str = "pdserve",
                  token_interval_s: float = 0.0, prefill_delay_s: float = 0.0,
                  transfer_delay_s: float = 0.0, fail_transfer: bool = False,
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, token: str | None = None) -> None:
         if not reply:
             raise ValueError("the stub needs a reply of at least one token")
         self.redis_url, self.role, self.worker_id = redis_url, role, worker_id
         self.namespace = namespace
+        self.token = token
         self.reply = list(reply)
         self.token_interval_s = token_interval_s
         self.prefill_delay_s = prefill_delay_s
@@ -96,25 +106,28 @@ class StubWorker:
         self.role_changes: list[Role] = []  # recorded and answered; the stub keeps its role
         self.destinations: dict[str, asyncio.Event] = {}  # DestinationNotices, by request id
         self.requests: list[str] = []  # "<kind>:<request id>" in arrival order
+        self.num_steps = 0  # prefills and tokens produced: what a HealthReport counts
         self.server: ControlServer | None = None
         self.publisher: WorkerPublisher | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> str:
-        app = make_app(token=None)
+        app = make_app(token=self.token)
         add_call(app, ReserveRequest, self._reserve)
         add_stream(app, PrefillRequest, self._prefill)
         add_call(app, DestinationNotice, self._destination)
         add_stream(app, DecodeRequest, self._decode)
         add_call(app, AbortRequest, self._abort)
         add_call(app, RoleChangeRequest, self._change_role)
+        add_call(app, HealthRequest, self._health_report)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._health)
         app.router.add_get("/admin/state", self._state)
-        self.server = ControlServer(app)
+        self.server = ControlServer(app, token=self.token)
         url = await self.server.start()
-        state = RedisState(connect(self.redis_url), namespace=self.namespace)
+        state = RedisState(connect(self.redis_url), namespace=self.namespace,
+                           entry_key=derive_optional_key(self.token, KeyPurpose.REGISTRY))
         role = Role.COLOCATED if self.colocated else self.role
         info = WorkerInfo(worker_id=self.worker_id, role=role, model="stub", control_url=url,
                           kv_address="stub", num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
@@ -141,6 +154,13 @@ class StubWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def _health_report(self, message: HealthRequest) -> HealthReport:
+        ended = len(self.released_at)
+        return HealthReport(epoch=self.publisher.epoch if self.publisher else 0,
+                            load=self._load(), num_steps=self.num_steps, step_sum_s=0.0,
+                            num_decode_steps=0, decode_sum_s=0.0, decode_seqs=0.0,
+                            decode_context=0.0, num_requests=ended, num_failed=0)
 
     async def _state(self, request: web.Request) -> web.Response:
         return web.json_response({"held": self.held, "released_at": self.released_at,
@@ -191,6 +211,7 @@ class StubWorker:
                 self.prefill_cut = False
                 raise ConnectionResetError("stub: prefill stream cut (fault injection)")
             token_id, _ = self.reply[0]
+            self.num_steps += 1
             finish = FinishReason.LENGTH if message.sampling.max_tokens == 1 else None
             yield PrefillResult(request_id=rid, first_token_id=token_id,
                                 num_prompt_tokens=len(message.prompt_token_ids),
@@ -240,6 +261,7 @@ class StubWorker:
                     return
                 token_id, text = self.reply[i]
                 self.tokens_sent[rid] = self.tokens_sent.get(rid, 0) + 1
+                self.num_steps += 1
                 last = i == num_total - 1
                 finish = None
                 if last:
@@ -269,7 +291,8 @@ async def _main(args: argparse.Namespace) -> None:
     words = " ".join(["word"] * args.num_tokens)
     stub = StubWorker(args.redis_url, Role(args.role), args.worker_id or
                       f"stub-{args.role}-{os.getpid()}", word_reply(tokenizer, words),
-                      namespace=args.namespace, token_interval_s=args.token_interval_ms / 1000)
+                      namespace=args.namespace, token_interval_s=args.token_interval_ms / 1000,
+                      token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
     url = await stub.start()
     print(f"stub worker listening on {url}", flush=True)
     stop = asyncio.Event()

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.step_mode import STEP_MODE_CHOICES, StepMode, choose_step_mode
-from protocol.messages import Role
+from protocol.messages import RESERVED_WORKER_IDS, Role, is_worker_id
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_URL_HELP, EnvOptions, env_name
 from telemetry.tracing import ENDPOINT_ENV
@@ -162,6 +162,10 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
     role = Role(args.role)
     worker_id = args.worker_id or f"{role.value}-{socket.gethostname()}-{os.getpid()}"
+    if not is_worker_id(worker_id):
+        raise ValueError(f"--worker-id {worker_id!r} cannot be a worker id: up to 128 of "
+                         f"A-Z a-z 0-9 _ . -, and none of {', '.join(RESERVED_WORKER_IDS)} "
+                         f"(the names of a cluster's other processes)")
     return WorkerOptions(
         role=role, model=args.model, redis_url=resolve_url(args.redis_url, os.environ),
         host=args.host, port=int(args.port), worker_id=worker_id, device=args.device,

@@ -15,8 +15,14 @@ Lifecycle:
     change_role() ── task paused, next_epoch, new info, republish in full ──▶ PUBLISHING
     set_draining() marks the registry entry; stop() flushes, deregisters, cancels the task.
 
+The entry is bound to the cluster's secret (protocol/cluster_secret.py) with the state's
+registry key: every change of `info` goes through `_set_info`, which binds it again, so no
+entry leaves here whose binding does not cover what it says (the gateway and the agent
+ignore one that does not verify).
+
 Invariants: `held` is exactly the set of hashes the engine has reported inserted and not
-evicted; pending_inserted and pending_evicted are disjoint subsets of (held, not held).
+evicted; pending_inserted and pending_evicted are disjoint subsets of (held, not held);
+`info` is bound with the state's registry key (when it has one).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TypeVar
 
 import msgspec
 
+from protocol.cluster_secret import bind_entry, entry_is_bound
 from protocol.messages import MAX_HASHES_PER_EVENT, LoadReport, PrefixIndexEvent, Role, WorkerInfo
 from protocol.worker_load import WorkerLoad
 from state.redis_state import (REDIS_FAILURES, RedisState, StaleEpochError, raise_if_cancelling,
@@ -46,7 +53,7 @@ class WorkerPublisher:
         if lease_ttl_s < 2 * period_s:
             raise ValueError(f"lease_ttl_s ({lease_ttl_s}) must cover two periods ({period_s} s)")
         self.state = state
-        self.info = info
+        self.info = bind_entry(info, state.entry_key)
         self.load_fn = load_fn
         self.period_s = period_s
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
@@ -92,12 +99,16 @@ class WorkerPublisher:
             raise RuntimeError("publisher already started")
         async with asyncio.timeout(timeout_s):
             epoch = await self._retrying(lambda: self.state.next_epoch(self.info.worker_id))
-            self.info = msgspec.structs.replace(
-                self.info, epoch=epoch, started_unix_ms=int(time.time() * 1000))
+            self._set_info(msgspec.structs.replace(
+                self.info, epoch=epoch, started_unix_ms=int(time.time() * 1000)))
             self._needs_republish = True
             await self._retrying(lambda: self._tick(heartbeat=True))
         self._task = asyncio.create_task(self._run(), name=f"publisher-{self.info.worker_id}")
         return epoch
+
+    def _set_info(self, info: WorkerInfo) -> None:
+        """The entry from now on, bound again."""
+        self.info = bind_entry(info, self.state.entry_key)
 
     async def _retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Retry Redis failures with backoff; the caller's deadline bounds the whole."""
@@ -125,8 +136,8 @@ class WorkerPublisher:
         try:
             async with asyncio.timeout(timeout_s):
                 epoch = await self._retrying(lambda: self.state.next_epoch(self.info.worker_id))
-                self.info = msgspec.structs.replace(self.info, role=role, kv_address=kv_address,
-                                                    epoch=epoch)
+                self._set_info(msgspec.structs.replace(self.info, role=role,
+                                                       kv_address=kv_address, epoch=epoch))
                 self._needs_republish = True
                 await self._retrying(lambda: self._tick(heartbeat=True))
         finally:
@@ -136,7 +147,7 @@ class WorkerPublisher:
 
     async def set_draining(self, timeout_s: float = 2.0) -> None:
         """Route nothing new here; best effort right now, and kept by every later heartbeat."""
-        self.info = msgspec.structs.replace(self.info, draining=True)
+        self._set_info(msgspec.structs.replace(self.info, draining=True))
         try:
             await self.state.heartbeat(self.info, None, self.lease_ttl_ms, timeout_s=timeout_s)
         except REDIS_FAILURES as exc:
@@ -235,6 +246,8 @@ class WorkerPublisher:
             raise
 
     def check_invariants(self) -> None:
+        if not entry_is_bound(self.info, self.state.entry_key):
+            raise AssertionError("the registry entry is not bound to what it says")
         if self.pending_inserted & self.pending_evicted:
             raise AssertionError("a hash is pending both insert and evict")
         if not self.pending_inserted <= self.held:

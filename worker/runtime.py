@@ -38,6 +38,7 @@ from engine.step_mode import StepMode
 from kv_transfer.layout import transfer_bytes
 from protocol.agent_messages import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
                                      ExitResponse, FaultRequest, FaultResponse, HealthRequest)
+from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import Message, Role, WorkerInfo
 from protocol.worker_load import WorkerLoad
 from rpc.control_server import ControlServer, add_call, make_app
@@ -105,6 +106,9 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(self.registry)
         self.app = make_app(token)
         self.server = ControlServer(self.app, host, port, token)
+        # Binds this worker's registry entry to the cluster's secret (the gateway and the
+        # agent trust no other): protocol/cluster_secret.py.
+        self.entry_key = derive_optional_key(token, KeyPurpose.REGISTRY)
         self.engine_thread: EngineThread | None = None
         self.publisher: WorkerPublisher | None = None
         self.step_fit = StepFit()
@@ -168,7 +172,7 @@ class WorkerRuntime:
                           pid=os.getpid(), sm_share_percent=self.sm_share_percent,
                           kv_bytes_per_token=transfer_bytes(layout, 1, layout.num_layers)
                           // engine.block_size)
-        state = RedisState(connect(self.redis_url), self.namespace)
+        state = RedisState(connect(self.redis_url), self.namespace, entry_key=self.entry_key)
         self.publisher = WorkerPublisher(state, info, self._load)
         # Redis may be starting too: registration retries until this deadline.
         self.own_epochs.add(await self.publisher.start(timeout_s=30.0))

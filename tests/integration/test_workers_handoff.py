@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
+from raw_channel import greet
 
 from launcher.redis_server import RedisServer
 from protocol.agent_messages import FAULT_INJECTION_ENV, FaultRequest, FaultResponse
@@ -37,7 +38,7 @@ from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError, RemoteError
-from rpc.channel_wire import MAGIC, ChannelHello, FrameSplitter
+from rpc.channel_wire import FrameSplitter
 from rpc.channel_wire import frame as wire_frame
 from state.redis_state import RedisState, connect
 from telemetry.metrics import parse_samples
@@ -362,7 +363,7 @@ def test_bad_destination_notices_get_a_clear_error_and_hold_nothing(cluster: Clu
         host, port = p.control_url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         try:  # a channel, its frames written by hand: the bodies a typed client cannot send
-            writer.write(MAGIC + wire_frame(0, encode(ChannelHello(token=None))))
+            await greet(reader, writer, None, host, int(port))
             answers = FrameSplitter(1 << 20)
             for stream_id, (what, body) in enumerate(bodies.items(), start=1):
                 writer.write(wire_frame(stream_id, body))

@@ -14,16 +14,17 @@ import aiohttp
 import pytest
 from aiohttp import web
 from manual_clock import ManualClock, settle
+from raw_channel import open_greeted
 
 from protocol.messages import (AbortRequest, AbortResponse, DecodeRequest, DecodeResponseFrame,
-                               ErrorCode, ErrorFrame, FinishReason, TokenFrame, encode)
+                               ErrorCode, ErrorFrame, FinishReason, TokenFrame)
 from protocol.sampling_params import SamplingParams
 from rpc.channel_client import Channel, ChannelPool
-from rpc.channel_wire import MAGIC, ChannelHello, FrameSplitter, end_frame, frame
+from rpc.channel_wire import FrameSplitter, end_frame, frame
 from rpc.control_client import ControlClient
 from rpc.control_server import (ControlServer, FrameWriter, RequestRejected, add_call, add_stream,
                                 make_app)
-from rpc.errors import ControlError, FrameDeadlineError, RemoteError
+from rpc.errors import ControlError, FrameDeadlineError, PeerUnverifiedError, RemoteError
 from rpc.frames import FrameDecoder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -242,11 +243,14 @@ async def test_frames_that_arrived_wait_for_a_consumer_that_pulls_late(
 
 async def test_wrong_token_is_refused(served: tuple[Worker, ControlServer]) -> None:
     _, server = served
-    for token in (None, "wrong"):
-        with pytest.raises(RemoteError) as info:
-            await Channel.connect(server.url, token, 5)
-        assert info.value.frame.code is ErrorCode.UNAUTHORIZED
-    assert server.num_channels == 0
+    with pytest.raises(RemoteError) as info:  # no token: the caller proves nothing
+        await Channel.connect(server.url, None, 5)
+    assert info.value.frame.code is ErrorCode.UNAUTHORIZED
+    with pytest.raises(PeerUnverifiedError):  # another token: the worker's proof fails here
+        await Channel.connect(server.url, "wrong", 5)
+    async with asyncio.timeout(5):
+        while server.num_channels:
+            await asyncio.sleep(0.01)
 
 
 async def test_server_going_away_fails_every_stream(pool: ChannelPool) -> None:
@@ -303,13 +307,7 @@ async def test_an_http_server_is_no_worker_and_is_asked_again_next_time(
 
 async def raw_channel(server: ControlServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     assert server.port is not None
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(MAGIC + frame(0, encode(ChannelHello(token=TOKEN))))
-    splitter = FrameSplitter(1 << 20)
-    while not (frames := splitter.feed(await reader.read(4096))):
-        pass
-    assert frames[0][0] == 0
-    return reader, writer
+    return await open_greeted("127.0.0.1", server.port, TOKEN)
 
 
 async def read_until_closed(reader: asyncio.StreamReader) -> bytes:

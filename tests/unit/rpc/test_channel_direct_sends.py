@@ -9,11 +9,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from raw_channel import greet
 
 from protocol.messages import DecodeRequest, DecodeResponseFrame, FinishReason, TokenFrame, encode
 from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool
-from rpc.channel_wire import MAGIC, ChannelHello, FrameSplitter, frame
+from rpc.channel_wire import FrameSplitter, frame
 from rpc.control_client import ControlClient
 from rpc.control_server import ControlServer, FrameWriter, add_stream, make_app
 from rpc.frames import FrameDecoder
@@ -146,10 +147,8 @@ async def test_the_writer_refuses_while_the_caller_reads_nothing_and_the_task_ca
     assert server.port is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
-        writer.write(MAGIC + frame(0, encode(ChannelHello(token=TOKEN))))
+        await greet(reader, writer, TOKEN, "127.0.0.1", server.port)
         splitter = FrameSplitter(1 << 20)
-        while not splitter.feed(await reader.read(4096)):
-            pass  # the welcome
         writer.write(frame(1, encode(_decode("big", 4096, [2]))))
         async with asyncio.timeout(10):  # reading nothing, the channel's buffers fill up
             while not worker.refused:

@@ -1,5 +1,5 @@
 """The control carrier over a real control server on 127.0.0.1, port 0: calls and streams on a
-caller's channel (the token in its greeting, the body limit, the protocol version, a peer
+caller's channel (the token proved in its greeting, the body limit, the protocol version, a peer
 that dies), and the HTTP side, which serves only the probes and /admin (the token, the body
 limit). Deadline tests move the loop's clock (tests/manual_clock.py) instead of sleeping
 through the deadline."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,17 +15,20 @@ import msgspec
 import pytest
 from aiohttp import web
 from manual_clock import ManualClock
+from raw_channel import open_greeted, read_frame
 
+from protocol.cluster_secret import KeyPurpose, derive_key
 from protocol.messages import (DecodeDestination, DecodeRequest, DecodeResponseFrame, ErrorCode,
                                ErrorFrame, FinishReason, MessageDecoder, ReserveRequest,
                                ReserveResponse, TokenFrame, TokenLogprob, Usage, encode)
 from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool
-from rpc.channel_wire import MAGIC, ChannelHello, ChannelWelcome, frame
+from rpc.channel_greeting import WorkerGreeting
+from rpc.channel_wire import MAGIC, ChannelHello, ChannelWelcome, endpoint, frame
 from rpc.control_client import ControlClient
 from rpc.control_server import (ControlServer, FrameWriter, InsecureBindError, add_call, add_stream,
                                 is_loopback, make_app)
-from rpc.errors import ControlError, FrameDeadlineError, RemoteError
+from rpc.errors import ControlError, FrameDeadlineError, PeerUnverifiedError, RemoteError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 
@@ -155,20 +157,26 @@ async def test_token_stream_frames_round_trip(served: tuple[FakeWorker, ControlS
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 async def test_missing_or_wrong_token_is_refused_and_no_handler_runs(
         served: tuple[FakeWorker, ControlServer], token: str | None) -> None:
+    # Without a token the caller proves nothing: the worker refuses it. With a wrong one the
+    # worker's proof does not check out here: the caller refuses the worker first.
     worker, server = served
     channels = ChannelPool(token, connect_timeout_s=5)
     client = ControlClient(server.url, channels)
+    refusal = RemoteError if token is None else PeerUnverifiedError
     try:
-        with pytest.raises(RemoteError) as err:
+        with pytest.raises(refusal) as err:
             await client.call(reserve_request("r1", 2), ReserveResponse, timeout_s=2.0)
-        assert err.value.frame.code is ErrorCode.UNAUTHORIZED
-        with pytest.raises(RemoteError) as err:
+        with pytest.raises(refusal) as err:
             async for _ in client.stream(decode_request(), TokenFrame, 2.0, 1.0):
                 pass
-        assert err.value.frame.code is ErrorCode.UNAUTHORIZED
+        if isinstance(err.value, RemoteError):
+            assert err.value.frame.code is ErrorCode.UNAUTHORIZED
         assert worker.reserved == [] and not worker.stream_closed.is_set(), \
             "a handler ran unauthenticated"
-        assert channels.num_channels == 0 and server.num_channels == 0
+        assert channels.num_channels == 0
+        async with asyncio.timeout(5):  # the caller that refused the worker hung up
+            while server.num_channels:
+                await asyncio.sleep(0.01)
     finally:
         await channels.aclose()
 
@@ -198,7 +206,12 @@ async def test_peer_dying_mid_frame_is_a_control_error_after_the_frames_before_i
         pool: ChannelPool) -> None:
     async def die_mid_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert await reader.readexactly(len(MAGIC)) == MAGIC
-        await read_frame(reader)  # the greeting
+        _, hello = await read_frame(reader)  # the greeting, answered as a worker would
+        port = writer.get_extra_info("sockname")[1]
+        greeting = WorkerGreeting(derive_key(TOKEN, KeyPurpose.CHANNEL),
+                                  endpoint("127.0.0.1", port))
+        writer.write(frame(0, greeting.challenge(MessageDecoder(ChannelHello).decode(hello))))
+        await read_frame(reader)  # the caller's proof
         writer.write(frame(0, encode(ChannelWelcome(max_frame_bytes=1 << 20))))
         stream_id, _ = await read_frame(reader)  # the request
         token = encode(TokenFrame(request_id="r1", token_ids=[0], text="t0"))
@@ -277,7 +290,7 @@ async def test_bytes_that_do_not_arrive_in_time_close_the_channel_and_no_handler
     if what == "greeting":
         assert server.port is not None
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        whole = MAGIC + frame(0, encode(ChannelHello(token=TOKEN)))
+        whole = MAGIC + frame(0, encode(ChannelHello(nonce=bytes(16))))
     else:
         reader, writer = await raw_channel(server)
         whole = frame(1, encode(reserve_request("slow", 4)))
@@ -358,14 +371,4 @@ def test_non_loopback_bind_requires_a_token() -> None:
 async def raw_channel(server: ControlServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A greeted channel, spoken by hand."""
     assert server.port is not None
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(MAGIC + frame(0, encode(ChannelHello(token=TOKEN))))
-    stream_id, body = await read_frame(reader)
-    assert stream_id == 0 and b"channel_welcome" in body
-    return reader, writer
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    async with asyncio.timeout(5):
-        length, stream_id = struct.unpack(">II", await reader.readexactly(8))
-        return stream_id, await reader.readexactly(length)
+    return await open_greeted("127.0.0.1", server.port, TOKEN)
