@@ -4,7 +4,8 @@
                                          nothing new there from its next poll, 0.25 s);
                                          renewing is the same call; fenced by epoch
     readmit(worker, epoch)               drop that ejection (a newer one stays)
-    restart(info, reason)                agent/restarters.py, by deployment kind
+    restart(info, reason)                agent/restarters.py, by deployment kind; never
+                                         for an id that is no worker id
     reclaim(info, older_than_s)          a ReclaimRequest: leaked reservations
     switch_role(info, role)              a RoleChangeRequest: drain, then a new epoch
 
@@ -25,7 +26,8 @@ from typing import TypeVar
 from agent.decision import EventRule
 from agent.restarters import Restarter, RestartError
 from protocol.agent_messages import ReclaimRequest, ReclaimResponse
-from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
+from protocol.messages import (Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo,
+                               is_worker_id)
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError
@@ -74,6 +76,8 @@ class Actuator:
             return await self.agent_state.readmit(worker_id, epoch)
 
     async def restart(self, info: WorkerInfo, reason: str) -> str:
+        if not is_worker_id(info.worker_id):  # `gateway`, `redis`, ...: never restarted
+            raise ActionError(f"{info.worker_id[:200]!r} is not a worker id: not restarted")
         try:
             return await self.restarter.restart(info, reason)
         except RestartError as exc:

@@ -42,10 +42,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                     "(default 127.0.0.1)")
     opt("--port", "8300", type=int, help="their port; 0 picks a free one (default 8300)")
     opt("--restart", "auto", choices=RESTART_MODES,
-        help="how a worker is restarted: local = SIGKILL it, its supervisor (`pdserve up`) "
-             "starts it again; exit = ask it to exit, its orchestrator restarts it "
-             "(compose); kubernetes = delete its pod; auto = local for workers on this "
-             "host, else exit; none = eject only (default auto)")
+        help="how a worker is restarted: local = ask the supervisor that started it and "
+             "this agent (`pdserve up`) to kill and start it again; "
+             "exit = ask it to exit, its orchestrator restarts it (compose); kubernetes = "
+             "delete its pod; auto = local for workers on this host when there is a "
+             "supervisor, else exit; none = eject only (default auto)")
+    # Set by `pdserve up` only: this process's end of its supervisor's restart line (an
+    # inherited descriptor: launcher/restart_line.py), through which --restart local asks
+    # for a worker's restart. Not configuration, so no variable and no --help line.
+    p.add_argument("--supervisor-fd", type=int, help=argparse.SUPPRESS)
     opt("--kube-namespace", help="with --restart kubernetes: the pods' namespace (default: "
                                  "this pod's own)")
     flag("--dry-run", "decide and record every decision, act on nothing")
@@ -105,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print("pdserve agent: --redis-url (or PDSERVE_REDIS_URL) is required, e.g. "
               "redis://127.0.0.1:6379/0", file=sys.stderr)
+        return 2
+    if args.restart == "local" and args.supervisor_fd is None:
+        print("pdserve agent: --restart local restarts workers through the supervisor that "
+              "started them (`pdserve up` passes --supervisor-fd); use exit, kubernetes or "
+              "none", file=sys.stderr)
         return 2
     from agent.main import config_from_args, run_agent
 

@@ -2,8 +2,8 @@
 
     config_from_args ─▶ run_agent: uvloop ─▶ serve():
         Redis client + RedisState (only entries bound by the cluster's secret) + AgentState,
-        the workers' channels (rpc/), an aiohttp session for the Kubernetes API, the metrics
-        registry,
+        the workers' channels (rpc/), the supervisor's restart line (--supervisor-fd, from
+        `pdserve up`), an aiohttp session for the Kubernetes API, the metrics registry,
         GET /health and /metrics on --host:--port ─▶ Observer, Actuator (with the restarter
         of --restart), Audit (--audit-log) ─▶ ControlLoop.adopt() (ejections a previous
         agent left) ─▶ tick every --period-s until SIGTERM/SIGINT (--once: a few ticks in
@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,9 @@ def run_agent(args: argparse.Namespace, config: AgentConfig) -> int:
 
 async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
     token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+    # The restart line `pdserve up` gave this process (launcher/restart_line.py), if any.
+    supervisor = None if args.supervisor_fd is None else \
+        socket.socket(fileno=args.supervisor_fd)
     metrics = MetricsRegistry()
     # The agent acts only on entries bound by the cluster's secret (protocol/cluster_secret.py).
     state = RedisState(connect(args.redis_url), args.namespace,
@@ -111,7 +115,7 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
     try:
         audit.open()
         restarter = make_restarter(RestartMode(args.restart), session, channels,
-                                   args.kube_namespace)
+                                   args.kube_namespace, supervisor)
         actuator = Actuator(agent_state, restarter, channels, eject_hold_s=args.eject_hold_s)
         observer = Observer(state, channels, control_timeout_s=args.control_timeout_s)
         loop_ = ControlLoop(observer, actuator, audit, config, metrics)
@@ -134,6 +138,8 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
         await state.aclose()
         if runner is not None:
             await runner.cleanup()
+        if supervisor is not None:
+            supervisor.close()
 
 
 async def _start_http(metrics: MetricsRegistry, host: str, port: int) -> web.AppRunner:

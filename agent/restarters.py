@@ -1,10 +1,15 @@
 """How the agent restarts a worker process, one way per kind of deployment.
 
-    local       the worker runs on this host under a supervisor (`pdserve up`): SIGKILL its
-                process group; the supervisor starts it again (a new process, a new
-                epoch). Works on a frozen (SIGSTOP) or hung process too. Refused unless
-                /proc shows a live process whose command line names the worker id, so a
-                reused pid is never hit.
+    local       the worker runs on this host under the supervisor that started this agent
+                (`pdserve up`): ask that supervisor, over the line only the two share
+                (launcher/restart_line.py), to restart the worker it started under this
+                id; it SIGKILLs that child's process group by its own handle and starts it
+                again (a new process, a new epoch). Works on a frozen (SIGSTOP) or hung
+                process too. The agent never signals a process itself: a pid read from the
+                registry (which a process that can reach Redis may write) names nothing to
+                kill; the supervisor refuses any id it did not start (the gateway, Redis,
+                the agent, a stranger), and kills only while the worker still runs as the
+                pid the agent saw.
     exit        ask the worker to exit (POST /internal/exit): its orchestrator (compose
                 `restart: unless-stopped`, systemd) starts it again. A frozen worker cannot
                 answer: the call fails, the ejection stays, and an operator must act.
@@ -14,7 +19,8 @@
                 prefill or decode) is deleted: a registry entry naming another pod (the
                 gateway's, Redis's) is refused. Deleted with no grace period: the worker is
                 frozen, hung or failing, and its streams move elsewhere anyway.
-    auto        local for workers whose control API is on a loopback address, else exit.
+    auto        local for workers whose control API is on a loopback address when a
+                supervisor's line was given (`--supervisor-fd`), else exit.
     none        never restart: eject only.
 
 Every restarter returns what happened as one line for the audit log, or raises
@@ -23,9 +29,11 @@ RestartError with why it could not.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
-import signal
+import secrets
+import socket
 import ssl
 from pathlib import Path
 from typing import Protocol
@@ -33,9 +41,10 @@ from urllib.parse import quote
 
 import aiohttp
 
-from agent.observer import is_local, process_alive
-from protocol.agent_messages import ExitRequest, ExitResponse
-from protocol.messages import WorkerInfo
+from agent.observer import is_local
+from protocol.agent_messages import (ExitRequest, ExitResponse, RestartStatus, RestartWorkerRequest,
+                                     RestartWorkerResponse)
+from protocol.messages import MessageDecoder, ProtocolError, WorkerInfo, encode
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
 from rpc.errors import ControlError
@@ -60,23 +69,44 @@ class Restarter(Protocol):
     async def restart(self, info: WorkerInfo, reason: str) -> str: ...
 
 
-class LocalRestarter:
+class SupervisorRestarter:
+    """`local`: ask the supervisor that started the worker (see the module docstring).
+
+    Lifecycle of a request: sent → answered (matched by its random number: an answer to an
+    earlier request that timed out, or to a previous agent on the same line, is skipped)
+    → done; or no answer within `timeout_s`: RestartError. One request at a time."""
+
+    def __init__(self, line: socket.socket, timeout_s: float = 5.0) -> None:
+        line.setblocking(False)
+        self.line = line
+        self.timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+        self._answers: MessageDecoder[RestartWorkerResponse] = MessageDecoder(
+            RestartWorkerResponse, 1 << 16)
+
     async def restart(self, info: WorkerInfo, reason: str) -> str:
-        if not info.pid:
-            raise RestartError("the worker did not register its pid")
-        if not process_alive(info.pid, info.worker_id):
-            return f"pid {info.pid} is gone already: its supervisor restarts it"
-        try:
-            group = os.getpgid(info.pid)
-            if group == info.pid:  # its own process group (how `pdserve up` starts workers)
-                os.killpg(group, signal.SIGKILL)
-            else:
-                os.kill(info.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return f"pid {info.pid} exited meanwhile: its supervisor restarts it"
-        except PermissionError as exc:
-            raise RestartError(f"may not signal pid {info.pid}: {exc}") from None
-        return f"killed pid {info.pid} (SIGKILL): its supervisor restarts it"
+        request = RestartWorkerRequest(number=secrets.randbits(62), worker_id=info.worker_id,
+                                       pid=info.pid, reason=reason[:1000])
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await loop.sock_sendall(self.line, encode(request))
+                    while True:
+                        data = await loop.sock_recv(self.line, 1 << 16)
+                        if not data:
+                            raise RestartError("the supervisor closed the restart line")
+                        answer = self._answers.decode(data)
+                        if answer.number == request.number:
+                            break
+            except TimeoutError:
+                raise RestartError(f"the supervisor did not answer within "
+                                   f"{self.timeout_s:g} s") from None
+            except (OSError, ProtocolError) as exc:
+                raise RestartError(f"the supervisor's restart line failed: {exc!r}") from None
+        if answer.status is RestartStatus.REFUSED:
+            raise RestartError(answer.outcome)
+        return answer.outcome
 
 
 class ExitRestarter:
@@ -165,14 +195,23 @@ class AutoRestarter:
 
 
 def make_restarter(mode: RestartMode, session: aiohttp.ClientSession, channels: ChannelPool,
-                   kube_namespace: str | None = None) -> Restarter:
-    """`session`: for the Kubernetes API; `channels`: the workers' (an exit request)."""
+                   kube_namespace: str | None = None,
+                   supervisor: socket.socket | None = None) -> Restarter:
+    """`session`: for the Kubernetes API; `channels`: the workers' (an exit request);
+    `supervisor`: the restart line to the supervisor that started this agent, if one did.
+    Raises ValueError for `local` without a supervisor's line."""
     if mode is RestartMode.LOCAL:
-        return LocalRestarter()
+        if supervisor is None:
+            raise ValueError("--restart local restarts workers through the supervisor that "
+                             "started them and this agent (`pdserve up` passes "
+                             "--supervisor-fd); without one use exit, kubernetes or none")
+        return SupervisorRestarter(supervisor)
     if mode is RestartMode.EXIT:
         return ExitRestarter(channels)
     if mode is RestartMode.KUBERNETES:
         return KubernetesRestarter(session, kube_namespace)
     if mode is RestartMode.NONE:
         return NoRestarter()
-    return AutoRestarter(LocalRestarter(), ExitRestarter(channels))
+    exit_restarter = ExitRestarter(channels)
+    local = exit_restarter if supervisor is None else SupervisorRestarter(supervisor)
+    return AutoRestarter(local, exit_restarter)

@@ -4,11 +4,14 @@
               launcher/mps.py) → the workers → the gateway (its port fixed), or N gateway
               replicas sharing that port (SO_REUSEPORT: the kernel spreads connections)
               and their admission limits (in Redis: gateway/admission/shared_limits.py) → the
-              operations agent (agent/: it SIGKILLs a bad worker, supervise() restarts it)
+              operations agent (agent/: it asks for a bad worker's restart over the restart
+              line, launcher/restart_line.py; the supervisor kills that child by its own
+              handle and supervise() starts it again)
     wait_ready(): until /ready answers and every worker started here is listed ready (with
               N gateway replicas: until N distinct replicas answered /ready with 200)
-    supervise(): called periodically; restarts what exited (launcher/restart_policy.py):
-              a worker with a new process (new epoch), the gateway and Redis on their ports
+    supervise(): called periodically; answers the agent's restart requests, restarts what
+              exited (launcher/restart_policy.py): a worker with a new process (new epoch),
+              the gateway and Redis on their ports
     stop():   the agent first (so nothing restarts what is stopping), then the gateway
               (SIGTERM: it stops accepting, lets streams finish within its drain timeout,
               ends the rest with an error event and [DONE]), then the workers (they drain and deregister), then the MPS daemon, then Redis
@@ -53,6 +56,7 @@ from pathlib import Path
 
 from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
+from launcher.restart_line import RestartLine
 from launcher.restart_policy import RestartPolicy, consecutive_failures, restart_delay_s
 from launcher.secret_file import write_secret
 from launcher.supervisor import Child, Supervisor
@@ -111,6 +115,8 @@ class LocalCluster:
         self._admin_token_generated = not os.environ.get(ADMIN_TOKEN_ENV)
         self.failure: str | None = None
         self.workers: list[Child] = []
+        self.workers_by_id: dict[str, Child] = {}  # what the agent may ask to restart
+        self.restart_line: RestartLine | None = None  # to the agent, when there is one
         self.num_gateways = num_gateways
         self.gateways: list[Child] = []
         self.agent_args = agent_args
@@ -149,9 +155,11 @@ class LocalCluster:
         for spec in self.worker_specs:
             index = counts.get(spec.label, 0)
             counts[spec.label] = index + 1
-            self.workers.append(self.supervisor.start(
+            child = self.supervisor.start(
                 f"{spec.label} worker {index}", worker_argv(spec, base, self.common_args),
-                env={**self._redis_env(worker_username(spec.worker_id)), **spec.env}))
+                env={**self._redis_env(worker_username(spec.worker_id)), **spec.env})
+            self.workers.append(child)
+            self.workers_by_id[spec.worker_id] = child
         gateway = [*base, "gateway", *self.gateway_args,
                    "--drain-timeout-s", str(self.drain_timeout_s)]
         if self.num_gateways > 1:
@@ -163,8 +171,11 @@ class LocalCluster:
                 env={**self._redis_env(GATEWAY_USER), ADMIN_TOKEN_ENV: self.admin_token},
                 essential=True))
         if self.agent_args is not None:
+            line = self.restart_line = RestartLine()
             self.agent = self.supervisor.start(
-                "agent", [*base, "agent", *self.agent_args], env=self._redis_env(AGENT_USER))
+                "agent", [*base, "agent", *self.agent_args,
+                          "--supervisor-fd", str(line.agent_fd)],
+                env=self._redis_env(AGENT_USER), pass_fds=(line.agent_fd,))
 
     def _redis_env(self, username: str) -> dict[str, str]:
         """A child's environment: the cluster's, and its way into Redis."""
@@ -238,9 +249,16 @@ class LocalCluster:
         """A child that exited (used during start-up, when any exit is fatal)."""
         return self.supervisor.poll_exited()
 
+    def answer_restarts(self, allow: bool) -> None:
+        """Answer the agent's restart requests (`allow` False while starting: refused)."""
+        if self.restart_line is not None:
+            for line in self.restart_line.answer(self.supervisor, self.workers_by_id, allow):
+                self.say(line)
+
     def supervise(self) -> None:
-        """Restart what exited, when its backoff is due; sets `failure` when an essential
-        child (the gateway, Redis) cannot be kept up."""
+        """Answer the agent, then restart what exited, when its backoff is due; sets
+        `failure` when an essential child (the gateway, Redis) cannot be kept up."""
+        self.answer_restarts(allow=True)
         now = time.monotonic()
         for child in self.supervisor.children:
             code = child.returncode()
@@ -309,6 +327,8 @@ class LocalCluster:
                     self.say(f"CUDA MPS: {exc}")
             if self.redis is not None:
                 self.redis.stop()
+            if self.restart_line is not None:
+                self.restart_line.close()
 
 
 def worker_argv(spec: WorkerSpec, base: list[str], common: list[str]) -> list[str]:

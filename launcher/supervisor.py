@@ -5,9 +5,11 @@ only the supervisor, which then stops the children in order; its output goes to 
 whose tail is shown when it dies. On Linux each child also gets PR_SET_PDEATHSIG(SIGTERM):
 if the supervisor itself is killed (SIGKILL, OOM), the kernel stops the children too.
 
-Lifecycle of a child: start() → running → exited on its own (`poll_exited`) →
-restart() (same argv, env and log, a new process) → running ...; or stop()/stop_all():
-SIGTERM to its process group → wait up to the deadline → SIGKILL the group.
+Lifecycle of a child: start() → running → exited on its own (`poll_exited`), or killed
+(`kill`: the operations agent's restart, launcher/restart_line.py) → restart() (same argv,
+env and log, a new process) → running ...; or stop()/stop_all(): SIGTERM to its process
+group → wait up to the deadline → SIGKILL the group. Every signal goes to a process this
+supervisor started, through its own handle (Popen): a pid is never taken from anyone else.
 
 Invariant: after stop_all() returns, no child process group started here has a live
 member (SIGKILL is the last resort, waited for); a child is restarted only after it exited.
@@ -35,6 +37,7 @@ class Child:
     log_path: Path
     env: dict[str, str] | None = None
     essential: bool = False  # the cluster cannot run without it (see restart_policy.py)
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (every other one is closed)
     process: subprocess.Popen[bytes] | None = None
     started_at: float = field(default_factory=time.monotonic)
     num_failures: int = 0  # consecutive exits without a stable run
@@ -74,10 +77,10 @@ class Supervisor:
         self.children: list[Child] = []
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              essential: bool = False) -> Child:
+              essential: bool = False, pass_fds: tuple[int, ...] = ()) -> Child:
         slug = name.replace(" ", "-")
         child = Child(name=name, argv=list(argv), log_path=self.log_dir / f"{slug}.log",
-                      env=env, essential=essential)
+                      env=env, essential=essential, pass_fds=pass_fds)
         self._spawn(child)
         self.children.append(child)
         return child
@@ -97,10 +100,19 @@ class Supervisor:
         with open(child.log_path, "ab") as log:
             child.process = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=child.env, start_new_session=True,
+                env=child.env, start_new_session=True, pass_fds=child.pass_fds,
                 preexec_fn=(lambda: die_with_parent(parent_pid))
                 if sys.platform == "linux" else None)
         child.started_at = time.monotonic()
+
+    def kill(self, child: Child) -> bool:
+        """SIGKILL a running child's process group (works on a frozen one too); the caller's
+        supervision then restarts it as any exit. False when it had exited already. Safe
+        from pid reuse: an exited child not yet reaped still holds its pid."""
+        if child not in self.children or child.returncode() is not None:
+            return False
+        _signal_group(child.pid, signal.SIGKILL)
+        return True
 
     def poll_exited(self) -> Child | None:
         """The first child that has exited and has no restart scheduled, if any."""

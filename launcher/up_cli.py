@@ -312,6 +312,7 @@ def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], 
         if dead is not None:
             return (f"{dead.name} exited with code {dead.returncode()} during start-up. "
                     f"Last lines of {dead.log_path}:\n{dead.log_tail()}")
+        cluster.answer_restarts(allow=False)
         elapsed = time.monotonic() - started
         if elapsed > timeout_s:
             return (f"the cluster was not ready after {timeout_s:.0f} s; see the logs in "

@@ -14,15 +14,24 @@ protocol/messages.py's), over the worker's token-guarded channel:
         fault injection for tests and drills (worker/faults.py): only taken when the worker
         was started with PDSERVE_FAULT_INJECTION=1 in its environment (else BAD_REQUEST:
         the worker has no route for it)
+
+And one the agent sends to its supervisor (`pdserve up`), not to a worker, over the line
+only the two of them hold (launcher/restart_line.py):
+
+    RestartWorkerRequest -> RestartWorkerResponse
+        restart the worker process the supervisor started under `worker_id`, by the
+        supervisor's own handle of it; `pid` (from the worker's bound registry entry) must
+        be the process it runs now, else it was restarted already and nothing is killed
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 import msgspec
 
-from protocol.messages import Message
+from protocol.messages import Message, WorkerId
 from protocol.worker_load import WorkerLoad
 
 EXIT_CODE_RESTART = 75  # EX_TEMPFAIL: "restart me", not a crash of the worker's own
@@ -86,3 +95,22 @@ class FaultRequest(Message, tag="fault_request", frozen=True, kw_only=True):
 class FaultResponse(Message, tag="fault_response", frozen=True, kw_only=True):
     step_delay_ms: int
     transfer_layer_delay_ms: int = 0
+
+
+class RestartStatus(enum.StrEnum):
+    KILLED = "killed"  # its process group got SIGKILL; the supervisor starts it again
+    GONE = "gone"  # that process exited already (or was replaced): nothing to kill
+    REFUSED = "refused"  # not a worker this supervisor started, or not now
+
+
+class RestartWorkerRequest(Message, tag="restart_worker_request", frozen=True, kw_only=True):
+    number: Annotated[int, msgspec.Meta(ge=0)]  # echoed: a late answer is told apart
+    worker_id: WorkerId
+    pid: Count = 0  # the process the agent saw (0: any)
+    reason: Reason = ""
+
+
+class RestartWorkerResponse(Message, tag="restart_worker_response", frozen=True, kw_only=True):
+    number: Annotated[int, msgspec.Meta(ge=0)]
+    status: RestartStatus
+    outcome: Reason  # one line for the audit trail

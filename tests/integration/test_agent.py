@@ -10,18 +10,24 @@ variables, and the workers take a FaultRequest (PDSERVE_FAULT_INJECTION=1).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx2 as httpx
+import msgspec
 import openai
 import pytest
-from up_process import UpProcess, pid_alive
+from up_process import UpProcess, child_pids, pid_alive
 
 from protocol.agent_messages import FaultRequest, FaultResponse
-from protocol.messages import ReserveRequest, ReserveResponse
+from protocol.messages import LoadReport, ReserveRequest, ReserveResponse
+from state.redis_state import RedisState, connect
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -213,3 +219,89 @@ def test_a_killed_worker_is_serving_again_within_60_s(up, client) -> None:
     assert all(complete(client) for _ in range(2))  # started after the ejection: served
     wait_new_epoch_ready(up, killed, 60 - (time.monotonic() - killed_at))
     assert complete(client)
+
+
+class Listener:
+    """A port that records every connection and byte, and answers nothing."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received = bytearray()
+        self.num_connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.num_connections += 1
+            conn.settimeout(0.5)
+            try:
+                while chunk := conn.recv(65536):
+                    self.received += chunk
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+def test_a_fake_registry_entry_carrying_the_gateways_pid_kills_nothing(up, client) -> None:
+    """The issue's probe on a default `pdserve up`: a process that can write the cluster's
+    Redis but does not hold its token registers copies of a decode worker's entry with the
+    project's own calls, carrying the gateway's pid and pointing at its own listener: one
+    named like an element of the gateway's command line (its namespace: `gateway` itself
+    is no worker id), its lease left to run down (what the agent calls dead), one renewed
+    and idle (what the router would prefer). Nothing happens: no process is killed, the
+    listener gets no connection, the agent decides nothing about them."""
+    wait_all_ready(up)
+    redis_url = re.search(r"^redis: (\S+)", up.output, re.MULTILINE).group(1)
+    [gateway_pid] = [pid for pid in child_pids(up.process.pid)
+                     if b"\0gateway\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    listener = Listener()
+    seen_events, seen_output = len(events(up)), len(up.output)
+
+    async def forge(seconds: float) -> None:
+        state = RedisState(connect(redis_url), "pdserve")  # Redis access, no token
+        try:
+            real = (await state.read_registry()).workers[decode_workers(up)[0]["id"]]
+            fakes = []
+            for worker_id, lease_ms in (("pdserve", 2500), ("decoy-decode-0", 3000)):
+                fake = msgspec.structs.replace(real, worker_id=worker_id, binding=b"",
+                                               control_url=listener.url, pid=gateway_pid,
+                                               epoch=await state.next_epoch(worker_id))
+                fakes.append((fake, lease_ms))
+            deadline = time.monotonic() + seconds
+            first = True
+            while time.monotonic() < deadline:
+                for fake, lease_ms in fakes:
+                    if first or lease_ms == 3000:  # the first one's lease runs down
+                        await state.heartbeat(fake, LoadReport(worker_id=fake.worker_id,
+                                                               epoch=fake.epoch), lease_ms)
+                first = False
+                await asyncio.sleep(0.3)
+        finally:
+            await state.aclose()
+
+    forger = threading.Thread(target=asyncio.run, args=(forge(8.0),), daemon=True)
+    forger.start()
+    try:
+        for _ in range(4):
+            assert complete(client)
+        forger.join(30)
+    finally:
+        listener.close()
+    assert pid_alive(gateway_pid) and up.process.poll() is None, up.output[-3000:]
+    assert listener.num_connections == 0 and up.token.encode() not in listener.received
+    decided = events(up)[seen_events:]
+    assert not [e for e in decided if e["worker_id"] in ("pdserve", "decoy-decode-0")], decided
+    assert "restart of" not in up.output[seen_output:], up.output[-3000:]  # none was asked

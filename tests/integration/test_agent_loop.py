@@ -1,17 +1,21 @@
 """The agent's control loop against a real Redis server and stub workers: real publishers
 (leases, epochs, loads), real control servers answering HealthRequest, ReclaimRequest and
-RoleChangeRequest over their channels, and a real process per worker for the local
-restarter to kill. The ticks are driven by the test, so every step of a recovery is checked."""
+RoleChangeRequest over their channels, and a real process per worker, started by a real
+supervisor (launcher/supervisor.py) that the local restarter asks, over its restart line,
+to kill it. The ticks are driven by the test, so every step of a recovery is checked."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,7 +26,9 @@ from agent.control_loop import AgentConfig, ControlLoop
 from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
-from agent.restarters import LocalRestarter
+from agent.restarters import SupervisorRestarter
+from launcher.restart_line import RestartLine
+from launcher.supervisor import Child, Supervisor
 from protocol.agent_messages import HealthReport, HealthRequest, ReclaimRequest, ReclaimResponse
 from protocol.messages import Message, Role, RoleChangeRequest, RoleChangeResponse, WorkerInfo
 from protocol.worker_load import StepModel, WorkerLoad
@@ -40,6 +46,25 @@ THRESHOLDS = Thresholds(lease_margin_s=0.6, hung_after_s=1.0, leak_after_s=1.0,
 
 
 @dataclass
+class Supervision:
+    """A supervisor of the workers' processes and its restart line, answered every 50 ms as
+    `pdserve up` answers it every tick."""
+
+    supervisor: Supervisor
+    line: RestartLine = field(default_factory=RestartLine)
+    workers_by_id: dict[str, Child] = field(default_factory=dict)
+
+    def restarter(self) -> SupervisorRestarter:
+        """The agent's end, as `pdserve agent --supervisor-fd` makes it."""
+        return SupervisorRestarter(socket.socket(fileno=os.dup(self.line.agent_fd)))
+
+    async def answer_forever(self) -> None:
+        while True:
+            self.line.answer(self.supervisor, self.workers_by_id, allow=True)
+            await asyncio.sleep(0.05)
+
+
+@dataclass
 class StubWorker:
     """One worker as the agent sees it: a registry entry, a control API, a process."""
 
@@ -53,6 +78,7 @@ class StubWorker:
     num_reclaims: int = 0
     role_changes: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
+    supervision: Supervision | None = None
     publisher: WorkerPublisher | None = None
     server: ControlServer | None = None
     _steps: int = 0
@@ -87,23 +113,41 @@ class StubWorker:
 
 
 @pytest.fixture
-async def cluster(redis_url: str) -> AsyncIterator[tuple[RedisState, list[StubWorker]]]:
+async def cluster(redis_url: str, tmp_path: Path
+                  ) -> AsyncIterator[tuple[RedisState, list[StubWorker], SupervisorRestarter]]:
     state = RedisState(connect(redis_url), namespace=f"t{uuid.uuid4().hex[:8]}")
+    supervision = Supervision(Supervisor(tmp_path))
     workers = [StubWorker("prefill-0", Role.PREFILL), StubWorker("decode-0", Role.DECODE),
                StubWorker("decode-1", Role.DECODE), StubWorker("decode-2", Role.DECODE)]
     for worker in workers:
+        worker.supervision = supervision
         await start(state, worker)
-    yield state, workers
+    answering = asyncio.create_task(supervision.answer_forever())
+    restarter = supervision.restarter()
+    yield state, workers, restarter
+    answering.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await answering
     for worker in workers:
         await stop(worker)
+    supervision.supervisor.stop_all(5.0)
+    restarter.line.close()
+    supervision.line.close()
     await state.aclose()
 
 
 async def start(state: RedisState, worker: StubWorker) -> None:
-    """Start (or restart) the worker: a new process and a new epoch."""
-    worker.process = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(120)", "--worker-id", worker.worker_id],
-        start_new_session=True)
+    """Start (or restart) the worker: a new process (by its supervisor) and a new epoch."""
+    assert worker.supervision is not None
+    supervision = worker.supervision
+    child = supervision.workers_by_id.get(worker.worker_id)
+    if child is None:
+        child = supervision.workers_by_id[worker.worker_id] = supervision.supervisor.start(
+            worker.worker_id, [sys.executable, "-c", "import time; time.sleep(120)",
+                               "--worker-id", worker.worker_id])
+    else:
+        supervision.supervisor.restart(child)
+    worker.process = child.process
     if worker.server is None:
         app = make_app(None)
         add_call(app, HealthRequest, worker.health)
@@ -138,13 +182,14 @@ async def channels() -> AsyncIterator[ChannelPool]:
     await pool.aclose()
 
 
-def make_loop(state: RedisState, channels: ChannelPool, **config) -> ControlLoop:
+def make_loop(state: RedisState, restarter: SupervisorRestarter, channels: ChannelPool,
+              **config) -> ControlLoop:
     agent_state = AgentState(state)
     metrics = MetricsRegistry()
     defaults = dict(period_s=0.2, window_s=5.0, thresholds=THRESHOLDS, cooldown_s=1.0,
                     probation_s=1.0, rebalance=None)
     return ControlLoop(Observer(state, channels, control_timeout_s=0.3),
-                       Actuator(agent_state, LocalRestarter(), channels),
+                       Actuator(agent_state, restarter, channels),
                        Audit(agent_state, metrics), AgentConfig(**{**defaults, **config}),
                        metrics)
 
@@ -175,9 +220,9 @@ def acted(events: list, worker_id: str, action: str) -> list:
 
 async def test_a_frozen_worker_is_ejected_killed_and_its_new_epoch_readmitted(
         cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     frozen = workers[1]
-    loop = make_loop(state, channels)
+    loop = make_loop(state, restarter, channels)
     await loop.tick()
     assert await loop.actuator.agent_state.read_ejected() == {}
     old_epoch = frozen.publisher.epoch
@@ -209,10 +254,10 @@ async def test_a_frozen_worker_is_ejected_killed_and_its_new_epoch_readmitted(
 
 
 async def test_a_slow_worker_is_ejected_readmitted_then_restarted(cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     slow = workers[2]
     slow.step_s = 0.3  # 15x its peers' decode steps
-    loop = make_loop(state, channels)
+    loop = make_loop(state, restarter, channels)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
     assert acted(events, slow.worker_id, "eject")[0].rule == "slow"
     # On probation for 1 s, then back in; still slow: the second strike drains it (it runs
@@ -231,14 +276,14 @@ async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_rea
         cluster, channels) -> None:
     # The router sends nothing to a worker whose fitted model predicts slow steps, so once
     # ejected it runs no step that could clear it: its model decides at the probation's end.
-    state, workers = cluster
+    state, workers, restarter = cluster
     slow = workers[2]
     for worker in workers[1:]:
         worker.step_s = 0.3 if worker is slow else 0.02
         worker.load = WorkerLoad(num_kv_blocks_total=64, step_model=StepModel(
             base_s=worker.step_s, prefill_token_s=0.0, decode_seq_s=0.0, context_token_s=0.0,
             num_samples=64, num_decode_samples=64))
-    loop = make_loop(state, channels)
+    loop = make_loop(state, restarter, channels)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject"), 5)
     slow.stepping = False
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "restart"), 10)
@@ -249,10 +294,10 @@ async def test_a_slow_worker_its_own_model_still_calls_slow_is_restarted_not_rea
 
 
 async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     for worker in workers[1:]:  # every decode worker fails every request
         worker.num_errors_per_scrape = 5
-    loop = make_loop(state, channels, max_eject_fraction=0.5)
+    loop = make_loop(state, restarter, channels, max_eject_fraction=0.5)
     events = await run_until(loop, lambda ev: any(e.action == "hold" for e in ev), 5)
     ejected = {e.worker_id for e in events if e.action == "eject"}
     assert len(ejected) == 1  # of 3 decode workers, at most int(3 * 0.5) = 1 out
@@ -262,10 +307,10 @@ async def test_never_more_than_the_fraction_of_a_pool_at_once(cluster, channels)
 
 
 async def test_a_leak_is_reclaimed_without_ejecting(cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     leaky = workers[3]
     leaky.load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
-    loop = make_loop(state, channels)
+    loop = make_loop(state, restarter, channels)
     events = await run_until(loop, lambda ev: acted(ev, leaky.worker_id, "reclaim"), 5)
     assert acted(events, leaky.worker_id, "reclaim")[0].outcome == \
         "done: 1 reservation(s) freed"
@@ -274,10 +319,10 @@ async def test_a_leak_is_reclaimed_without_ejecting(cluster, channels) -> None:
 
 
 async def test_a_dry_run_decides_but_touches_nothing(cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     workers[1].answering = False
     await workers[1].publisher.stop(deregister=False)
-    loop = make_loop(state, channels, dry_run=True)
+    loop = make_loop(state, restarter, channels, dry_run=True)
     events = await run_until(loop, lambda ev: acted(ev, workers[1].worker_id,
                                                     "eject+restart"), 5)
     assert acted(events, workers[1].worker_id, "eject+restart")[0].outcome == "dry_run"
@@ -286,8 +331,8 @@ async def test_a_dry_run_decides_but_touches_nothing(cluster, channels) -> None:
 
 
 async def test_only_the_leader_acts(cluster, channels) -> None:
-    state, workers = cluster
-    first, second = make_loop(state, channels), make_loop(state, channels)
+    state, workers, restarter = cluster
+    first, second = make_loop(state, restarter, channels), make_loop(state, restarter, channels)
     await first.tick()
     await second.tick()
     assert first.is_leader and not second.is_leader
@@ -302,7 +347,7 @@ async def test_only_the_leader_acts(cluster, channels) -> None:
 
 async def test_once_prints_what_it_would_do_and_does_nothing(cluster, channels,
                                                              redis_url: str) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     workers[3].load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
     workers[1].answering = False
     await workers[1].publisher.stop(deregister=False)
@@ -323,12 +368,12 @@ async def test_once_prints_what_it_would_do_and_does_nothing(cluster, channels,
 
 
 async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     # 10 s of prompt tokens queued on the prefill worker; the decode pool idle.
     workers[0].load = WorkerLoad(num_queued_prefill_tokens=10_000, prefill_tokens_per_s=1000,
                                  num_kv_blocks_total=64)
     workers[1].load = WorkerLoad(num_running=2, num_kv_blocks_total=64)
-    loop = make_loop(state, channels, rebalance=RebalanceConfig(sustain_s=0.6, cooldown_s=30),
+    loop = make_loop(state, restarter, channels, rebalance=RebalanceConfig(sustain_s=0.6, cooldown_s=30),
                      rebalance_period_s=0.2)
     events = await run_until(loop, lambda ev: any(e.rule == "rebalance" and
                                                   e.outcome.startswith("done") for e in ev), 5)
@@ -345,11 +390,11 @@ async def test_a_prefill_queue_moves_the_least_loaded_decode_worker(cluster, cha
 
 async def test_a_busy_slow_worker_is_restarted_when_its_drain_time_is_up(cluster,
                                                                          channels) -> None:
-    state, workers = cluster
+    state, workers, restarter = cluster
     slow = workers[2]
     slow.step_s = 0.3
     slow.load = WorkerLoad(num_running=1, num_kv_blocks_total=64)  # never finishes
-    loop = make_loop(state, channels, role_drain_timeout_s=1.5)
+    loop = make_loop(state, restarter, channels, role_drain_timeout_s=1.5)
     events = await run_until(loop, lambda ev: acted(ev, slow.worker_id, "eject+restart"), 10)
     drain_started = acted(events, slow.worker_id, "eject+restart")[0].at_unix_ms
     assert slow.process.poll() is None  # still running what it has

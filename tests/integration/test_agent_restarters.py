@@ -1,11 +1,17 @@
 """The agent's restarters against real processes and a real HTTPS server standing in for
 the Kubernetes API (a self-signed certificate the restarter must verify, a bearer token,
-the pod's labels checked before anything is deleted)."""
+the pod's labels checked before anything is deleted). The local restarter asks a real
+supervisor (launcher/supervisor.py) over its restart line (launcher/restart_line.py), as
+under `pdserve up`: only processes that supervisor started as workers can be killed."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -16,8 +22,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.restarters import KubernetesRestarter, LocalRestarter, RestartError
-from protocol.messages import Role, WorkerInfo
+from agent.actuator import ActionError, Actuator
+from agent.restarters import KubernetesRestarter, RestartError, SupervisorRestarter
+from launcher.restart_line import RestartLine
+from launcher.supervisor import Child, Supervisor
+from protocol.agent_messages import RestartWorkerRequest, RestartWorkerResponse
+from protocol.messages import MessageDecoder, Role, WorkerInfo, encode
+from rpc.channel_client import ChannelPool
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -27,25 +38,122 @@ def info(worker_id: str, pid: int = 0, url: str = "http://127.0.0.1:1") -> Worke
                       num_kv_blocks=8, block_size=16, pid=pid)
 
 
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
 def sleeper(*argv: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv],
-                            start_new_session=True)
+    return subprocess.Popen([*SLEEP, *argv], start_new_session=True)
 
 
-async def test_local_restarts_kill_the_worker_and_never_a_stranger() -> None:
-    worker = sleeper("--worker-id", "decode-7")
-    stranger = sleeper("--worker-id", "decode-8")  # a pid the registry might still name
+@contextlib.asynccontextmanager
+async def supervised(tmp_path: Path, allow: bool = True
+                     ) -> AsyncIterator[tuple[Supervisor, dict[str, Child], RestartLine]]:
+    """A supervisor with one worker (decode-7) and one child that is no worker (the
+    gateway, started with the worker's id among its arguments, as `launcher.cli gateway`
+    has "gateway"), its restart line answered every 20 ms."""
+    supervisor = Supervisor(tmp_path)
+    workers = {"decode-7": supervisor.start("decode worker 0", [*SLEEP, "--worker-id",
+                                                                "decode-7"])}
+    supervisor.start("gateway", [*SLEEP, "gateway", "decode-7"], essential=True)
+    line = RestartLine()
+
+    async def answer() -> None:
+        while True:
+            line.answer(supervisor, workers, allow)
+            await asyncio.sleep(0.02)
+
+    answering = asyncio.create_task(answer())
     try:
-        outcome = await LocalRestarter().restart(info("decode-7", worker.pid), "hung")
-        assert "killed pid" in outcome and worker.wait(5) == -9
-        outcome = await LocalRestarter().restart(info("decode-7", stranger.pid), "hung")
-        assert "gone already" in outcome and stranger.poll() is None
-        with pytest.raises(RestartError):
-            await LocalRestarter().restart(info("decode-7"), "hung")  # no pid registered
+        yield supervisor, workers, line
     finally:
-        for process in (worker, stranger):
-            process.kill()
-            process.wait()
+        answering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answering
+        supervisor.stop_all(5.0)
+        line.close()
+
+
+def agent_end(line: RestartLine) -> SupervisorRestarter:
+    return SupervisorRestarter(socket.socket(fileno=os.dup(line.agent_fd)), timeout_s=2.0)
+
+
+async def test_local_restarts_go_through_the_supervisor_and_never_hit_a_stranger(
+        tmp_path: Path) -> None:
+    stranger = sleeper("--worker-id", "decode-7")  # a pid a registry entry might name
+    try:
+        async with supervised(tmp_path) as (supervisor, workers, line):
+            worker = workers["decode-7"]
+            gateway = next(c for c in supervisor.children if c.name == "gateway")
+            restarter = agent_end(line)
+            # The worker's id with another process's pid (the stranger's, the gateway's):
+            # the supervisor's own child is not that process, and nothing else is touched.
+            for pid in (stranger.pid, gateway.pid, os.getpid()):
+                outcome = await restarter.restart(info("decode-7", pid), "hung")
+                assert "nothing killed" in outcome, outcome
+            # An id this supervisor did not start as a worker: refused.
+            for worker_id in ("decode-8", "gateway-0"):
+                with pytest.raises(RestartError, match="no worker this supervisor started"):
+                    await restarter.restart(info(worker_id, gateway.pid), "hung")
+            assert stranger.poll() is None and gateway.returncode() is None
+            assert worker.returncode() is None
+            # Its own worker, as the registry names it: killed by the supervisor's handle.
+            pid = worker.pid
+            outcome = await restarter.restart(info("decode-7", pid), "hung")
+            assert outcome.startswith(f"killed pid {pid} (decode worker 0")
+            assert worker.process is not None and worker.process.wait(5) == -9
+            assert "exited already" in await restarter.restart(info("decode-7", pid), "hung")
+            supervisor.restart(worker)  # what `pdserve up`'s supervise() does next
+            assert worker.pid != pid and worker.returncode() is None
+            assert stranger.poll() is None and gateway.returncode() is None
+            restarter.line.close()
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def test_the_line_refuses_what_is_no_worker_and_everything_while_starting(
+        tmp_path: Path) -> None:
+    async with supervised(tmp_path, allow=False) as (supervisor, workers, line):
+        restarter = agent_end(line)
+        with pytest.raises(RestartError, match="still starting"):
+            await restarter.restart(info("decode-7", workers["decode-7"].pid), "hung")
+        # A request naming the gateway, written to the line by hand (no agent would: the
+        # id does not decode as a worker id), is dropped; so is garbage.
+        agent = socket.socket(fileno=os.dup(line.agent_fd))
+        agent.setblocking(False)
+        bogus = RestartWorkerRequest(number=1, worker_id="gateway", pid=0)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(agent, encode(bogus))
+        await loop.sock_sendall(agent, b"\xc1 not a message")
+        await asyncio.sleep(0.2)
+        with pytest.raises(BlockingIOError):
+            agent.recv(4096)  # no answer to either
+        assert all(child.returncode() is None for child in supervisor.children)
+        agent.close()
+        restarter.line.close()
+        # And the agent never asks for one: the actuator refuses an id that is no worker's.
+        actuator = Actuator(None, restarter, ChannelPool(None))  # type: ignore[arg-type]
+        with pytest.raises(ActionError, match="not a worker id"):
+            await actuator.restart(info("gateway", os.getpid()), "hung")
+
+
+async def test_a_late_answer_is_not_taken_for_the_next_one(tmp_path: Path) -> None:
+    """An answer to a request that timed out is skipped by its number."""
+    theirs, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    restarter = SupervisorRestarter(ours, timeout_s=2.0)
+    requests: MessageDecoder[RestartWorkerRequest] = MessageDecoder(RestartWorkerRequest)
+
+    def supervisor_side() -> None:
+        request = requests.decode(theirs.recv(4096))
+        for number, outcome in ((request.number + 1, "stale"), (request.number, "fresh")):
+            theirs.send(encode(RestartWorkerResponse(number=number, status="killed",
+                                                     outcome=outcome)))
+
+    answering = asyncio.get_running_loop().run_in_executor(None, supervisor_side)
+    assert await restarter.restart(info("decode-7", 1), "hung") == "fresh"
+    await answering
+    theirs.close()
+    ours.close()
 
 
 @pytest.fixture

@@ -53,3 +53,11 @@ def test_help_explains_every_option() -> None:
     for action in agent._actions:
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_local_restarts_need_the_supervisor_that_started_the_workers(capsys) -> None:
+    """`--restart local` goes through `pdserve up`'s restart line, never a pid: without the
+    line (given by `pdserve up` alone) the agent does not start."""
+    assert main(BASE + ["--restart", "local"]) == 2
+    err = capsys.readouterr().err
+    assert "--restart local" in err and "supervisor" in err and err.count("\n") == 1
