@@ -12,7 +12,8 @@ import os
 import sys
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
-from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, REDIS_INSECURE_HELP, REDIS_URL_HELP, EnvOptions
+from telemetry.options import (ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, REDIS_INSECURE_HELP,
+                               REDIS_URL_HELP, EnvOptions)
 from telemetry.tracing import ENDPOINT_ENV
 
 

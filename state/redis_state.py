@@ -33,6 +33,7 @@ the others, and ids that are no worker id, are left out and listed in `unbound_i
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast

@@ -45,8 +45,8 @@ from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedReque
 from gateway.api.request_trace import RequestTrace
 from gateway.api.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer, keep_refusal,
                                    shutting_down)
-from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.slo_accounting import RequestTiming, timed_batches
+from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
 from telemetry.log_format import REQUEST_ID, TRACE_ID
 from telemetry.tracing import NO_TRACING, Tracing
