@@ -76,6 +76,7 @@ class StubWorker:
     stepping: bool = True  # False: gets no traffic (its reports count no new step)
     load: WorkerLoad = field(default_factory=lambda: WorkerLoad(num_kv_blocks_total=64))
     num_reclaims: int = 0
+    num_health_asks: int = 0  # HealthRequests received, answered or not
     role_changes: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     supervision: Supervision | None = None
@@ -87,6 +88,7 @@ class StubWorker:
     _errors: int = 0
 
     async def health(self, request: HealthRequest) -> Message:
+        self.num_health_asks += 1
         if not self.answering:
             await asyncio.sleep(5)  # frozen: past the agent's deadline
         if self.stepping:
@@ -350,13 +352,18 @@ async def test_once_prints_what_it_would_do_and_does_nothing(cluster, channels,
     state, workers, restarter = cluster
     workers[3].load = WorkerLoad(num_kv_blocks_used=7, num_kv_blocks_total=64)
     workers[1].answering = False
-    await workers[1].publisher.stop(deregister=False)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "launcher.cli", "agent", "--once",
         "--namespace", state.ns, "--period-s", "0.5", "--hung-after-s", "2",
         "--leak-after-s", "1", "--control-timeout-s", "0.3",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PDSERVE_REDIS_URL": redis_url})  # it holds the password
+    # It dies once the agent has seen it registered (an agent acts only on workers it saw
+    # under a bound entry), however long the agent took to start.
+    async with asyncio.timeout(30):
+        while workers[1].num_health_asks == 0:
+            await asyncio.sleep(0.05)
+    await workers[1].publisher.stop(deregister=False)
     out, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, err.decode()
     decided = [msgspec.json.decode(line) for line in out.splitlines()]
