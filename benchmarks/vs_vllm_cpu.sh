@@ -11,11 +11,13 @@
 #                    a CPU-only torch and which text generation does not need
 #   --out DIR        results (default .bench/vs-vllm-cpu): the model folder, one JSON per
 #                    config and rate, the servers' logs, table.md
-#   --configs LIST   any of: disaggregated (pdserve up: 1 prefill + 1 decode worker),
+#   --configs LIST   any of: default (pdserve up with no role options: the layout it picks
+#                    for the host, launcher/default_layout.py), disaggregated (pdserve up
+#                    --prefill 1 --decode 1),
 #                    colocated (pdserve up --colocated: 2 workers, 1 thread each),
 #                    colocated-1x2 (one colocated worker with 2 threads), adaptive
 #                    (pdserve up --roles both --workers 2), vllm (one vLLM server);
-#                    default all five
+#                    default all six
 #   --rates LIST     request rates for `vllm bench serve --request-rate` (default "1 inf")
 #   --num-prompts N  requests per run (default 40)
 #
@@ -34,7 +36,7 @@ ROOT=$(pwd)
 PY="$ROOT/.venv/bin/python"
 VLLM_VENV=${VLLM_VENV:-$ROOT/.bench/vllm-venv}
 OUT=$ROOT/.bench/vs-vllm-cpu
-CONFIGS="disaggregated colocated colocated-1x2 adaptive vllm"
+CONFIGS="default disaggregated colocated colocated-1x2 adaptive vllm"
 RATES="1 inf"
 NUM_PROMPTS=40
 INSTALL=0
@@ -45,7 +47,7 @@ while [ $# -gt 0 ]; do
         --configs) CONFIGS=$2; shift 2 ;;
         --rates) RATES=$2; shift 2 ;;
         --num-prompts) NUM_PROMPTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "vs_vllm_cpu: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -113,7 +115,8 @@ wait_ready() {  # URL TIMEOUT_S
 start_server() {  # CONFIG PORT LOG
     local common=(--model "$MODEL_DIR" --port "$2" --log-dir "$OUT/logs-$1")
     case "$1" in
-        disaggregated) "$ROOT/.venv/bin/pdserve" up "${common[@]}" ;;
+        default) "$ROOT/.venv/bin/pdserve" up "${common[@]}" ;;
+        disaggregated) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --prefill 1 --decode 1 ;;
         colocated) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --colocated ;;
         colocated-1x2) "$ROOT/.venv/bin/pdserve" up "${common[@]}" --colocated \
                            --workers 1 --threads-per-worker 2 ;;
