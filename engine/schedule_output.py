@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
+from engine.request import Request
+
 
 class _ChunkFields(NamedTuple):
     request_id: str
@@ -84,14 +86,38 @@ class ScheduleOutput:
 
 class ScheduleDraft:
     """What one `Scheduler.schedule()` call has decided so far: the chunks by request (a
-    preempted request's chunk is withdrawn), the token budget left, the preempted ids."""
+    preempted request's chunk is withdrawn), the token budget left, the preempted ids.
+    The budget left is the step's budget less the tokens of the chunks."""
 
-    __slots__ = ("budget", "chunks", "preempted")
+    __slots__ = ("budget", "chunks", "preempted", "prefill_chunk_tokens")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, prefill_chunk_tokens: int | None = None) -> None:
         self.budget = budget
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # a request's most tokens per step
         self.chunks: dict[str, ScheduledChunk] = {}
         self.preempted: list[str] = []
+
+    def chunk_len(self, num_left: int) -> int:
+        """The tokens a request with `num_left` to compute may take now."""
+        cap = self.prefill_chunk_tokens
+        return min(num_left, self.budget, num_left if cap is None else cap)
+
+    def add_chunk(self, request: Request, num_new: int) -> None:
+        """The request's next `num_new` tokens (from num_computed_tokens), sampling when
+        they reach its last known token."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        self.chunks[request.request_id] = ScheduledChunk(
+            request_id=request.request_id, token_ids=request.token_ids_between(start, end),
+            start_pos=start, block_ids=request.block_ids, sample=end == request.num_tokens)
+        self.budget -= num_new
+
+    def preempt(self, request_id: str) -> None:
+        """The request was preempted: its chunk, if it had one, is withdrawn."""
+        withdrawn = self.chunks.pop(request_id, None)
+        if withdrawn is not None:
+            self.budget += len(withdrawn.token_ids)
+        self.preempted.append(request_id)
 
     def output(self) -> ScheduleOutput:
         return ScheduleOutput(tuple(self.chunks.values()), tuple(self.preempted))

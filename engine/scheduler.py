@@ -23,17 +23,19 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
      `add_decode_request` joined requests beyond the limit; they wait for a seat);
   2. seated decodes (one token each) - max_num_batched_tokens >= max_num_seqs, so a decode is
      never stalled by a long prompt;
-  3. seated partial prefills, a chunk of min(remaining, budget left, prefill_chunk_tokens);
-  4. when nothing was preempted this step: admit WAITING/PREEMPTED requests best-ranked first
-     (prefix-cache hits skip their compute). Admission is strictly in rank order and stops at
-     the first request whose chunk does not fit: a large request is never overtaken forever
-     by smaller ones. Admission never preempts.
+  3. prefills, shortest remaining first within a tier, with aging: seated partial prefills
+     and (while nothing was preempted this step) WAITING/PREEMPTED requests, merged in prefill
+     order, each a chunk of min(tokens left, budget left, prefill_chunk_tokens): a prompt that
+     arrives while a longer one is mid-prefill computes first in the next step, the long one
+     takes what is left. Admission (prefix-cache hits skip their compute) never preempts and
+     stops at the first waiting request without a seat or blocks: nobody overtakes it.
   When a running request needs a block and none is free, the worst-ranked running request
   (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
   full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
   waiting queue, and a chunk already scheduled for it this step is withdrawn.
 
-Rank and starvation: `engine/request_rank.py`. Lifecycle: drawn in `engine/request.py`.
+Rank, prefill order, starvation (a long prompt among short ones): `engine/request_rank.py`.
+Lifecycle: drawn in `engine/request.py`.
 No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
 (FINISHED_ERROR); a request that grows past the pool while decoding ends FINISHED_LENGTH.
 
@@ -49,10 +51,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
-from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.ranked_requests import RankedRequests
-from engine.request_rank import rank_key
-from engine.schedule_output import ScheduleDraft, ScheduledChunk, ScheduleOutput
+from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
+from engine.request_rank import RequestOrder
+from engine.schedule_output import ScheduledChunk, ScheduleDraft, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
 from engine.waiting_queue import WAITING_STATES, WaitingQueue
 
@@ -62,7 +64,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self._requests: dict[str, Request] = {}  # every live request
-        self._keys: dict[str, tuple[int, float, int]] = {}  # sort key: smaller = better rank
+        self._order = RequestOrder(config.aging_steps, config.prefill_aging_tokens)
         self._waiting = WaitingQueue()
         self._running = RankedRequests()  # in rank order (engine/ranked_requests.py)
         self._prefilled: dict[str, Request] = {}
@@ -70,7 +72,6 @@ class Scheduler:
         self._outstanding: ScheduleOutput | None = None
         self._scheduled: dict[str, Request] = {}
         self._num_steps = 0
-        self._num_added = 0
 
     @property
     def num_waiting(self) -> int:
@@ -107,12 +108,7 @@ class Scheduler:
             raise ValueError(f"{request.request_id}: DECODE_ONLY requests join through "
                              "add_decode_request")
         self._check_fresh(request)
-        if self.kv_cache.blocks_needed(request.num_prompt_tokens) > self.kv_cache.num_blocks:
-            request.status = RequestStatus.FINISHED_ERROR
-            self._finished.append(request)
-            return
-        self._register(request)
-        self._waiting.push(self._keys[request.request_id], request)
+        self._queue(request, RequestStatus.FINISHED_ERROR)
 
     def add_resumed_request(self, request: Request, output_token_ids: Sequence[int]) -> None:
         """Queue a PREFILL_AND_DECODE request continuing after `output_token_ids` (produced
@@ -124,12 +120,7 @@ class Scheduler:
                              f"request after {len(output_token_ids)} output tokens")
         request.output_token_ids.extend(output_token_ids)
         request.status = RequestStatus.PREEMPTED
-        if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
-            request.status = RequestStatus.FINISHED_LENGTH  # as at a context limit
-            self._finished.append(request)
-            return
-        self._register(request)
-        self._waiting.push(self._keys[request.request_id], request)
+        self._queue(request, RequestStatus.FINISHED_LENGTH)  # too long: as at a context limit
 
     def add_decode_request(self, request: Request, first_token_id: int) -> None:
         """Join a DECODE_ONLY request whose prompt KV now fills its reservation.
@@ -149,7 +140,7 @@ class Scheduler:
         request.output_token_ids.append(first_token_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        self._running.add(request, self._keys[request.request_id])
+        self._running.add(request, self._order.rank_key(request))
         self.kv_cache.cache_full_blocks(request)
         self._after_sample(request)
 
@@ -190,10 +181,10 @@ class Scheduler:
         if self._outstanding is not None:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
-        step = ScheduleDraft(self.config.max_num_batched_tokens)
+        step = ScheduleDraft(self.config.max_num_batched_tokens, self.config.prefill_chunk_tokens)
         seated = self._running.best(self.config.max_num_seqs)
         running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
-        # Decodes first, in rank order, then partial prefills (either may preempt later ones).
+        # Decodes first, in rank order, then prefills (either may preempt worse-ranked ones).
         prefills = []
         for request in seated:
             if request.status is not running:
@@ -214,11 +205,7 @@ class Scheduler:
                 step.budget -= 1
             else:
                 self._schedule_running(request, step)
-        for request in prefills:
-            if request.status is running and step.budget > 0:
-                self._schedule_running(request, step)
-        if not step.preempted:
-            self._admit(step)
+        self._prefill(prefills, step)
         out = step.output()
         if not out.is_empty:
             self._outstanding = out
@@ -267,9 +254,7 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, step: ScheduleDraft) -> None:
         start, kv_cache = request.num_computed_tokens, self.kv_cache
-        num_new = min(request.num_tokens - start, step.budget)
-        if self.config.prefill_chunk_tokens is not None:
-            num_new = min(num_new, self.config.prefill_chunk_tokens)
+        num_new = step.chunk_len(request.num_tokens - start)
         if kv_cache.blocks_needed(start + num_new) > kv_cache.num_blocks:
             self._end_unfittable(request)
             return
@@ -278,47 +263,51 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return
-        self._add_chunk(request, num_new, step)
+        step.add_chunk(request, num_new)
 
-    def _admit(self, step: ScheduleDraft) -> None:
-        while (step.budget > 0 and len(self._running) < self.config.max_num_seqs
-               and len(step.chunks) < self.config.max_num_seqs
-               and (request := self._waiting.head()) is not None):
-            if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
-                self._end_unfittable(request)
-                continue
-            prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
-            num_new = min(request.num_tokens - prefix.num_cached_tokens, step.budget)
-            if self.config.prefill_chunk_tokens is not None:
-                num_new = min(num_new, self.config.prefill_chunk_tokens)
-            if not self.kv_cache.allocate_for(request, num_new, prefix):
-                return  # strict rank order: nobody overtakes the head
-            self._waiting.pop()
-            request.num_computed_tokens = prefix.num_cached_tokens
-            request.num_cached_tokens = prefix.num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self._running.add(request, self._keys[request.request_id])
-            self._add_chunk(request, num_new, step)
+    def _prefill(self, partial: list[Request], step: ScheduleDraft) -> None:
+        """Rule 3: the seated partial prefills and the waiting queue, merged in prefill order."""
+        queued = sorted([(self._order.prefill_key(r), r) for r in partial],
+                        key=lambda e: e[0], reverse=True)  # the first last
+        admitting = not step.preempted
+        while step.budget > 0:
+            head = self._waiting.head_entry() if admitting else None
+            if queued and (head is None or queued[-1][0] < head[0]):
+                request = queued.pop()[1]
+                if request.status is RequestStatus.RUNNING:  # else preempted this step
+                    self._schedule_running(request, step)
+                    admitting = admitting and not step.preempted
+            elif head is not None:
+                admitting = self._try_admit(head[1], step)
+            else:
+                return
 
-    def _add_chunk(self, request: Request, num_new: int, step: ScheduleDraft) -> None:
-        start = request.num_computed_tokens
-        end = start + num_new
-        step.chunks[request.request_id] = ScheduledChunk(
-            request_id=request.request_id, token_ids=request.token_ids_between(start, end),
-            start_pos=start, block_ids=request.block_ids, sample=end == request.num_tokens)
-        step.budget -= num_new
+    def _try_admit(self, request: Request, step: ScheduleDraft) -> bool:
+        """Admit the waiting head; False when it finds no seat or blocks (nobody overtakes it)."""
+        if max(len(self._running), len(step.chunks)) >= self.config.max_num_seqs:
+            return False
+        if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
+            self._end_unfittable(request)
+            return True
+        prefix = self.kv_cache.find_cached_prefix(request.all_token_ids)
+        num_new = step.chunk_len(request.num_tokens - prefix.num_cached_tokens)
+        if not self.kv_cache.allocate_for(request, num_new, prefix):
+            return False
+        self._waiting.pop()
+        request.num_computed_tokens = request.num_cached_tokens = prefix.num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self._running.add(request, self._order.rank_key(request))
+        step.add_chunk(request, num_new)
+        return True
 
     def _preempt(self, victim: Request, step: ScheduleDraft) -> None:
-        withdrawn = step.chunks.pop(victim.request_id, None)
-        if withdrawn is not None:
-            step.budget += len(withdrawn.token_ids)
+        step.preempt(victim.request_id)
         self._running.remove(victim)
         self.kv_cache.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
-        step.preempted.append(victim.request_id)
-        self._waiting.push(self._keys[victim.request_id], victim)
+        self._waiting.push(self._order.prefill_key(victim), victim)
 
     def _after_sample(self, request: Request) -> None:
         if request.mode is RequestMode.PREFILL_ONLY:
@@ -345,7 +334,7 @@ class Scheduler:
         """Forget a live request, freeing its blocks (if it holds any) exactly once."""
         request_id = request.request_id
         del self._requests[request_id]
-        del self._keys[request_id]
+        self._order.remove(request_id)
         if request.status in WAITING_STATES:
             self._waiting.forget(request)  # its status is set next
             return
@@ -363,26 +352,32 @@ class Scheduler:
             raise ValueError(f"{request.request_id} is not a fresh request")
 
     def _register(self, request: Request) -> None:
-        self._keys[request.request_id] = rank_key(request.priority, self.config.aging_steps,
-                                                  self._num_steps, request.arrival_time,
-                                                  self._num_added)
-        self._num_added += 1
+        self._order.add(request, self._num_steps)
         self._requests[request.request_id] = request
+
+    def _queue(self, request: Request, status_if_unfittable: RequestStatus) -> None:
+        """Register a fresh WAITING or PREEMPTED request and queue it, or end it at once when
+        it needs more blocks than the whole pool (reported by `drain_finished`)."""
+        if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
+            request.status = status_if_unfittable
+            self._finished.append(request)
+            return
+        self._register(request)
+        self._waiting.push(self._order.prefill_key(request), request)
 
     # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()
         bs = self.kv_cache.block_size
-        self._waiting.check_invariants()
+        self._waiting.check_invariants(self._order.prefill_key)
         self._running.check_invariants()
         waiting = self._waiting.waiting()
         assert all(self._requests.get(r.request_id) is r for r in waiting)
         assert len(waiting) + len(self._running) + len(self._prefilled) == len(self._requests)
-        assert set(self._keys) == set(self._requests)
-        for request in waiting:
-            assert not self.kv_cache.holds_blocks(request.request_id), "waiting holds blocks"
-            assert request.num_computed_tokens == 0 and not request.block_ids
+        assert self._order.request_ids() == set(self._requests)
+        assert not any(self.kv_cache.holds_blocks(r.request_id) for r in waiting), \
+            "a waiting request holds blocks"
         for request in self._running.values():
             assert request.status is RequestStatus.RUNNING
             assert 1 <= request.num_tokens - request.num_computed_tokens

@@ -11,6 +11,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per step
     prefill_chunk_tokens: int | None = None  # per-request prefill tokens per step; None: budget
     aging_steps: int | None = 1000  # steps of age worth one priority level; None: no aging
+    # Prompt tokens left worth one step of age in the prefill order (shortest remaining
+    # first, engine/request_rank.py); None: prefills in rank order.
+    prefill_aging_tokens: int | None = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -24,3 +27,6 @@ class SchedulerConfig:
                              f"{self.prefill_chunk_tokens}")
         if self.aging_steps is not None and self.aging_steps < 1:
             raise ValueError(f"aging_steps must be at least 1, got {self.aging_steps}")
+        if self.prefill_aging_tokens is not None and self.prefill_aging_tokens < 1:
+            raise ValueError(f"prefill_aging_tokens must be at least 1, got "
+                             f"{self.prefill_aging_tokens}")

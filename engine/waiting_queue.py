@@ -1,47 +1,55 @@
-"""The scheduler's waiting queue: WAITING and PREEMPTED requests, best rank first.
+"""The scheduler's waiting queue: WAITING and PREEMPTED requests, in prefill order.
 
-A heap of (rank key, request) with lazy deletion: a request that leaves the queue other
-than by `pop` (aborted or ended while waiting) is `forget`-ed, which only counts it out;
-its entry stays in the heap until it reaches the top, where `head` drops it, its status no
-longer being a waiting one (the scheduler sets a leaving request's status right after).
+A heap of (prefill key, request) (engine/request_rank.py: a waiting request's key does not
+change while it waits) with lazy deletion: a request that leaves the queue other than by
+`pop` (aborted or ended while waiting) is `forget`-ed, which only counts it out; its entry
+stays in the heap until it reaches the top, where `head` drops it, its status no longer
+being a waiting one (the scheduler sets a leaving request's status right after).
 
-    push ──▶ [heap] ──head()──▶ the best waiting request ──pop()──▶ admitted
+    push ──▶ [heap] ──head()──▶ the first waiting request ──pop()──▶ admitted
                │  forget(request): counted out at once, its entry dropped at the top later
 
 Invariants (`check_invariants`): the entries whose request still waits are distinct
-requests, `len` of them.
+requests, `len` of them, none of which has computed anything or holds a block table; each
+is queued under its current key.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from engine.request import Request, RequestStatus
+from engine.request_rank import PrefillKey
 
 WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class WaitingQueue:
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, float, int], Request]] = []
+        self._heap: list[tuple[PrefillKey, Request]] = []
         self._num_live = 0
 
     def __len__(self) -> int:
         """Requests waiting (not the heap's entries, stale ones included)."""
         return self._num_live
 
-    def push(self, key: tuple[int, float, int], request: Request) -> None:
-        """Queue a WAITING or PREEMPTED request under its rank key (smaller: better)."""
+    def push(self, key: PrefillKey, request: Request) -> None:
+        """Queue a WAITING or PREEMPTED request under its key (smaller: earlier)."""
         heapq.heappush(self._heap, (key, request))
         self._num_live += 1
 
     def head(self) -> Request | None:
-        """The best-ranked waiting request, left in the queue; None when none waits."""
+        """The first waiting request, left in the queue; None when none waits."""
+        entry = self.head_entry()
+        return None if entry is None else entry[1]
+
+    def head_entry(self) -> tuple[PrefillKey, Request] | None:
+        """The first waiting request with its key, left in the queue; None when none waits."""
         heap = self._heap
         while heap:
-            request = heap[0][1]
-            if request.status in WAITING_STATES:
-                return request
+            if heap[0][1].status in WAITING_STATES:
+                return heap[0]
             heapq.heappop(heap)  # left while waiting: dropped now
         return None
 
@@ -60,9 +68,18 @@ class WaitingQueue:
 
     def waiting(self) -> list[Request]:
         """The requests that still wait, in heap order."""
-        return [r for _, r in self._heap if r.status in WAITING_STATES]
+        return [r for _, r in self.entries()]
 
-    def check_invariants(self) -> None:
-        waiting = self.waiting()
-        assert len(waiting) == len({id(r) for r in waiting}) == self._num_live, \
+    def entries(self) -> list[tuple[PrefillKey, Request]]:
+        """The requests that still wait with their keys, in heap order."""
+        return [(k, r) for k, r in self._heap if r.status in WAITING_STATES]
+
+    def check_invariants(self, key_of: Callable[[Request], PrefillKey] | None = None) -> None:
+        """`key_of`: the owner's key of a request, which each waiting one must be queued
+        under (it has computed nothing, so holds nothing)."""
+        entries = self.entries()
+        assert len(entries) == len({id(r) for _, r in entries}) == self._num_live, \
             "the waiting queue's entries and its count disagree"
+        for key, request in entries:
+            assert request.num_computed_tokens == 0 and not request.block_ids
+            assert key_of is None or key == key_of(request), "queued under a stale key"

@@ -1,4 +1,5 @@
-"""Scheduler: chunked prefill, decode priority, prefix reuse, preemption, modes, aborts.
+"""Scheduler: chunked prefill, decode priority, the prefill order (shortest remaining first,
+with aging), prefix reuse, preemption, modes, aborts.
 
 `KVChecker` stands in for the model runner. It records which sequence prefix each KV slot
 holds and asserts that every chunk finds its own tokens' KV at every earlier position of its
@@ -139,6 +140,68 @@ def test_decodes_are_never_stalled_by_a_long_prompt() -> None:
         assert out.num_tokens <= 8
         if "long" in by_id:
             assert len(by_id["long"].token_ids) <= 7
+
+
+def test_a_short_prompt_arriving_mid_prefill_gets_its_first_token_in_the_next_step() -> None:
+    # The long prompt takes the whole budget; the short one, arriving between two of its
+    # chunks, is computed first in the next step and the long one takes what is left.
+    scheduler, checker = make(num_blocks=64, max_num_batched_tokens=16)
+    scheduler.add_request(request("long", range(100, 200), mode=RequestMode.PREFILL_ONLY))
+    assert [(c.request_id, len(c.token_ids)) for c in step(scheduler, checker).chunks] == [
+        ("long", 16)]
+    scheduler.add_request(request("short", range(5), max_tokens=3))
+    out = step(scheduler, checker)
+    assert [(c.request_id, len(c.token_ids), c.sample) for c in out.chunks] == [
+        ("short", 5, True), ("long", 11, False)]
+    assert scheduler.get_request("short").num_output_tokens == 1
+    # From then on it decodes first in every step, beside the long prompt's chunks.
+    for _ in range(2):
+        out = step(scheduler, checker)
+        assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1),
+                                                                          ("long", 15)]
+    assert [r.request_id for r in scheduler.drain_finished()] == ["short"]
+
+
+def test_the_prefill_order_is_shortest_remaining_first_within_a_tier_only() -> None:
+    # A higher tier goes first however long its prompt; within a tier the fewest tokens left.
+    scheduler, checker = make(num_blocks=64, max_num_batched_tokens=8, aging_steps=None)
+    scheduler.add_request(request("long", range(100, 124), mode=RequestMode.PREFILL_ONLY))
+    scheduler.add_request(request("mid", range(200, 212), mode=RequestMode.PREFILL_ONLY))
+    scheduler.add_request(request("urgent-long", range(300, 316), priority=1,
+                                  mode=RequestMode.PREFILL_ONLY))
+    scheduler.add_request(request("short", range(4), mode=RequestMode.PREFILL_ONLY))
+    order = [c.request_id for _ in range(8) for c in step(scheduler, checker).chunks]
+    firsts = list(dict.fromkeys(order))
+    assert firsts == ["urgent-long", "short", "mid", "long"]
+
+
+@pytest.mark.parametrize("aging_tokens", [1, 4, 8, 16])
+def test_a_long_prompt_under_a_stream_of_short_ones_finishes_within_the_aging_bound(
+        aging_tokens) -> None:
+    """Two 8-token prompts arrive every step and fill the 16-token budget: by length alone
+    the 64-token prompt would never run. Passed over, it gains one step of age per step,
+    and R tokens left cost it R / aging_tokens steps (engine/request_rank.py): after
+    ceil(R / aging_tokens) steps it goes before every later arrival, and takes the whole
+    budget until done: at most ceil(64 / aging_tokens) + ceil(64 / 16) steps in all."""
+    scheduler, checker = make(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=16,
+                              prefill_aging_tokens=aging_tokens)
+    scheduler.add_request(request("long", range(5000, 5064), mode=RequestMode.PREFILL_ONLY))
+    bound = -(-64 // aging_tokens) + 64 // 16
+    for num_steps in range(1, 200):
+        for j in range(2):
+            first = num_steps * 20 + j * 10  # distinct prompts: no prefix-cache hits
+            scheduler.add_request(request(f"s{num_steps}-{j}", range(first, first + 8),
+                                          mode=RequestMode.PREFILL_ONLY))
+        out = step(scheduler, checker)
+        if num_steps == 1:
+            assert "long" not in {c.request_id for c in out.chunks}  # the short ones first
+        done = [r.request_id for r in scheduler.drain_finished()]
+        for request_id in done:
+            scheduler.release_prefilled(request_id)
+        if "long" in done:
+            break
+    assert num_steps <= bound
+    assert num_steps > 64 // 16  # it was passed over for a while
 
 
 def test_prefix_hit_reuses_blocks_and_skips_compute() -> None:
@@ -368,6 +431,8 @@ def test_config_is_validated() -> None:
         SchedulerConfig(prefill_chunk_tokens=0)
     with pytest.raises(ValueError):
         SchedulerConfig(aging_steps=0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(prefill_aging_tokens=0)
 
 
 # ---- property test: random traffic on small pools ------------------------------------------
@@ -385,12 +450,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 16), max_num_seqs=st.integers(1, 4),
                 extra_budget=st.integers(0, 10),
                 prefill_chunk_tokens=st.one_of(st.none(), st.integers(1, 6)),
-                aging_steps=st.sampled_from([None, 1, 5]))
-    def setup(self, num_blocks, max_num_seqs, extra_budget, prefill_chunk_tokens, aging_steps):
+                aging_steps=st.sampled_from([None, 1, 5]),
+                prefill_aging_tokens=st.sampled_from([None, 1, 4, 256]))
+    def setup(self, num_blocks, max_num_seqs, extra_budget, prefill_chunk_tokens, aging_steps,
+              prefill_aging_tokens):
         self.scheduler, self.checker = make(
             num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_seqs + extra_budget,
-            prefill_chunk_tokens=prefill_chunk_tokens, aging_steps=aging_steps)
+            prefill_chunk_tokens=prefill_chunk_tokens, aging_steps=aging_steps,
+            prefill_aging_tokens=prefill_aging_tokens)
         self.ids: list[str] = []
         self.reservations: list[str] = []
 
