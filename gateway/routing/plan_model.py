@@ -4,12 +4,15 @@ Each worker publishes a `StepModel` (protocol/worker_load.py): one engine step c
 
     step(T, B, C) = base + a*T + b*B + c*C     (T prefill tokens, B decoding seqs, C context)
 
-and its queue: Q prompt tokens still to prefill, B sequences decoding over C tokens, and a
-step budget of M tokens. For a request of P prompt tokens, H of them cached on the worker
-that prefills it, with a TTFT target and a TPOT target:
+and its queue: Q prompt tokens still to prefill in N prompts, B sequences decoding over C
+tokens, and a step budget of M tokens. For a request of P prompt tokens, H of them cached
+on the worker that prefills it, with a TTFT target and a TPOT target:
 
-    local on D       prefill work W = Q_D + (P - H_D), done in n = ceil(W / (M_D - B_D))
-                     steps that also decode D's B_D sequences:
+    local on D       the engine prefills shortest remaining first (engine/request_rank.py):
+                     of the queue, at most A = min(Q_D, N_D * U) tokens go before this
+                     prompt's U = P - H_D, so it is done after n = ceil((A + U) / (M_D - B_D))
+                     steps, each also decoding D's B_D sequences and filled with the rest of
+                     the queue: prefill work W = min(Q_D + U, n * (M_D - B_D)) tokens,
                        TTFT        = a_D*W + n * step_D(0, B_D, C_D)
                        D's running requests' TPOT while it lasts: step_D(min(W, M_D - B_D), B_D, C_D)
                        this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P)
@@ -18,6 +21,13 @@ that prefills it, with a TTFT target and a TPOT target:
                      this request's TPOT ~ step_D(0, B_D + 1, C_D + P) + transfer / max_tokens
                      D's running requests' TPOT: unchanged (one more sequence); P's own
                      running requests (a BOTH worker): stretched as in a local prefill on P
+
+A short prompt behind a long one is thus one full step away, not the long prompt's whole
+prefill; behind many prompts as short as itself, it waits for all of them (as in arrival
+order). Older prompts of its tier that waited long, and higher tiers, go first anyway (the
+engine's aging): the prediction does not know the tiers in the queue. The queue is the one
+of the moment of routing: what the worker last reported, and at least the prompts this
+gateway routed to it and has not seen prefilled (gateway/routing/router.py, `load_at_routing`).
 
 D's decode steps are also stretched by the prompts it prefills for anyone: a worker that
 spends a fraction u = a_D * (its recent prefill tokens/s) of its time prefilling advances
@@ -114,13 +124,23 @@ def complete_models(models: Sequence[StepModel | None]) -> list[StepModel] | Non
     return out
 
 
+def prefill_work(load: WorkerLoad, uncached: int, max_batched_tokens: int) -> tuple[int, int]:
+    """(prompt tokens the worker computes until this prompt's last one, in how many steps),
+    for a prompt of `uncached` tokens joining `load`'s queue (the module doc's W and n)."""
+    own = max(uncached, 1)
+    num_prompts = load.num_waiting + load.num_running - load.num_decoding
+    ahead = min(load.num_queued_prefill_tokens, max(num_prompts, 1) * own)
+    per_step = max(1, max_batched_tokens - load.num_decoding)
+    steps = math.ceil((ahead + own) / per_step)
+    return min(load.num_queued_prefill_tokens + own, steps * per_step), steps
+
+
 def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float, float]:
     """(seconds until this prompt's first token, step time while prefilling, the seconds
     the prefill stalls the worker's running decodes in all)."""
     load, m = side.load, side.model
-    work = load.num_queued_prefill_tokens + max(uncached, 1)
+    work, steps = prefill_work(load, uncached, side.max_batched_tokens)
     per_step = max(1, side.max_batched_tokens - load.num_decoding)
-    steps = math.ceil(work / per_step)
     decode_part = m.step_s(0, load.num_decoding, load.num_context_tokens)
     ttft = m.prefill_token_s * work + steps * decode_part
     mixed = m.step_s(min(work, per_step), load.num_decoding, load.num_context_tokens)

@@ -20,7 +20,10 @@ Short prompts go to one decode worker, which prefills them itself; long prompts 
 
 Each candidate gets a cost in *tokens of work ahead of this request*:
 
-    prefill side:  prompt_len - cached_prefix_tokens(w)       (work left for this prompt)
+    prefill side:  W(w): the prompt tokens w computes until this prompt's last one (its own
+                   uncached tokens, what its queue puts before them under the engine's
+                   shortest-remaining-first order and fills those steps with: plan_model's
+                   `prefill_work`)
                    + waiting_cost * num_waiting(w) + running_cost * num_running(w)
                    + kv_pressure_cost * kv_usage(w) ** 2         (eviction risk near full)
     decode side:   the same load terms; plus the prefill term when it prefills locally
@@ -29,12 +32,20 @@ so a cached prefix is worth exactly the tokens it saves, and affinity gives way 
 worker's queue costs more than the prefix saves. Among the candidates within
 `tie_margin_tokens` of the best, two are drawn at random (the injected `random.Random`)
 and the cheaper is taken (power of two choices): identical workers share the load
-instead of the first in the list taking it all.
+instead of the first in the list taking it all. Where the router decides (no tier
+threshold), a prompt goes to the prefill pool unless prefilling it on a decoding worker
+costs less by more than `tie_margin_tokens`: a short prompt stays off a prefill worker busy
+with a long one (its next step is a full chunk of that prompt) while a decoding worker can
+prefill it at once.
 
-The snapshot is whatever the gateway last saw (Redis index mirror, worker heartbeats);
-when Redis is unreachable the gateway keeps routing on its last snapshot, and applies
-its own decisions to it with `with_assignment` so a burst routed between two refreshes
-does not all land on one worker.
+The snapshot is whatever the gateway last saw (Redis index mirror, worker heartbeats),
+plus, per worker, the prompts this gateway routed there to prefill and has not yet seen
+prefilled (`WorkerView.num_routed_prefills`): a load report is up to a heartbeat old and
+taken between two engine steps, so a prompt routed a moment ago is not in it yet. Both
+policies read the queue as of the moment of routing, `load_at_routing`: the report's, and
+at least the routed prompts. When Redis is unreachable the gateway keeps routing on its
+last snapshot, and applies its own decisions to it with `with_assignment` so a burst routed
+between two refreshes does not all land on one worker.
 
 Cached prefix of a worker: block hashes are chained (block i's hash covers blocks 0..i),
 so a worker's usable prefix is the longest run of leading blocks it holds:
@@ -52,7 +63,7 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from gateway.routing.plan_model import (Prediction, Targets, WorkerSide, complete_models,
-                                        predict_local, predict_split)
+                                        predict_local, predict_split, prefill_work)
 from protocol.messages import Role
 from protocol.worker_load import WorkerLoad
 
@@ -64,6 +75,11 @@ class WorkerView:
     load: WorkerLoad
     max_batched_tokens: int = 2048  # the engine's step budget
     kv_bytes_per_token: int = 0  # KV of one token, all layers (what a handoff moves)
+    # Prompts this gateway routed here to prefill whose first token it has not seen yet,
+    # and their uncached tokens: in the worker's queue, whether or not its last load
+    # report shows them (`load_at_routing`).
+    num_routed_prefills: int = 0
+    num_routed_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +163,10 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
         return min(request.prompt_len, overlap.get(worker.worker_id, 0) * snapshot.block_size)
 
     def prefill_cost(worker: WorkerView) -> float:
-        return request.prompt_len - cached(worker) + _load_cost(worker.load, weights)
+        load = load_at_routing(worker)
+        work, _ = prefill_work(load, request.prompt_len - cached(worker),
+                               worker.max_batched_tokens)
+        return work + _load_cost(load, weights)
 
     prefillers = [w for w in snapshot.workers if w.role.prefills_for_others]
     receivers = [w for w in decoders if w.role.takes_reservations]
@@ -169,6 +188,9 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     colocated = [w for w in decoders if w.role is Role.COLOCATED]
     prefill = _pick([(prefill_cost(w), w) for w in prefillers + colocated], rng,
                     weights.tie_margin_tokens)
+    if request.local_prefill is None and min(map(prefill_cost, decoders)) \
+            + weights.tie_margin_tokens < prefill_cost(prefill):
+        return local(decoders)  # the prefill pool is busier than a local prefill costs
     others = [w for w in receivers if w.worker_id != prefill.worker_id]
     if prefill.role is Role.COLOCATED:
         return local([prefill])
@@ -188,7 +210,7 @@ def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSn
     models = complete_models([w.load.step_model for w in involved.values()])
     if models is None:
         return None
-    sides = {wid: WorkerSide(w.load, m, w.max_batched_tokens, w.kv_bytes_per_token)
+    sides = {wid: WorkerSide(load_at_routing(w), m, w.max_batched_tokens, w.kv_bytes_per_token)
              for (wid, w), m in zip(involved.items(), models)}
     candidates: list[RoutePlan] = []
     for d in decoders:
@@ -242,6 +264,20 @@ def with_assignment(snapshot: ClusterSnapshot, plan: RoutePlan,
         return replace(w, load=msgspec.structs.replace(load, **changes))
 
     return replace(snapshot, workers=tuple(assigned(w) for w in snapshot.workers))
+
+
+def load_at_routing(worker: WorkerView) -> WorkerLoad:
+    """The worker's queue as of now: its last report, with the prompts this gateway routed
+    to it and has not seen prefilled counted where the report lacks them (as waiting)."""
+    load = worker.load
+    reported = load.num_waiting + load.num_running - load.num_decoding
+    unreported = worker.num_routed_prefills - reported
+    if unreported <= 0 and worker.num_routed_prefill_tokens <= load.num_queued_prefill_tokens:
+        return load
+    return msgspec.structs.replace(
+        load, num_waiting=load.num_waiting + max(0, unreported),
+        num_queued_prefill_tokens=max(load.num_queued_prefill_tokens,
+                                      worker.num_routed_prefill_tokens))
 
 
 def has_room(worker: WorkerView, prompt_len: int, block_size: int) -> bool:

@@ -14,6 +14,12 @@ Lifecycle: created (empty, not ready) → start(): first poll + mirror snapshot 
 deadline, or keep trying in the background when Redis is not up yet → polling ... →
 stop() cancels and awaits both tasks, each within a deadline.
 
+Every plan sees each worker's queue as of the moment of routing: its last load report, and
+the prompts this gateway routed to it and has not yet seen prefilled
+(gateway/upstream/routed_prefills.py: a plan made with a `request_id` counts its prompt on
+the worker that prefills it until `settle(request_id)`, which the backend calls at the
+attempt's first token and at the generation's end).
+
 When Redis is unreachable the last snapshot stays in use; routing decisions made since the
 last poll are applied to it (`router.with_assignment`) so a burst between two polls does
 not all land on one worker. When Redis comes back empty (restarted without its data) every
@@ -42,6 +48,7 @@ through a recovery window), not draining, not ejected, and has a `WorkerInfo` in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -53,6 +60,7 @@ import msgspec
 from gateway.routing.plan_model import Targets
 from gateway.routing.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
                                     plan_route, with_assignment)
+from gateway.upstream.routed_prefills import RoutedPrefills
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.worker_load import WorkerLoad
 from state.agent_state import AgentState, Ejection, active_ejections, now_unix_ms
@@ -91,6 +99,7 @@ class ClusterView:
         self._lapsed_since: dict[str, float] = {}  # registered, no lease: since (monotonic)
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
+        self.routed = RoutedPrefills()  # prompts planned here whose first token is not in yet
         self.registered_ids: list[str] = []
         self.redis_connected = False
         self.num_poll_errors = 0
@@ -176,9 +185,11 @@ class ClusterView:
                             self.ejected[w] if w in out else None) for w in ids]
 
     def plan(self, prompt_len: int, block_hashes: Sequence[int], local_prefill: bool | None,
-             exclude: Mapping[str, int] | None = None,
-             targets: Targets | None = None) -> RoutePlan | NoWorkers:
-        """Plan one request on the current snapshot and count it there until the next poll.
+             exclude: Mapping[str, int] | None = None, targets: Targets | None = None,
+             request_id: str | None = None) -> RoutePlan | NoWorkers:
+        """Plan one request on the current snapshot and count it there until the next poll;
+        with a `request_id`, count its prompt on the worker that prefills it until
+        `settle(request_id)` (a later plan of the same request replaces it).
 
         Workers in `exclude` (id -> the epoch in which they failed this request) and workers
         marked unreachable are left out; a worker restarted since it failed (a new epoch) is
@@ -196,11 +207,29 @@ class ClusterView:
         snapshot = self._snapshot
         request = RouteRequest(prompt_len=prompt_len, block_hashes=block_hashes,
                                local_prefill=local_prefill, targets=targets)
-        plan = plan_route(request, ClusterSnapshot(self._routable(exclude or {}), prefix_index,
-                                                   snapshot.block_size), self.rng)
+        workers = self._routable(exclude or {})
+        if len(self.routed):
+            workers = tuple(map(self._with_routed, workers))
+        plan = plan_route(request, ClusterSnapshot(workers, prefix_index, snapshot.block_size),
+                          self.rng)
         if isinstance(plan, RoutePlan):
             self._snapshot = with_assignment(snapshot, plan, prompt_len)
+            if request_id is not None:
+                self.routed.add(request_id, plan.prefill_worker_id or plan.decode_worker_id,
+                                max(0, prompt_len - plan.cached_tokens))
         return plan
+
+    def settle(self, request_id: str) -> None:
+        """The request's prompt is prefilled, or will not be (its generation ended): its
+        worker's load reports count it from now on, if at all."""
+        self.routed.settle(request_id)
+
+    def _with_routed(self, view: WorkerView) -> WorkerView:
+        num_prompts, num_tokens = self.routed.totals(view.worker_id)
+        if not num_prompts:
+            return view
+        return dataclasses.replace(view, num_routed_prefills=num_prompts,
+                                   num_routed_prefill_tokens=num_tokens)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -296,6 +325,7 @@ class ClusterView:
                 self.num_poll_errors += 1
 
     def check_invariants(self) -> None:
+        self.routed.check_invariants()
         for view in self._snapshot.workers:
             info = self.workers.get(view.worker_id)
             if info is None or info.draining:

@@ -36,6 +36,8 @@ lease lapses. After `RetryLimits.max_attempts` attempts the failure reaches the 
 Lifecycle of one generation: planned → attempt running (its legs added as they are called)
 → finished (D's finish_reason), or failed → legs aborted → next attempt or give up; or the
 client goes away (generator closed, task cancelled) → the current attempt's legs aborted.
+From each plan to that attempt's first token (or the generation's end) the cluster view
+counts the prompt in the prefilling worker's queue (`ClusterView.settle` ends it).
 Aborts are sent from tasks this backend's `WorkerClients` owns (gateway/upstream/worker_clients.py),
 so a cancelled handler cannot stop them half-way; `aclose()` cancels what is left. Worker
 messages carry the request's traceparent.
@@ -122,9 +124,13 @@ class WorkerBackend:
         try:
             while True:
                 attempt = await self._plan(generation)
+                prefilled = False
                 try:
                     async with contextlib.aclosing(self._run(generation, attempt)) as batches:
                         async for batch in batches:
+                            if not prefilled:  # its prompt has left the prefill queue
+                                prefilled = True
+                                self.cluster.settle(request.request_id)
                             if first_at is None:
                                 first_at = time.perf_counter()
                                 self.ttft_window.observe(request.tier, first_at - started)
@@ -152,6 +158,7 @@ class WorkerBackend:
             raise
         finally:
             self._active.pop(request.request_id, None)
+            self.cluster.settle(request.request_id)
             if outcome != "finished" and generation.current is not None:
                 self._abort_legs(generation.current)
             num_tokens = relay.num_tokens
@@ -176,7 +183,8 @@ class WorkerBackend:
         while True:
             plan = self.cluster.plan(len(tokens), hashes,
                                      True if resuming else request.local_prefill,
-                                     exclude=generation.excluded, targets=targets)
+                                     exclude=generation.excluded, targets=targets,
+                                     request_id=request.request_id)
             if not isinstance(plan, NoWorkers):
                 self.metrics.observe_plan(plan.kind, plan.predicted is not None, request.tier)
                 return generation.new_attempt(plan)

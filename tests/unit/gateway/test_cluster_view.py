@@ -4,7 +4,9 @@ What is checked: a worker marked unreachable leaves routing at once and comes ba
 registers with a new epoch (or the mark lapses); excluded workers are skipped for one
 request only; an empty registry right after a full one (Redis restarted) keeps the last
 snapshot for the grace period, and workers not back yet are kept while the others
-re-register (or after Redis was unreachable), but not when one leaves while Redis answers; the largest decoding KV pool bounds the context.
+re-register (or after Redis was unreachable), but not when one leaves while Redis answers;
+the largest decoding KV pool bounds the context; a prompt planned with a request id counts
+in its prefill worker's queue across polls until it is settled.
 """
 
 from __future__ import annotations
@@ -176,3 +178,31 @@ def test_a_lapsed_worker_is_purged_only_after_the_grace() -> None:
     assert lapsed_since(since, ["d0", "d1"], {**live, "d1": info("d1", Role.DECODE)},
                         now=109.0) == {}
     assert lapsed_since(since, ["d0"], live, now=109.0) == {}
+
+
+def test_a_prompt_counts_in_its_prefill_workers_queue_until_settled(view) -> None:
+    """A 5,000-token prompt goes to the prefill worker. Its load reports (none here) do not
+    show it yet, and the poll rebuilds the snapshot from them: the prompt still counts
+    there, so a 5-token prompt planned next is prefilled by the idle decode worker instead
+    of waiting for the prefill worker's next step. Once settled, P is idle again."""
+    cluster, state = view
+    state.workers = {"p0": info("p0", Role.PREFILL), "d0": info("d0", Role.DECODE)}
+    asyncio.run(cluster.poll())
+    long = cluster.plan(5000, [], local_prefill=None, request_id="long")
+    assert isinstance(long, RoutePlan) and long.prefill_worker_id == "p0"
+    assert cluster.routed.totals("p0") == (1, 5000)
+    asyncio.run(cluster.poll())
+    for i in range(5):
+        short = cluster.plan(5, [], local_prefill=None, request_id=f"short{i}")
+        assert isinstance(short, RoutePlan) and short.kind == "local"
+        cluster.check_invariants()
+        cluster.settle(f"short{i}")
+    retried = cluster.plan(5000, [], local_prefill=False, request_id="long")  # replaces it
+    assert isinstance(retried, RoutePlan) and cluster.routed.totals("p0") == (1, 5000)
+    cluster.settle("long")
+    cluster.settle("long")  # at the first token, then at the end: once is counted
+    assert cluster.routed.totals("p0") == (0, 0) and len(cluster.routed) == 0
+    asyncio.run(cluster.poll())
+    short = cluster.plan(5, [], local_prefill=None, request_id="after")
+    assert isinstance(short, RoutePlan) and short.kind == "split"
+    cluster.check_invariants()

@@ -3,13 +3,15 @@ docstring (gateway/routing/plan_model.py's formulas) and the router must pick th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgspec
 import pytest
 
 from gateway.routing.plan_model import Targets, WorkerSide, predict_local, predict_split
-from gateway.routing.router import ClusterSnapshot, RouteRequest, WorkerView, plan_route
+from gateway.routing.router import (ClusterSnapshot, RouteRequest, WorkerView, load_at_routing,
+                                    plan_route)
 from protocol.messages import Role
 from protocol.worker_load import StepModel, WorkerLoad
 
@@ -36,8 +38,9 @@ def route(workers: list[WorkerView], prompt_len: int, seed: int = 0,
 
 
 def side(view: WorkerView) -> WorkerSide:
+    """What the router predicts the view's worker with (its queue as of routing)."""
     assert view.load.step_model is not None
-    return WorkerSide(view.load, view.load.step_model, 2048, 1000)
+    return WorkerSide(load_at_routing(view), view.load.step_model, 2048, 1000)
 
 
 def test_a_short_prompt_leaves_a_busy_decode_worker_for_an_idle_prefill_worker() -> None:
@@ -80,13 +83,47 @@ def test_a_long_prompt_would_stall_the_running_streams_so_it_goes_to_the_prefill
 
 
 def test_a_backlogged_prefill_worker_loses_to_a_local_prefill() -> None:
-    """P has 20,000 tokens queued: TTFT 20e-6 * 20100 + 10 steps * 5 ms = 452 ms (0.904);
-    local on the busy D scores 0.524 -> local."""
+    """P has 200 prompts of 100 tokens queued, none shorter than this one: all 20,000
+    tokens go first. TTFT 20e-6 * 20100 + ceil(20100 / 2048) = 10 steps * 5 ms = 452 ms
+    (0.904); local on the busy D scores 0.524 -> local."""
     d = worker("d", Role.DECODE, BUSY)
-    p = worker("p", Role.PREFILL, WorkerLoad(num_kv_blocks_total=1000,
+    p = worker("p", Role.PREFILL, WorkerLoad(num_kv_blocks_total=1000, num_waiting=200,
                                              num_queued_prefill_tokens=20_000))
     assert predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE).ttft_s == pytest.approx(0.452)
     assert route([d, p], 100).kind == "local"
+
+
+def test_a_short_prompt_is_one_step_behind_a_long_one() -> None:
+    """P prefills one 20,000-token prompt: the engine computes a shorter one first, in the
+    next step, which the long one fills: TTFT 20e-6 * 2048 + 5 ms = 45.96 ms, not the
+    452 ms of the whole queue. Behind the busy D's local prefill (score 0.524) the split
+    (0.49) still wins: the prefill worker serves it at once."""
+    d = worker("d", Role.DECODE, BUSY)
+    p = worker("p", Role.PREFILL, WorkerLoad(num_kv_blocks_total=1000, num_running=1,
+                                             num_queued_prefill_tokens=20_000))
+    assert predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE).ttft_s == pytest.approx(
+        0.04596)
+    assert route([d, p], 100).kind == "split"
+
+
+def test_a_long_prompt_routed_a_moment_ago_counts_before_the_worker_reports_it() -> None:
+    """D prefills at 60 us a token, P at 20 us. A 500-token prompt, both idle:
+    local on D: TTFT 30 + 5 = 35 ms; TPOT step(0, 1, 500) = 5.6 ms; cost 393.4 ms
+    P -> D:     TTFT 10 + 5 = 15 ms; TPOT 5.6 ms + 0.5 ms transfer / 64; cost 373.9 ms
+    -> the split, 5% cheaper. The gateway has just routed a 20,000-token prompt to P, which
+    P's last load report (idle) does not show: counted, this one waits for one full step
+    there (20e-6 * 2048 + 5 = 46 ms; cost 404.9 ms) -> local on D."""
+    slow_prefill = msgspec.structs.replace(MODEL, prefill_token_s=60e-6)
+    d, p = worker("d", Role.DECODE, model=slow_prefill), worker("p", Role.PREFILL)
+    for seed in range(10):
+        assert route([d, p], 500, seed).kind == "split"
+    busy_p = dataclasses.replace(p, num_routed_prefills=1, num_routed_prefill_tokens=20_000)
+    split = predict_split(side(busy_p), side(d), 500, 0, 0, INTERACTIVE)
+    assert split.ttft_s == pytest.approx(0.04596)
+    assert predict_local(side(d), 500, 0, INTERACTIVE).cost_s == pytest.approx(0.3934, abs=1e-4)
+    assert split.cost_s == pytest.approx(0.4049, abs=1e-4)
+    for seed in range(10):
+        assert route([d, busy_p], 500, seed).kind == "local"
 
 
 def test_both_workers_split_between_themselves_when_one_is_busy() -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
 from gateway.routing.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
-                                    plan_route, prefix_overlap_blocks, with_assignment)
+                                    load_at_routing, plan_route, prefix_overlap_blocks,
+                                    with_assignment)
 from protocol.messages import Role
 from protocol.worker_load import WorkerLoad
 
@@ -154,3 +156,48 @@ def test_a_decode_worker_without_room_for_the_prompt_is_passed_over():
     # With no worker having room, the request still goes somewhere (the worker queues it).
     both_full = snapshot([worker("p0", Role.PREFILL), worker("d-full", Role.DECODE, full)])
     assert plan_route(long_request(), both_full, random.Random(0)).decode_worker_id == "d-full"
+
+
+def test_a_short_prompt_stays_off_a_prefill_worker_busy_with_a_long_one():
+    """The router decides (no tier threshold, no step models yet: the token-cost rule). On
+    an idle cluster a prompt goes to the prefill pool; with a 5,000-token prompt on P, a
+    5-token one would wait for P's next step, a full 2,048-token chunk of the long prompt
+    (+ 32 for it running), where the idle D computes just its 5 tokens: local on D."""
+    def short() -> RouteRequest:
+        return RouteRequest(prompt_len=5, block_hashes=(), local_prefill=None)
+
+    d = worker("d0", Role.DECODE)
+    idle_p = worker("p0", Role.PREFILL)
+    assert plan_route(short(), snapshot([idle_p, d]), random.Random(0)).kind == "split"
+    busy = WorkerLoad(num_running=1, num_queued_prefill_tokens=5000, num_kv_blocks_total=1000)
+    busy_p = worker("p0", Role.PREFILL, busy)
+    for seed in range(10):
+        assert plan_route(short(), snapshot([busy_p, d]), random.Random(seed)).kind == "local"
+    # A D busy decoding costs more than P's next step: the prompt goes to P.
+    decoding = WorkerLoad(num_running=80, num_decoding=80, num_kv_blocks_total=1000)
+    busy_d = worker("d0", Role.DECODE, decoding)
+    assert plan_route(short(), snapshot([busy_p, busy_d]), random.Random(0)).kind == "split"
+
+
+def test_a_prompt_routed_a_moment_ago_counts_before_the_worker_reports_it():
+    """P's last report is idle, but the gateway has just sent it a 5,000-token prompt (the
+    report is up to a heartbeat old, taken between engine steps): counted as waiting there."""
+    just_routed = dataclasses.replace(worker("p0", Role.PREFILL), num_routed_prefills=1,
+                                      num_routed_prefill_tokens=5000)
+    load = load_at_routing(just_routed)
+    assert (load.num_waiting, load.num_queued_prefill_tokens) == (1, 5000)
+    short = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=None)
+    for seed in range(10):
+        plan = plan_route(short, snapshot([just_routed, worker("d0", Role.DECODE)]),
+                          random.Random(seed))
+        assert plan.kind == "local"
+    # Once the report shows it (prefilling, part done), it is not counted twice.
+    reported = WorkerLoad(num_running=1, num_queued_prefill_tokens=3000, num_kv_blocks_total=1000)
+    seen = dataclasses.replace(just_routed, load=reported)
+    seen_load = load_at_routing(seen)
+    assert seen_load.num_waiting == 0 and seen_load.num_running == 1
+    assert seen_load.num_queued_prefill_tokens == 5000  # the larger of the two
+    # A tier threshold still decides: a forced split goes to P however busy it is.
+    forced = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=False)
+    assert plan_route(forced, snapshot([just_routed, worker("d0", Role.DECODE)]),
+                      random.Random(0)).kind == "split"
