@@ -1,5 +1,5 @@
 """No head-of-line blocking on `pdserve up` (CPU, 1 prefill + 1 decode worker as in the
-report, the default model and step mode): a short prompt sent while a ~5,000-token prompt
+report, and the default layout; the default model and step mode): a short prompt sent while a ~5,000-token prompt
 is being prefilled gets its first token within twice its time to first token alone.
 
 Before, a short prompt split onto the prefill worker behind the long one waited for its
@@ -48,11 +48,16 @@ LONG_PROMPT_TOKENS = 5021  # of the default model
 SHORT_PROMPT = "The capital of France is"  # 5 tokens
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory):
+# The layout of the report (1 prefill + 1 decode) and the one `pdserve up` starts on a CPU
+# without role options (two workers that each prefill and decode).
+LAYOUTS = {"1 prefill + 1 decode": ("--prefill", "1", "--decode", "1"), "default": ()}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def up(request, tmp_path_factory):
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus one that hands every prompt off
-    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+    process = UpProcess(*LAYOUTS[request.param], "--tiers", str(tiers),
                         log_dir=tmp_path_factory.mktemp("up-logs"),
                         env={"PDSERVE_HUNG_AFTER_S": "60"})
     yield process
@@ -133,16 +138,16 @@ def _one_core_busy() -> Iterator[None]:
 
 async def _until_prefilling(up: UpProcess, long: asyncio.Task[float],
                             timeout_s: float = 60.0) -> None:
-    """Until the prefill worker reports the long prompt partly computed: mid-prefill, past
+    """Until a worker that prefills reports the long prompt partly computed: mid-prefill, past
     the moment it arrived (its tokenizing, routing, reservation and first KV link)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not long.done():
         workers = await asyncio.to_thread(up.workers)
-        if any(w["role"] == "prefill" and 0 < (w.get("load") or {}).get(
+        if any(w["role"] != "decode" and 0 < (w.get("load") or {}).get(
                 "num_queued_prefill_tokens", 0) < LONG_PROMPT_TOKENS for w in workers):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError("the prefill worker never reported the long prompt mid-prefill")
+    raise AssertionError("no worker ever reported the long prompt mid-prefill")
 
 
 def _until_nothing_held(up: UpProcess, timeout_s: float = 60.0) -> None:
