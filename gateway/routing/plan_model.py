@@ -14,10 +14,17 @@ on the worker that prefills it, with a TTFT target and a TPOT target:
                      steps, each also decoding D's B_D sequences and filled with the rest of
                      the queue: prefill work W = min(Q_D + U, n * (M_D - B_D)) tokens,
                        TTFT        = a_D*W + n * step_D(0, B_D, C_D)
+                                     + a_D * min(Q_D, M_D - B_D)   (the chunk in progress,
+                                       which the prompt arrives in the middle of)
                        D's running requests' TPOT while it lasts: step_D(min(W, M_D - B_D), B_D, C_D)
                        this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P)
-    P prefills, D    TTFT        = the same on P (its own queue; P decodes nothing, or its B_P)
-    decodes          transfer    = P * kv_bytes_per_token / P's measured push rate
+    P prefills, D    TTFT        = the same on P (its own queue; P decodes nothing, or its B_P),
+    decodes                        and at least D's current step: the reservation is taken on
+                                   D's engine thread between two steps, and P's first token
+                                   goes out once D's answer has reached P (a D in the middle
+                                   of a long prompt's chunk holds it for that chunk):
+                                   step_D(min(Q_D, M_D - B_D), B_D, C_D), 0 for an idle D
+                     transfer    = P * kv_bytes_per_token / P's measured push rate
                      this request's TPOT ~ step_D(0, B_D + 1, C_D + P) + transfer / max_tokens
                      D's running requests' TPOT: unchanged (one more sequence); P's own
                      running requests (a BOTH worker): stretched as in a local prefill on P
@@ -37,7 +44,12 @@ at MAX_PREFILL_BUSY).
 Each prediction gets a score, its worst ratio to a target: TTFT / ttft target, the
 request's TPOT / tpot target, and the running TPOT of the worker that prefills (when it
 decodes anything) / the strictest TPOT of any tier (what its running requests may need).
-Score < 1 meets every target. And a cost, in seconds of latency the plan adds to the
+Score < 1 meets every target. A worker whose decode steps alone, step(0, B, C), already miss
+the strictest TPOT (a CPU, or a GPU decoding far more than it should) misses it whatever
+this plan does: the running-TPOT ratio is then left out of the score, and the stall the
+prefill adds to those running requests stays in the cost. Otherwise every plan that
+prefills on such a worker would count as a miss, and a short prompt would be sent to wait
+behind a long prefill elsewhere rather than be prefilled at once beside the running streams. And a cost, in seconds of latency the plan adds to the
 cluster:
 
     cost = TTFT + max_tokens * TPOT                  (this request, start to end)
@@ -142,9 +154,38 @@ def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float, float]
     work, steps = prefill_work(load, uncached, side.max_batched_tokens)
     per_step = max(1, side.max_batched_tokens - load.num_decoding)
     decode_part = m.step_s(0, load.num_decoding, load.num_context_tokens)
-    ttft = m.prefill_token_s * work + steps * decode_part
+    ttft = m.prefill_token_s * work + steps * decode_part + _chunk_in_progress(side)
     mixed = m.step_s(min(work, per_step), load.num_decoding, load.num_context_tokens)
     return ttft, mixed, load.num_decoding * m.prefill_token_s * max(uncached, 0)
+
+
+def _running_charged(side: WorkerSide, targets: Targets) -> bool:
+    """Whether the plan answers for the running TPOT of this prefilling worker: it decodes
+    something, and its decode steps alone meet the strictest TPOT (module doc)."""
+    load, m = side.load, side.model
+    return load.num_decoding > 0 and m.step_s(
+        0, load.num_decoding, load.num_context_tokens) < targets.strictest_tpot_s
+
+
+def _chunk_in_progress(side: WorkerSide) -> float:
+    """The prefill chunk the worker is computing now, which a prompt arriving at it waits
+    for before its own step (a decode-only step is short and left out); 0 when it prefills
+    nothing."""
+    load, m = side.load, side.model
+    chunk = min(load.num_queued_prefill_tokens,
+                max(0, side.max_batched_tokens - load.num_decoding))
+    return m.prefill_token_s * chunk if chunk else 0.0
+
+
+def _current_step(side: WorkerSide) -> float:
+    """How long the worker's engine thread is busy with the step it is in (what a
+    reservation waits for): a chunk of its queue beside its decodes; 0 when idle."""
+    load, m = side.load, side.model
+    chunk = min(load.num_queued_prefill_tokens,
+                max(0, side.max_batched_tokens - load.num_decoding))
+    if chunk == 0 and load.num_decoding == 0:
+        return 0.0
+    return m.step_s(chunk, load.num_decoding, load.num_context_tokens)
 
 
 def _decoding(side: WorkerSide, prompt_len: int, max_tokens: int) -> tuple[float, float]:
@@ -170,15 +211,17 @@ def predict_local(decode: WorkerSide, prompt_len: int, cached: int,
                   targets: Targets) -> Prediction:
     ttft, mixed, stall = _prefill_time(decode, prompt_len - cached)
     tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
-    return _predict(ttft, tpot, mixed, decode.load.num_decoding > 0, stall + added, targets)
+    return _predict(ttft, tpot, mixed, _running_charged(decode, targets), stall + added,
+                    targets)
 
 
 def predict_split(prefill: WorkerSide, decode: WorkerSide, prompt_len: int,
                   cached_on_prefill: int, held_on_decode: int, targets: Targets) -> Prediction:
     ttft, mixed, stall = _prefill_time(prefill, prompt_len - cached_on_prefill)
+    ttft = max(ttft, _current_step(decode))
     rate = prefill.load.kv_send_bytes_per_s or DEFAULT_KV_BYTES_PER_S
     transfer = (prompt_len - held_on_decode) * prefill.kv_bytes_per_token / rate
     tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
     # The prefill stretches the steps of whatever P itself decodes (a BOTH worker).
     return _predict(ttft, tpot + transfer / targets.max_tokens, mixed,
-                    prefill.load.num_decoding > 0, stall + added, targets)
+                    _running_charged(prefill, targets), stall + added, targets)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from up_process import UpProcess, child_pids, pid_alive, wait_gone
+from up_process import HANDOFF_TIER, UpProcess, child_pids, pid_alive, wait_gone
 
 from protocol.agent_messages import FAULT_INJECTION_ENV, FaultRequest, FaultResponse
 
@@ -39,7 +39,10 @@ def up(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+        tiers.write_text(HANDOFF_TIER)  # the shipped tiers, and one that always hands off
         process = UpProcess("--prefill", "1", "--decode", "2", "--drain-timeout-s", "3",
+                            "--tiers", str(tiers),
                             log_dir=tmp_path_factory.mktemp("reliability-logs"))
     finally:
         for key, value in saved.items():
@@ -51,11 +54,13 @@ def up(tmp_path_factory):
     process.stop()
 
 
-def complete(up: UpProcess, prompt: str, chat: bool = False, max_tokens: int = 40) -> dict:
+def complete(up: UpProcess, prompt: str, chat: bool = False, max_tokens: int = 40,
+             tier: str | None = None) -> dict:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"model": "default", "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
             **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
-    response = httpx.post(up.url + path, json=body, timeout=120)
+    response = httpx.post(up.url + path, json=body, timeout=120,
+                          headers={"x-pdserve-tier": tier} if tier else {})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -68,7 +73,9 @@ def text_of(answer: dict) -> str:
 class Stream:
     """A streamed request read on its own thread; `events` fills as chunks arrive."""
 
-    def __init__(self, up: UpProcess, prompt: str, chat: bool = False, max_tokens: int = 40):
+    def __init__(self, up: UpProcess, prompt: str, chat: bool = False, max_tokens: int = 40,
+                 tier: str | None = None):
+        self.headers = {"x-pdserve-tier": tier} if tier else {}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         self.body = {"model": "default", "temperature": 0, "max_tokens": max_tokens,
                      "ignore_eos": True, "stream": True,
@@ -83,7 +90,8 @@ class Stream:
 
     def _run(self) -> None:
         try:
-            with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
+            with httpx.stream("POST", self.url, json=self.body, headers=self.headers,
+                              timeout=120) as response:
                 assert response.status_code == 200, response.read()
                 for line in response.iter_lines():
                     if line.startswith("data: "):
@@ -197,7 +205,8 @@ def test_a_decode_worker_killed_mid_stream_does_not_change_the_answer(up, refere
 def test_a_prefill_worker_killed_mid_prefill_does_not_fail_the_request(up, references) -> None:
     prefill = next(w for w in workers(up) if w["role"] == "prefill")
     answer: dict = {}
-    thread = threading.Thread(target=lambda: answer.update(complete(up, LONG)), daemon=True)
+    thread = threading.Thread(target=lambda: answer.update(complete(up, LONG, tier="handoff")),
+                              daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not state_of(up, prefill)["active"]:
@@ -222,7 +231,8 @@ def slow_pushes(up: UpProcess) -> None:
 
 def test_a_decode_worker_killed_mid_transfer_does_not_fail_the_request(up, references) -> None:
     slow_pushes(up)
-    stream = Stream(up, LONG, chat=True)
+    # The handoff tier always splits (the router may otherwise prefill it on a decode worker).
+    stream = Stream(up, LONG, chat=True, tier="handoff")
     stream.wait_tokens(1)  # token 1 came from the prefill worker; its push takes ~4 s
     victim = worker_holding(up, stream.request_id, "decode", "reservations")
     os.kill(victim["pid"], signal.SIGKILL)

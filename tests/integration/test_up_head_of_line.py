@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,7 @@ async def _head_of_line(up: UpProcess) -> None:
         long = asyncio.create_task(ttft_s(LONG_PROMPT, max_tokens=2, tier="handoff",
                                           first_at=long_first_at))
         await _until_prefilling(up, long)
-        behind_s = [await ttft_s(SHORT_PROMPT) for _ in range(3)]
+        behind_s = [await ttft_s(SHORT_PROMPT) for _ in range(6)]
         behind_done_at = time.perf_counter()
         long.cancel()  # the client hangs up: the gateway aborts it on both workers
         await asyncio.gather(long, return_exceptions=True)
@@ -117,10 +118,10 @@ async def _head_of_line(up: UpProcess) -> None:
     print(f"TTFT of {SHORT_PROMPT!r}: {alone_median_s * 1000:.0f} ms alone with one core busy "
           f"(median of {[round(s * 1000) for s in alone_s]}; idle machine: "
           f"{[round(s * 1000) for s in idle_s]}), {[round(s * 1000) for s in behind_s]} ms "
-          f"behind a 5,021-token prompt")
+          f"behind a 5,021-token prompt; plans: {_plans(up)}")
     assert max(behind_s) <= 2 * alone_median_s, (
         f"a short prompt waited behind a long one: TTFT {behind_s} s against "
-        f"{alone_median_s:.3f} s alone; plans: {_plans(up)}")
+        f"{alone_median_s:.3f} s alone; plans: {_plans(up)}; missed: {_missed(up)}")
     assert not long_first_at or long_first_at[0] > behind_done_at, \
         "the long prompt was done before the short ones: nothing was behind it"
 
@@ -160,6 +161,12 @@ def _until_nothing_held(up: UpProcess, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"the aborted prompt still holds KV: {states}")
+
+
+def _missed(up: UpProcess) -> list[object]:
+    """The cluster page's requests that missed their targets, with their stages and routes."""
+    url = f"{up.url}/admin/cluster"
+    return json.loads(urllib.request.urlopen(url, timeout=5).read())["recent"][:4]
 
 
 def _plans(up: UpProcess) -> list[str]:

@@ -49,17 +49,18 @@ def test_a_short_prompt_leaves_a_busy_decode_worker_for_an_idle_prefill_worker()
         -> 0.524 of 50 ms; this request's TPOT step(0, 33, 16100) = 24.4 ms -> 0.488
         score 0.524; cost 26.2 ms + 64 * 24.4 ms + D's 32 decodes stalled 32 * 20 us * 100
         = 64 ms + one more sequence 32 * (0.1 + 0.1) ms * 64 = 409.6 ms -> 2061.4 ms
-    P -> D:     TTFT 2 + 5 = 7 ms; TPOT 24.4 ms + 0.1 ms transfer / 64 -> 0.488; score 0.488;
-        cost 7 + 1561.7 + 0 (P decodes nothing) + 409.6 = 1978.3 ms
-    -> both meet every target; the split is cheaper by 4% (more than the 2% tie margin)."""
+    P -> D:     TTFT max(2 + 5 on P, D's current step 24.2) = 24.2 ms (the reservation waits
+        for D's step); TPOT 24.4 ms + 0.1 ms transfer / 64 -> 0.488; score 0.488;
+        cost 24.2 + 1561.7 + 0 (P decodes nothing) + 409.6 = 1995.5 ms
+    -> both meet every target; the split is cheaper by 3% (more than the 2% tie margin)."""
     d, p = worker("d", Role.DECODE, BUSY), worker("p", Role.PREFILL)
     local = predict_local(side(d), 100, 0, INTERACTIVE)
     split = predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE)
     assert local.ttft_s == pytest.approx(0.0262) and local.running_tpot_s == pytest.approx(0.0262)
     assert local.score == pytest.approx(0.524)
-    assert split.ttft_s == pytest.approx(0.007)
+    assert split.ttft_s == pytest.approx(0.0242)
     assert split.score == pytest.approx(0.488, abs=1e-3)
-    assert local.cost_s == pytest.approx(2.0614) and split.cost_s == pytest.approx(1.9783,
+    assert local.cost_s == pytest.approx(2.0614) and split.cost_s == pytest.approx(1.9955,
                                                                                    abs=1e-4)
     for seed in range(10):
         plan = route([d, p], 100, seed)
@@ -84,26 +85,29 @@ def test_a_long_prompt_would_stall_the_running_streams_so_it_goes_to_the_prefill
 
 def test_a_backlogged_prefill_worker_loses_to_a_local_prefill() -> None:
     """P has 200 prompts of 100 tokens queued, none shorter than this one: all 20,000
-    tokens go first. TTFT 20e-6 * 20100 + ceil(20100 / 2048) = 10 steps * 5 ms = 452 ms
-    (0.904); local on the busy D scores 0.524 -> local."""
+    tokens go first. TTFT 20e-6 * 20100 + ceil(20100 / 2048) = 10 steps * 5 ms = 452 ms,
+    after the chunk in progress (20e-6 * 2048 = 40.96 ms): 492.96 ms (0.986); local on the
+    busy D scores 0.524 -> local."""
     d = worker("d", Role.DECODE, BUSY)
     p = worker("p", Role.PREFILL, WorkerLoad(num_kv_blocks_total=1000, num_waiting=200,
                                              num_queued_prefill_tokens=20_000))
-    assert predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE).ttft_s == pytest.approx(0.452)
+    assert predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE).ttft_s == pytest.approx(0.49296)
     assert route([d, p], 100).kind == "local"
 
 
 def test_a_short_prompt_is_one_step_behind_a_long_one() -> None:
     """P prefills one 20,000-token prompt: the engine computes a shorter one first, in the
-    next step, which the long one fills: TTFT 20e-6 * 2048 + 5 ms = 45.96 ms, not the
-    452 ms of the whole queue. Behind the busy D's local prefill (score 0.524) the split
-    (0.49) still wins: the prefill worker serves it at once."""
+    next step, which the long one fills: TTFT 20e-6 * 2048 + 5 ms = 45.96 ms after the
+    chunk in progress (40.96 ms): 86.92 ms, not the 452 ms of the whole queue, so the split
+    meets every target (0.488); its cost (86.92 + 1561.7 + 409.6 = 2058.2 ms) ties the
+    busy D's local prefill (2061.4 ms) within 2%, which then wins the tie."""
     d = worker("d", Role.DECODE, BUSY)
     p = worker("p", Role.PREFILL, WorkerLoad(num_kv_blocks_total=1000, num_running=1,
                                              num_queued_prefill_tokens=20_000))
-    assert predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE).ttft_s == pytest.approx(
-        0.04596)
-    assert route([d, p], 100).kind == "split"
+    split = predict_split(side(p), side(d), 100, 0, 0, INTERACTIVE)
+    assert split.ttft_s == pytest.approx(0.08692) and split.score < 1
+    assert split.cost_s == pytest.approx(2.0582, abs=1e-4)
+    assert route([d, p], 100).kind == "local"
 
 
 def test_a_long_prompt_routed_a_moment_ago_counts_before_the_worker_reports_it() -> None:
@@ -111,17 +115,18 @@ def test_a_long_prompt_routed_a_moment_ago_counts_before_the_worker_reports_it()
     local on D: TTFT 30 + 5 = 35 ms; TPOT step(0, 1, 500) = 5.6 ms; cost 393.4 ms
     P -> D:     TTFT 10 + 5 = 15 ms; TPOT 5.6 ms + 0.5 ms transfer / 64; cost 373.9 ms
     -> the split, 5% cheaper. The gateway has just routed a 20,000-token prompt to P, which
-    P's last load report (idle) does not show: counted, this one waits for one full step
-    there (20e-6 * 2048 + 5 = 46 ms; cost 404.9 ms) -> local on D."""
+    P's last load report (idle) does not show: counted, this one waits for the chunk in
+    progress and one full step there (2 * 20e-6 * 2048 + 5 = 86.9 ms; cost 445.9 ms) ->
+    local on D."""
     slow_prefill = msgspec.structs.replace(MODEL, prefill_token_s=60e-6)
     d, p = worker("d", Role.DECODE, model=slow_prefill), worker("p", Role.PREFILL)
     for seed in range(10):
         assert route([d, p], 500, seed).kind == "split"
     busy_p = dataclasses.replace(p, num_routed_prefills=1, num_routed_prefill_tokens=20_000)
     split = predict_split(side(busy_p), side(d), 500, 0, 0, INTERACTIVE)
-    assert split.ttft_s == pytest.approx(0.04596)
+    assert split.ttft_s == pytest.approx(0.08692)
     assert predict_local(side(d), 500, 0, INTERACTIVE).cost_s == pytest.approx(0.3934, abs=1e-4)
-    assert split.cost_s == pytest.approx(0.4049, abs=1e-4)
+    assert split.cost_s == pytest.approx(0.4459, abs=1e-4)
     for seed in range(10):
         assert route([d, busy_p], 500, seed).kind == "local"
 
@@ -229,3 +234,57 @@ def test_a_recorded_h200_snapshot_prefills_where_prefill_is_fast() -> None:
     for seed in range(10):
         plan = route([b0, b1], 1000, seed)
         assert (plan.decode_worker_id, plan.kind) == ("b0", "local")
+
+
+def test_a_split_onto_a_decode_worker_in_a_long_chunk_waits_for_that_chunk() -> None:
+    """Two BOTH workers on a slow host (a 50 ms base step, 4 ms a prompt token): A is in the
+    middle of a 5,000-token prompt (512-token chunks), B idle. A 5-token prompt:
+    local on B: TTFT 4 ms * 5 + 50 ms = 70 ms;
+    B -> A: B's prefill alone would be 70 ms too, but A takes the reservation only after
+        its current chunk: step_A(512, 0, 0) = 50 + 2048 ms = 2098 ms, past a 500 ms target;
+    A -> B: A's queue puts one full chunk before this prompt: over 2 s too.
+    -> the local plan on the idle worker, every time."""
+    slow = msgspec.structs.replace(MODEL, base_s=0.05, prefill_token_s=4e-3)
+    long = WorkerLoad(num_kv_blocks_total=1000, num_running=1, num_waiting=0,
+                      num_queued_prefill_tokens=4500)
+    a = WorkerView("a", Role.BOTH, msgspec.structs.replace(long, step_model=slow),
+                   max_batched_tokens=512, kv_bytes_per_token=1000)
+    b = WorkerView("b", Role.BOTH, msgspec.structs.replace(IDLE, step_model=slow),
+                   max_batched_tokens=512, kv_bytes_per_token=1000)
+    split = predict_split(side(b), WorkerSide(load_at_routing(a), slow, 512, 1000), 5, 0, 0,
+                          INTERACTIVE)
+    assert split.ttft_s == pytest.approx(2.098)
+    for seed in range(10):
+        plan = route([a, b], 5, seed)
+        assert (plan.kind, plan.decode_worker_id) == ("local", "b"), plan
+
+
+def test_a_worker_whose_decode_steps_miss_anyway_still_prefills_a_short_prompt_itself() -> None:
+    """A CPU: a decode step takes 54 ms, over the strictest 50 ms TPOT, whatever is planned.
+    Two BOTH workers (standard tier, TTFT 2 s, TPOT 100 ms): A decodes one sequence, B
+    prefills a 5,000-token prompt (Q 4,000 left, 512-token steps).
+    local on A: TTFT step(5, 1, 10) = 101 ms; TPOT step(0, 2, 15) = 108 ms -> 1.08 of 100 ms;
+        A's running TPOT 101 ms is not charged (its step alone, 54 ms, misses 50 ms already)
+        -> score 1.08
+    B -> A:     TTFT on B 5 * 4.5 ms + 512 * 4.5 ms (the chunk in progress) = 2.33 s -> 1.16;
+        TPOT the same 108 ms -> score 1.16
+    -> the local plan misses least. Charging A's running TPOT (101 / 50 -> 2.02) sent the
+    prompt behind B's long prefill: seconds instead of 0.1 s (the head-of-line test)."""
+    cpu = StepModel(base_s=0.0, prefill_token_s=0.0095, decode_seq_s=0.054, context_token_s=0.0,
+                    num_samples=100, num_prefill_samples=50, num_decode_samples=80)
+    fast_prefill = msgspec.structs.replace(cpu, prefill_token_s=0.0045)
+    standard = Targets(ttft_s=2.0, tpot_s=0.1, strictest_tpot_s=0.05, max_tokens=6)
+    a = WorkerView("a", Role.BOTH, WorkerLoad(num_kv_blocks_total=1000, num_running=1,
+                                              num_decoding=1, num_context_tokens=10,
+                                              step_model=cpu), max_batched_tokens=512)
+    b = WorkerView("b", Role.BOTH, WorkerLoad(num_kv_blocks_total=1000, num_running=1,
+                                              num_queued_prefill_tokens=4000,
+                                              step_model=fast_prefill), max_batched_tokens=512)
+    local = predict_local(WorkerSide(a.load, cpu, 512, 1000), 5, 0, standard)
+    assert local.running_tpot_s == pytest.approx(0.1015) and local.score == pytest.approx(1.08)
+    split = predict_split(WorkerSide(b.load, fast_prefill, 512, 1000),
+                          WorkerSide(a.load, cpu, 512, 1000), 5, 0, 0, standard)
+    assert split.score > local.score
+    for seed in range(10):
+        plan = route([a, b], 5, seed, targets=standard)
+        assert (plan.decode_worker_id, plan.kind) == ("a", "local")
