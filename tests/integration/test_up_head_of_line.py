@@ -100,7 +100,7 @@ async def _head_of_line(up: UpProcess) -> None:
         # The handoff tier puts the long prompt on the prefill worker, as in the report.
         long = asyncio.create_task(ttft_s(LONG_PROMPT, max_tokens=2, tier="handoff",
                                           first_at=long_first_at))
-        await _until_prefilling(up, long)
+        await _until_prefilling(up, long, long_first_at)
         behind_s = [await ttft_s(SHORT_PROMPT) for _ in range(6)]
         behind_done_at = time.perf_counter()
         long.cancel()  # the client hangs up: the gateway aborts it on both workers
@@ -137,12 +137,13 @@ def _one_core_busy() -> Iterator[None]:
         burner.wait()
 
 
-async def _until_prefilling(up: UpProcess, long: asyncio.Task[float],
+async def _until_prefilling(up: UpProcess, long: asyncio.Task[float], long_first_at: list[float],
                             timeout_s: float = 60.0) -> None:
     """Until a worker that prefills reports the long prompt partly computed: mid-prefill, past
     the moment it arrived (its tokenizing, routing, reservation and first KV link)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not long.done():
+        assert not long_first_at, "the long prompt's prefill ended before it was seen under way"
         workers = await asyncio.to_thread(up.workers)
         if any(w["role"] != "decode" and 0 < (w.get("load") or {}).get(
                 "num_queued_prefill_tokens", 0) < LONG_PROMPT_TOKENS for w in workers):
