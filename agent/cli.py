@@ -99,6 +99,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--role-drain-timeout-s", "30", type=float,
         help="a worker changing role finishes what its new role forbids within this "
              "(default 30)")
+    opt("--plan", "on", choices=("on", "off"),
+        help="forecast the demand on the pools and publish the workers it needs as the "
+             "gauge pdserve_agent_desired_workers{role}, for an autoscaler (default on)")
+    opt("--plan-horizon-s", "120", type=float,
+        help="size the pools for the demand forecast this far ahead: about the time a new "
+             "worker takes to start serving (default 120)")
+    opt("--plan-tpot-ms", "50", type=float,
+        help="the strictest TPOT target the decode pool is sized to hold (default 50: the "
+             "shipped interactive tier's)")
+    opt("--plan-prefill-busy", "0.7", type=float,
+        help="the busy share a prefill worker is sized for; the rest is its queueing room "
+             "(default 0.7)")
+    opt("--plan-scale-down-s", "300", type=float,
+        help="a smaller worker count is published only once every plan of this long asked "
+             "for at most it (default 300)")
     opt("--log-level", "info", help="debug | info | warning | error")
     opt("--log-format", "text", choices=LOG_FORMATS, help="text lines, or json")
     p.set_defaults(func=run)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from agent.actuator import ActionError, Actuator
 from agent.audit import Audit
+from agent.capacity_plan import CapacityPlanner, PlanConfig, PoolSizes
 from agent.casebook import Casebook
 from agent.decision import (Decision, EventAction, EventRule, Outcome, OutcomeKind, RoleSwitch,
                             Routine, parse_rule)
@@ -49,7 +50,7 @@ from agent.guard_rails import ActionKind, plan_actions
 from agent.health_rules import Detection, Thresholds, detect
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
-from agent.role_mover import RoleMover
+from agent.role_mover import RoleMover, role_views
 from agent.worker_case import (CaseState, Drop, FollowUp, Readmit, Recover, ReportLost, Restart,
                                Restrike, Timing, WorkerCase, advance)
 from protocol.messages import WorkerInfo
@@ -72,6 +73,7 @@ class AgentConfig:
     rebalance_period_s: float = 10.0
     role_drain_timeout_s: float = 30.0
     restart_grace_s: float = 180.0  # a restarted worker not back by then is reported
+    plan: PlanConfig | None = field(default_factory=PlanConfig)  # None: no capacity plan
 
     def __post_init__(self) -> None:
         if min(self.period_s, self.window_s, self.cooldown_s, self.probation_s,
@@ -108,6 +110,14 @@ class ControlLoop:
         self.leader = metrics.gauge("pdserve_agent_leader", "1 while this agent acts")
         self.tick_seconds = metrics.histogram("pdserve_agent_tick_seconds",
                                               "one control loop tick")
+        self.planner = None if config.plan is None else CapacityPlanner(config.plan)
+        self.desired_workers = metrics.gauge(
+            "pdserve_agent_desired_workers",
+            "workers the forecast demand needs, by role (prefill, decode; total: workers "
+            "that do both); what an autoscaler scales on (agent/capacity_plan.py)", ("role",))
+        self.demand_forecast = metrics.gauge(
+            "pdserve_agent_demand_forecast",
+            "the demand forecast one plan horizon ahead, by signal", ("signal",))
 
     @property
     def out_ids(self) -> frozenset[str]:
@@ -156,10 +166,29 @@ class ControlLoop:
             if self.mover is not None:
                 await self.mover.tick(self.observer.registry, self.out_ids, now,
                                       self.config.window_s)
+        if self.planner is not None:
+            self._plan(now)
         self.num_ejected.set(len(self.out_ids))
         self.tick_seconds.observe(time.perf_counter() - started)
         self.ticks.inc(result="leader" if self.is_leader else "standby")
         return decisions
+
+    def _plan(self, now: float) -> None:
+        """The capacity plan after this tick's loads, published as gauges (every agent
+        publishes it, leader or not: it acts on nothing)."""
+        assert self.planner is not None
+        before = self.planner.desired
+        desired = self.planner.observe(role_views(self.observer.registry, self.out_ids), now)
+        ahead = self.planner.ahead
+        if ahead is not None:
+            for signal in ("prefill_tokens_per_s", "num_decoding", "num_kv_blocks"):
+                self.demand_forecast.set(getattr(ahead, signal), signal=signal)
+        for role in ("prefill", "decode", "total"):
+            self.desired_workers.set(getattr(desired, role), role=role)
+        if before is None or _counts(before) != _counts(desired):
+            log.info("capacity plan: %d prefill, %d decode (or %d doing both) workers "
+                     "needed; %s", desired.prefill, desired.decode, desired.total,
+                     desired.reason)
 
     def _decision(self, worker_id: str, epoch: int, rule: EventRule, evidence: str,
                   action: EventAction | RoleSwitch, outcome: Outcome) -> Decision:
@@ -353,3 +382,7 @@ class ControlLoop:
                 self.casebook.file(case.renewed(now))
             except ActionError as exc:
                 log.warning("could not renew the ejection of %s: %s", case.worker_id, exc)
+
+
+def _counts(sizes: PoolSizes) -> tuple[int, int, int]:
+    return sizes.prefill, sizes.decode, sizes.total

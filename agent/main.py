@@ -34,6 +34,7 @@ from aiohttp import web
 
 from agent.actuator import Actuator
 from agent.audit import Audit
+from agent.capacity_plan import PlanConfig
 from agent.control_loop import AgentConfig, ControlLoop
 from agent.health_rules import Thresholds
 from agent.observer import Observer
@@ -66,6 +67,10 @@ _CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "--eject-hold-s": (lambda v: v >= 10, ">= 10"),
     "--rebalance-period-s": (lambda v: v > 0, "> 0"),
     "--role-drain-timeout-s": (lambda v: 0 < v <= 3600, "in (0, 3600]"),
+    "--plan-horizon-s": (lambda v: 0 < v <= 3600, "in (0, 3600]"),
+    "--plan-tpot-ms": (lambda v: 0 < v <= 60_000, "in (0, 60000]"),
+    "--plan-prefill-busy": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "--plan-scale-down-s": (lambda v: 0 < v <= 86_400, "in (0, 86400]"),
 }
 
 
@@ -87,7 +92,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        dry_run=args.dry_run or args.once,
                        rebalance=RebalanceConfig() if args.rebalance == "on" else None,
                        rebalance_period_s=args.rebalance_period_s,
-                       role_drain_timeout_s=args.role_drain_timeout_s)
+                       role_drain_timeout_s=args.role_drain_timeout_s,
+                       plan=PlanConfig(horizon_s=args.plan_horizon_s,
+                                       tpot_s=args.plan_tpot_ms / 1000,
+                                       prefill_busy=args.plan_prefill_busy,
+                                       scale_down_after_s=args.plan_scale_down_s)
+                       if args.plan == "on" else None)
 
 
 def run_agent(args: argparse.Namespace, config: AgentConfig) -> int:

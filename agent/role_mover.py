@@ -27,6 +27,15 @@ from state.redis_state import Registry
 Recorder = Callable[[Decision], Awaitable[None]]  # into the audit trail
 
 
+def role_views(registry: Registry, out: Collection[str]) -> list[RoleView]:
+    """Every registered worker as the pool policies see it (those in `out`, and draining
+    ones, marked ejected)."""
+    return [RoleView(worker_id=w, epoch=i.epoch, role=i.role,
+                     load=registry.loads[w].load if w in registry.loads else WorkerLoad(),
+                     ejected=w in out or i.draining)
+            for w, i in sorted(registry.workers.items())]
+
+
 class RoleMover:
     def __init__(self, actuator: Actuator, record: Recorder, config: RebalanceConfig,
                  period_s: float, drain_timeout_s: float, dry_run: bool) -> None:
@@ -41,15 +50,9 @@ class RoleMover:
         self._last_decision_s: float | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def views(self, registry: Registry, out: Collection[str]) -> list[RoleView]:
-        return [RoleView(worker_id=w, epoch=i.epoch, role=i.role,
-                         load=registry.loads[w].load if w in registry.loads else WorkerLoad(),
-                         ejected=w in out or i.draining)
-                for w, i in sorted(registry.workers.items())]
-
     async def tick(self, registry: Registry, out: Collection[str], now: float,
                    window_s: float) -> None:
-        views = self.views(registry, out)
+        views = role_views(registry, out)
         self.history.append(pool_signals(views, now))
         keep_s = max(window_s, 2 * self.config.sustain_s)
         while self.history and self.history[0].at_s < now - keep_s:

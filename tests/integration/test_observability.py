@@ -3,8 +3,9 @@ traces exported to a real OTLP/HTTP receiver):
 
 - one long prompt handed off P -> D is one trace: spans from the gateway, the prefill and
   the decode worker, under the client's `traceparent`, nested, with the GenAI attributes;
-- a real Prometheus server scrapes the gateway and both workers, and every PromQL
-  expression of the shipped Grafana dashboard returns data;
+- a real Prometheus server scrapes the gateway, both workers and the agent; every PromQL
+  expression of the shipped Grafana dashboard returns data, and so does the agent's
+  desired worker count per role;
 - the cluster page (/dashboard) in real headless Chromium shows the workers and tiers of
   the running cluster and the request that was refused; a screenshot is saved
   (to $PDSERVE_SCREENSHOT_DIR too when set: docs/observability.md's picture).
@@ -115,7 +116,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(up: UpProcess
                                                                    tmp_path: Path) -> None:
     workers = up.workers()
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
-    jobs = {"pdserve-gateway": [up.url.removeprefix("http://")]}
+    jobs = {"pdserve-gateway": [up.url.removeprefix("http://")],
+            "pdserve-agent": [_agent_metrics_address(up)]}
     for worker in workers:
         jobs.setdefault(f"pdserve-{worker['role']}", []).append(
             worker["control_url"].removeprefix("http://"))
@@ -124,7 +126,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(up: UpProcess
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             health = prometheus.targets_up()
-            if len(health) == 3 and set(health.values()) == {"up"}:
+            if len(health) == 4 and set(health.values()) == {"up"}:
                 break
             time.sleep(0.5)
         assert set(prometheus.targets_up().values()) == {"up"}, prometheus.targets_up()
@@ -136,8 +138,31 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(up: UpProcess
                    ((title, _fill_variables(expr)) for title, expr in _dashboard_expressions())}
         missing = {key: result for key, result in answers.items() if not _has_data(result)}
         assert not missing, f"dashboard queries without data: {missing}"
+        # The agent's capacity plan, what an autoscaler scales on (deploy/kubernetes/
+        # overlays/autoscale): one desired count per role, once the workers fitted models.
+        deadline = time.monotonic() + 30
+        roles: dict[str, float] = {}
+        while time.monotonic() < deadline and len(roles) < 3:
+            roles = {r["metric"]["role"]: float(r["value"][1]) for r in
+                     prometheus.query("pdserve_agent_desired_workers", time.time())}
+            time.sleep(1.0)
+        assert set(roles) == {"prefill", "decode", "total"}, roles
+        assert all(count >= 1 for count in roles.values()), roles
     finally:
         prometheus.stop()
+
+
+def _agent_metrics_address(up: UpProcess, timeout_s: float = 30.0) -> str:
+    """host:port of the agent's /metrics, from the line it logs when it binds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for log in up.log_dir.glob("*.log"):
+            found = re.search(r"pdserve agent: /metrics on http://(\S+)",
+                              log.read_text(errors="replace"))
+            if found:
+                return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"no agent /metrics line in {sorted(up.log_dir.glob('*.log'))}")
 
 
 def _trace_spans(receiver: OtlpReceiver, trace_id: str, names: set[str],

@@ -33,7 +33,7 @@ OPTION_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 METRIC_RE = re.compile(r"\bpdserve_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 SOURCE_PACKAGES = ("gateway", "worker", "kv_transfer", "protocol", "rpc", "state", "telemetry",
-                   "text", "engine")
+                   "agent", "text", "engine")
 
 
 def env_var_for(option: str) -> str:

@@ -276,8 +276,17 @@ def test_autoscalers_target_the_pools_on_an_exported_metric(rendered) -> None:
     pools = [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] in WORKERS]
     assert {h["spec"]["scaleTargetRef"]["name"] for h in pools} == set(WORKERS)
     for hpa in pools:
+        kinds = {metric["type"] for metric in hpa["spec"]["metrics"]}
+        assert kinds == {"Pods", "External"}, kinds  # the queue, and the agent's plan
         for metric in hpa["spec"]["metrics"]:
-            assert metric["pods"]["metric"]["name"] in exported_metric_names()
+            source = metric["pods"] if metric["type"] == "Pods" else metric["external"]
+            assert source["metric"]["name"] in exported_metric_names()
+            if metric["type"] == "External":  # one desired count per pool, as replicas
+                role = hpa["spec"]["scaleTargetRef"]["name"].removeprefix("pdserve-")
+                assert source["metric"]["selector"]["matchLabels"] == {"role": role}
+                assert source["metric"]["name"] == "pdserve_agent_desired_workers"
+                assert metric["external"]["target"] == {"type": "AverageValue",
+                                                       "averageValue": "1"}
     # The gateway scales on CPU, which needs a CPU request to be a utilisation of.
     (gateway_hpa,) = [h for h in hpas if h not in pools]
     assert gateway_hpa["spec"]["scaleTargetRef"]["name"] == "pdserve-gateway"
