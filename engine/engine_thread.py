@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from protocol.grammar_spec import GrammarSpec
+
 from engine.block_pool import CacheEvent
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
@@ -194,6 +196,13 @@ class EngineThread:
             # reported as "Future exception was never retrieved".
             future.add_done_callback(_retrieve)
             raise
+
+    async def compile_grammar(self, spec: GrammarSpec, timeout_s: float = 10.0) -> None:
+        """Compile a request's grammar into the engine's cache on a helper thread (not the
+        engine's, whose steps it would stall; not the loop's), so adding the request finds
+        it compiled. Raises GrammarError (a ValueError) or TimeoutError."""
+        compiler = self._engine.grammars  # thread-safe (text/grammar.py)
+        await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), timeout_s)
 
     async def check_invariants(self, timeout_s: float = 5.0) -> None:
         """Check the engine's invariants on its thread and refresh `load`; raises

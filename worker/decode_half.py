@@ -263,6 +263,8 @@ class DecodeWorker:
         in_engine = finished = False
         reservation: Reservation | None = None
         try:
+            if params.grammar is not None:  # compiled off the engine's thread
+                await engine.compile_grammar(params.grammar)
             if request.is_local_prefill:
                 await engine.call(lambda e: e.add_request(
                     rid, request.prompt_token_ids, params, request.priority,

@@ -5,6 +5,7 @@ production, a fake in tests). A request goes through, in order:
 
     draining? (503) -> auth + tier header (401/400) -> Content-Type (415)
     -> body, size-limited (413) and time-limited (408) -> JSON + schema (400) -> model (404)
+    -> an output grammar compiled off the loop, within a deadline (400; grammar_check.py)
     -> length by characters, then tokenized off the loop (gateway/api/tokenize_pool.py), context
        fit against the model and the workers' KV cache, SamplingParams (400)
     -> rate limit + admission (429 + Retry-After) -> backend (503 when it cannot serve)
@@ -39,6 +40,7 @@ from gateway.api.backend import CompletionBackend, GenerationRequest, PromptToke
 from gateway.api.drain import Drain
 from gateway.api.errors import (ApiError, body_too_large, internal_error, invalid_request,
                                 method_not_allowed, model_not_found, overloaded, route_not_found)
+from gateway.api.grammar_check import GrammarCheck
 from gateway.api.openai_api import ModelCard, ModelList
 from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                          build_sampling_params, parse_chat, parse_completion)
@@ -73,12 +75,16 @@ TOKENIZE = web.AppKey("tokenize_pool", TokenizePool)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 DRAIN = web.AppKey("drain", Drain)
 TRACING = web.AppKey("tracing", Tracing)
+GRAMMARS = web.AppKey("grammars", GrammarCheck)
 JSON_CONTENT_TYPE = "application/json"
 
 
 def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBackend,
                tokenizer: PromptTokenizer, gate: AdmissionGate,
-               drain: Drain | None = None, tracing: Tracing = NO_TRACING) -> web.Application:
+               drain: Drain | None = None, tracing: Tracing = NO_TRACING,
+               grammars: GrammarCheck | None = None) -> web.Application:
+    """`grammars`: where requests' output grammars are compiled before routing; None: they
+    are not checked here (the workers refuse one that does not compile)."""
     # client_max_size backs up our own limit for any handler that calls request.read().
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.limits.max_body_bytes)
@@ -86,8 +92,13 @@ def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBack
     app[GATE], app[DRAIN], app[TRACING] = gate, drain or Drain(), tracing
     pool = app[TOKENIZE] = TokenizePool(tokenizer)
 
+    if grammars is not None:
+        app[GRAMMARS] = grammars
+
     async def close_pool(_: web.Application) -> None:
         pool.close()
+        if grammars is not None:
+            grammars.close()
 
     app.on_cleanup.append(close_pool)
     app.router.add_post("/v1/completions", handle_completions)
@@ -181,6 +192,9 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         log.info("ignoring unknown request fields: %s", ", ".join(validated.unknown_fields))
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
+    grammars = app.get(GRAMMARS)
+    if validated.grammar is not None and grammars is not None:
+        await grammars.check(validated.grammar, validated.grammar_param or "response_format")
     backend = app[BACKEND]
     limits = _context_limits(settings.limits, backend.context_limit())
     prompt_ids = await _tokenize(app[TOKENIZE], validated, limits)
