@@ -34,13 +34,16 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from gateway.admission.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
+from gateway.admission.tiers import (TIER_HEADER, TierConfig, TierError, TierSpec, classify,
+                                     resolve)
 from gateway.api.admission_gate import AdmissionGate
 from gateway.api.backend import CompletionBackend, GenerationRequest, PromptTokenizer
 from gateway.api.drain import Drain
 from gateway.api.errors import (ApiError, body_too_large, internal_error, invalid_request,
                                 method_not_allowed, model_not_found, overloaded, route_not_found)
 from gateway.api.grammar_check import GrammarCheck
+from gateway.api.multi_choice import (choice_sampling, json_choices_answer, merged_choices,
+                                      stream_choices_answer)
 from gateway.api.openai_api import ModelCard, ModelList
 from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                          build_sampling_params, parse_chat, parse_completion)
@@ -197,9 +200,11 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         await grammars.check(validated.grammar, validated.grammar_param or "response_format")
     backend = app[BACKEND]
     limits = _context_limits(settings.limits, backend.context_limit())
-    prompt_ids = await _tokenize(app[TOKENIZE], validated, limits)
-    sampling = build_sampling_params(validated, len(prompt_ids), limits)
-    decision = classify(caller, len(prompt_ids), sampling.max_tokens, app[TIERS])
+    prompts = await _tokenize_all(app[TOKENIZE], validated, limits)
+    samplings = [build_sampling_params(validated, len(p), limits) for p in prompts]
+    prompt_ids, sampling = prompts[0], samplings[0]
+    decision = classify(caller, max(len(p) for p in prompts),
+                        max(s.max_tokens for s in samplings), app[TIERS])
     tier, key_id = decision.tier, decision.key_id
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
@@ -211,6 +216,15 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
+    if len(prompts) > 1 or validated.n > 1:
+        generations = [GenerationRequest(
+            request_id=f"{request_id}-{p * validated.n + j}", model=validated.model,
+            prompt_token_ids=prompts[p], sampling=choice_sampling(samplings[p], j),
+            tier=tier.name, key_id=key_id, local_prefill=decision.local_prefill,
+            targets=decision.targets, priority=decision.wire_priority, trace=trace)
+            for p in range(len(prompts)) for j in range(validated.n)]
+        return await _serve_choices(request, validated, request_id, generations,
+                                    [len(p) for p in prompts], tier, key_id, slo_timing)
     direct = DirectTokens(slo_timing) if validated.stream else None
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
@@ -234,6 +248,35 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     finally:
         # The charge was prompt + max_tokens; what was not generated goes back.
         gate.leave(request_id, tier, key_id, sampling.max_tokens - num_generated)
+
+
+async def _serve_choices(request: web.Request, validated: ValidatedRequest, request_id: str,
+                         generations: list[GenerationRequest], prompt_lengths: list[int],
+                         tier: TierSpec, key_id: str | None, slo_timing: RequestTiming
+                         ) -> web.StreamResponse:
+    """Several choices (prompts x n): one admission for all, one generation each
+    (gateway/api/multi_choice.py)."""
+    app = request.app
+    settings, gate = app[SETTINGS], app[GATE]
+    charge = sum(len(g.prompt_token_ids) + g.sampling.max_tokens for g in generations)
+    max_tokens = sum(g.sampling.max_tokens for g in generations)
+    await gate.enter(request_id, tier, key_id, charge)
+    request[TRACE].admitted(time.monotonic())
+    num_generated = 0
+    merged = merged_choices(app[BACKEND], generations, slo_timing)
+    try:
+        if validated.stream:
+            timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
+                                  settings.keepalive_s)
+            response, num_generated = await stream_choices_answer(
+                request, validated, request_id, merged, len(generations), prompt_lengths,
+                timing, app[DRAIN])
+            return response
+        answer, num_generated = await json_choices_answer(
+            validated, request_id, merged, len(generations), prompt_lengths)
+        return answer
+    finally:
+        gate.leave(request_id, tier, key_id, max_tokens - num_generated)
 
 
 def _context_limits(limits: RequestLimits, capacity: int | None) -> RequestLimits:
@@ -278,6 +321,28 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
         raise ApiError(408, f"The request body was not received within {timeout_s:g} s.",
                        code="request_timeout") from None
     return b"".join(chunks)
+
+
+async def _tokenize_all(pool: TokenizePool, validated: ValidatedRequest,
+                        limits: RequestLimits) -> list[tuple[int, ...]]:
+    """Every prompt's tokens, in order (one unless a batch of prompts)."""
+    if validated.batch_prompts is None:
+        return [await _tokenize(pool, validated, limits)]
+    return [p if isinstance(p, tuple) else tuple(await _encode(pool, p, limits, f"prompt[{i}]"))
+            for i, p in enumerate(validated.batch_prompts)]
+
+
+async def _encode(pool: TokenizePool, text: str, limits: RequestLimits, param: str) -> list[int]:
+    if pool.min_tokens(len(text)) > limits.prompt_token_limit:
+        raise invalid_request(
+            f"The prompt has {len(text)} characters, more than {limits.prompt_token_limit} "
+            f"tokens can hold ({limits.context_description}).", param,
+            code="context_length_exceeded")
+    try:
+        return await pool.encode(text)
+    except TokenizerBusy as exc:
+        raise overloaded(f"The gateway is busy tokenizing prompts ({exc}); retry in a "
+                         "moment.", retry_after_s=1) from exc
 
 
 async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,

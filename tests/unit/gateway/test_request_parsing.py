@@ -53,6 +53,11 @@ def test_prompt_forms():
     assert parse_completion(completion(prompt="x"), LIMITS).prompt_text == "x"
     assert parse_completion(completion(prompt=["x"]), LIMITS).prompt_text == "x"
     assert parse_completion(completion(prompt=[1, 2, 3]), LIMITS).prompt_token_ids == (1, 2, 3)
+    assert parse_completion(completion(prompt=[[4, 5]]), LIMITS).prompt_token_ids == (4, 5)
+    batch = parse_completion(completion(prompt=["a", "b"]), LIMITS)
+    assert batch.batch_prompts == ("a", "b") and batch.prompt_text is None
+    ids = parse_completion(completion(prompt=[[1], [2, 3]], n=2, best_of=2), LIMITS)
+    assert ids.batch_prompts == ((1,), (2, 3)) and ids.n == 2
 
 
 def test_content_parts_are_joined_and_developer_is_system():
@@ -64,7 +69,8 @@ def test_content_parts_are_joined_and_developer_is_system():
 
 
 @pytest.mark.parametrize("fn, body, status, param", [
-    (parse_chat, chat(n=2), 400, "n"),
+    (parse_chat, chat(n=17), 400, "n"),
+    (parse_chat, chat(n=2, best_of=3), 400, "best_of"),
     (parse_chat, chat(n=0), 400, "n"),
     (parse_chat, chat(max_tokens=-1), 400, "max_tokens"),
     (parse_chat, chat(max_tokens="5"), 400, "max_tokens"),
@@ -90,8 +96,11 @@ def test_content_parts_are_joined_and_developer_is_system():
     (parse_chat, b'{"messages": []}', 400, "model"),
     (parse_completion, completion(prompt=""), 400, "prompt"),
     (parse_completion, completion(prompt=[]), 400, "prompt"),
-    (parse_completion, completion(prompt=["a", "b"]), 400, "prompt"),
-    (parse_completion, completion(prompt=[[1, 2]]), 400, "prompt"),
+    (parse_completion, completion(prompt=["a", [1]]), 400, "prompt"),
+    (parse_completion, completion(prompt=["a", ""]), 400, "prompt[1]"),
+    (parse_completion, completion(prompt=[[1, 2], [1, -1]]), 400, "prompt[1][1]"),
+    (parse_completion, completion(prompt=["a"] * 65), 400, "prompt"),
+    (parse_completion, completion(prompt=["a"] * 8, n=9), 400, "n"),
     (parse_completion, completion(prompt=[1, -2]), 400, "prompt[1]"),
     (parse_completion, completion(prompt=[1, 5000]), 400, "prompt[1]"),
     (parse_completion, completion(prompt=[True]), 400, "prompt"),
