@@ -42,8 +42,7 @@ PERSON = {
     "required": ["name", "age", "colour", "tags", "home"],
     "additionalProperties": False,
 }
-QUESTIONS = ["Describe a person as JSON.", "Invent a customer record.",
-             "Who lives next door? Answer in JSON."]
+QUESTIONS = ["Describe a person as JSON.", "Who lives next door? Answer in JSON."]
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +170,31 @@ def test_bad_constraints_are_400_with_an_openai_body_and_health_stays_fast(up, c
     assert max(probes) < 1000, probes
     # Still serving after all that.
     assert _chat(client, model, "Say hi.", 4).choices[0].message.content
+
+
+def test_batched_prompts_match_single_runs_in_order(client, model) -> None:
+    prompts = ["The capital of France is", "One, two, three,", "My favourite food is"]
+    args = dict(model=model, max_tokens=8, temperature=0, extra_headers=SPLIT)
+    singles = [client.completions.create(prompt=p, **args) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **args)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **args):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {i: s.choices[0].text for i, s in enumerate(singles)}
+
+
+def test_n_samples_each_keep_the_constraint(client, model) -> None:
+    args = dict(model=model, max_tokens=8, temperature=1.0, seed=11, n=3, extra_headers=SPLIT,
+                messages=[{"role": "user", "content": "Pick a colour."}],
+                extra_body={"guided_choice": ["red", "green", "blue", "black", "white"]})
+    reply = client.chat.completions.create(**args)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert {c.message.content for c in reply.choices} <= {"red", "green", "blue", "black", "white"}
+    assert all(c.finish_reason == "stop" for c in reply.choices)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**args, "n": 17})
