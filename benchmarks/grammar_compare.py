@@ -128,10 +128,14 @@ def bench_outlines(tokenizer: Any, schema: dict[str, Any], document: str, batch:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--properties", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-outlines", action="store_true")
+    parser.add_argument("--properties", type=int, default=200,
+                        help="properties of the generated schema (default 200)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="requests whose masks one step computes (default 64)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs of each figure; the median is reported (default 5)")
+    parser.add_argument("--skip-outlines", action="store_true",
+                        help="time llguidance only (outlines-core's compile takes seconds)")
     args = parser.parse_args()
     tokenizer = load_tokenizer()
     schema = wide_schema(args.properties)

@@ -201,7 +201,7 @@ class EngineThread:
         """Compile a request's grammar into the engine's cache on a helper thread (not the
         engine's, whose steps it would stall; not the loop's), so adding the request finds
         it compiled. Raises GrammarError (a ValueError) or TimeoutError."""
-        compiler = self._engine.grammars  # thread-safe (text/grammar.py)
+        compiler = self._engine.grammar_rows.compiler  # thread-safe (text/grammar.py)
         await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), timeout_s)
 
     async def check_invariants(self, timeout_s: float = 5.0) -> None:

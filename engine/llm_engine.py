@@ -12,12 +12,6 @@ Every step returns one `RequestOutput` per request that produced a token or fini
 Text streams through the incremental detokenizer, held back while it may start a stop string.
 Invariants: ids tracked here = ids the scheduler knows (live or PREFILLED); a finished
 request produces exactly one output with `finish_reason` set. Outputs count engine steps.
-
-Grammars (engine/sampler.py "Grammars"): a request with one gets a matcher when it is
-tracked, advanced past every token it samples here and, before that, past the tokens it
-got elsewhere (the prefill side's first token, a migrated request's output), so each
-worker masks exactly where the first left off. While any tracked request has a grammar,
-steps are not overlapped: its next mask needs the token just sampled on the host.
 """
 
 from __future__ import annotations
@@ -38,14 +32,14 @@ from engine.kv_storage import KVStorage
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.request import Request, RequestMode, RequestStatus
-from engine.sampler import Sampler, SamplingState, TokenLogprobs, advance_grammars
+from engine.grammar_rows import GrammarRows
+from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.step_shape import step_shape
 from engine.step_timer import StepTimer
 from protocol.sampling_params import SamplingParams
-from text.grammar import GrammarCompiler
 from text.tokenizer import Tokenizer
 
 
@@ -75,9 +69,7 @@ class LLMEngine:
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
         self._tracked = self.outputs.tracked  # the requests this engine postprocesses
-        # Thread-safe: a worker compiles off this thread first, so _track finds it cached.
-        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
-        self._constrained_ids: set[str] = set()  # tracked (or were) with a grammar
+        self.grammar_rows = GrammarRows(tokenizer, model_config.vocab_size)
         self._ids = itertools.count()
         self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
@@ -117,14 +109,12 @@ class LLMEngine:
         if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
             raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
-        tracked = self._track(request, notify_kv_ready)
+        tracked = self._track(request, notify_kv_ready, resumed_token_ids)
         if not resumed_token_ids:
             self.scheduler.add_request(request)
             return
         try:
             self.outputs.replay(tracked, resumed_token_ids, self.model_config.vocab_size)
-            if tracked.sampling.grammar is not None:
-                tracked.sampling.grammar.accept_all(list(resumed_token_ids))
             self.scheduler.add_resumed_request(request, resumed_token_ids)
         except ValueError:
             self.outputs.untrack(request_id)
@@ -155,14 +145,7 @@ class LLMEngine:
         was sampled (and streamed) by the prefill side, so it is not emitted again."""
         request = Request(request_id, list(prompt_token_ids), params, priority=priority,
                           mode=RequestMode.DECODE_ONLY)
-        tracked = self._track(request)
-        if tracked.sampling.grammar is not None:
-            try:
-                tracked.sampling.grammar.accept_all([first_token_id])
-            except ValueError:
-                self.outputs.untrack(request_id)
-                self.release_reservation(request_id)
-                raise
+        tracked = self._track(request, replayed=(first_token_id,))
         self.scheduler.add_decode_request(request, first_token_id)
         self.outputs.join_first_token(tracked, first_token_id)
 
@@ -214,7 +197,7 @@ class LLMEngine:
         outputs of the step before (`on_outputs` is then not used). Needs a runner that
         `reads_device_tokens`. A plain step after overlapped ones first finishes the last.
         """
-        if overlap and not self._any_constrained():
+        if overlap and not self.grammar_rows.any_live(self._tracked.keys()):
             return self._step_overlapped(on_kv_ready)
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
@@ -238,12 +221,9 @@ class LLMEngine:
             if rows:
                 tracked = [self._tracked[rid] for rid in rows]
                 params = [t.request.sampling_params for t in tracked]
-                states = [t.sampling for t in tracked]
-                result = self.sampler.sample(logits, params, states)
+                result = self.sampler.sample(logits, params, [t.sampling for t in tracked])
                 if __debug__:
                     result.check_invariants(params, logits.shape[-1])
-                if self._constrained_ids:
-                    advance_grammars(states, result.token_ids)
                 sampled = dict(zip(rows, result.token_ids))
                 logprobs = dict(zip(rows, result.logprobs))
             self.scheduler.update_from_output(schedule, sampled)
@@ -389,18 +369,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
 
-    def _any_constrained(self) -> bool:
-        """Whether a tracked request has a grammar (ids of those gone are dropped here)."""
-        if self._constrained_ids:
-            self._constrained_ids &= self._tracked.keys()
-        return bool(self._constrained_ids)
-
-    def _track(self, request: Request, notify_kv_ready: bool = False) -> Tracked:
-        """GrammarError (a ValueError) when the request's grammar does not compile."""
-        spec = request.sampling_params.grammar
-        grammar = self.grammars.new_matcher(spec) if spec is not None else None
-        if spec is not None:
-            self._constrained_ids.add(request.request_id)
+    def _track(self, request: Request, notify_kv_ready: bool = False,
+               replayed: Sequence[int] = ()) -> Tracked:
+        grammar = self.grammar_rows.matcher_for(request, replayed)  # may raise GrammarError
         sampling = SamplingState.create(request.sampling_params, request.prompt_token_ids,
                                         self.config.device, grammar)
         # The scheduler's list is the one record of output tokens; the sampler reads it.

@@ -31,10 +31,11 @@ Grammars: a row whose request carries a grammar (protocol/grammar_spec.py) holds
 `GrammarMatcher` in its `SamplingState`; `launch` fills one bitmask row per such row on the
 host (the matcher's allowed tokens; EOS only once the grammar has ended), expands it on the
 device and masks the logits with it. Rows without a grammar cost nothing: no mask is built
-when no row has one. The caller advances each matcher with the token it got
-(`advance_grammars`), before the row's next mask: so an engine step that queues the next
-step before its tokens reach the host cannot serve such rows (engine/llm_engine.py). The
-min_tokens rule leaves grammar rows alone: their grammar alone says when EOS may come.
+when no row has one. `sample` advances each matcher past the token it got
+(`advance_grammars`), before the row's next mask; `launch` alone does not, so an engine
+step that queues the next step before its tokens reach the host cannot serve such rows
+(engine/grammar_rows.py). The min_tokens rule leaves grammar rows alone: their grammar
+alone says when EOS may come.
 
 `ignore_eos` does not touch the logits (vLLM semantics): the model may sample EOS and the
 stop checker simply does not stop there.
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logit_masks import apply_grammar_masks, apply_logit_bias
 from engine.pending_sample import PendingSample
 from engine.sampler_output import SamplerOutput, TokenLogprobs
 from protocol.sampling_params import SamplingParams
@@ -137,8 +139,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                states: Sequence[SamplingState]) -> SamplerOutput:
         """`logits` is float32 [N, vocab]; row i belongs to params[i]/states[i]. Side-effect
-        free apart from advancing generators (the caller appends the token to the state)."""
-        return self.launch(logits, params, states).result()
+        free apart from advancing generators and grammar matchers (`advance_grammars`; the
+        caller appends the token to the state)."""
+        result = self.launch(logits, params, states).result()
+        advance_grammars(states, result.token_ids)
+        return result
 
     def launch(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                states: Sequence[SamplingState]) -> PendingSample:
@@ -163,8 +168,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if edits:
             logits = logits.clone()  # the caller's logits stay as they were
-            _apply_grammars(logits, states)
-            _apply_logit_bias(logits, params)
+            apply_grammar_masks(logits, [s.grammar for s in states])
+            apply_logit_bias(logits, [p.logit_bias for p in params])
             self._apply_min_tokens(logits, params, states)
             _apply_penalties(logits, params, states)
 
@@ -243,62 +248,6 @@ def _edits_logits(params: SamplingParams, state: SamplingState) -> bool:
     and `_apply_penalties` select their rows by."""
     return (state.grammar is not None or bool(params.logit_bias) or _bans_stops(params, state)
             or _repetition_penalised(params) or _count_penalised(params, state))
-
-
-def _apply_grammars(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """In place: -inf for every token a grammar row's matcher does not allow next. One
-    bitmask for all such rows, filled on the host, expanded on the device."""
-    rows = [i for i, s in enumerate(states) if s.grammar is not None]
-    if not rows:
-        return
-    vocab_size = logits.shape[1]
-    num_words = (vocab_size + 31) // 32
-    bits = torch.zeros(len(rows), num_words, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        matcher = states[i].grammar
-        assert matcher is not None
-        if matcher.is_usable:
-            row = bits[j]
-            matcher.write_mask(row.data_ptr(), num_words * 4)
-        else:  # ended (or broken): nothing but EOS makes sense
-            for t in matcher.eos_token_ids:
-                if t < vocab_size:
-                    bits[j, t // 32] |= _bit(t % 32)
-    allowed = allowed_from_bitmask(bits.to(logits.device), vocab_size)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def _bit(position: int) -> int:
-    """The int32 word with bit `position` set (bit 31 is the sign bit)."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)
-
-
-def allowed_from_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(vocab/32)] int32 words -> [rows, vocab] bool: token t is allowed iff bit
-    t % 32 of word t // 32 is set."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    expanded = (bits.unsqueeze(-1) >> shifts) & 1
-    return expanded.reshape(bits.shape[0], -1)[:, :vocab_size].bool()
-
-
-def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """In place: each row's biases added to its tokens (ids past the vocabulary skipped)."""
-    rows: list[int] = []
-    ids: list[int] = []
-    biases: list[float] = []
-    vocab_size = logits.shape[1]
-    for i, p in enumerate(params):
-        for token_id, bias in p.logit_bias:
-            if token_id < vocab_size:
-                rows.append(i)
-                ids.append(token_id)
-                biases.append(bias)
-    if rows:
-        device = logits.device
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
-                          torch.tensor(biases, dtype=logits.dtype, device=device),
-                          accumulate=True)
 
 
 _MASK64 = (1 << 64) - 1

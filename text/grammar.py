@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -35,10 +36,13 @@ from llguidance.gbnf_to_lark import any_to_lark
 from protocol.grammar_spec import GrammarKind, GrammarSpec
 from text.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # JSON output without optional whitespace: a small model cannot wander off into blank
 # lines, and every answer is as short as its content allows. A schema may override it
 # with llguidance's "x-guidance" options.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):

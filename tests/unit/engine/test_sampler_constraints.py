@@ -7,7 +7,8 @@ import ctypes
 import pytest
 import torch
 
-from engine.sampler import (Sampler, SamplingState, advance_grammars, allowed_from_bitmask)
+from engine.logit_masks import allowed_from_bitmask
+from engine.sampler import Sampler, SamplingState
 from protocol.grammar_spec import GrammarKind, GrammarSpec
 from protocol.sampling_params import SamplingParams
 from text.grammar import GrammarMatcher
@@ -80,10 +81,10 @@ def test_grammar_rows_sample_only_allowed_tokens_and_others_are_untouched(temper
             if temperature == 0.0:
                 best = max(allowed, key=lambda t: float(logits[1, t]))
                 assert out.token_ids[1] == best
-            advance_grammars(states, out.token_ids)
             for s, t in zip(states, out.token_ids):
                 s.output_token_ids.append(t)
-        assert not matcher.is_usable  # every scripted step consumed
+        # `sample` moved the matcher past each token it drew: every scripted step consumed.
+        assert len(matcher.accepted) == len(script) + 1 and not matcher.is_usable
 
 
 def test_a_row_without_grammar_in_the_batch_keeps_its_plain_fast_path():
