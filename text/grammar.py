@@ -133,6 +133,8 @@ class GrammarCompiler:
                 hit = self._compile(spec)
             except GrammarError as exc:
                 hit = exc
+            except (ValueError, TypeError, RuntimeError) as exc:  # llguidance's own, unforeseen
+                hit = GrammarError(_clean(f"{type(exc).__name__}: {exc}"))
             with self._lock:
                 self.num_compiles += 1
                 self._cache[key] = hit
