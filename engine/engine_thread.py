@@ -38,8 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from protocol.grammar_spec import GrammarSpec
-
 from engine.block_pool import CacheEvent
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
@@ -48,6 +46,7 @@ from engine.request_stream import RequestStream
 from engine.step_mode import StepMode
 from engine.step_shape import QueueShape, StepShape, queue_shape, step_shape
 from engine.step_timer import StepTimer, TimedStep
+from protocol.grammar_spec import GrammarSpec
 from protocol.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)

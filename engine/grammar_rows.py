@@ -1,10 +1,13 @@
 """The engine's record of its grammar-constrained requests (engine/llm_engine.py).
 
-Lifecycle of a constrained request here: `matcher_for` when it is tracked (the grammar
-compiled, or found in the cache: the worker compiles it off the engine's thread first),
-replaying output it got elsewhere (a prefill worker's first token, a migrated request's
-output), so each worker masks where the last left off -> its matcher advanced past every token sampled here (engine/sampler.py
-`advance_grammars`) -> it leaves the engine; `any_live` forgets it then.
+Lifecycle of a constrained request here:
+
+    tracked: `matcher_for` compiles its grammar (a cache hit: the worker compiled it off the
+             engine's thread first) and replays output it got elsewhere (a prefill worker's
+             first token, a migrated request's output), so this worker masks where the last
+             left off
+    -> every token sampled here advances its matcher (engine/sampler.py `advance_grammars`)
+    -> it leaves the engine; `any_live` forgets it then
 
 Invariant: `any_live(tracked)` is True iff a tracked request has a grammar; while it is, the
 engine does not overlap steps (the next mask needs the token just sampled, on the host).

@@ -25,6 +25,7 @@ from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.generation_result import GenerationResult
+from engine.grammar_rows import GrammarRows
 from engine.inflight_step import InFlightStep
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
@@ -32,7 +33,6 @@ from engine.kv_storage import KVStorage
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.request import Request, RequestMode, RequestStatus
-from engine.grammar_rows import GrammarRows
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler

@@ -37,11 +37,11 @@ from gateway.admission.rate_limit import TokenRateLimiter
 from gateway.admission.shared_limits import SharedLimits
 from gateway.admission.tiers import load_tier_config
 from gateway.api.admission_gate import AdmissionGate
+from gateway.api.grammar_check import GrammarCheck
 from gateway.api.http_api import DRAIN, ApiSettings, create_app
 from gateway.api.http_server import GatewayRunner
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.model_files import read_model_info
-from gateway.api.grammar_check import GrammarCheck
 from gateway.api.prompt_tokenizer import GatewayTokenizer
 from gateway.api.request_parsing import RequestLimits
 from gateway.api.slo_accounting import SloOutcome

@@ -3,15 +3,15 @@
 Side-effect free. The fields, all on both endpoints (OpenAI names `response_format` on
 chat only; vLLM takes it on completions too):
 
-    response_format: {"type": "text"}                                    -> no grammar
-                     {"type": "json_object"}                             -> JSON_SCHEMA {"type": "object"}
+    response_format: {"type": "text"}                  -> no grammar
+                     {"type": "json_object"}           -> JSON_SCHEMA {"type": "object"}
                      {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
-                                                                         -> JSON_SCHEMA schema
-    structured_outputs (vLLM): {"json": schema}                          -> JSON_SCHEMA
-                               {"json_object": true}                     -> JSON_SCHEMA {"type": "object"}
-                               {"regex": "..."}                          -> REGEX
-                               {"choice": ["a", "b"]}                    -> REGEX a|b (escaped)
-                               {"grammar": "..."}  (Lark, or GBNF/EBNF)  -> LARK
+                                                       -> JSON_SCHEMA schema
+    structured_outputs (vLLM): {"json": schema}        -> JSON_SCHEMA
+                               {"json_object": true}   -> JSON_SCHEMA {"type": "object"}
+                               {"regex": "..."}        -> REGEX
+                               {"choice": ["a", "b"]}  -> REGEX (a)|(b), escaped
+                               {"grammar": "..."}      -> LARK (Lark, or GBNF converted)
     guided_json, guided_regex, guided_choice, guided_grammar (vLLM before 0.12): the same
 
 At most one of them may constrain a request (two are a 400, as is any other vLLM option:
@@ -62,7 +62,8 @@ def grammar_from_request(fields: SamplingFields) -> tuple[GrammarSpec, str] | No
             options.append(("structured_outputs.json_object", None))
         found += [(param, _from_option(param, value)) for param, value in options]
     if fields.guided_whitespace_pattern is not None:
-        raise unsupported("`guided_whitespace_pattern` is not supported.", "guided_whitespace_pattern")
+        raise unsupported("`guided_whitespace_pattern` is not supported.",
+                          "guided_whitespace_pattern")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         value = getattr(fields, name)
         if value is not None:
@@ -126,7 +127,8 @@ def _json_spec(schema: Any, param: str) -> GrammarSpec:
             raise invalid_request(f"`{param}` is not valid JSON: {exc}.", param) from exc
     if not isinstance(schema, (dict, bool)):
         raise invalid_request(f"`{param}` must be a JSON schema (an object).", param)
-    return GrammarSpec(GrammarKind.JSON_SCHEMA, _bounded(msgspec.json.encode(schema).decode(), param))
+    source = msgspec.json.encode(schema).decode()
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, _bounded(source, param))
 
 
 def _bounded(source: str, param: str) -> str:

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from gateway.admission.tiers import (TIER_HEADER, TierConfig, TierError, TierSpec, classify,
-                                     resolve)
+from gateway.admission.tiers import TIER_HEADER, TierConfig, TierError, TierSpec, classify, resolve
 from gateway.api.admission_gate import AdmissionGate
 from gateway.api.backend import CompletionBackend, GenerationRequest, PromptTokenizer
 from gateway.api.drain import Drain

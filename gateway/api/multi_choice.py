@@ -4,7 +4,7 @@ workers); their deltas are merged here into one answer.
 
     prompts p0..pk, n samples each ──▶ choice index = prompt index * n + sample index
                                         (OpenAI's order), generation id "<request id>-<index>"
-    every choice's generate_batches ──▶ one task each ──▶ queue of (index, batch) ──▶
+    each choice's generate_batches ──▶ a task each ──▶ queue of (index, batch) ──▶
         JSON body: choices in index order, usage summed
         SSE: one event per delta, naming its choice `index`; then usage (if asked), [DONE]
 

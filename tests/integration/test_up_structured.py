@@ -20,9 +20,10 @@ import time
 import urllib.request
 
 import jsonschema
-import openai
 import pytest
 from up_process import HANDOFF_TIER, UpProcess
+
+import openai
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -90,7 +90,8 @@ def test_grammar_rows_sample_only_allowed_tokens_and_others_are_untouched(temper
 def test_a_row_without_grammar_in_the_batch_keeps_its_plain_fast_path():
     params = SamplingParams(temperature=0.0)
     assert state_for(params).plain
-    assert not state_for(SamplingParams(temperature=0.0, grammar=SPEC), ScriptedMatcher([{1}])).plain
+    constrained = SamplingParams(temperature=0.0, grammar=SPEC)
+    assert not state_for(constrained, ScriptedMatcher([{1}])).plain
     assert not state_for(SamplingParams(temperature=0.0, logit_bias=((1, 1.0),))).plain
 
 
@@ -129,7 +130,8 @@ def test_logit_bias_leaves_logprobs_raw_and_other_rows_alone():
     top = int(logits[0].argmax())
     biased = SamplingParams(temperature=0.0, logprobs=1, logit_bias=((top, -100.0),))
     plain = SamplingParams(temperature=0.0, logprobs=1)
-    out = Sampler((EOS,), seed=0).sample(logits, [biased, plain], [state_for(biased), state_for(plain)])
+    out = Sampler((EOS,), seed=0).sample(logits, [biased, plain],
+                                         [state_for(biased), state_for(plain)])
     raw = torch.log_softmax(logits, dim=-1)
     lp = out.logprobs[0]
     assert lp is not None and lp.top_token_ids == (top,)

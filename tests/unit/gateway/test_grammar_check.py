@@ -58,8 +58,6 @@ def test_a_slow_compile_misses_its_deadline_while_the_loop_keeps_running():
     ticks = 0
 
     async def go() -> None:
-        nonlocal ticks
-
         async def tick() -> None:
             nonlocal ticks
             while True:
