@@ -46,6 +46,7 @@ from engine.request_stream import RequestStream
 from engine.step_mode import StepMode
 from engine.step_shape import QueueShape, StepShape, queue_shape, step_shape
 from engine.step_timer import StepTimer, TimedStep
+from protocol.grammar_spec import GrammarSpec
 from protocol.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,13 @@ class EngineThread:
             # reported as "Future exception was never retrieved".
             future.add_done_callback(_retrieve)
             raise
+
+    async def compile_grammar(self, spec: GrammarSpec, timeout_s: float = 10.0) -> None:
+        """Compile a request's grammar into the engine's cache on a helper thread (not the
+        engine's, whose steps it would stall; not the loop's), so adding the request finds
+        it compiled. Raises GrammarError (a ValueError) or TimeoutError."""
+        compiler = self._engine.grammar_rows.compiler  # thread-safe (text/grammar.py)
+        await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), timeout_s)
 
     async def check_invariants(self, timeout_s: float = 5.0) -> None:
         """Check the engine's invariants on its thread and refresh `load`; raises

@@ -25,6 +25,7 @@ from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.generation_result import GenerationResult
+from engine.grammar_rows import GrammarRows
 from engine.inflight_step import InFlightStep
 from engine.kv_cache import KVCacheManager, Reservation
 from engine.kv_ready import KVReady, LayerEventRecorder
@@ -68,6 +69,7 @@ class LLMEngine:
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
         self.outputs = OutputProcessor(tokenizer, self.scheduler)
         self._tracked = self.outputs.tracked  # the requests this engine postprocesses
+        self.grammar_rows = GrammarRows(tokenizer, model_config.vocab_size)
         self._ids = itertools.count()
         self.num_preemptions = self.num_steps = 0  # preemptions (recompute), steps since start
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
@@ -107,7 +109,7 @@ class LLMEngine:
         if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
             raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
-        tracked = self._track(request, notify_kv_ready)
+        tracked = self._track(request, notify_kv_ready, resumed_token_ids)
         if not resumed_token_ids:
             self.scheduler.add_request(request)
             return
@@ -143,7 +145,7 @@ class LLMEngine:
         was sampled (and streamed) by the prefill side, so it is not emitted again."""
         request = Request(request_id, list(prompt_token_ids), params, priority=priority,
                           mode=RequestMode.DECODE_ONLY)
-        tracked = self._track(request)
+        tracked = self._track(request, replayed=(first_token_id,))
         self.scheduler.add_decode_request(request, first_token_id)
         self.outputs.join_first_token(tracked, first_token_id)
 
@@ -195,7 +197,7 @@ class LLMEngine:
         outputs of the step before (`on_outputs` is then not used). Needs a runner that
         `reads_device_tokens`. A plain step after overlapped ones first finishes the last.
         """
-        if overlap:
+        if overlap and not self.grammar_rows.any_live(self._tracked.keys()):
             return self._step_overlapped(on_kv_ready)
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
@@ -367,9 +369,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
 
-    def _track(self, request: Request, notify_kv_ready: bool = False) -> Tracked:
+    def _track(self, request: Request, notify_kv_ready: bool = False,
+               replayed: Sequence[int] = ()) -> Tracked:
+        grammar = self.grammar_rows.matcher_for(request, replayed)  # may raise GrammarError
         sampling = SamplingState.create(request.sampling_params, request.prompt_token_ids,
-                                        self.config.device)
+                                        self.config.device, grammar)
         # The scheduler's list is the one record of output tokens; the sampler reads it.
         sampling.output_token_ids = request.output_token_ids
         return self.outputs.track(request, sampling, notify_kv_ready)

@@ -4,6 +4,8 @@ Processing order, per row (vLLM's order; each step sees the previous one's outpu
 
     raw logits [N, vocab] (float32)
       -> logprobs for the response = log_softmax(raw logits)      (see "Logprobs" below)
+      -> grammar: tokens the row's grammar does not allow next set to -inf (see "Grammars")
+      -> logit_bias: each listed token's bias added (OpenAI; -100 bans it in effect)
       -> min_tokens: EOS and stop_token_ids set to -inf while len(output) < min_tokens
       -> repetition penalty   over prompt + output tokens (HF/vLLM: divide positive logits,
                               multiply negative ones)
@@ -25,12 +27,22 @@ batched with others, and on any worker: a request resumed elsewhere after n toke
 n tokens replayed) draws token n+1 exactly as the first worker would have. Rows without a
 seed share the sampler's generator.
 
+Grammars: a row whose request carries a grammar (protocol/grammar_spec.py) holds a
+`GrammarMatcher` in its `SamplingState`; `launch` fills one bitmask row per such row on the
+host (the matcher's allowed tokens; EOS only once the grammar has ended), expands it on the
+device and masks the logits with it. Rows without a grammar cost nothing: no mask is built
+when no row has one. `sample` advances each matcher past the token it got
+(`advance_grammars`), before the row's next mask; `launch` alone does not, so an engine
+step that queues the next step before its tokens reach the host cannot serve such rows
+(engine/grammar_rows.py). The min_tokens rule leaves grammar rows alone: their grammar
+alone says when EOS may come.
+
 `ignore_eos` does not touch the logits (vLLM semantics): the model may sample EOS and the
 stop checker simply does not stop there.
 
 Invariants:
-  * `SamplingState`: a generator exists iff the request has a seed
-    (`SamplingState.check_invariants`);
+  * `SamplingState`: a generator exists iff the request has a seed, a grammar matcher iff
+    it has a grammar (`SamplingState.check_invariants`);
   * every step's `SamplerOutput` has one token per row, each inside the vocabulary, and a
     row that asked for logprobs reports the token it got, with at most `logprobs`
     alternatives, most likely first (`SamplerOutput.check_invariants`; the engine runs it
@@ -44,12 +56,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logit_masks import apply_grammar_masks, apply_logit_bias
 from engine.pending_sample import PendingSample
 from engine.sampler_output import SamplerOutput, TokenLogprobs
 from protocol.sampling_params import SamplingParams
+from text.grammar import GrammarMatcher
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs",
-           "position_seed"]
+           "advance_grammars", "position_seed"]
 
 # The host's top-p looks at this many of a row's top tokens first (see _apply_top_p).
 TOP_P_FIRST_K = 64
@@ -63,26 +77,44 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # set iff the request has a seed
     plain: bool = False  # is_plain(params): its rows need an argmax and nothing else
+    grammar: GrammarMatcher | None = None  # set iff the request has a grammar
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: Sequence[int],
-               device: torch.device | str = "cpu") -> SamplingState:
+               device: torch.device | str = "cpu",
+               grammar: GrammarMatcher | None = None) -> SamplingState:
+        """`grammar`: the request's matcher at its start, iff `params.grammar` is set."""
+        if (grammar is None) != (params.grammar is None):
+            raise ValueError("a grammar matcher is needed exactly when the request has a grammar")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)  # re-seeded at every position
         return cls(prompt_token_ids=prompt_token_ids, generator=generator,
-                   plain=is_plain(params))
+                   plain=is_plain(params), grammar=grammar)
 
     def check_invariants(self, params: SamplingParams) -> None:
         assert (self.generator is not None) == (params.seed is not None), \
             "a seeded request must draw from its own generator, and only then"
         assert self.plain == is_plain(params), "plain, but its parameters say otherwise"
+        assert (self.grammar is not None) == (params.grammar is not None), \
+            "a grammar matcher exactly for a request with a grammar"
 
 
 def may_edit_logits(params: SamplingParams) -> bool:
-    """Only a row with min_tokens or a penalty can ever have its logits edited."""
-    return bool(params.min_tokens or params.repetition_penalty != 1.0
+    """Only a row with a grammar, a logit bias, min_tokens or a penalty can ever have its
+    logits edited."""
+    return bool(params.grammar is not None or params.logit_bias or params.min_tokens
+                or params.repetition_penalty != 1.0
                 or params.frequency_penalty or params.presence_penalty)
+
+
+def advance_grammars(states: Sequence[SamplingState], token_ids: Sequence[int]) -> None:
+    """Move each grammar row's matcher past the token it got (called once per sampled
+    token, before the row's next `launch`). A token the grammar refused (none can be: the
+    mask allowed it) leaves the matcher unusable, and its next mask allows EOS only."""
+    for state, token_id in zip(states, token_ids):
+        if state.grammar is not None:
+            state.grammar.accept(token_id)
 
 
 def is_plain(params: SamplingParams) -> bool:
@@ -107,8 +139,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                states: Sequence[SamplingState]) -> SamplerOutput:
         """`logits` is float32 [N, vocab]; row i belongs to params[i]/states[i]. Side-effect
-        free apart from advancing generators (the caller appends the token to the state)."""
-        return self.launch(logits, params, states).result()
+        free apart from advancing generators and grammar matchers (`advance_grammars`; the
+        caller appends the token to the state)."""
+        result = self.launch(logits, params, states).result()
+        advance_grammars(states, result.token_ids)
+        return result
 
     def launch(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                states: Sequence[SamplingState]) -> PendingSample:
@@ -133,6 +168,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if edits:
             logits = logits.clone()  # the caller's logits stay as they were
+            apply_grammar_masks(logits, [s.grammar for s in states])
+            apply_logit_bias(logits, [p.logit_bias for p in params])
             self._apply_min_tokens(logits, params, states)
             _apply_penalties(logits, params, states)
 
@@ -191,8 +228,9 @@ class Sampler:
 
 
 def _bans_stops(params: SamplingParams, state: SamplingState) -> bool:
-    """min_tokens not reached yet: EOS and the stop ids are masked (`_apply_min_tokens`)."""
-    return len(state.output_token_ids) < params.min_tokens
+    """min_tokens not reached yet: EOS and the stop ids are masked (`_apply_min_tokens`);
+    not for a grammar row (its grammar decides when EOS may come)."""
+    return len(state.output_token_ids) < params.min_tokens and state.grammar is None
 
 
 def _repetition_penalised(params: SamplingParams) -> bool:
@@ -208,8 +246,8 @@ def _count_penalised(params: SamplingParams, state: SamplingState) -> bool:
 def _edits_logits(params: SamplingParams, state: SamplingState) -> bool:
     """Whether this row's logits change at this step: the very rules `_apply_min_tokens`
     and `_apply_penalties` select their rows by."""
-    return (_bans_stops(params, state) or _repetition_penalised(params)
-            or _count_penalised(params, state))
+    return (state.grammar is not None or bool(params.logit_bias) or _bans_stops(params, state)
+            or _repetition_penalised(params) or _count_penalised(params, state))
 
 
 _MASK64 = (1 << 64) - 1

@@ -37,6 +37,7 @@ from gateway.admission.rate_limit import TokenRateLimiter
 from gateway.admission.shared_limits import SharedLimits
 from gateway.admission.tiers import load_tier_config
 from gateway.api.admission_gate import AdmissionGate
+from gateway.api.grammar_check import GrammarCheck
 from gateway.api.http_api import DRAIN, ApiSettings, create_app
 from gateway.api.http_server import GatewayRunner
 from gateway.api.metrics import GatewayMetrics
@@ -59,6 +60,7 @@ from state.prefix_index_mirror import PrefixIndexMirror
 from state.redis_state import RedisState, connect
 from telemetry.start_up_heap import freeze_start_up_heap
 from telemetry.tracing import Tracing, start_tracing
+from text.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,9 @@ async def make_app(config: GatewayConfig) -> web.Application:
         CapacityBounds(max_limit=config.max_running),
         limit_tiers=limit_tiers(tiers.tiers.values()))
     tracing = start_tracing("pdserve-gateway", config.otlp_endpoint)
-    app = create_app(settings, tiers, backend, tokenizer, gate, tracing=tracing)
+    grammars = GrammarCheck(GrammarCompiler(engine_tokenizer, info.vocab_size))
+    app = create_app(settings, tiers, backend, tokenizer, gate, tracing=tracing,
+                     grammars=grammars)
     install(app, cluster, backend, metrics,
             AdminAccess.for_host(config.admin_token, config.host))
     cluster_page.install(app)

@@ -14,14 +14,20 @@ from typing import Annotated
 
 import msgspec
 
+from protocol.grammar_spec import GrammarSpec
+
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1 << 20
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]; -100 bans a token in effect
 _INT32_MAX = 2**31 - 1
 
 StopStrings = Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)], ...],
                         msgspec.Meta(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+# (token id, bias) pairs, ids ascending and distinct.
+LogitBias = Annotated[tuple[tuple[int, float], ...], msgspec.Meta(max_length=MAX_LOGIT_BIAS_TOKENS)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -40,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and k alternatives
     include_stop_str_in_output: bool = False
+    logit_bias: LogitBias = ()  # added to the logits before any other edit (OpenAI)
+    grammar: GrammarSpec | None = None  # the output must match it (protocol/grammar_spec.py)
 
     def __post_init__(self) -> None:
         # Integers stay inside what every peer's wire and tensors take (int32 counts and
@@ -70,6 +78,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        ids = [t for t, _ in self.logit_bias]
+        if any(not 0 <= t <= _INT32_MAX for t in ids) or ids != sorted(set(ids)):
+            raise ValueError("logit_bias token ids must be distinct, ascending and in "
+                             f"[0, {_INT32_MAX}]")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}]")
+        if self.grammar is not None and self.ignore_eos:
+            # The grammar ends the output by allowing only EOS; ignoring it would run on.
+            raise ValueError("ignore_eos cannot be combined with a grammar")
 
     @property
     def is_greedy(self) -> bool:

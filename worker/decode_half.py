@@ -263,6 +263,8 @@ class DecodeWorker:
         in_engine = finished = False
         reservation: Reservation | None = None
         try:
+            if params.grammar is not None:  # compiled off the engine's thread
+                await engine.compile_grammar(params.grammar)
             if request.is_local_prefill:
                 await engine.call(lambda e: e.add_request(
                     rid, request.prompt_token_ids, params, request.priority,
@@ -295,8 +297,9 @@ class DecodeWorker:
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None
                 yield frame
-        except ValueError as exc:  # the engine refused the request (bad prompt, id in use)
-            finished = True
+        except ValueError as exc:  # the engine refused the request (bad prompt, id in use,
+            finished = True  # a first token its grammar refuses): joined blocks go back
+            engine.submit(lambda e: e.release_reservation(rid), f"release {rid}")
             yield error_frame(rid, ErrorCode.BAD_REQUEST, str(exc))
         finally:
             self._streams.pop(rid, None)

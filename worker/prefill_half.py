@@ -164,6 +164,8 @@ class PrefillWorker:
         early: EarlyPush | None = None
         sends_kv = _sends_kv(request)
         try:
+            if params.grammar is not None:  # compiled off the engine's thread
+                await engine.compile_grammar(params.grammar)
             await engine.call(lambda e: e.add_request(
                 rid, request.prompt_token_ids, params, request.priority,
                 RequestMode.PREFILL_ONLY, notify_kv_ready=sends_kv))

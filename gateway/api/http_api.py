@@ -5,6 +5,7 @@ production, a fake in tests). A request goes through, in order:
 
     draining? (503) -> auth + tier header (401/400) -> Content-Type (415)
     -> body, size-limited (413) and time-limited (408) -> JSON + schema (400) -> model (404)
+    -> an output grammar compiled off the loop, within a deadline (400; grammar_check.py)
     -> length by characters, then tokenized off the loop (gateway/api/tokenize_pool.py), context
        fit against the model and the workers' KV cache, SamplingParams (400)
     -> rate limit + admission (429 + Retry-After) -> backend (503 when it cannot serve)
@@ -33,12 +34,15 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from gateway.admission.tiers import TIER_HEADER, TierConfig, TierError, classify, resolve
+from gateway.admission.tiers import TIER_HEADER, TierConfig, TierError, TierSpec, classify, resolve
 from gateway.api.admission_gate import AdmissionGate
 from gateway.api.backend import CompletionBackend, GenerationRequest, PromptTokenizer
 from gateway.api.drain import Drain
 from gateway.api.errors import (ApiError, body_too_large, internal_error, invalid_request,
                                 method_not_allowed, model_not_found, overloaded, route_not_found)
+from gateway.api.grammar_check import GrammarCheck
+from gateway.api.multi_choice import (choice_sampling, json_choices_answer, merged_choices,
+                                      stream_choices_answer)
 from gateway.api.openai_api import ModelCard, ModelList
 from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedRequest,
                                          build_sampling_params, parse_chat, parse_completion)
@@ -73,12 +77,16 @@ TOKENIZE = web.AppKey("tokenize_pool", TokenizePool)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 DRAIN = web.AppKey("drain", Drain)
 TRACING = web.AppKey("tracing", Tracing)
+GRAMMARS = web.AppKey("grammars", GrammarCheck)
 JSON_CONTENT_TYPE = "application/json"
 
 
 def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBackend,
                tokenizer: PromptTokenizer, gate: AdmissionGate,
-               drain: Drain | None = None, tracing: Tracing = NO_TRACING) -> web.Application:
+               drain: Drain | None = None, tracing: Tracing = NO_TRACING,
+               grammars: GrammarCheck | None = None) -> web.Application:
+    """`grammars`: where requests' output grammars are compiled before routing; None: they
+    are not checked here (the workers refuse one that does not compile)."""
     # client_max_size backs up our own limit for any handler that calls request.read().
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=settings.limits.max_body_bytes)
@@ -86,8 +94,13 @@ def create_app(settings: ApiSettings, tiers: TierConfig, backend: CompletionBack
     app[GATE], app[DRAIN], app[TRACING] = gate, drain or Drain(), tracing
     pool = app[TOKENIZE] = TokenizePool(tokenizer)
 
+    if grammars is not None:
+        app[GRAMMARS] = grammars
+
     async def close_pool(_: web.Application) -> None:
         pool.close()
+        if grammars is not None:
+            grammars.close()
 
     app.on_cleanup.append(close_pool)
     app.router.add_post("/v1/completions", handle_completions)
@@ -181,11 +194,16 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
         log.info("ignoring unknown request fields: %s", ", ".join(validated.unknown_fields))
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
+    grammars = app.get(GRAMMARS)
+    if validated.grammar is not None and grammars is not None:
+        await grammars.check(validated.grammar, validated.grammar_param or "response_format")
     backend = app[BACKEND]
     limits = _context_limits(settings.limits, backend.context_limit())
-    prompt_ids = await _tokenize(app[TOKENIZE], validated, limits)
-    sampling = build_sampling_params(validated, len(prompt_ids), limits)
-    decision = classify(caller, len(prompt_ids), sampling.max_tokens, app[TIERS])
+    prompts = await _tokenize_all(app[TOKENIZE], validated, limits)
+    samplings = [build_sampling_params(validated, len(p), limits) for p in prompts]
+    prompt_ids, sampling = prompts[0], samplings[0]
+    decision = classify(caller, max(len(p) for p in prompts),
+                        max(s.max_tokens for s in samplings), app[TIERS])
     tier, key_id = decision.tier, decision.key_id
     prefix = "chatcmpl-" if endpoint is Endpoint.CHAT else "cmpl-"
     request_id = prefix + uuid.uuid4().hex
@@ -197,6 +215,15 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
+    if len(prompts) > 1 or validated.n > 1:
+        generations = [GenerationRequest(
+            request_id=f"{request_id}-{p * validated.n + j}", model=validated.model,
+            prompt_token_ids=prompts[p], sampling=choice_sampling(samplings[p], j),
+            tier=tier.name, key_id=key_id, local_prefill=decision.local_prefill,
+            targets=decision.targets, priority=decision.wire_priority, trace=trace)
+            for p in range(len(prompts)) for j in range(validated.n)]
+        return await _serve_choices(request, validated, request_id, generations,
+                                    [len(p) for p in prompts], tier, key_id, slo_timing)
     direct = DirectTokens(slo_timing) if validated.stream else None
     generation = GenerationRequest(
         request_id=request_id, model=validated.model, prompt_token_ids=prompt_ids,
@@ -220,6 +247,35 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     finally:
         # The charge was prompt + max_tokens; what was not generated goes back.
         gate.leave(request_id, tier, key_id, sampling.max_tokens - num_generated)
+
+
+async def _serve_choices(request: web.Request, validated: ValidatedRequest, request_id: str,
+                         generations: list[GenerationRequest], prompt_lengths: list[int],
+                         tier: TierSpec, key_id: str | None, slo_timing: RequestTiming
+                         ) -> web.StreamResponse:
+    """Several choices (prompts x n): one admission for all, one generation each
+    (gateway/api/multi_choice.py)."""
+    app = request.app
+    settings, gate = app[SETTINGS], app[GATE]
+    charge = sum(len(g.prompt_token_ids) + g.sampling.max_tokens for g in generations)
+    max_tokens = sum(g.sampling.max_tokens for g in generations)
+    await gate.enter(request_id, tier, key_id, charge)
+    request[TRACE].admitted(time.monotonic())
+    num_generated = 0
+    merged = merged_choices(app[BACKEND], generations, slo_timing)
+    try:
+        if validated.stream:
+            timing = StreamTiming(settings.write_timeout_s, settings.first_byte_s,
+                                  settings.keepalive_s)
+            response, num_generated = await stream_choices_answer(
+                request, validated, request_id, merged, len(generations), prompt_lengths,
+                timing, app[DRAIN])
+            return response
+        answer, num_generated = await json_choices_answer(
+            validated, request_id, merged, len(generations), prompt_lengths)
+        return answer
+    finally:
+        gate.leave(request_id, tier, key_id, max_tokens - num_generated)
 
 
 def _context_limits(limits: RequestLimits, capacity: int | None) -> RequestLimits:
@@ -264,6 +320,28 @@ async def read_body(request: web.Request, limit_bytes: int, timeout_s: float) ->
         raise ApiError(408, f"The request body was not received within {timeout_s:g} s.",
                        code="request_timeout") from None
     return b"".join(chunks)
+
+
+async def _tokenize_all(pool: TokenizePool, validated: ValidatedRequest,
+                        limits: RequestLimits) -> list[tuple[int, ...]]:
+    """Every prompt's tokens, in order (one unless a batch of prompts)."""
+    if validated.batch_prompts is None:
+        return [await _tokenize(pool, validated, limits)]
+    return [p if isinstance(p, tuple) else tuple(await _encode(pool, p, limits, f"prompt[{i}]"))
+            for i, p in enumerate(validated.batch_prompts)]
+
+
+async def _encode(pool: TokenizePool, text: str, limits: RequestLimits, param: str) -> list[int]:
+    if pool.min_tokens(len(text)) > limits.prompt_token_limit:
+        raise invalid_request(
+            f"The prompt has {len(text)} characters, more than {limits.prompt_token_limit} "
+            f"tokens can hold ({limits.context_description}).", param,
+            code="context_length_exceeded")
+    try:
+        return await pool.encode(text)
+    except TokenizerBusy as exc:
+        raise overloaded(f"The gateway is busy tokenizing prompts ({exc}); retry in a "
+                         "moment.", retry_after_s=1) from exc
 
 
 async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,

@@ -41,8 +41,31 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[Any] | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured:
+    the output is constrained to the schema either way)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` extension (gateway/api/grammar_request.py)."""
+
+    json: Any = None  # a schema, as an object or JSON text
+    regex: Any = None
+    choice: Any = None
+    grammar: Any = None
+    json_object: bool | None = None
+    structural_tag: Any = None  # not supported (400)
+    whitespace_pattern: Any = None  # not supported (400)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -69,6 +92,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None  # vLLM extension
     min_tokens: int | None = None  # vLLM extension
     include_stop_str_in_output: bool | None = None  # vLLM extension
+    # Output constraints (gateway/api/grammar_request.py): OpenAI's, vLLM's, vLLM's older.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (one engine here)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -89,7 +121,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
 
 
 # ---------------------------------------------------------------- responses

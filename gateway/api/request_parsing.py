@@ -15,17 +15,24 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import msgspec
 
 from gateway.api.errors import ApiError, invalid_request, unsupported
+from gateway.api.grammar_request import grammar_from_request
 from gateway.api.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                     SamplingFields)
-from protocol.sampling_params import SamplingParams
+from protocol.grammar_spec import GrammarSpec
+from protocol.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 
 # OpenAI's completions endpoint defaults to 16 tokens; chat fills the remaining context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Choices one request may ask for: n per prompt, and prompts x n in all (each choice is a
+# generation of its own on the workers: gateway/api/multi_choice.py).
+MAX_N = 16
+MAX_BATCH_PROMPTS = 64
+MAX_CHOICES = 64
 CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
                               "assistant": "assistant"}
 INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
@@ -82,23 +89,38 @@ class ValidatedRequest:
     sampling_fields: SamplingFields  # the decoded body, for build_sampling_params
     unknown_fields: tuple[str, ...]
     user: str | None
+    # /v1/completions with a list of prompts (two or more): each a text or token ids, in
+    # order; prompt_text and prompt_token_ids are then None.
+    batch_prompts: tuple[str | tuple[int, ...], ...] | None = None
+    n: int = 1  # choices per prompt
+    grammar: GrammarSpec | None = None  # the output must match it
+    grammar_param: str | None = None  # the field that gave it, for errors
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
 
 def parse_completion(body: bytes, limits: RequestLimits) -> ValidatedRequest:
     req, unknown = _decode(body, CompletionRequest, limits)
-    prompt_text, prompt_ids = _validate_prompt(req.prompt, limits)
+    prompts = _validate_prompts(req.prompt, limits)
+    batch = prompts if len(prompts) > 1 else None
+    prompt_text = prompts[0] if batch is None and isinstance(prompts[0], str) else None
+    prompt_ids = prompts[0] if batch is None and isinstance(prompts[0], tuple) else None
     if req.echo:
         raise unsupported("`echo` is not supported.", "echo")
     if req.suffix:
         raise unsupported("`suffix` is not supported.", "suffix")
     logprobs = _check_int_range(req.logprobs, "logprobs", 0, 20)
-    _validate_common(req, limits)
+    constraints = _validate_common(req, limits)
+    num_choices = len(prompts) * constraints["n"]
+    if num_choices > MAX_CHOICES:
+        raise invalid_request(f"{len(prompts)} prompts x n = {constraints['n']} asks for "
+                              f"{num_choices} choices; at most {MAX_CHOICES} per request.", "n")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     return ValidatedRequest(
         endpoint=Endpoint.COMPLETIONS, model=req.model, prompt_text=prompt_text,
         prompt_token_ids=prompt_ids, chat_turns=None, stream=bool(req.stream),
         include_usage=_include_usage(req), max_tokens=max_tokens, logprobs=logprobs,
-        sampling_fields=req, unknown_fields=unknown, user=req.user)
+        sampling_fields=req, unknown_fields=unknown, user=req.user, batch_prompts=batch,
+        **constraints)
 
 
 def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
@@ -108,14 +130,11 @@ def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
         raise unsupported("Tool calling is not supported.", "tools")
     if req.tool_choice not in (None, "none", "auto"):
         raise unsupported("Tool calling is not supported.", "tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported(f"response_format `{req.response_format.type}` is not supported; "
-                          "only `text` is.", "response_format.type")
     top_logprobs = _check_int_range(req.top_logprobs, "top_logprobs", 0, 20)
     if top_logprobs is not None and not req.logprobs:
         raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
     logprobs = (top_logprobs or 0) if req.logprobs else None
-    _validate_common(req, limits)
+    constraints = _validate_common(req, limits)
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -124,7 +143,7 @@ def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
         endpoint=Endpoint.CHAT, model=req.model, prompt_text=None, prompt_token_ids=None,
         chat_turns=turns, stream=bool(req.stream), include_usage=_include_usage(req),
         max_tokens=max_tokens, logprobs=logprobs, sampling_fields=req,
-        unknown_fields=unknown, user=req.user)
+        unknown_fields=unknown, user=req.user, **constraints)
 
 
 def build_sampling_params(request: ValidatedRequest, prompt_len: int,
@@ -159,7 +178,8 @@ def build_sampling_params(request: ValidatedRequest, prompt_len: int,
             stop=stop, stop_token_ids=tuple(f.stop_token_ids or ()),
             ignore_eos=bool(f.ignore_eos), min_tokens=_or(f.min_tokens, 0),
             logprobs=request.logprobs,
-            include_stop_str_in_output=bool(f.include_stop_str_in_output))
+            include_stop_str_in_output=bool(f.include_stop_str_in_output),
+            logit_bias=request.logit_bias, grammar=request.grammar)
     except ValueError as exc:
         # SamplingParams messages start with the field's name ("top_p must be in ...").
         message = str(exc)
@@ -207,32 +227,44 @@ def _validation_error(text: str) -> ApiError:
 
 # ---------------------------------------------------------------- field checks
 
-def _validate_prompt(prompt: str | list[Any], limits: RequestLimits) -> tuple[str | None, tuple[int, ...] | None]:
+def _validate_prompts(prompt: str | list[Any], limits: RequestLimits
+                      ) -> tuple[str | tuple[int, ...], ...]:
+    """One prompt or a batch: a string, token ids, or a list of either (not mixed)."""
+    if isinstance(prompt, str) or not prompt or all(type(t) is int for t in prompt):
+        return (_validate_prompt(prompt, limits, "prompt"),)
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise invalid_request("`prompt` must be a string, a list of token ids, or a list of "
+                              "strings or of token-id lists (not mixed).", "prompt",
+                              code="invalid_type")
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise invalid_request(f"At most {MAX_BATCH_PROMPTS} prompts per request; got "
+                              f"{len(prompt)}.", "prompt")
+    return tuple(_validate_prompt(p, limits, f"prompt[{i}]") for i, p in enumerate(prompt))
+
+
+def _validate_prompt(prompt: str | list[Any], limits: RequestLimits,
+                     param: str) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid_request("`prompt` must not be empty.", "prompt")
-        return prompt, None
+            raise invalid_request(f"`{param}` must not be empty.", param)
+        return prompt
     if not prompt:
-        raise invalid_request("`prompt` must not be empty.", "prompt")
-    if all(type(t) is int for t in prompt):
-        if len(prompt) > limits.prompt_token_limit:
-            raise invalid_request(
-                f"The prompt has {len(prompt)} tokens; this model accepts at most "
-                f"{limits.prompt_token_limit}.", "prompt", code="context_length_exceeded")
-        vocab = limits.vocab_size
-        # Without a known vocabulary, still refuse ids no tokenizer has (int32 overflow).
-        bound = vocab if vocab is not None else 2**31
-        for i, t in enumerate(prompt):
-            if t < 0 or t >= bound:
-                raise invalid_request(f"Token id {t} is outside the vocabulary"
-                                      f"{f' [0, {vocab})' if vocab else ''}.", f"prompt[{i}]")
-        return None, tuple(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return _validate_prompt(prompt[0], limits)
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise unsupported("Batched prompts are not supported; send one prompt per request.", "prompt")
-    raise invalid_request("`prompt` must be a string, a list of token ids, or a list with "
-                          "one string.", "prompt", code="invalid_type")
+        raise invalid_request(f"`{param}` must not be empty.", param)
+    if not all(type(t) is int for t in prompt):
+        raise invalid_request(f"`{param}` must be a string or a list of token ids.", param,
+                              code="invalid_type")
+    if len(prompt) > limits.prompt_token_limit:
+        raise invalid_request(
+            f"The prompt has {len(prompt)} tokens; this model accepts at most "
+            f"{limits.prompt_token_limit}.", param, code="context_length_exceeded")
+    vocab = limits.vocab_size
+    # Without a known vocabulary, still refuse ids no tokenizer has (int32 overflow).
+    bound = vocab if vocab is not None else 2**31
+    for i, t in enumerate(prompt):
+        if t < 0 or t >= bound:
+            raise invalid_request(f"Token id {t} is outside the vocabulary"
+                                  f"{f' [0, {vocab})' if vocab else ''}.", f"{param}[{i}]")
+    return tuple(prompt)
 
 
 def _validate_messages(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
@@ -270,18 +302,22 @@ def _validate_messages(messages: list[ChatMessage]) -> tuple[tuple[str, str], ..
     return tuple(turns)
 
 
-def _validate_common(req: SamplingFields, limits: RequestLimits) -> None:
+class _Constraints(TypedDict):
+    n: int
+    grammar: GrammarSpec | None
+    grammar_param: str | None
+    logit_bias: tuple[tuple[int, float], ...]
+
+
+def _validate_common(req: SamplingFields, limits: RequestLimits) -> _Constraints:
+    """Checks the fields both endpoints share; returns the parsed output constraints."""
     if not req.model:
         raise invalid_request("`model` must not be empty.", "model")
     n = req.n if req.n is not None else 1
-    if n < 1:
-        raise invalid_request(f"`n` must be at least 1, got {n}.", "n")
-    if n > 1:
-        raise unsupported("Only `n` = 1 is supported.", "n")
-    if req.best_of is not None and req.best_of != 1:
-        raise unsupported("Only `best_of` = 1 is supported.", "best_of")
-    if req.logit_bias:
-        raise unsupported("`logit_bias` is not supported.", "logit_bias")
+    if not 1 <= n <= MAX_N:
+        raise invalid_request(f"`n` must be in [1, {MAX_N}], got {n}.", "n")
+    if req.best_of is not None and req.best_of != n:
+        raise unsupported("`best_of` must equal `n` (no candidates are ranked).", "best_of")
     if req.stream_options is not None and not req.stream:
         raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
     _check_int_range(req.max_tokens, "max_tokens", 1, None)
@@ -304,6 +340,39 @@ def _validate_common(req: SamplingFields, limits: RequestLimits) -> None:
     for t in req.stop_token_ids or ():
         if t < 0 or t >= (limits.vocab_size if limits.vocab_size is not None else 2**31):
             raise invalid_request(f"Stop token id {t} is outside the vocabulary.", "stop_token_ids")
+    found = grammar_from_request(req)
+    if found is not None and req.ignore_eos:
+        raise invalid_request("`ignore_eos` cannot be combined with an output constraint "
+                              "(the constraint ends the output with EOS).", "ignore_eos")
+    return _Constraints(n=n, grammar=found[0] if found else None,
+                        grammar_param=found[1] if found else None,
+                        logit_bias=_validate_logit_bias(req.logit_bias, limits))
+
+
+def _validate_logit_bias(bias: dict[str, Any] | None, limits: RequestLimits
+                         ) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (as a string) to a bias in [-100, 100], sorted by id."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid_request(f"`logit_bias` may name at most {MAX_LOGIT_BIAS_TOKENS} tokens.",
+                              "logit_bias")
+    bound = limits.vocab_size if limits.vocab_size is not None else 2**31
+    pairs = []
+    for key, value in bias.items():
+        where = f"logit_bias.{key}"
+        if not (key.isascii() and key.isdigit()) or int(key) >= bound:
+            raise invalid_request(f"`logit_bias` keys must be token ids in [0, {bound}); got "
+                                  f"{key!r}.", where)
+        if (type(value) not in (int, float) or not math.isfinite(value)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise invalid_request(f"`logit_bias` values must be numbers in [-100, 100]; got "
+                                  f"{value!r} for token {key}.", where)
+        pairs.append((int(key), float(value)))
+    pairs.sort()
+    if len({t for t, _ in pairs}) != len(pairs):  # "7" and "07"
+        raise invalid_request("`logit_bias` names a token twice.", "logit_bias")
+    return tuple(pairs)
 
 
 def _check_int_range(value: int | None, name: str, low: int, high: int | None) -> int | None:

@@ -49,7 +49,9 @@ BAD_REQUESTS = {
     "empty prompt": (js(COMPLETIONS, {"model": "default", "prompt": ""}), 400),
     "missing model": (js(CHAT, {"messages": GOOD_CHAT["messages"]}), 400),
     "unknown role": (js(CHAT, {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}), 400),
-    "n > 1": (js(CHAT, {**GOOD_CHAT, "n": 3}), 400),
+    "n > 16": (js(CHAT, {**GOOD_CHAT, "n": 17}), 400),
+    "uncompilable schema": (js(CHAT, {**GOOD_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}), 400),
     "token id out of vocabulary": (js(COMPLETIONS, {"model": "default", "prompt": [10**9]}), 400),
     "top_p out of range": (js(CHAT, {**GOOD_CHAT, "top_p": 7}), 400),
     "unknown model": (js(CHAT, {**GOOD_CHAT, "model": "gpt-9"}), 404),

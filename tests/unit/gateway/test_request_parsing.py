@@ -53,6 +53,11 @@ def test_prompt_forms():
     assert parse_completion(completion(prompt="x"), LIMITS).prompt_text == "x"
     assert parse_completion(completion(prompt=["x"]), LIMITS).prompt_text == "x"
     assert parse_completion(completion(prompt=[1, 2, 3]), LIMITS).prompt_token_ids == (1, 2, 3)
+    assert parse_completion(completion(prompt=[[4, 5]]), LIMITS).prompt_token_ids == (4, 5)
+    batch = parse_completion(completion(prompt=["a", "b"]), LIMITS)
+    assert batch.batch_prompts == ("a", "b") and batch.prompt_text is None
+    ids = parse_completion(completion(prompt=[[1], [2, 3]], n=2, best_of=2), LIMITS)
+    assert ids.batch_prompts == ((1,), (2, 3)) and ids.n == 2
 
 
 def test_content_parts_are_joined_and_developer_is_system():
@@ -64,7 +69,8 @@ def test_content_parts_are_joined_and_developer_is_system():
 
 
 @pytest.mark.parametrize("fn, body, status, param", [
-    (parse_chat, chat(n=2), 400, "n"),
+    (parse_chat, chat(n=17), 400, "n"),
+    (parse_chat, chat(n=2, best_of=3), 400, "best_of"),
     (parse_chat, chat(n=0), 400, "n"),
     (parse_chat, chat(max_tokens=-1), 400, "max_tokens"),
     (parse_chat, chat(max_tokens="5"), 400, "max_tokens"),
@@ -81,17 +87,20 @@ def test_content_parts_are_joined_and_developer_is_system():
     (parse_chat, chat(top_logprobs=2), 400, "top_logprobs"),
     (parse_chat, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (parse_chat, chat(tools=[{"type": "function"}]), 400, "tools"),
-    (parse_chat, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    (parse_chat, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     (parse_chat, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     (parse_chat, chat(stop=[""]), 400, "stop"),
     (parse_chat, chat(stop=["a"] * 17), 400, "stop"),
     (parse_chat, chat(seed=2**70), 400, "seed"),
-    (parse_chat, chat(logit_bias={"5": 1}), 400, "logit_bias"),
+    (parse_chat, chat(logit_bias={"5": 101}), 400, "logit_bias.5"),
     (parse_chat, b'{"messages": []}', 400, "model"),
     (parse_completion, completion(prompt=""), 400, "prompt"),
     (parse_completion, completion(prompt=[]), 400, "prompt"),
-    (parse_completion, completion(prompt=["a", "b"]), 400, "prompt"),
-    (parse_completion, completion(prompt=[[1, 2]]), 400, "prompt"),
+    (parse_completion, completion(prompt=["a", [1]]), 400, "prompt"),
+    (parse_completion, completion(prompt=["a", ""]), 400, "prompt[1]"),
+    (parse_completion, completion(prompt=[[1, 2], [1, -1]]), 400, "prompt[1][1]"),
+    (parse_completion, completion(prompt=["a"] * 65), 400, "prompt"),
+    (parse_completion, completion(prompt=["a"] * 8, n=9), 400, "n"),
     (parse_completion, completion(prompt=[1, -2]), 400, "prompt[1]"),
     (parse_completion, completion(prompt=[1, 5000]), 400, "prompt[1]"),
     (parse_completion, completion(prompt=[True]), 400, "prompt"),
