@@ -1,6 +1,8 @@
-"""Builds a ready `LlamaForCausalLM` from an HF directory, a `.gguf` file or "default".
+"""Builds a ready model from an HF directory, a `.gguf` file or "default".
 
     load_model(model) -> resolve the source -> read its ModelConfig
+                      -> pick the family's class (engine/models/families.py)
+                      -> refuse a model the device's path cannot run (Gemma 2 on CUDA)
                       -> validate every tensor's name and shape against the config
                       -> copy tensors one by one into the model (eval mode, on device)
 
@@ -23,7 +25,7 @@ from engine.config import ModelConfig
 from text.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
     from text.gguf_metadata import GGUFTokenizerData
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -34,7 +36,7 @@ _NUM_PROGRESS_REPORTS = 10
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     config: ModelConfig
-    model: "LlamaForCausalLM"
+    model: "DecoderForCausalLM"
     source: Path  # the resolved directory or .gguf file
     tokenizer_source: "Path | GGUFTokenizerData"  # HF directory, or GGUF tokenizer metadata
 
@@ -83,6 +85,7 @@ def _load_hf(directory: Path, dtype: torch.dtype, device: torch.device | str,
     from engine.hf_reader import HFCheckpoint, read_config
 
     config = read_config(directory)
+    _check_device(config, device, str(directory))
     report(f"reading {directory} ({config.architecture}, {config.num_layers} layers)")
     checkpoint = HFCheckpoint(directory)
     names = _validate(config, checkpoint.shapes, lambda n: str(checkpoint.file_of(n)),
@@ -98,6 +101,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.config()
+    _check_device(config, device, str(path))
     report(f"reading {path} ({config.num_layers} layers)")
     names = _validate(config, checkpoint.shapes, lambda n: str(path), str(path))
     model = _fill(config, checkpoint.iter_tensors(names, config), len(names), dtype, device,
@@ -106,12 +110,25 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
                        tokenizer_source=checkpoint.tokenizer_data())
 
 
+def _check_device(config: ModelConfig, device: torch.device | str, source: str) -> None:
+    """On CUDA the engine runs the kernel path (engine/model_runner.py); a model that path
+    cannot run is refused here, before any weight is read, with the reason."""
+    from engine.models.families import model_class
+
+    if torch.device(device).type != "cuda":
+        return
+    refusal = model_class(config.architecture).kernel_path_refusal(config)
+    if refusal is not None:
+        raise ModelLoadError(f"{source}: cannot run on {device}: {refusal}; "
+                             f"load it on the CPU (device cpu) instead")
+
+
 def _validate(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
               file_of: Callable[[str], str], source: str) -> set[str]:
     """The checkpoint names to load; raises unless they are exactly what the config needs."""
-    from engine.models.llama import expected_shapes
+    from engine.models.families import model_class
 
-    expected = expected_shapes(config)
+    expected = model_class(config.architecture).expected_shapes(config)
     missing = sorted(set(expected) - set(shapes))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -133,10 +150,10 @@ def _validate(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
 
 def _fill(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int,
           dtype: torch.dtype, device: torch.device | str,
-          report: Callable[[str], None], source: str) -> "LlamaForCausalLM":
-    from engine.models.llama import LlamaForCausalLM
+          report: Callable[[str], None], source: str) -> "DecoderForCausalLM":
+    from engine.models.families import model_class
 
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config.architecture)(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
     every = max(1, num_tensors // _NUM_PROGRESS_REPORTS)
     num_loaded = 0

@@ -31,7 +31,7 @@ from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.mixed_split import mixed_split_threshold
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
 
@@ -125,7 +125,7 @@ class ModelRunner:
     the padded steps run eagerly. `use_mixed_graphs` turns their replay off and on at run
     time (the warm-up and benchmarks compare both paths in one process)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv: KVStorage, block_size: int,
                  use_kernels: bool | None = None,
                  cuda_graph_batch_sizes: Sequence[int] | None = None,
                  mixed_split_min_tokens: int | None = None,
