@@ -3,6 +3,10 @@
 Tensors are renamed to the Hugging Face names the model uses and dequantized to float32
 with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
 
+Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them) and `qwen3`
+(Qwen3 dense: per-head q/k norms `blk.N.attn_q_norm.weight` / `attn_k_norm.weight`, Q/K
+rows in HF order). Metadata keys are prefixed by the architecture (`qwen3.block_count`).
+
 llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
 its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
 (x0, x_{d/2}), ... used here. Per head of size d, the converter maps
@@ -44,7 +48,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# GGUF `general.architecture` -> the HF architecture it holds.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose converter permutes Q/K rows (see the module docstring).
+_PERMUTED_QK = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -66,7 +76,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file of a `llama` architecture model: its header parsed here
+    """One GGUF file of a `llama` or `qwen3` architecture model: its header parsed here
     (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
@@ -76,9 +86,10 @@ class GGUFCheckpoint:
         header = read_gguf_header(path)
         self._meta = header.meta
         arch = self._get("general.architecture")
-        if arch != "llama":
+        if arch not in _ARCHITECTURES:
             raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
-                                 f"(supported: llama)")
+                                 f"(supported: {', '.join(_ARCHITECTURES)})")
+        self.arch: str = arch
         self._tensors = header.tensors
         if "rope_freqs.weight" in self._tensors:
             raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) "
@@ -93,30 +104,31 @@ class GGUFCheckpoint:
         return value
 
     def config(self) -> ModelConfig:
-        hidden = int(self._get("llama.embedding_length", required=True))
-        num_heads = int(self._get("llama.attention.head_count", required=True))
-        scaling = self._get("llama.rope.scaling.type")
+        a = self.arch
+        hidden = int(self._get(f"{a}.embedding_length", required=True))
+        num_heads = int(self._get(f"{a}.attention.head_count", required=True))
+        scaling = self._get(f"{a}.rope.scaling.type")
         if scaling not in (None, "none"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling type {scaling!r}")
         tokens = self._meta.get("tokenizer.ggml.tokens")
-        vocab = self._get("llama.vocab_size", len(tokens) if tokens is not None else None)
+        vocab = self._get(f"{a}.vocab_size", len(tokens) if tokens is not None else None)
         if vocab is None:
-            raise ModelLoadError(f"{self.path}: neither llama.vocab_size nor a token list")
+            raise ModelLoadError(f"{self.path}: neither {a}.vocab_size nor a token list")
         bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
         try:
             return ModelConfig(
-                architecture="LlamaForCausalLM",
+                architecture=_ARCHITECTURES[a],
                 vocab_size=int(vocab),
                 hidden_size=hidden,
-                intermediate_size=int(self._get("llama.feed_forward_length", required=True)),
-                num_layers=int(self._get("llama.block_count", required=True)),
+                intermediate_size=int(self._get(f"{a}.feed_forward_length", required=True)),
+                num_layers=int(self._get(f"{a}.block_count", required=True)),
                 num_heads=num_heads,
-                num_kv_heads=int(self._get("llama.attention.head_count_kv", num_heads)),
-                head_dim=int(self._get("llama.attention.key_length", hidden // num_heads)),
-                rms_norm_eps=float(self._get("llama.attention.layer_norm_rms_epsilon",
+                num_kv_heads=int(self._get(f"{a}.attention.head_count_kv", num_heads)),
+                head_dim=int(self._get(f"{a}.attention.key_length", hidden // num_heads)),
+                rms_norm_eps=float(self._get(f"{a}.attention.layer_norm_rms_epsilon",
                                              required=True)),
-                rope_theta=float(self._get("llama.rope.freq_base", 10000.0)),
-                max_position_embeddings=int(self._get("llama.context_length", 2048)),
+                rope_theta=float(self._get(f"{a}.rope.freq_base", 10000.0)),
+                max_position_embeddings=int(self._get(f"{a}.context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self._tensors,
                 bos_token_id=None if bos is None else int(bos),
                 eos_token_ids=() if eos is None else (int(eos),),
@@ -136,12 +148,13 @@ class GGUFCheckpoint:
 
     def iter_tensors(self, names: set[str], config: ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (HF name, float32 tensor) for the requested names, Q/K rows unpermuted."""
+        """Yields (HF name, float32 tensor) for the requested names, Q/K rows in HF order."""
         from gguf.constants import GGMLQuantizationType  # heavy import: only to load weights
         from gguf.quants import dequantize
 
         with open(self.path, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        permuted = self.arch in _PERMUTED_QK
         for gguf_name, t in self._tensors.items():
             name = hf_name(gguf_name)
             if name not in names:
@@ -153,9 +166,9 @@ class GGUFCheckpoint:
             except (NotImplementedError, ValueError) as exc:
                 raise ModelLoadError(f"{self.path}: cannot dequantize {gguf_name} "
                                      f"(type {t.ggml_type}): {exc}") from None
-            if name.endswith("self_attn.q_proj.weight"):
+            if permuted and name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rows(weight, config.num_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
+            elif permuted and name.endswith("self_attn.k_proj.weight"):
                 weight = unpermute_rows(weight, config.num_kv_heads)
             # F32 tensors come back as read-only views of the memory-mapped file.
             if not weight.flags.writeable:

@@ -1,0 +1,180 @@
+"""Families beyond Llama (Qwen3, Gemma 2) against transformers, the independent reference,
+where the shared tests (test_llama_reference.py) do not reach: chunked prefill across a
+sliding window, several sequences in one step, Qwen3 from GGUF, and what is refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.loader import ModelLoadError, load_model
+from engine.models.families import SUPPORTED_ARCHITECTURES
+from engine.models.gemma2 import Gemma2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT = [(11 * i + 5) % 320 for i in range(23)]
+
+
+def reference_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def rel_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "qwen3"])
+def test_chunked_prefill_across_the_window_matches_transformers(tiny_model, stepper, variant):
+    """Chunks after the first read earlier positions from the paged cache; with Gemma 2's
+    window of 6 each chunk's first queries see keys of the previous chunk only in part."""
+    tiny = tiny_model(variant)
+    runner = stepper(load_model(str(tiny.path)).model)
+    reference = reference_logits(tiny.reference, PROMPT)
+    blocks = [11, 2, 7, 30, 5, 19]
+    for start, end in ((0, 5), (5, 13), (13, 14), (14, 23)):
+        logits = runner.step(("r", PROMPT[start:end], start, blocks, True))
+        assert rel_error(logits[0], reference[end - 1]) < 1e-4, (start, end)
+
+
+def test_gemma2_several_sequences_in_one_step_match_transformers(tiny_model, stepper):
+    """A decode row and a prefill chunk past the window share one step (and its masks)."""
+    tiny = tiny_model("gemma2")
+    runner = stepper(load_model(str(tiny.path)).model)
+    first, second = PROMPT[:15], PROMPT[4:20]
+    runner.step(("a", first[:-1], 0, [3, 9, 1, 4], False))
+    logits = runner.step(("a", first[-1:], 14, [3, 9, 1, 4], True),
+                         ("b", second, 0, [8, 0, 12, 6, 10], True))
+    assert rel_error(logits[0], reference_logits(tiny.reference, first)[-1]) < 1e-4
+    assert rel_error(logits[1], reference_logits(tiny.reference, second)[-1]) < 1e-4
+
+
+def test_families_read_their_numerics_from_the_config(tiny_model):
+    gemma = load_model(str(tiny_model("gemma2").path))
+    assert isinstance(gemma.model, Gemma2ForCausalLM)
+    c = gemma.config
+    assert (c.sliding_window, c.sliding_layers, c.query_pre_attn_scalar) == (6, (0,), 24.0)
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (4.0, 20.0)
+    assert c.hidden_act.value == "gelu_pytorch_tanh"
+    qwen = load_model(str(tiny_model("qwen3").path))
+    assert isinstance(qwen.model, Qwen3ForCausalLM)
+    assert (qwen.config.head_dim, qwen.config.attention_bias) == (24, False)
+    assert qwen.config.sliding_window is None
+
+
+def test_unsupported_architecture_names_the_supported_list(tiny_model, tmp_path):
+    target = tmp_path / "other"
+    shutil.copytree(tiny_model("qwen3").path, target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["Phi3ForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(str(target))
+    assert "unsupported architecture 'Phi3ForCausalLM'" in str(error.value)
+    for architecture in SUPPORTED_ARCHITECTURES:
+        assert architecture in str(error.value)
+
+
+def test_gemma2_is_refused_on_cuda_before_any_weight_is_read(tiny_model):
+    # The device is only named: the refusal comes from the config, so no GPU is needed.
+    with pytest.raises(ModelLoadError, match=r"cannot run on cuda.*soft-capping"):
+        load_model(str(tiny_model("gemma2").path), device="cuda")
+
+
+# --- Qwen3 from GGUF ----------------------------------------------------------------------
+
+def write_qwen3_gguf(reference: torch.nn.Module, path: Path) -> None:
+    """A llama.cpp-style `qwen3` GGUF of `reference`: Q/K rows in HF order, projections in
+    Q8_0, norms in F32, the rest in F16. `reference` is updated in place to the rounded
+    weights so that it stays an exact reference."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    config = reference.config
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_eos_token_id(2)
+    state = reference.state_dict()
+    q8, f16, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16,
+                    gguf.GGMLQuantizationType.F32)
+
+    def add(gguf_name: str, hf_name: str, qtype: gguf.GGMLQuantizationType) -> None:
+        weight = state[hf_name].numpy().astype(np.float32)
+        if qtype == q8:
+            data = quantize(weight, qtype)
+            rounded = dequantize(data, qtype).reshape(weight.shape)
+        else:
+            data = weight.astype(np.float16 if qtype == f16 else np.float32)
+            rounded = data.astype(np.float32)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        with torch.no_grad():
+            state[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(rounded)))
+
+    add("token_embd.weight", "model.embed_tokens.weight", f16)
+    add("output_norm.weight", "model.norm.weight", f32)
+    add("output.weight", "lm_head.weight", f16)
+    for n in range(config.num_hidden_layers):
+        for short, long in names.items():
+            qtype = f32 if "norm" in short else (q8 if short.startswith("attn") else f16)
+            add(f"blk.{n}.{short}.weight", f"model.layers.{n}.{long}.weight", qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation by transformers with its own KV cache."""
+    out: list[int] = []
+    with torch.no_grad():
+        result = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(num_tokens):
+            out.append(int(result.logits[0, -1].argmax()))
+            result = model(torch.tensor([out[-1:]]), past_key_values=result.past_key_values,
+                           use_cache=True)
+    return out
+
+
+def test_qwen3_gguf_loads_exactly_and_decodes_like_transformers(tiny_model, stepper, tmp_path):
+    # A copy: writing the GGUF rounds the reference's weights in place.
+    reference = copy.deepcopy(tiny_model("qwen3").reference)
+    path = tmp_path / "qwen3.gguf"
+    write_qwen3_gguf(reference, path)
+    loaded = load_model(str(path))
+    assert loaded.config.architecture == "Qwen3ForCausalLM"
+    assert (loaded.config.head_dim, loaded.config.tie_word_embeddings) == (24, False)
+    assert isinstance(loaded.model, Qwen3ForCausalLM)
+    for name, param in loaded.model.named_parameters():
+        assert torch.equal(param, reference.state_dict()[name]), name
+    runner = stepper(loaded.model)
+    logits = runner.step(("r", PROMPT, 0, [3, 0, 9, 4, 7, 1], True))
+    assert rel_error(logits[0], reference_logits(reference, PROMPT)[-1]) < 1e-4
+    expected = reference_greedy(reference, PROMPT[:9], 16)
+    assert stepper(loaded.model).greedy(PROMPT[:9], 16, [5, 2, 8, 6, 1, 0]) == expected
+    assert len(set(expected)) > 3
