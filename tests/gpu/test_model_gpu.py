@@ -66,16 +66,49 @@ def model_config(rope_llama3: bool) -> ModelConfig:
                        rope_scaling=scaling)
 
 
-# The interpreter is slow: on CPU only the Llama-3 RoPE variant (the one with scaling).
-@pytest.fixture(scope="module", params=[False, True] if ON_CUDA else [True],
-                ids=(["rope-default", "rope-llama3"] if ON_CUDA else ["rope-llama3"]))
-def pair(request):
+def qwen3_config():
+    from transformers import Qwen3Config
+
+    # head_dim 48 != hidden / heads, as Qwen3 configs allow.
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=48, max_position_embeddings=256, rms_norm_eps=1e-5,
+                       initializer_range=0.1, tie_word_embeddings=False,
+                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+
+
+def qwen3_pair(directory):
+    """Qwen3 through the real loader: transformers writes it, load_model reads it back."""
+    from transformers import Qwen3ForCausalLM
+
+    from engine.loader import load_model
+
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(qwen3_config()).eval()
+    with torch.no_grad():  # q/k norms start at one: make a dropped norm visible
+        for name, param in reference.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.add_(torch.randn_like(param) * 0.2)
+    reference.save_pretrained(directory)
+    ours = load_model(str(directory), dtype=DTYPE, device=DEVICE).model
+    return reference.to(DEVICE, DTYPE), ours
+
+
+# The interpreter is slow: on CPU only the Llama-3 RoPE variant (the one with scaling) and
+# Qwen3 (q/k norms on the kernel path).
+@pytest.fixture(scope="module",
+                params=["rope-default", "rope-llama3", "qwen3"] if ON_CUDA
+                else ["rope-llama3", "qwen3"])
+def pair(request, tmp_path_factory):
     """(transformers model, our model) with the same random weights, on DEVICE in DTYPE."""
     from transformers import LlamaForCausalLM as HFLlama
 
+    if request.param == "qwen3":
+        return qwen3_pair(tmp_path_factory.mktemp("qwen3"))
+    rope_llama3 = request.param == "rope-llama3"
     torch.manual_seed(0)
-    reference = HFLlama(hf_config(request.param)).eval().to(DEVICE, DTYPE)
-    ours = LlamaForCausalLM(model_config(request.param), dtype=DTYPE, device=DEVICE)
+    reference = HFLlama(hf_config(rope_llama3)).eval().to(DEVICE, DTYPE)
+    ours = LlamaForCausalLM(model_config(rope_llama3), dtype=DTYPE, device=DEVICE)
     with torch.no_grad():
         for name, param in ours.named_parameters():
             param.copy_(reference.state_dict()[name])
