@@ -187,9 +187,10 @@ class ModelRunner:
 
             config = model.config
             k_cache, v_cache = kv.layer(0)
+            windows = tuple({config.window_of(n) for n in range(config.num_layers)})
             compile_split_variants(torch.empty(1, config.num_heads, config.head_dim,
                                                dtype=kv.kv.dtype, device=self.device),
-                                   k_cache, v_cache)
+                                   k_cache, v_cache, config.attn_logit_softcap, windows)
 
     @property
     def records_layer_events(self) -> bool:

@@ -112,9 +112,11 @@ def compile_split_variants(q_like: torch.Tensor, k_cache: torch.Tensor,
 @triton.jit
 def soft_cap_log2(s, cap_log2):
     """cap * tanh(x / cap) in the log2 domain (s = x * log2(e), cap_log2 = cap * log2(e)),
-    with tanh(y) = 1 - 2 / (exp(2y) + 1), which saturates to +-1 without overflow trouble."""
+    with tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|) in (0, 1]: no overflow anywhere."""
     y = s / cap_log2
-    return (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * cap_log2
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t) * cap_log2
 
 
 # table_stride (the step's widest block table) changes from step to step: specialized

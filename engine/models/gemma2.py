@@ -11,17 +11,22 @@ scores are scaled by query_pre_attn_scalar ** -0.5 and soft-capped by attn_logit
 the layers the config lists in `sliding_layers` see the last `sliding_window` positions
 only (in transformers' configs, every even layer from 0).
 
-Gemma 2 runs the torch path only, on the CPU or on CUDA. Its soft-cap and window are not
-in the Triton kernels, so `kernel_path_refusal` says so and the loader refuses it on CUDA,
-where the engine runs the kernel path (engine/loader.py).
+On the kernel path (CUDA) the attention kernels soft-cap and window the scores
+(engine/kernels/prefill_attention.py, paged_decode_attention.py) and q/k/v and gate/up are
+fused matmuls as for Llama; the (1 + weight) norms, the residual adds and the GELU gate are
+plain torch ops (no fused kernel of their own yet), all free of host syncs, so a step can
+still be captured in a graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, KernelAttentionMetadata
 from engine.config import ModelConfig
+from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM, DecoderLayer
 from engine.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -66,11 +71,28 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def kernel_path_refusal(cls, config: ModelConfig) -> str | None:
-        return (f"{config.architecture} runs the torch path only (the Triton kernels have "
-                f"no attention soft-capping, sliding window, (1 + weight) RMSNorm or GELU "
-                f"gate)")
+        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         # transformers rounds the scale to the model dtype before multiplying.
         return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+
+    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStorage,
+                         meta: KernelAttentionMetadata,
+                         on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        if self.rope_tables is None:
+            raise RuntimeError("the kernel path needs prepare_kernels() first")
+        x = self.embed(input_ids)
+        for n, layer in enumerate(self.model.layers):
+            kv_k, kv_v = kv.layer(n)
+            out = layer.self_attn.forward_kernels(layer.input_layernorm(x), positions,
+                                                  self.rope_tables, kv_k, kv_v, meta,
+                                                  self.gemv_workspace)
+            if on_layer is not None:
+                on_layer(n)
+            x = x + layer.post_attention_layernorm(out)
+            out = layer.mlp.forward_kernels(layer.pre_feedforward_layernorm(x),
+                                            self.gemv_workspace)
+            x = x + layer.post_feedforward_layernorm(out)
+        return self.model.norm(x)

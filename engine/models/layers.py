@@ -14,11 +14,11 @@ so checkpoint names and `state_dict()` are unchanged and no weight is stored twi
 What a family may choose, and where each choice runs:
 
     choice                         torch path   kernel path
-    per-head q/k RMSNorm (Qwen3)   yes          yes (an RMSNorm kernel per head row)
-    RMSNorm scaled by (1 + w)      yes          no
-    GELU-tanh gate (Gemma)         yes          no
-    attention logit soft-cap       yes          no
-    sliding-window attention       yes          no
+    per-head q/k RMSNorm (Qwen3)   yes          the RMSNorm kernel, one row per head
+    RMSNorm scaled by (1 + w)      yes          torch ops (no kernel of its own)
+    GELU-tanh gate (Gemma)         yes          torch ops on the fused gate/up output
+    attention logit soft-cap       yes          the attention kernels' HAS_SOFTCAP
+    sliding-window attention       yes          the attention kernels' HAS_WINDOW
 """
 
 from __future__ import annotations
@@ -143,9 +143,6 @@ class Attention(nn.Module):
         from engine.kernels.rmsnorm import rms_norm_triton
         from engine.kernels.rope_kv_write import rope_write_kv_triton_
 
-        if self.softcap is not None or self.window is not None:
-            raise RuntimeError("the Triton attention kernels have neither soft-capping nor "
-                               "sliding windows; this layer runs the torch path only")
         t = x.shape[0]
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, workspace)
@@ -159,7 +156,7 @@ class Attention(nn.Module):
             k = rms_norm_triton(k, self.k_norm.weight, self.k_norm.eps)
         # One kernel rotates q and k and writes this step's K/V into the cache.
         rope_write_kv_triton_(q, k, v, positions, *rope_tables, kv_k, kv_v, meta.slot_mapping)
-        out = attend_cached_kernels(q, kv_k, kv_v, meta, self.scale)
+        out = attend_cached_kernels(q, kv_k, kv_v, meta, self.scale, self.softcap, self.window)
         return linear(out.view(t, q_out), self.o_proj.weight, self.o_proj.bias, workspace)
 
 
@@ -192,10 +189,11 @@ class GatedMLP(nn.Module):
     def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
         from engine.kernels.silu_mul import silu_mul_triton
 
-        if self.activation is not Activation.SILU:
-            raise RuntimeError(f"the kernel path has no fused {self.activation.value} "
-                               "gate; this MLP runs the torch path only")
         gate_up = linear(x, self.gate_up_weight, workspace=workspace)
         size = gate_up.shape[1] // 2
-        return linear(silu_mul_triton(gate_up[:, :size], gate_up[:, size:]),
-                      self.down_proj.weight, workspace=workspace)
+        gate, up = gate_up[:, :size], gate_up[:, size:]
+        if self.activation is Activation.GELU_TANH:
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = silu_mul_triton(gate, up)
+        return linear(hidden, self.down_proj.weight, workspace=workspace)
