@@ -142,6 +142,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
+    if HAS_WINDOW:
+        # Rows past the chunk's end (never stored) may see no key of a window at all.
+        l = tl.where(l == 0.0, 1.0, l)
     out = acc / l[:, None]
     tl.store(out_ptr + q_tokens[:, None] * out_token_stride + head * out_head_stride + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
