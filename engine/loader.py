@@ -2,7 +2,6 @@
 
     load_model(model) -> resolve the source -> read its ModelConfig
                       -> pick the family's class (engine/models/families.py)
-                      -> refuse a model the device's path cannot run (Gemma 2 on CUDA)
                       -> validate every tensor's name and shape against the config
                       -> copy tensors one by one into the model (eval mode, on device)
 
@@ -85,7 +84,6 @@ def _load_hf(directory: Path, dtype: torch.dtype, device: torch.device | str,
     from engine.hf_reader import HFCheckpoint, read_config
 
     config = read_config(directory)
-    _check_device(config, device, str(directory))
     report(f"reading {directory} ({config.architecture}, {config.num_layers} layers)")
     checkpoint = HFCheckpoint(directory)
     names = _validate(config, checkpoint.shapes, lambda n: str(checkpoint.file_of(n)),
@@ -101,26 +99,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 
     checkpoint = GGUFCheckpoint(path)
     config = checkpoint.config()
-    _check_device(config, device, str(path))
     report(f"reading {path} ({config.num_layers} layers)")
     names = _validate(config, checkpoint.shapes, lambda n: str(path), str(path))
     model = _fill(config, checkpoint.iter_tensors(names, config), len(names), dtype, device,
                   report, str(path))
     return LoadedModel(config=config, model=model, source=path,
                        tokenizer_source=checkpoint.tokenizer_data())
-
-
-def _check_device(config: ModelConfig, device: torch.device | str, source: str) -> None:
-    """On CUDA the engine runs the kernel path (engine/model_runner.py); a model that path
-    cannot run is refused here, before any weight is read, with the reason."""
-    from engine.models.families import model_class
-
-    if torch.device(device).type != "cuda":
-        return
-    refusal = model_class(config.architecture).kernel_path_refusal(config)
-    if refusal is not None:
-        raise ModelLoadError(f"{source}: cannot run on {device}: {refusal}; "
-                             f"load it on the CPU (device cpu) instead")
 
 
 def _validate(config: ModelConfig, shapes: dict[str, tuple[int, ...]],

@@ -1,6 +1,7 @@
 """Families beyond Llama (Qwen3, Gemma 2) against transformers, the independent reference,
 where the shared tests (test_llama_reference.py) do not reach: chunked prefill across a
-sliding window, several sequences in one step, Qwen3 from GGUF, and what is refused."""
+sliding window, several sequences in one step, Qwen3 from GGUF, and what is refused. Their
+kernel path (Triton) is tested in tests/gpu/test_model_gpu.py."""
 
 from __future__ import annotations
 
@@ -82,12 +83,6 @@ def test_unsupported_architecture_names_the_supported_list(tiny_model, tmp_path)
     assert "unsupported architecture 'Phi3ForCausalLM'" in str(error.value)
     for architecture in SUPPORTED_ARCHITECTURES:
         assert architecture in str(error.value)
-
-
-def test_gemma2_is_refused_on_cuda_before_any_weight_is_read(tiny_model):
-    # The device is only named: the refusal comes from the config, so no GPU is needed.
-    with pytest.raises(ModelLoadError, match=r"cannot run on cuda.*soft-capping"):
-        load_model(str(tiny_model("gemma2").path), device="cuda")
 
 
 # --- Qwen3 from GGUF ----------------------------------------------------------------------
