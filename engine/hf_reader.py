@@ -19,8 +19,6 @@ from engine.config import Activation, Llama3RopeScaling, ModelConfig
 from engine.models.families import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 from text.errors import ModelLoadError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "HFCheckpoint", "read_config"]
-
 INDEX_FILE = "model.safetensors.index.json"
 
 

@@ -28,8 +28,6 @@ from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM, DecoderLayer
 from engine.models.layers import Attention, GatedMLP, RMSNorm
 
-__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "expected_shapes"]
-
 
 class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
@@ -89,7 +87,3 @@ class LlamaForCausalLM(DecoderForCausalLM):
             add_rms_norm_triton_(x, residual, norm.weight, norm.eps)
         return x
 
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter a Llama-family model owns and its shape, by checkpoint name."""
-    return LlamaForCausalLM.expected_shapes(config)
