@@ -70,28 +70,46 @@ def _activation(cfg: dict[str, Any], path: Path) -> Activation:
                              f"{', '.join(a.value for a in Activation)})") from None
 
 
-def _gemma2_fields(cfg: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
-    """Gemma 2's numerics: scalar, soft-caps and the sliding layers."""
+def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positions: int,
+             path: Path) -> dict[str, Any]:
+    """The window and the layers it applies to, as transformers reads them: Mistral slides
+    on every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
+    on the layers from `max_window_layers` on; Gemma 2 on every even layer. A `layer_types`
+    list, where the config has one, names the sliding layers instead. A window no prompt
+    can exceed (>= the context) is dropped: the layers then attend to their whole context,
+    on the kernels without the window option."""
+    window = cfg.get("sliding_window")
+    if architecture == "Gemma2ForCausalLM":
+        default = [n % 2 == 0 for n in range(num_layers)]
+    elif architecture == "MistralForCausalLM":
+        default = [True] * num_layers
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        default = [n >= first for n in range(num_layers)]
+    else:
+        return {}
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention",
+                                                                       "full_attention"}:
+            raise ModelLoadError(f"{path}: layer_types {layer_types} is not one of "
+                                 f"sliding_attention/full_attention per layer")
+        default = [kind == "sliding_attention" for kind in layer_types]
+    sliding = tuple(n for n, slides in enumerate(default) if slides)
+    if window is None or int(window) >= max_positions or not sliding:
+        return {}
+    return dict(sliding_window=int(window), sliding_layers=sliding)
+
+
+def _gemma2_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 2's numerics: the query scalar and the soft-caps."""
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{path}: bidirectional attention is unsupported")
-    # Configs written before `layer_types` existed slide on every even layer.
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if n % 2 == 0 else "full_attention" for n in range(num_layers)]
-    if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention",
-                                                                   "full_attention"}:
-        raise ModelLoadError(f"{path}: layer_types {layer_types} is not one of "
-                             f"sliding_attention/full_attention per layer")
-    window = cfg.get("sliding_window")
-    sliding = tuple(n for n, kind in enumerate(layer_types) if kind == "sliding_attention")
-    if window is None or not sliding:
-        window, sliding = None, ()
     softcaps = [cfg.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
     return dict(
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
-        final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]),
-        sliding_window=None if window is None else int(window),
-        sliding_layers=sliding)
+        final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]))
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -120,15 +138,9 @@ def read_config(directory: Path) -> ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        family: dict[str, Any] = {}
+        family = _sliding(cfg, architecture, num_layers, max_positions, path)
         if is_gemma2:
-            family = _gemma2_fields(cfg, path, num_layers)
-        else:
-            # Attention of these families is never windowed here, so the context is capped
-            # at the window instead of silently attending further than the model was trained.
-            window = cfg.get("sliding_window")
-            if window and (architecture == "MistralForCausalLM" or cfg.get("use_sliding_window")):
-                max_positions = min(max_positions, int(window))
+            family.update(_gemma2_fields(cfg, path))
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),

@@ -3,9 +3,10 @@
     x = x + attn(input_layernorm(x))
     x = x + mlp(post_attention_layernorm(x))
 
-Qwen2 adds a bias to the q/k/v projections (`ModelConfig.attention_bias`); Mistral is
-Llama with a sliding window that the readers cap the context at instead. The layers are
-engine/models/layers.py's; the decoder around them engine/models/decoder.py's.
+Qwen2 adds a bias to the q/k/v projections (`ModelConfig.attention_bias`); Mistral (and
+Qwen2 with `use_sliding_window`) slides a window over some or all layers
+(`ModelConfig.window_of`). The layers are engine/models/layers.py's; the decoder around
+them engine/models/decoder.py's.
 
 The kernel path fuses each block's residual add with the next RMSNorm (Triton
 `add_rms_norm_`), rotates q/k and writes the cache in one kernel, and at batch 1..8 runs
@@ -30,10 +31,10 @@ from engine.models.layers import Attention, GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
+    def __init__(self, config: ModelConfig, window: int | None, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, window=None, qk_norm=qk_norm)
+        self.self_attn = Attention(config, window=window, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
@@ -48,7 +49,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def make_layer(cls, config: ModelConfig, n: int) -> DecoderLayer:
-        return LlamaDecoderLayer(config)
+        return LlamaDecoderLayer(config, config.window_of(n))
 
     @classmethod
     def layer_shapes(cls, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:

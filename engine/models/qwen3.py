@@ -18,7 +18,7 @@ from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def make_layer(cls, config: ModelConfig, n: int) -> DecoderLayer:
-        return LlamaDecoderLayer(config, qk_norm=True)
+        return LlamaDecoderLayer(config, config.window_of(n), qk_norm=True)
 
     @classmethod
     def layer_shapes(cls, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,11 @@ VARIANTS: dict[str, dict] = {
     "sharded": dict(arch="llama", tie_word_embeddings=False, shard="20KB"),
     # head_dim 24 != hidden / heads, as Qwen3 configs state it explicitly.
     "qwen3": dict(arch="qwen3", tie_word_embeddings=False, head_dim=24, rope_theta=1000000.0),
+    # Sliding windows shorter than the test prompts: Mistral's on every layer, Qwen3's on
+    # the layers from max_window_layers on (layer 1 here).
+    "mistral_window": dict(arch="mistral", tie_word_embeddings=False, sliding_window=5),
+    "qwen3_window": dict(arch="qwen3", tie_word_embeddings=False, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1),
     # Windows of 6 positions on layer 0, shorter than the test prompts and continuations;
     # a query scalar other than head_dim; soft-caps low enough to bite. Untied: tied to an
     # embedding scaled by sqrt(hidden), this random model repeats one token forever.
@@ -51,7 +56,8 @@ def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
     arch, shard = spec.pop("arch"), spec.pop("shard", None)
     if "rope_theta" in spec:
         spec["rope_parameters"] = dict(rope_type="default", rope_theta=spec.pop("rope_theta"))
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}[arch]
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+            "gemma2": "Gemma2"}[arch]
     config_cls = getattr(transformers, name + "Config")
     model_cls = getattr(transformers, name + "ForCausalLM")
     torch.manual_seed(seed)

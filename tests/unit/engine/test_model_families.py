@@ -34,7 +34,7 @@ def rel_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
-@pytest.mark.parametrize("variant", ["gemma2", "qwen3"])
+@pytest.mark.parametrize("variant", ["gemma2", "qwen3", "mistral_window"])
 def test_chunked_prefill_across_the_window_matches_transformers(tiny_model, stepper, variant):
     """Chunks after the first read earlier positions from the paged cache; with Gemma 2's
     window of 6 each chunk's first queries see keys of the previous chunk only in part."""
@@ -70,6 +70,21 @@ def test_families_read_their_numerics_from_the_config(tiny_model):
     assert isinstance(qwen.model, Qwen3ForCausalLM)
     assert (qwen.config.head_dim, qwen.config.attention_bias) == (24, False)
     assert qwen.config.sliding_window is None
+    mistral = load_model(str(tiny_model("mistral_window").path)).config
+    assert (mistral.sliding_window, mistral.sliding_layers) == (5, (0, 1))
+    assert mistral.max_position_embeddings == 256  # the whole context, windowed
+    windowed = load_model(str(tiny_model("qwen3_window").path)).config
+    assert (windowed.sliding_window, windowed.sliding_layers) == (4, (1,))
+
+
+def test_a_window_no_prompt_can_exceed_is_dropped(tiny_model, tmp_path):
+    target = tmp_path / "wide"
+    shutil.copytree(tiny_model("mistral_window").path, target)
+    config = json.loads((target / "config.json").read_text())
+    config["sliding_window"] = config["max_position_embeddings"]
+    (target / "config.json").write_text(json.dumps(config))
+    loaded = load_model(str(target)).config
+    assert (loaded.sliding_window, loaded.sliding_layers) == (None, ())
 
 
 def test_unsupported_architecture_names_the_supported_list(tiny_model, tmp_path):
