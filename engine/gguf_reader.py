@@ -3,9 +3,10 @@
 Tensors are renamed to the Hugging Face names the model uses and dequantized to float32
 with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
 
-Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them) and `qwen3`
-(Qwen3 dense: per-head q/k norms `blk.N.attn_q_norm.weight` / `attn_k_norm.weight`, Q/K
-rows in HF order). Metadata keys are prefixed by the architecture (`qwen3.block_count`).
+Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them), `qwen2` (q/k/v
+biases `blk.N.attn_q.bias` ...) and `qwen3` (per-head q/k norms `blk.N.attn_q_norm.weight` /
+`attn_k_norm.weight`); the Qwen converters keep Q/K rows in HF order. Metadata keys are
+prefixed by the architecture (`qwen3.block_count`).
 
 llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
 its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
@@ -48,11 +49,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 # GGUF `general.architecture` -> the HF architecture it holds.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose converter permutes Q/K rows (see the module docstring).
 _PERMUTED_QK = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -76,7 +81,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file of a `llama` or `qwen3` architecture model: its header parsed here
+    """One GGUF file of a `llama`, `qwen2` or `qwen3` model: its header parsed here
     (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
@@ -130,6 +135,7 @@ class GGUFCheckpoint:
                 rope_theta=float(self._get(f"{a}.rope.freq_base", 10000.0)),
                 max_position_embeddings=int(self._get(f"{a}.context_length", 2048)),
                 tie_word_embeddings="output.weight" not in self._tensors,
+                attention_bias=a == "qwen2",
                 bos_token_id=None if bos is None else int(bos),
                 eos_token_ids=() if eos is None else (int(eos),),
             )

@@ -1,6 +1,7 @@
 """Families beyond Llama (Qwen3, Gemma 2) against transformers, the independent reference,
 where the shared tests (test_llama_reference.py) do not reach: chunked prefill across a
-sliding window, several sequences in one step, Qwen3 from GGUF, and what is refused. Their
+sliding window, several sequences in one step, Qwen2 and Qwen3 from GGUF, and what is
+refused. Their
 kernel path (Triton) is tested in tests/gpu/test_model_gpu.py."""
 
 from __future__ import annotations
@@ -100,30 +101,39 @@ def test_unsupported_architecture_names_the_supported_list(tiny_model, tmp_path)
         assert architecture in str(error.value)
 
 
-# --- Qwen3 from GGUF ----------------------------------------------------------------------
+# --- Qwen2 and Qwen3 from GGUF -----------------------------------------------------------
 
-def write_qwen3_gguf(reference: torch.nn.Module, path: Path) -> None:
-    """A llama.cpp-style `qwen3` GGUF of `reference`: Q/K rows in HF order, projections in
-    Q8_0, norms in F32, the rest in F16. `reference` is updated in place to the rounded
-    weights so that it stays an exact reference."""
+def write_qwen_gguf(reference: torch.nn.Module, path: Path, arch: str) -> None:
+    """A llama.cpp-style `qwen2` or `qwen3` GGUF of `reference`: Q/K rows in HF order,
+    attention projections in Q8_0, norms and biases in F32, the rest in F16. `reference` is
+    updated in place to the rounded weights so that it stays an exact reference."""
     import gguf
     from gguf.quants import dequantize, quantize
 
     config = reference.config
-    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    names = {"attn_q.weight": "self_attn.q_proj.weight",
+             "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight",
+             "attn_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight"}
+    if arch == "qwen3":
+        names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                      "attn_k_norm.weight": "self_attn.k_norm.weight"})
+    else:
+        names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
@@ -151,8 +161,9 @@ def write_qwen3_gguf(reference: torch.nn.Module, path: Path) -> None:
     add("output.weight", "lm_head.weight", f16)
     for n in range(config.num_hidden_layers):
         for short, long in names.items():
-            qtype = f32 if "norm" in short else (q8 if short.startswith("attn") else f16)
-            add(f"blk.{n}.{short}.weight", f"model.layers.{n}.{long}.weight", qtype)
+            qtype = (f32 if "norm" in short or short.endswith("bias")
+                     else q8 if short.startswith("attn") else f16)
+            add(f"blk.{n}.{short}", f"model.layers.{n}.{long}", qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,15 +182,18 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int)
     return out
 
 
-def test_qwen3_gguf_loads_exactly_and_decodes_like_transformers(tiny_model, stepper, tmp_path):
+@pytest.mark.parametrize("variant,arch", [("qwen3", "qwen3"), ("qwen2_bias", "qwen2")])
+def test_qwen_gguf_loads_exactly_and_decodes_like_transformers(tiny_model, stepper, tmp_path,
+                                                               variant, arch):
     # A copy: writing the GGUF rounds the reference's weights in place.
-    reference = copy.deepcopy(tiny_model("qwen3").reference)
-    path = tmp_path / "qwen3.gguf"
-    write_qwen3_gguf(reference, path)
+    reference = copy.deepcopy(tiny_model(variant).reference)
+    path = tmp_path / f"{arch}.gguf"
+    write_qwen_gguf(reference, path, arch)
     loaded = load_model(str(path))
-    assert loaded.config.architecture == "Qwen3ForCausalLM"
-    assert (loaded.config.head_dim, loaded.config.tie_word_embeddings) == (24, False)
-    assert isinstance(loaded.model, Qwen3ForCausalLM)
+    assert loaded.config.architecture == type(reference).__name__
+    assert loaded.config.tie_word_embeddings is False
+    assert loaded.config.head_dim == (24 if arch == "qwen3" else 16)
+    assert loaded.config.attention_bias is (arch == "qwen2")
     for name, param in loaded.model.named_parameters():
         assert torch.equal(param, reference.state_dict()[name]), name
     runner = stepper(loaded.model)
