@@ -17,6 +17,16 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_pytorch_tanh"  # GELU with the tanh approximation (Gemma)
 
 
+def sliding_fields(window: int | None, sliding_layers: tuple[int, ...],
+                   max_positions: int) -> dict[str, int | tuple[int, ...] | None]:
+    """`ModelConfig`'s sliding_window and sliding_layers for a checkpoint's window and the
+    layers it names; pure. A window no prompt can exceed (>= the context) is dropped: those
+    layers attend to their whole context, and the kernels run without the window option."""
+    if window is None or window >= max_positions or not sliding_layers:
+        return {"sliding_window": None, "sliding_layers": ()}
+    return {"sliding_window": window, "sliding_layers": sliding_layers}
+
+
 @dataclass(frozen=True, slots=True)
 class Llama3RopeScaling:
     """Llama-3.1 style frequency scaling of RoPE (`rope_scaling.rope_type == "llama3"`)."""

@@ -4,9 +4,10 @@ Tensors are renamed to the Hugging Face names the model uses and dequantized to 
 with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
 
 Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them), `qwen2` (q/k/v
-biases `blk.N.attn_q.bias` ...) and `qwen3` (per-head q/k norms `blk.N.attn_q_norm.weight` /
-`attn_k_norm.weight`); the Qwen converters keep Q/K rows in HF order. Metadata keys are
-prefixed by the architecture (`qwen3.block_count`).
+biases `blk.N.attn_q.bias` ...), `qwen3` (per-head q/k norms `blk.N.attn_q_norm.weight` /
+`attn_k_norm.weight`) and `gemma2` (four norms a layer, `ffn_norm` being the one before the
+MLP, each stored as 1 + weight). Only llama.cpp's `llama` converter reorders Q/K rows.
+Metadata keys are prefixed by the architecture (`qwen3.block_count`).
 
 llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
 its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
+from engine.config import Activation, ModelConfig, sliding_fields
 from text.errors import ModelLoadError
 from text.gguf_metadata import GGUFTensorInfo, GGUFTokenizerData, read_gguf_header, tokenizer_data
 
@@ -55,21 +56,30 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 2 names its four norms apart; its `ffn_norm` is the norm before the MLP.
+_GEMMA2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # GGUF `general.architecture` -> the HF architecture it holds.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 # Architectures whose converter permutes Q/K rows (see the module docstring).
 _PERMUTED_QK = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor name; None when the model has no such tensor."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF parameter name of a GGUF tensor name in a file of architecture `arch`; None
+    when the model has no such tensor."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
+    layer_names = _GEMMA2_LAYER_NAMES if arch == "gemma2" else _LAYER_NAMES
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
@@ -120,27 +130,50 @@ class GGUFCheckpoint:
         if vocab is None:
             raise ModelLoadError(f"{self.path}: neither {a}.vocab_size nor a token list")
         bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
+        num_layers = int(self._get(f"{a}.block_count", required=True))
+        head_dim = int(self._get(f"{a}.attention.key_length", hidden // num_heads))
+        context = int(self._get(f"{a}.context_length", 2048))
+        family: dict[str, Any] = {}
+        if a == "gemma2":
+            family = self._gemma2_fields(num_layers, hidden // num_heads, head_dim, context)
         try:
             return ModelConfig(
                 architecture=_ARCHITECTURES[a],
                 vocab_size=int(vocab),
                 hidden_size=hidden,
                 intermediate_size=int(self._get(f"{a}.feed_forward_length", required=True)),
-                num_layers=int(self._get(f"{a}.block_count", required=True)),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(self._get(f"{a}.attention.head_count_kv", num_heads)),
-                head_dim=int(self._get(f"{a}.attention.key_length", hidden // num_heads)),
+                head_dim=head_dim,
                 rms_norm_eps=float(self._get(f"{a}.attention.layer_norm_rms_epsilon",
                                              required=True)),
                 rope_theta=float(self._get(f"{a}.rope.freq_base", 10000.0)),
-                max_position_embeddings=int(self._get(f"{a}.context_length", 2048)),
+                max_position_embeddings=context,
                 tie_word_embeddings="output.weight" not in self._tensors,
                 attention_bias=a == "qwen2",
                 bos_token_id=None if bos is None else int(bos),
                 eos_token_ids=() if eos is None else (int(eos),),
+                **family,
             )
         except ValueError as exc:
             raise ModelLoadError(f"{self.path}: {exc}") from None
+
+    def _gemma2_fields(self, num_layers: int, hidden_per_head: int, head_dim: int,
+                       context: int) -> dict[str, Any]:
+        """Gemma 2's numerics from llama.cpp's keys. The format has no query scalar:
+        llama.cpp takes head_dim, except for the 27B model (46 layers), whose scalar is
+        hidden / heads; so does this reader. Every even layer slides, as in transformers."""
+        caps = [self._get(f"gemma2.{key}") for key in ("attn_logit_softcapping",
+                                                       "final_logit_softcapping")]
+        window = self._get("gemma2.attention.sliding_window")
+        return dict(
+            hidden_act=Activation.GELU_TANH,
+            query_pre_attn_scalar=float(hidden_per_head if num_layers == 46 else head_dim),
+            attn_logit_softcap=None if caps[0] is None else float(caps[0]),
+            final_logit_softcap=None if caps[1] is None else float(caps[1]),
+            **sliding_fields(None if window is None else int(window),
+                             tuple(range(0, num_layers, 2)), context))
 
     def tokenizer_data(self) -> GGUFTokenizerData:
         return tokenizer_data(self._meta, self.path)
@@ -149,7 +182,7 @@ class GGUFCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> torch shape of every tensor; GGUF tensors without one keep their name."""
         # GGUF lists dimensions innermost first; torch lists them outermost first.
-        return {hf_name(name) or name: tuple(reversed(t.dims))
+        return {hf_name(name, self.arch) or name: tuple(reversed(t.dims))
                 for name, t in self._tensors.items()}
 
     def iter_tensors(self, names: set[str], config: ModelConfig
@@ -162,7 +195,7 @@ class GGUFCheckpoint:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         permuted = self.arch in _PERMUTED_QK
         for gguf_name, t in self._tensors.items():
-            name = hf_name(gguf_name)
+            name = hf_name(gguf_name, self.arch)
             if name not in names:
                 continue
             shape = tuple(reversed(t.dims))
@@ -176,6 +209,8 @@ class GGUFCheckpoint:
                 weight = unpermute_rows(weight, config.num_heads)
             elif permuted and name.endswith("self_attn.k_proj.weight"):
                 weight = unpermute_rows(weight, config.num_kv_heads)
+            elif self.arch == "gemma2" and name.endswith("norm.weight"):
+                weight = weight - np.float32(1.0)  # stored as 1 + weight
             # F32 tensors come back as read-only views of the memory-mapped file.
             if not weight.flags.writeable:
                 weight = weight.copy()

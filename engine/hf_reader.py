@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import Activation, Llama3RopeScaling, ModelConfig
+from engine.config import Activation, Llama3RopeScaling, ModelConfig, sliding_fields
 from engine.models.families import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 from text.errors import ModelLoadError
 
@@ -75,9 +75,7 @@ def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positi
     """The window and the layers it applies to, as transformers reads them: Mistral slides
     on every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     on the layers from `max_window_layers` on; Gemma 2 on every even layer. A `layer_types`
-    list, where the config has one, names the sliding layers instead. A window no prompt
-    can exceed (>= the context) is dropped: the layers then attend to their whole context,
-    on the kernels without the window option."""
+    list, where the config has one, names the sliding layers instead."""
     window = cfg.get("sliding_window")
     if architecture == "Gemma2ForCausalLM":
         default = [n % 2 == 0 for n in range(num_layers)]
@@ -96,9 +94,7 @@ def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positi
                                  f"sliding_attention/full_attention per layer")
         default = [kind == "sliding_attention" for kind in layer_types]
     sliding = tuple(n for n, slides in enumerate(default) if slides)
-    if window is None or int(window) >= max_positions or not sliding:
-        return {}
-    return dict(sliding_window=int(window), sliding_layers=sliding)
+    return sliding_fields(None if window is None else int(window), sliding, max_positions)
 
 
 def _gemma2_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -101,12 +101,13 @@ def test_unsupported_architecture_names_the_supported_list(tiny_model, tmp_path)
         assert architecture in str(error.value)
 
 
-# --- Qwen2 and Qwen3 from GGUF -----------------------------------------------------------
+# --- Qwen2, Qwen3 and Gemma 2 from GGUF --------------------------------------------------
 
-def write_qwen_gguf(reference: torch.nn.Module, path: Path, arch: str) -> None:
-    """A llama.cpp-style `qwen2` or `qwen3` GGUF of `reference`: Q/K rows in HF order,
-    attention projections in Q8_0, norms and biases in F32, the rest in F16. `reference` is
-    updated in place to the rounded weights so that it stays an exact reference."""
+def write_gguf(reference: torch.nn.Module, path: Path, arch: str) -> None:
+    """A llama.cpp-style `qwen2`, `qwen3` or `gemma2` GGUF of `reference`: Q/K rows in HF
+    order, attention projections in Q8_0, norms and biases in F32 (Gemma's norms stored as
+    1 + weight), the rest in F16. `reference` is updated in place to the rounded weights so
+    that it stays an exact reference."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -123,8 +124,12 @@ def write_qwen_gguf(reference: torch.nn.Module, path: Path, arch: str) -> None:
     if arch == "qwen3":
         names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
                       "attn_k_norm.weight": "self_attn.k_norm.weight"})
-    else:
+    elif arch == "qwen2":
         names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    else:
+        names.update({"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -140,18 +145,23 @@ def write_qwen_gguf(reference: torch.nn.Module, path: Path, arch: str) -> None:
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     writer.add_token_types([1] * config.vocab_size)
     writer.add_eos_token_id(2)
+    if arch == "gemma2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     state = reference.state_dict()
     q8, f16, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16,
                     gguf.GGMLQuantizationType.F32)
 
     def add(gguf_name: str, hf_name: str, qtype: gguf.GGMLQuantizationType) -> None:
         weight = state[hf_name].numpy().astype(np.float32)
+        offset = np.float32(1.0 if arch == "gemma2" and hf_name.endswith("norm.weight") else 0.0)
         if qtype == q8:
             data = quantize(weight, qtype)
             rounded = dequantize(data, qtype).reshape(weight.shape)
         else:
-            data = weight.astype(np.float16 if qtype == f16 else np.float32)
-            rounded = data.astype(np.float32)
+            data = (weight + offset).astype(np.float16 if qtype == f16 else np.float32)
+            rounded = data.astype(np.float32) - offset
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
         with torch.no_grad():
             state[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(rounded)))
@@ -182,18 +192,28 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int)
     return out
 
 
-@pytest.mark.parametrize("variant,arch", [("qwen3", "qwen3"), ("qwen2_bias", "qwen2")])
-def test_qwen_gguf_loads_exactly_and_decodes_like_transformers(tiny_model, stepper, tmp_path,
-                                                               variant, arch):
+@pytest.mark.parametrize("variant,arch", [("qwen3", "qwen3"), ("qwen2_bias", "qwen2"),
+                                          ("gemma2", "gemma2")])
+def test_gguf_loads_exactly_and_decodes_like_transformers(tiny_model, stepper, tmp_path,
+                                                          variant, arch):
     # A copy: writing the GGUF rounds the reference's weights in place.
     reference = copy.deepcopy(tiny_model(variant).reference)
+    if arch == "gemma2":
+        # GGUF has no query scalar: llama.cpp (and this reader) take head_dim.
+        reference.config.query_pre_attn_scalar = 16
+        for layer in reference.model.layers:
+            layer.self_attn.scaling = 16 ** -0.5
     path = tmp_path / f"{arch}.gguf"
-    write_qwen_gguf(reference, path, arch)
+    write_gguf(reference, path, arch)
     loaded = load_model(str(path))
     assert loaded.config.architecture == type(reference).__name__
     assert loaded.config.tie_word_embeddings is False
     assert loaded.config.head_dim == (24 if arch == "qwen3" else 16)
     assert loaded.config.attention_bias is (arch == "qwen2")
+    if arch == "gemma2":
+        c = loaded.config
+        assert (c.sliding_window, c.sliding_layers, c.query_pre_attn_scalar) == (6, (0,), 16.0)
+        assert (c.attn_logit_softcap, c.final_logit_softcap) == (4.0, 20.0)
     for name, param in loaded.model.named_parameters():
         assert torch.equal(param, reference.state_dict()[name]), name
     runner = stepper(loaded.model)
