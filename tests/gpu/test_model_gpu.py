@@ -114,17 +114,24 @@ def family_pair(family: str, directory):
 
 FAMILIES = ("qwen3", "gemma2")
 # The interpreter is slow: on CPU the Llama-3 RoPE variant (the one with scaling) runs every
-# test, the other families these two (a mixed step against the torch path, greedy decoding
-# through chunked prefill and padded decode steps against transformers).
-CPU_FAMILY_TESTS = ("test_kernel_path_logits_and_cache_match_torch_path",
-                    "test_greedy_matches_transformers")
+# test, the other families these (a mixed step against the torch path, greedy decoding
+# through chunked prefill and padded decode steps against transformers, and Gemma 2's
+# windows in padded mixed steps: tests/gpu/test_mixed_graphs_gpu.py).
+CPU_FAMILY_TESTS = {
+    "test_kernel_path_logits_and_cache_match_torch_path": FAMILIES,
+    "test_greedy_matches_transformers": FAMILIES,
+    "test_padded_mixed_steps_match_eager_steps_and_the_torch_path": ("gemma2",),
+}
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_budget(request):
+def interpreter_budget(request):
+    """Skips, on CPU, a family's test that CPU_FAMILY_TESTS does not list (autouse here and
+    in test_mixed_graphs_gpu.py, which imports it with `pair`)."""
     callspec = getattr(request.node, "callspec", None)
-    if (not ON_CUDA and callspec is not None and callspec.params.get("pair") in FAMILIES
-            and request.node.originalname not in CPU_FAMILY_TESTS):
+    family = None if callspec is None else callspec.params.get("pair")
+    if (not ON_CUDA and family in FAMILIES
+            and family not in CPU_FAMILY_TESTS.get(request.node.originalname, ())):
         pytest.skip("on CUDA only for this family: the interpreter is slow")
 
 
