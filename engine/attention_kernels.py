@@ -24,18 +24,22 @@ from engine.attention_metadata import KernelAttentionMetadata
 
 def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                             kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                            meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
-    """The Triton path of `paged_attention`: same shapes and side effects (K/V written at
-    `meta.slot_mapping`, padding slots skipped), allocation-free apart from its output, so
-    it can be captured in a CUDA graph. q, k_new and v_new may be strided views."""
+                            meta: KernelAttentionMetadata, scale: float,
+                            softcap: float | None = None,
+                            window: int | None = None) -> torch.Tensor:
+    """The Triton path of `paged_attention`: same shapes, options and side effects (K/V
+    written at `meta.slot_mapping`, padding slots skipped), allocation-free apart from its
+    output, so it can be captured in a CUDA graph. q, k_new and v_new may be strided views."""
     from engine.kernels.kv_cache_write import write_kv_cache_triton_
 
     write_kv_cache_triton_(k_new, v_new, kv_layer_k, kv_layer_v, meta.slot_mapping)
-    return attend_cached_kernels(q, kv_layer_k, kv_layer_v, meta, scale)
+    return attend_cached_kernels(q, kv_layer_k, kv_layer_v, meta, scale, softcap, window)
 
 
 def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                          meta: KernelAttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: KernelAttentionMetadata, scale: float,
+                          softcap: float | None = None,
+                          window: int | None = None) -> torch.Tensor:
     """`paged_attention_kernels` for a step whose K/V the caller already wrote at
     `meta.slot_mapping` (the model fuses that write into its RoPE kernel)."""
     from engine.kernels.paged_decode_attention import paged_decode_attention_triton
@@ -45,18 +49,21 @@ def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v:
     if meta.is_decode:
         return paged_decode_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                              meta.context_lens, scale,
-                                             meta.num_decode_splits, out=out)
+                                             meta.num_decode_splits, out=out,
+                                             softcap=softcap, window=window)
     n, rest = meta.num_decode_chunks, meta.prefill_part
     if rest is not None:  # a mixed step (see the module docstring)
         # Decode first: padded decode rows' zeros land on prefill rows, overwritten next.
         paged_decode_attention_triton(q[:n], kv_layer_k, kv_layer_v, meta.block_tables[:n],
                                       meta.context_lens[:n], scale, meta.num_decode_splits,
-                                      out=out[:n])
+                                      out=out[:n], softcap=softcap, window=window)
         lo = 0 if meta.prefill_rows_absolute else n
         prefill_attention_triton(q[lo:], kv_layer_k, kv_layer_v, rest.block_tables,
                                  rest.cu_seqlens_q, rest.context_lens, scale,
-                                 rest.max_query_len, out=out[lo:])
+                                 rest.max_query_len, out=out[lo:], softcap=softcap,
+                                 window=window)
         return out
     return prefill_attention_triton(q, kv_layer_k, kv_layer_v, meta.block_tables,
                                     meta.cu_seqlens_q, meta.context_lens, scale,
-                                    meta.max_query_len, out=out)
+                                    meta.max_query_len, out=out, softcap=softcap,
+                                    window=window)

@@ -106,6 +106,7 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [C, Q] bool: False for padding rows
     key_slots: torch.Tensor  # [C, L] long: cache slot of each key position (pads point at 0)
     mask: torch.Tensor  # [C, 1, Q, L] bool: True where the query may see the key
+    query_pos: torch.Tensor  # [C, Q] long: sequence position of each query (pads: 0)
     out_rows: torch.Tensor  # [num valid queries] long: where the valid outputs go in T
 
 
@@ -267,6 +268,7 @@ def _build_group(meta: AttentionMetadata, chunk_ids: list[int],
         query_valid=query_valid.to(device),
         key_slots=key_slots.to(device),
         mask=mask[:, None].to(device),
+        query_pos=query_pos.to(device),
         out_rows=query_rows[query_valid].to(device),
     )
 

@@ -7,6 +7,11 @@ per `AttentionGroup`, a causal SDPA over its own K/V per `CausalChunk`. A query 
 position p attends to the cached keys at positions 0..p of its own sequence, so a chunk
 whose first `start_pos` positions were written by an earlier step (an earlier chunk of a
 chunked prefill, or a shared prefix) sees them exactly as if it had computed them itself.
+
+Two options some families need (Gemma 2): a sliding `window` (a query at position p sees
+the keys at positions (p - window, p] only) and a logit `softcap` (scores squashed by
+cap * tanh(s / cap) before the mask and the softmax, which SDPA cannot do, so those
+layers attend by explicit matmuls, with the softmax in float32 as transformers does).
 """
 
 from __future__ import annotations
@@ -17,28 +22,57 @@ import torch.nn.functional as F
 from engine.attention_metadata import AttentionMetadata, CausalChunk
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """q [C, H, Q, D], k and v [C, KVH, L, D], mask [C, 1, Q, L] bool (True: may see; None:
+    causal from key 0) -> [C, H, Q, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): x squashed smoothly into (-cap, cap)."""
+    return torch.tanh(x / cap) * cap
+
+
 def _attend_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                    chunk: CausalChunk, cache_dtype: torch.dtype, scale: float,
-                   out: torch.Tensor) -> None:
+                   softcap: float | None, window: int | None, out: torch.Tensor) -> None:
     """A chunk from position 0: its own K/V (rounded as the cache stores them), causal."""
     a, b = chunk.row_start, chunk.row_end
     qg = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     kg = k_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
     vg = v_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
-                                        enable_gqa=qg.shape[1] != kg.shape[1])
+    mask = None
+    if window is not None and b - a > window:
+        pos = torch.arange(b - a, device=q.device)
+        offset = pos[:, None] - pos[None, :]  # query position - key position
+        mask = ((offset >= 0) & (offset < window))[None, None]
+    og = _attend(qg, kg, vg, mask, scale, softcap)
     out[a:b] = og[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Writes the step's K/V into the paged cache, then attends through the block tables.
 
     Shapes: q [T, num_heads, head_dim]; k_new, v_new [T, num_kv_heads, head_dim];
     kv_layer_k, kv_layer_v [num_blocks, block_size, num_kv_heads, head_dim] (one layer of
     `KVStorage`, written in place at `meta.slot_mapping` only). Returns [T, num_heads,
     head_dim]. num_heads must be a multiple of num_kv_heads (grouped-query attention).
+    `softcap` and `window`: see the module docstring (None: neither).
     This is the reference every faster kernel is tested against.
     """
     num_kv_heads, head_dim = kv_layer_k.shape[2], kv_layer_k.shape[3]
@@ -51,7 +85,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     out = torch.empty_like(q)
     for group in meta.groups:
         if isinstance(group, CausalChunk):
-            _attend_causal(q, k_new, v_new, group, cache_k.dtype, scale, out)
+            _attend_causal(q, k_new, v_new, group, cache_k.dtype, scale, softcap, window, out)
             continue
         num_chunks, num_keys = group.key_slots.shape
         keys = group.key_slots.reshape(-1)
@@ -61,7 +95,11 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         kg = cache_k.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
         vg = cache_v.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
         kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scale,
-                                            enable_gqa=qg.shape[1] != kg.shape[1])
+        mask = group.mask
+        if window is not None:
+            # [C, 1, Q, L]: keys at positions (p - window, p] of the query at position p.
+            key_pos = torch.arange(num_keys, device=q.device)
+            mask = mask & (key_pos > group.query_pos[:, :, None] - window)[:, None]
+        og = _attend(qg, kg, vg, mask, scale, softcap)
         out.index_copy_(0, group.out_rows, og.transpose(1, 2)[group.query_valid])
     return out

@@ -6,7 +6,25 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Activation(enum.Enum):
+    """The gate activation of the gated MLP, by its Hugging Face `hidden_act` name."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"  # GELU with the tanh approximation (Gemma)
+
+
+def sliding_fields(window: int | None, sliding_layers: tuple[int, ...],
+                   max_positions: int) -> dict[str, int | tuple[int, ...] | None]:
+    """`ModelConfig`'s sliding_window and sliding_layers for a checkpoint's window and the
+    layers it names; pure. A window no prompt can exceed (>= the context) is dropped: those
+    layers attend to their whole context, and the kernels run without the window option."""
+    if window is None or window >= max_positions or not sliding_layers:
+        return {"sliding_window": None, "sliding_layers": ()}
+    return {"sliding_window": window, "sliding_layers": sliding_layers}
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +39,14 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder."""
+    """Shape and numerics of a decoder-only transformer. `architecture` (the Hugging Face
+    class name) picks the family module in engine/models/families.py, which owns the
+    layer structure; the fields below the shape are the numerics some families change.
 
-    architecture: str  # e.g. "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
+    Invariants: every sliding-window layer index is a layer of the model, and a window is
+    set exactly when some layer slides; soft-caps, window and query scalar are positive."""
+
+    architecture: str  # e.g. "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +62,15 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: Activation = Activation.SILU
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim.
+    query_pre_attn_scalar: float | None = None
+    # cap * tanh(x / cap) on attention scores (before the mask) and on the final logits.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # A query at position p of a sliding layer sees keys (p - sliding_window, p] only.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -49,6 +81,26 @@ class ModelConfig:
             raise ValueError(
                 f"model config: num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                     "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"model config: {name} must be positive or None, got {value}")
+        if (self.sliding_window is None) != (not self.sliding_layers):
+            raise ValueError("model config: sliding_window and sliding_layers go together "
+                             f"(got {self.sliding_window} and {self.sliding_layers})")
+        if any(not 0 <= n < self.num_layers for n in self.sliding_layers):
+            raise ValueError(f"model config: sliding_layers {self.sliding_layers} name layers "
+                             f"outside 0..{self.num_layers - 1}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`; None where it attends to its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def num_queries_per_kv(self) -> int:

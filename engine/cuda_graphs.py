@@ -42,7 +42,7 @@ from engine.attention_metadata import (AttentionMetadata, KernelAttentionMetadat
 from engine.block_table_rows import BlockTableRows
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.schedule_output import ScheduleOutput
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -95,7 +95,7 @@ def capture_step(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None,
 class DecodeGraphs:
     """Captured decode steps of one model over one KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv: KVStorage, block_size: int,
                  batch_sizes: Sequence[int], max_blocks_per_seq: int, use_graphs: bool) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"decode graphs need positive batch sizes, got {batch_sizes}")

@@ -3,6 +3,12 @@
 Tensors are renamed to the Hugging Face names the model uses and dequantized to float32
 with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants).
 
+Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them), `qwen2` (q/k/v
+biases `blk.N.attn_q.bias` ...), `qwen3` (per-head q/k norms `blk.N.attn_q_norm.weight` /
+`attn_k_norm.weight`) and `gemma2` (four norms a layer, `ffn_norm` being the one before the
+MLP, each stored as 1 + weight). Only llama.cpp's `llama` converter reorders Q/K rows.
+Metadata keys are prefixed by the architecture (`qwen3.block_count`).
+
 llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
 its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves
 (x0, x_{d/2}), ... used here. Per head of size d, the converter maps
@@ -25,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
+from engine.config import Activation, ModelConfig, sliding_fields
 from text.errors import ModelLoadError
 from text.gguf_metadata import GGUFTensorInfo, GGUFTokenizerData, read_gguf_header, tokenizer_data
 
@@ -44,17 +50,36 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 2 names its four norms apart; its `ffn_norm` is the norm before the MLP.
+_GEMMA2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# GGUF `general.architecture` -> the HF architecture it holds.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# Architectures whose converter permutes Q/K rows (see the module docstring).
+_PERMUTED_QK = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor name; None when the model has no such tensor."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF parameter name of a GGUF tensor name in a file of architecture `arch`; None
+    when the model has no such tensor."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
+    layer_names = _GEMMA2_LAYER_NAMES if arch == "gemma2" else _LAYER_NAMES
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
@@ -66,7 +91,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file of a `llama` architecture model: its header parsed here
+    """One GGUF file of a `llama`, `qwen2` or `qwen3` model: its header parsed here
     (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
 
     def __init__(self, path: Path) -> None:
@@ -76,9 +101,10 @@ class GGUFCheckpoint:
         header = read_gguf_header(path)
         self._meta = header.meta
         arch = self._get("general.architecture")
-        if arch != "llama":
+        if arch not in _ARCHITECTURES:
             raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
-                                 f"(supported: llama)")
+                                 f"(supported: {', '.join(_ARCHITECTURES)})")
+        self.arch: str = arch
         self._tensors = header.tensors
         if "rope_freqs.weight" in self._tensors:
             raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) "
@@ -93,36 +119,61 @@ class GGUFCheckpoint:
         return value
 
     def config(self) -> ModelConfig:
-        hidden = int(self._get("llama.embedding_length", required=True))
-        num_heads = int(self._get("llama.attention.head_count", required=True))
-        scaling = self._get("llama.rope.scaling.type")
+        a = self.arch
+        hidden = int(self._get(f"{a}.embedding_length", required=True))
+        num_heads = int(self._get(f"{a}.attention.head_count", required=True))
+        scaling = self._get(f"{a}.rope.scaling.type")
         if scaling not in (None, "none"):
             raise ModelLoadError(f"{self.path}: unsupported rope scaling type {scaling!r}")
         tokens = self._meta.get("tokenizer.ggml.tokens")
-        vocab = self._get("llama.vocab_size", len(tokens) if tokens is not None else None)
+        vocab = self._get(f"{a}.vocab_size", len(tokens) if tokens is not None else None)
         if vocab is None:
-            raise ModelLoadError(f"{self.path}: neither llama.vocab_size nor a token list")
+            raise ModelLoadError(f"{self.path}: neither {a}.vocab_size nor a token list")
         bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
+        num_layers = int(self._get(f"{a}.block_count", required=True))
+        head_dim = int(self._get(f"{a}.attention.key_length", hidden // num_heads))
+        context = int(self._get(f"{a}.context_length", 2048))
+        family: dict[str, Any] = {}
+        if a == "gemma2":
+            family = self._gemma2_fields(num_layers, hidden // num_heads, head_dim, context)
         try:
             return ModelConfig(
-                architecture="LlamaForCausalLM",
+                architecture=_ARCHITECTURES[a],
                 vocab_size=int(vocab),
                 hidden_size=hidden,
-                intermediate_size=int(self._get("llama.feed_forward_length", required=True)),
-                num_layers=int(self._get("llama.block_count", required=True)),
+                intermediate_size=int(self._get(f"{a}.feed_forward_length", required=True)),
+                num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=int(self._get("llama.attention.head_count_kv", num_heads)),
-                head_dim=int(self._get("llama.attention.key_length", hidden // num_heads)),
-                rms_norm_eps=float(self._get("llama.attention.layer_norm_rms_epsilon",
+                num_kv_heads=int(self._get(f"{a}.attention.head_count_kv", num_heads)),
+                head_dim=head_dim,
+                rms_norm_eps=float(self._get(f"{a}.attention.layer_norm_rms_epsilon",
                                              required=True)),
-                rope_theta=float(self._get("llama.rope.freq_base", 10000.0)),
-                max_position_embeddings=int(self._get("llama.context_length", 2048)),
+                rope_theta=float(self._get(f"{a}.rope.freq_base", 10000.0)),
+                max_position_embeddings=context,
                 tie_word_embeddings="output.weight" not in self._tensors,
+                attention_bias=a == "qwen2",
                 bos_token_id=None if bos is None else int(bos),
                 eos_token_ids=() if eos is None else (int(eos),),
+                **family,
             )
         except ValueError as exc:
             raise ModelLoadError(f"{self.path}: {exc}") from None
+
+    def _gemma2_fields(self, num_layers: int, hidden_per_head: int, head_dim: int,
+                       context: int) -> dict[str, Any]:
+        """Gemma 2's numerics from llama.cpp's keys. The format has no query scalar:
+        llama.cpp takes head_dim, except for the 27B model (46 layers), whose scalar is
+        hidden / heads; so does this reader. Every even layer slides, as in transformers."""
+        caps = [self._get(f"gemma2.{key}") for key in ("attn_logit_softcapping",
+                                                       "final_logit_softcapping")]
+        window = self._get("gemma2.attention.sliding_window")
+        return dict(
+            hidden_act=Activation.GELU_TANH,
+            query_pre_attn_scalar=float(hidden_per_head if num_layers == 46 else head_dim),
+            attn_logit_softcap=None if caps[0] is None else float(caps[0]),
+            final_logit_softcap=None if caps[1] is None else float(caps[1]),
+            **sliding_fields(None if window is None else int(window),
+                             tuple(range(0, num_layers, 2)), context))
 
     def tokenizer_data(self) -> GGUFTokenizerData:
         return tokenizer_data(self._meta, self.path)
@@ -131,19 +182,20 @@ class GGUFCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> torch shape of every tensor; GGUF tensors without one keep their name."""
         # GGUF lists dimensions innermost first; torch lists them outermost first.
-        return {hf_name(name) or name: tuple(reversed(t.dims))
+        return {hf_name(name, self.arch) or name: tuple(reversed(t.dims))
                 for name, t in self._tensors.items()}
 
     def iter_tensors(self, names: set[str], config: ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (HF name, float32 tensor) for the requested names, Q/K rows unpermuted."""
+        """Yields (HF name, float32 tensor) for the requested names, Q/K rows in HF order."""
         from gguf.constants import GGMLQuantizationType  # heavy import: only to load weights
         from gguf.quants import dequantize
 
         with open(self.path, "rb") as f:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        permuted = self.arch in _PERMUTED_QK
         for gguf_name, t in self._tensors.items():
-            name = hf_name(gguf_name)
+            name = hf_name(gguf_name, self.arch)
             if name not in names:
                 continue
             shape = tuple(reversed(t.dims))
@@ -153,10 +205,12 @@ class GGUFCheckpoint:
             except (NotImplementedError, ValueError) as exc:
                 raise ModelLoadError(f"{self.path}: cannot dequantize {gguf_name} "
                                      f"(type {t.ggml_type}): {exc}") from None
-            if name.endswith("self_attn.q_proj.weight"):
+            if permuted and name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rows(weight, config.num_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
+            elif permuted and name.endswith("self_attn.k_proj.weight"):
                 weight = unpermute_rows(weight, config.num_kv_heads)
+            elif self.arch == "gemma2" and name.endswith("norm.weight"):
+                weight = weight - np.float32(1.0)  # stored as 1 + weight
             # F32 tensors come back as read-only views of the memory-mapped file.
             if not weight.flags.writeable:
                 weight = weight.copy()

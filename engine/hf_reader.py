@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import Llama3RopeScaling, ModelConfig
+from engine.config import Activation, Llama3RopeScaling, ModelConfig, sliding_fields
+from engine.models.families import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 from text.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -60,6 +60,54 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, Llama3RopeScaling | N
         raise ModelLoadError(f"{path}: llama3 rope scaling lacks {exc.args[0]!r}") from None
 
 
+def _activation(cfg: dict[str, Any], path: Path) -> Activation:
+    # Gemma configs name it `hidden_activation` (older ones carry both names).
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    try:
+        return Activation(name)
+    except ValueError:
+        raise ModelLoadError(f"{path}: unsupported hidden_act {name!r} (supported: "
+                             f"{', '.join(a.value for a in Activation)})") from None
+
+
+def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positions: int,
+             path: Path) -> dict[str, Any]:
+    """The window and the layers it applies to, as transformers reads them: Mistral slides
+    on every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
+    on the layers from `max_window_layers` on; Gemma 2 on every even layer. A `layer_types`
+    list, where the config has one, names the sliding layers instead."""
+    window = cfg.get("sliding_window")
+    if architecture == "Gemma2ForCausalLM":
+        default = [n % 2 == 0 for n in range(num_layers)]
+    elif architecture == "MistralForCausalLM":
+        default = [True] * num_layers
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        default = [n >= first for n in range(num_layers)]
+    else:
+        return {}
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers or not set(layer_types) <= {"sliding_attention",
+                                                                       "full_attention"}:
+            raise ModelLoadError(f"{path}: layer_types {layer_types} is not one of "
+                                 f"sliding_attention/full_attention per layer")
+        default = [kind == "sliding_attention" for kind in layer_types]
+    sliding = tuple(n for n, slides in enumerate(default) if slides)
+    return sliding_fields(None if window is None else int(window), sliding, max_positions)
+
+
+def _gemma2_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 2's numerics: the query scalar and the soft-caps."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: bidirectional attention is unsupported")
+    softcaps = [cfg.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
+    return dict(
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
+        final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]))
+
+
 def read_config(directory: Path) -> ModelConfig:
     """The ModelConfig of an HF directory; ModelLoadError names the file and the problem."""
     path = directory / "config.json"
@@ -67,10 +115,12 @@ def read_config(directory: Path) -> ModelConfig:
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else None
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported architecture {architecture!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: unsupported hidden_act {cfg['hidden_act']!r}")
+        raise ModelLoadError(f"{path}: {unsupported_architecture_message(architecture)}")
+    activation = _activation(cfg, path)
+    is_gemma2 = architecture == "Gemma2ForCausalLM"
+    if activation is not Activation.SILU and not is_gemma2:
+        raise ModelLoadError(f"{path}: unsupported hidden_act {activation.value!r} "
+                             f"on {architecture}")
     if architecture != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ModelLoadError(f"{path}: attention_bias/mlp_bias on {architecture} is unsupported")
     theta, scaling = _rope(cfg, path)
@@ -81,30 +131,32 @@ def read_config(directory: Path) -> ModelConfig:
         eos += tuple(e for e in extra if e not in eos)
     try:
         num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        # Attention is never windowed here, so the context is capped at the window instead
-        # of silently attending further than the model was trained to.
-        window = cfg.get("sliding_window")
-        if window and (architecture == "MistralForCausalLM" or cfg.get("use_sliding_window")):
-            max_positions = min(max_positions, int(window))
+        family = _sliding(cfg, architecture, num_layers, max_positions, path)
+        if is_gemma2:
+            family.update(_gemma2_fields(cfg, path))
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Gemma ties its head to the embedding unless the config says otherwise.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma2)),
             attention_bias=architecture == "Qwen2ForCausalLM",
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
+            hidden_act=activation,
+            **family,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing key {exc.args[0]!r}") from None

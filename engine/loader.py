@@ -1,6 +1,7 @@
-"""Builds a ready `LlamaForCausalLM` from an HF directory, a `.gguf` file or "default".
+"""Builds a ready model from an HF directory, a `.gguf` file or "default".
 
     load_model(model) -> resolve the source -> read its ModelConfig
+                      -> pick the family's class (engine/models/families.py)
                       -> validate every tensor's name and shape against the config
                       -> copy tensors one by one into the model (eval mode, on device)
 
@@ -23,7 +24,7 @@ from engine.config import ModelConfig
 from text.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
     from text.gguf_metadata import GGUFTokenizerData
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -34,7 +35,7 @@ _NUM_PROGRESS_REPORTS = 10
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     config: ModelConfig
-    model: "LlamaForCausalLM"
+    model: "DecoderForCausalLM"
     source: Path  # the resolved directory or .gguf file
     tokenizer_source: "Path | GGUFTokenizerData"  # HF directory, or GGUF tokenizer metadata
 
@@ -109,9 +110,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
 def _validate(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
               file_of: Callable[[str], str], source: str) -> set[str]:
     """The checkpoint names to load; raises unless they are exactly what the config needs."""
-    from engine.models.llama import expected_shapes
+    from engine.models.families import model_class
 
-    expected = expected_shapes(config)
+    expected = model_class(config.architecture).expected_shapes(config)
     missing = sorted(set(expected) - set(shapes))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -133,10 +134,10 @@ def _validate(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
 
 def _fill(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int,
           dtype: torch.dtype, device: torch.device | str,
-          report: Callable[[str], None], source: str) -> "LlamaForCausalLM":
-    from engine.models.llama import LlamaForCausalLM
+          report: Callable[[str], None], source: str) -> "DecoderForCausalLM":
+    from engine.models.families import model_class
 
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config.architecture)(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
     every = max(1, num_tensors // _NUM_PROGRESS_REPORTS)
     num_loaded = 0

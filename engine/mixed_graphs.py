@@ -54,7 +54,7 @@ from engine.block_table_rows import BlockTableRows
 from engine.cuda_graphs import capture_step, padded_batch_size
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
 # Token counts of the captured steps: every 64 tokens from 128 (a padded token costs its
@@ -115,7 +115,7 @@ def padded_shape(num_tokens: int, num_decodes: int, token_sizes: Sequence[int],
 class MixedGraphs:
     """Captured prefill and mixed steps of one model over one KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv: KVStorage, block_size: int,
                  token_sizes: Sequence[int], max_blocks_per_seq: int, use_graphs: bool,
                  decode_sizes: Sequence[int] = DEFAULT_DECODE_SIZES,
                  max_prefill_chunks: int = MAX_PREFILL_CHUNKS) -> None:

@@ -31,7 +31,7 @@ from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.mixed_split import mixed_split_threshold
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
 
@@ -125,7 +125,7 @@ class ModelRunner:
     the padded steps run eagerly. `use_mixed_graphs` turns their replay off and on at run
     time (the warm-up and benchmarks compare both paths in one process)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv: KVStorage, block_size: int,
                  use_kernels: bool | None = None,
                  cuda_graph_batch_sizes: Sequence[int] | None = None,
                  mixed_split_min_tokens: int | None = None,
@@ -187,9 +187,10 @@ class ModelRunner:
 
             config = model.config
             k_cache, v_cache = kv.layer(0)
+            windows = tuple({config.window_of(n) for n in range(config.num_layers)})
             compile_split_variants(torch.empty(1, config.num_heads, config.head_dim,
                                                dtype=kv.kv.dtype, device=self.device),
-                                   k_cache, v_cache)
+                                   k_cache, v_cache, config.attn_logit_softcap, windows)
 
     @property
     def records_layer_events(self) -> bool:

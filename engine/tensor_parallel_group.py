@@ -44,7 +44,7 @@ from engine.tensor_parallel_sharding import check_shardable, shard_config, shard
 if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports this module early
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_runner import DeviceTokens, ModelRunner
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 600.0
@@ -65,15 +65,12 @@ class TensorParallelGroup:
         return x
 
 
-def shard_model(full: "LlamaForCausalLM", group: TensorParallelGroup,
-                device: torch.device | str) -> "LlamaForCausalLM":
+def shard_model(full: "DecoderForCausalLM", group: TensorParallelGroup,
+                device: torch.device | str) -> "DecoderForCausalLM":
     """This rank's model: built from shard_config, filled from the full model's state dict,
     its decoder layers wired to all-reduce. The caller drops `full` afterwards."""
-    from engine.models.llama import LlamaForCausalLM
-
     dtype = full.model.embed_tokens.weight.dtype
-    model = LlamaForCausalLM(shard_config(full.config, group.tp_size), dtype=dtype,
-                             device=device)
+    model = type(full)(shard_config(full.config, group.tp_size), dtype=dtype, device=device)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in full.state_dict().items():
@@ -146,7 +143,7 @@ class DrivingRunner:
             self._channel.send(msgspec.msgpack.encode(StepMessage(None)))
 
 
-def follow(model: "LlamaForCausalLM", group: TensorParallelGroup,
+def follow(model: "DecoderForCausalLM", group: TensorParallelGroup,
            device: torch.device | str) -> int:
     """A follower's loop: receive the KV layout, then execute each step until told to stop.
     Returns the number of steps executed."""

@@ -10,7 +10,7 @@ Megatron-style; rank r of N holds the r-th contiguous slice:
 
 Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
 attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
-rank is therefore an ordinary `LlamaForCausalLM` built from `shard_config()`, with two
+rank is therefore an ordinary model of its family built from `shard_config()`, with two
 all-reduces per layer. N must divide num_kv_heads (hence num_heads) and intermediate_size.
 
 Functions of names, shapes and ranks only: no process group, no I/O, no copies (a shard is

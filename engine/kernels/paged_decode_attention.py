@@ -18,6 +18,11 @@ when the batch is small and the context long:
     t = ceil(ceil(n / num_splits) / BLOCK_N) * BLOCK_N        (empty splits weigh 0)
 
 A sequence with context length 0 (a padding row of a fixed-size batch) gets zeros.
+
+Gemma 2's options, compile-time switches of the kernel (a model without them runs the
+kernel it always ran): a sliding `window` (the query, at position n - 1, sees positions
+[max(0, n - window), n), and the splits cut that range instead of [0, n)), and a `softcap`
+(scores s = scale * q.k become softcap * tanh(s / softcap) before the softmax).
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
                                      v_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                     context_lens: torch.Tensor, scale: float,
+                                     softcap: float | None = None,
+                                     window: int | None = None) -> torch.Tensor:
     """The torch path, in fp32. q [num_seqs, num_heads, head_dim]; caches [num_blocks,
     block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int;
     context_lens [num_seqs] int. Returns [num_seqs, num_heads, head_dim] in q's dtype."""
@@ -58,8 +65,13 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
     keys = keys.repeat_interleave(group, dim=2)  # [seqs, positions, heads, dim]
     values = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("shd,sphd->shp", q.to(torch.float32), keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(keys.shape[1], device=q.device)
-    live = positions[None, :] < context_lens.to(q.device).long()[:, None]  # [seqs, positions]
+    lens = context_lens.to(q.device).long()[:, None]
+    live = positions[None, :] < lens  # [seqs, positions]
+    if window is not None:
+        live &= positions[None, :] >= lens - window
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty context -> zeros
     return torch.einsum("shp,sphd->shd", probs, values).to(q.dtype)
@@ -82,35 +94,53 @@ SPLIT_COUNTS = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))  # 1, 2, 4,
 
 
 def compile_split_variants(q_like: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor) -> None:
+                           v_cache: torch.Tensor, softcap: float | None = None,
+                           windows: tuple[int | None, ...] = (None,)) -> None:
     """Run the kernel once per split count on a one-sequence decode over block 0 (its
     output discarded), so that no variant compiles while a worker serves. `q_like`:
-    [any, num_heads, head_dim] in the model's dtype, on the cache's device."""
+    [any, num_heads, head_dim] in the model's dtype, on the cache's device; `softcap` and
+    `windows`: the model's (one variant per distinct window, None for global layers)."""
     q = q_like[:1]
     tables = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
     lens = torch.ones(1, dtype=torch.int32, device=q.device)
-    for splits in SPLIT_COUNTS:
-        paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 1.0, splits)
+    for window in windows:
+        for splits in SPLIT_COUNTS:
+            paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 1.0, splits,
+                                          softcap=softcap, window=window)
+
+
+@triton.jit
+def soft_cap_log2(s, cap_log2):
+    """cap * tanh(x / cap) in the log2 domain (s = x * log2(e), cap_log2 = cap * log2(e)),
+    with tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|) in (0, 1]: no overflow anywhere."""
+    y = s / cap_log2
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t) * cap_log2
 
 
 # table_stride (the step's widest block table) changes from step to step: specialized
 # on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
-@triton.jit(do_not_specialize=["table_stride"])
+@triton.jit(do_not_specialize=["table_stride", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                         out_ptr, part_out_ptr, part_lse_ptr, scale_log2, softcap_log2, window,
                          q_seq_stride, q_head_stride,
                          cache_block_stride, cache_slot_stride, cache_head_stride,
                          table_stride, out_seq_stride, out_head_stride, num_heads,
                          QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * tokens_per_split
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(context_len - window, 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -134,6 +164,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N], log2 domain
+        if HAS_SOFTCAP:
+            s = soft_cap_log2(s, softcap_log2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one live key, so m_new is finite and alpha well defined.
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -184,7 +216,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_seq_stride, ou
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int = 1,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, softcap: float | None = None,
+                                  window: int | None = None) -> torch.Tensor:
     """The Triton op; shapes as the reference. `num_splits` is a host int (see
     `num_decode_splits`) so a captured graph never syncs to choose it."""
     require_triton()
@@ -219,11 +252,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = part_lse = out  # never touched when NUM_SPLITS == 1
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * _LOG2E, q.stride(0), q.stride(1),
+        scale * _LOG2E, (softcap or 1.0) * _LOG2E, window or 0, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
         QUERIES_PER_KV=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits)
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None)
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,

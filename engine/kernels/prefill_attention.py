@@ -6,7 +6,12 @@ Packed layout (the chunks of all sequences back to back, as `ScheduleOutput` lis
     q rows      [ seq 0 chunk ][ seq 1 chunk ] ...        cu_seqlens_q = [0, n0, n0+n1, ...]
     seq i:  positions [0, start_i) cached earlier, [start_i, context_lens[i]) this chunk,
             start_i = context_lens[i] - (cu_seqlens_q[i+1] - cu_seqlens_q[i])
-    the query at position p attends keys at positions [0, p]
+    the query at position p attends keys at positions [0, p]; with a sliding `window`,
+    keys at positions (p - window, p] only
+
+`softcap`, when given, squashes every score s = scale * q.k to softcap * tanh(s / softcap)
+before the mask and the softmax (Gemma 2). Both options are compile-time switches of the
+kernel (HAS_SOFTCAP, HAS_WINDOW): a model without them runs the kernel it always ran.
 
 The chunk's own K/V must be in the cache first: call `write_kv_cache_` (kv_cache_write.py)
 with the chunk's slot mapping, then this. Reading the chunk back from the cache keeps one
@@ -14,7 +19,8 @@ code path for prefix and chunk, and costs little next to the matmuls.
 
     grid = (ceil(max_query_len / BLOCK_M), num_seqs, num_heads)
     a program takes BLOCK_M queries of one head and walks keys up to its last query's
-    position; programs past the end of a short chunk exit at once.
+    position (from its first query's window start, with a window); programs past the end
+    of a short chunk exit at once.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.backend import import_triton, next_power_of_2, require_triton, use_triton
-from engine.kernels.paged_decode_attention import gather_context
+from engine.kernels.paged_decode_attention import gather_context, soft_cap_log2
 
 triton, tl, _ = import_triton()
 
@@ -31,7 +37,9 @@ _LOG2E = 1.4426950408889634
 
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                context_lens: torch.Tensor, scale: float,
+                                softcap: float | None = None,
+                                window: int | None = None) -> torch.Tensor:
     """The torch path, in fp32, one sequence at a time. q [num_tokens, num_heads, head_dim];
     caches [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs,
     max_blocks]; cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs]. Returns
@@ -49,9 +57,14 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         keys = keys_all[i, :context_len].to(torch.float32).repeat_interleave(group, dim=1)
         values = values_all[i, :context_len].to(torch.float32).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].to(torch.float32), keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(start, context_len, device=q.device)[:, None]
         k_pos = torch.arange(context_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
@@ -59,15 +72,16 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 # table_stride (the step's widest block table) changes from step to step: specialized
 # on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
-@triton.jit(do_not_specialize=["table_stride"])
+@triton.jit(do_not_specialize=["table_stride", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-                    context_lens_ptr, out_ptr, scale_log2,
+                    context_lens_ptr, out_ptr, scale_log2, softcap_log2, window,
                     q_token_stride, q_head_stride,
                     cache_block_stride, cache_slot_stride, cache_head_stride,
                     table_stride, out_token_stride, out_head_stride,
                     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -93,7 +107,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Causal: no query of this tile sees past its last row's position.
     hi = tl.minimum(start_pos + (m_block + 1) * BLOCK_M, context_len)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:
+        # No query of this tile sees before its first row's window (tile-aligned).
+        lo = tl.maximum(start_pos + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         block_ids = tl.load(block_tables_ptr + seq * table_stride + n // PAGE_SIZE,
@@ -102,19 +120,31 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                       + kv_head * cache_head_stride)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # log2 domain
+        if HAS_SOFTCAP:
+            s = soft_cap_log2(s, softcap_log2)
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so after the first tile m is finite for all rows
-        # and a later fully masked tile only contributes exp2(-inf) = 0.
+        # Without a window key 0 is visible to every row, so after the first tile m is
+        # finite for all rows and a later fully masked tile only contributes exp2(-inf) = 0.
+        # With one, a row may see nothing in its first tiles: m stays -inf there, and the
+        # shift m_safe keeps exp2 away from (-inf) - (-inf).
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = m_new
+        if HAS_WINDOW:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
+    if HAS_WINDOW:
+        # Rows past the chunk's end (never stored) may see no key of a window at all.
+        l = tl.where(l == 0.0, 1.0, l)
     out = acc / l[:, None]
     tl.store(out_ptr + q_tokens[:, None] * out_token_stride + head * out_head_stride + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -135,7 +165,8 @@ def prefill_tiles(max_query_len: int, on_cuda: bool) -> tuple[int, int, int]:
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              context_lens: torch.Tensor, scale: float, max_query_len: int,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, softcap: float | None = None,
+                             window: int | None = None) -> torch.Tensor:
     """The Triton op; shapes as the reference. `max_query_len` (longest chunk, a host int
     the scheduler knows) sizes the grid without a device sync."""
     require_triton()
@@ -159,11 +190,13 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * _LOG2E,
+        (softcap or 1.0) * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None, num_warps=num_warps)
     return out
 
 

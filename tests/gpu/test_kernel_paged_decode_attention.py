@@ -52,6 +52,36 @@ def test_triton_matches_reference(target, num_heads, num_kv_heads, head_dim, num
     assert torch.equal(out[CONTEXTS.index(0)], torch.zeros_like(out[0]))  # padding row
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_softcap_and_window_match_reference(target, num_splits):
+    """Gemma 2's options: scores squashed by 2 * tanh(s / 2) (a cap that bites on these
+    random scores), keys older than the last 20 positions hidden; contexts shorter and
+    longer than the window, and the padding row."""
+    q, k_cache, v_cache, tables, lens = _paged_batch(
+        target.device, target.dtype, 8, 2, 64, CONTEXTS, seed=4)
+    options = dict(softcap=2.0, window=20)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.125,
+                                  num_splits=num_splits, out=out, **options)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125,
+                                                **options)
+    torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
+    plain = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
+    assert not torch.allclose(expected, plain, atol=1e-2)  # the options change the result
+    # The window hides exactly the keys before the last 20: a sequence of 70 positions
+    # attends like one of its own last 20 positions.
+    row = CONTEXTS.index(70)
+    last = torch.arange(50, 70)
+    table = tables[row].long().cpu()
+    slots = (table[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE).to(k_cache.device)
+    keys = k_cache.view(-1, 2, 64)[slots].float().repeat_interleave(4, dim=1)
+    values = v_cache.view(-1, 2, 64)[slots].float().repeat_interleave(4, dim=1)
+    scores = torch.einsum("hd,phd->hp", q[row].float(), keys) * 0.125
+    probs = torch.softmax(torch.tanh(scores / 2.0) * 2.0, dim=-1)
+    dense = torch.einsum("hp,phd->hd", probs, values)
+    torch.testing.assert_close(expected[row].float(), dense, atol=1e-4, rtol=1e-4)
+
+
 def test_long_context_split_k_on_cuda(target, on_cuda):
     if not on_cuda:
         pytest.skip("a 4k-token context is minutes under the interpreter")

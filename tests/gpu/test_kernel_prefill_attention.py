@@ -85,6 +85,34 @@ def test_triton_matches_reference(target, num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
 
 
+def test_softcap_and_window_match_reference(target):
+    """Gemma 2's options: a cap that bites on these random scores, and a window of 20,
+    shorter than most chunks and prefixes here (and not a multiple of any tile)."""
+    batch = ChunkedBatch(target.device, target.dtype, 8, 2, 64, CHUNKS, seed=5)
+    options = dict(softcap=2.0, window=20)
+    out = torch.full_like(batch.q, float("nan"))
+    prefill_attention_triton(*batch.args(), 0.125, batch.max_query_len, out=out, **options)
+    expected = prefill_attention_reference(*batch.args(), 0.125, **options)
+    torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
+    plain = prefill_attention_reference(*batch.args(), 0.125)
+    assert not torch.allclose(expected, plain, atol=1e-2)
+
+
+def test_windowed_reference_equals_dense_attention_with_a_band_mask():
+    batch = ChunkedBatch("cpu", torch.float32, 6, 2, 32, [(0, 9), (20, 13)], seed=2)
+    out = prefill_attention_reference(*batch.args(), 0.25, window=5)
+    offset = 0
+    for seq, (start, n) in enumerate(batch.chunks):
+        q = batch.full_q[seq].transpose(0, 1)
+        k, v = batch.full_k[seq].transpose(0, 1), batch.full_v[seq].transpose(0, 1)
+        pos = torch.arange(start + n)
+        band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 5)
+        dense = F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=0.25,
+                                               enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[offset:offset + n], dense[start:], atol=1e-5, rtol=1e-5)
+        offset += n
+
+
 def test_long_prompt_on_cuda(target, on_cuda):
     if not on_cuda:
         pytest.skip("a 2k-token prompt is minutes under the interpreter")

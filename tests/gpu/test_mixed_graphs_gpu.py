@@ -16,11 +16,12 @@ from engine.mixed_graphs import MixedShape
 from engine.model_runner import ModelRunner
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from tests.gpu.test_model_gpu import (BLOCK_SIZE, DEVICE, DTYPE, PROMPTS, TABLES, TOLERANCE,
-                                      cache_error, needs_cuda, pair, rel_error, unused_blocks)
+                                      cache_error, interpreter_budget, needs_cuda, pair,
+                                      rel_error, unused_blocks)
 
 pytestmark = pytest.mark.timeout(300)
 
-__all__ = ["pair"]  # the fixture, shared with test_model_gpu.py
+__all__ = ["interpreter_budget", "pair"]  # the fixtures, shared with test_model_gpu.py
 
 
 def runner(model, mixed_graph_tokens: int) -> ModelRunner:

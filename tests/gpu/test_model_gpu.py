@@ -1,5 +1,5 @@
 """The model's Triton kernel path against its torch path, against `transformers`, and decode
-CUDA graphs against eager steps.
+CUDA graphs against eager steps; for Llama (two RoPE variants), Qwen3 and Gemma 2.
 
 On a CUDA device everything runs in bf16. On the CPU the kernel path runs under Triton's
 interpreter in fp32 (set in conftest.py), with the padded graph steps run eagerly: that
@@ -66,16 +66,88 @@ def model_config(rope_llama3: bool) -> ModelConfig:
                        rope_scaling=scaling)
 
 
-# The interpreter is slow: on CPU only the Llama-3 RoPE variant (the one with scaling).
-@pytest.fixture(scope="module", params=[False, True] if ON_CUDA else [True],
-                ids=(["rope-default", "rope-llama3"] if ON_CUDA else ["rope-llama3"]))
-def pair(request):
+def qwen3_config():
+    from transformers import Qwen3Config
+
+    # head_dim 48 != hidden / heads, as Qwen3 configs allow.
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=48, max_position_embeddings=256, rms_norm_eps=1e-5,
+                       initializer_range=0.1, tie_word_embeddings=False,
+                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+
+
+def gemma2_config():
+    from transformers import Gemma2Config
+
+    # Windows of 8 positions on layer 0 (the prompts and decodes run past them), a query
+    # scalar other than head_dim, soft-caps that bite at this init scale. Untied: this
+    # random model, tied to its sqrt(hidden)-scaled embedding, repeats one token.
+    return Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
+                        initializer_range=0.1, tie_word_embeddings=False, sliding_window=8,
+                        query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+                        final_logit_softcapping=3.0,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+
+
+def family_pair(family: str, directory):
+    """A family through the real loader: transformers writes it, load_model reads it back."""
+    import transformers
+
+    from engine.loader import load_model
+
+    torch.manual_seed(0)
+    if family == "qwen3":
+        reference = transformers.Qwen3ForCausalLM(qwen3_config()).eval()
+    else:
+        reference = transformers.Gemma2ForCausalLM(gemma2_config()).eval()
+    with torch.no_grad():  # norms start at one (Gemma's at zero): make a dropped one visible
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    reference.save_pretrained(directory)
+    ours = load_model(str(directory), dtype=DTYPE, device=DEVICE).model
+    return reference.to(DEVICE, DTYPE), ours
+
+
+FAMILIES = ("qwen3", "gemma2")
+# The interpreter is slow: on CPU the Llama-3 RoPE variant (the one with scaling) runs every
+# test, the other families these (a mixed step against the torch path, greedy decoding
+# through chunked prefill and padded decode steps against transformers, and Gemma 2's
+# windows in padded mixed steps: tests/gpu/test_mixed_graphs_gpu.py).
+CPU_FAMILY_TESTS = {
+    "test_kernel_path_logits_and_cache_match_torch_path": FAMILIES,
+    "test_greedy_matches_transformers": FAMILIES,
+    "test_padded_mixed_steps_match_eager_steps_and_the_torch_path": ("gemma2",),
+}
+
+
+@pytest.fixture(autouse=True)
+def interpreter_budget(request):
+    """Skips, on CPU, a family's test that CPU_FAMILY_TESTS does not list (autouse here and
+    in test_mixed_graphs_gpu.py, which imports it with `pair`)."""
+    callspec = getattr(request.node, "callspec", None)
+    family = None if callspec is None else callspec.params.get("pair")
+    if (not ON_CUDA and family in FAMILIES
+            and family not in CPU_FAMILY_TESTS.get(request.node.originalname, ())):
+        pytest.skip("on CUDA only for this family: the interpreter is slow")
+
+
+@pytest.fixture(scope="module",
+                params=["rope-default", "rope-llama3", *FAMILIES] if ON_CUDA
+                else ["rope-llama3", *FAMILIES])
+def pair(request, tmp_path_factory):
     """(transformers model, our model) with the same random weights, on DEVICE in DTYPE."""
     from transformers import LlamaForCausalLM as HFLlama
 
+    if request.param in FAMILIES:
+        return family_pair(request.param, tmp_path_factory.mktemp(request.param))
+    rope_llama3 = request.param == "rope-llama3"
     torch.manual_seed(0)
-    reference = HFLlama(hf_config(request.param)).eval().to(DEVICE, DTYPE)
-    ours = LlamaForCausalLM(model_config(request.param), dtype=DTYPE, device=DEVICE)
+    reference = HFLlama(hf_config(rope_llama3)).eval().to(DEVICE, DTYPE)
+    ours = LlamaForCausalLM(model_config(rope_llama3), dtype=DTYPE, device=DEVICE)
     with torch.no_grad():
         for name, param in ours.named_parameters():
             param.copy_(reference.state_dict()[name])

@@ -28,6 +28,18 @@ VARIANTS: dict[str, dict] = {
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=32)),
     "sharded": dict(arch="llama", tie_word_embeddings=False, shard="20KB"),
+    # head_dim 24 != hidden / heads, as Qwen3 configs state it explicitly.
+    "qwen3": dict(arch="qwen3", tie_word_embeddings=False, head_dim=24, rope_theta=1000000.0),
+    # Sliding windows shorter than the test prompts: Mistral's on every layer, Qwen3's on
+    # the layers from max_window_layers on (layer 1 here).
+    "mistral_window": dict(arch="mistral", tie_word_embeddings=False, sliding_window=5),
+    "qwen3_window": dict(arch="qwen3", tie_word_embeddings=False, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1),
+    # Windows of 6 positions on layer 0, shorter than the test prompts and continuations;
+    # a query scalar other than head_dim; soft-caps low enough to bite. Untied: tied to an
+    # embedding scaled by sqrt(hidden), this random model repeats one token forever.
+    "gemma2": dict(arch="gemma2", tie_word_embeddings=False, head_dim=16, rope_theta=10000.0, sliding_window=6, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=4.0, final_logit_softcapping=20.0),
 }
 
 
@@ -38,23 +50,26 @@ class TinyModel:
 
 
 def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     spec = dict(VARIANTS[variant])
     arch, shard = spec.pop("arch"), spec.pop("shard", None)
     if "rope_theta" in spec:
         spec["rope_parameters"] = dict(rope_type="default", rope_theta=spec.pop("rope_theta"))
-    config_cls, model_cls = ((LlamaConfig, LlamaForCausalLM) if arch == "llama"
-                             else (Qwen2Config, Qwen2ForCausalLM))
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+            "gemma2": "Gemma2"}[arch]
+    config_cls = getattr(transformers, name + "Config")
+    model_cls = getattr(transformers, name + "ForCausalLM")
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**_COMMON, **spec)).eval()
-    if arch == "qwen2":
-        # Biases start at zero; give them values so a dropped bias cannot go unnoticed.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
+    model = model_cls(config_cls(**{**_COMMON, **spec})).eval()
+    # Biases start at zero and norms at one (Gemma's at zero); give them values so a dropped
+    # bias or norm cannot go unnoticed.
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.2)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(directory, **kwargs)
     return TinyModel(path=directory, reference=model)
