@@ -83,7 +83,9 @@ def gemma2_config():
     # Windows of 8 positions on layer 0 (the prompts and decodes run past them), a query
     # scalar other than head_dim, soft-caps that bite at this init scale. Untied: this
     # random model, tied to its sqrt(hidden)-scaled embedding, repeats one token.
-    return Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+    # Eager attention: transformers' SDPA path ignores the soft-cap.
+    return Gemma2Config(attn_implementation="eager", vocab_size=VOCAB, hidden_size=128,
+                        intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
                         initializer_range=0.1, tie_word_embeddings=False, sliding_window=8,
