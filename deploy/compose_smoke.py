@@ -40,7 +40,7 @@ from compose_engine import ComposeEngine, SmokeFailure, deadline_loop, detect_en
 
 DEPLOY = Path(__file__).resolve().parent
 REPO_ROOT = DEPLOY.parent
-STREAM_MAX_TOKENS = 400
+STREAM_MAX_TOKENS = 160
 KILL_AFTER_CHUNKS = 8
 
 
@@ -54,6 +54,7 @@ class Timings:
     def __init__(self) -> None:
         self.start_s = time.monotonic()
         self.rows: list[tuple[str, float]] = []
+        self.notes: list[str] = []
 
     def mark(self, what: str, since_s: float) -> float:
         elapsed_s = time.monotonic() - since_s
@@ -61,8 +62,13 @@ class Timings:
         print(f">> {what}: {elapsed_s:.1f} s", flush=True)
         return elapsed_s
 
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+        print(f">> {line}", flush=True)
+
     def report(self) -> str:
-        return "\n".join(f"  {what:<48} {seconds:8.1f} s" for what, seconds in self.rows)
+        return "\n".join([f"  {what:<48} {seconds:8.1f} s" for what, seconds in self.rows]
+                         + [f"  {line}" for line in self.notes])
 
 
 def get_json(url: str, token: str | None = None, timeout_s: float = 5) -> dict:
@@ -89,7 +95,7 @@ def build_images(engine: ComposeEngine, args: argparse.Namespace, timings: Timin
     since = time.monotonic()
     engine.build(args.image, python_image=engine.env.get("PYTHON_IMAGE"), timeout_s=3600)
     timings.mark("CPU image build", since)
-    print(f">> {args.image}: {engine.image_size_mb(args.image):.0f} MB", flush=True)
+    timings.note(f"{args.image}: {engine.image_size_mb(args.image):.0f} MB")
 
 
 def start_cluster(engine: ComposeEngine, timings: Timings) -> float:
@@ -148,13 +154,15 @@ def migrate(engine: ComposeEngine, client, model: str, gateway_url: str, admin_t
             stream = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "Tell a long story."}],
                 max_tokens=STREAM_MAX_TOKENS, stream=True,
-                extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     num_chunks += 1
                     result["num_chunks"] = num_chunks
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    result["completion_tokens"] = chunk.usage.completion_tokens
             result["finish"] = finish
         except Exception as exc:  # reported by the main thread with the step's name
             result["error"] = repr(exc)
@@ -177,17 +185,26 @@ def migrate(engine: ComposeEngine, client, model: str, gateway_url: str, admin_t
           f"after {result['num_chunks']} chunks", flush=True)
     killed_at = time.monotonic()
     engine.kill_main_process(victim)
-    consumer.join(timeout=300)
-    if consumer.is_alive() or "error" in result or result.get("finish") is None:
-        raise SmokeFailure("migrate", f"the stream did not end in full after the kill: {result}")
-    print(f">> stream ended ({result['finish']}) with {result['num_chunks']} chunks", flush=True)
-    timings.mark("stream finished after its decode worker died", killed_at)
     deadline_loop(f"{victim} restarted", 120,
                   lambda: engine.restart_count(victim) > restarts_before)
     engine.wait_healthy(["decode"], timeout_s=600, count=2)
     deadline_loop("the restarted worker ready at the gateway again", 300,
                   lambda: len(ready_decode_workers(gateway_url, admin_token)) >= 2)
     timings.mark("killed decode worker restarted and ready again", killed_at)
+    consumer.join(timeout=300)
+    if consumer.is_alive() or "error" in result or result.get("finish") is None:
+        raise SmokeFailure("migrate", f"the stream did not end in full after the kill: {result}")
+    if result.get("completion_tokens") != STREAM_MAX_TOKENS:
+        raise SmokeFailure("migrate", f"the migrated stream sent {result} tokens, not "
+                                      f"max_tokens={STREAM_MAX_TOKENS}")
+    timings.mark("the stream's end, from the kill", killed_at)
+    timings.note(f"stream: {result['completion_tokens']} tokens ({result['finish']}), "
+                 f"{KILL_AFTER_CHUNKS}+ of them before the kill")
+    time.sleep(15)  # the agent's probation: a second restart would show by now
+    num_restarts = engine.restart_count(victim) - restarts_before
+    if num_restarts != 1:
+        raise SmokeFailure("migrate", f"{victim} was restarted {num_restarts} times for one "
+                                      f"crash")
 
 
 def monitor(engine: ComposeEngine, prometheus_url: str, timings: Timings) -> None:
@@ -197,19 +214,24 @@ def monitor(engine: ComposeEngine, prometheus_url: str, timings: Timings) -> Non
     expected = {"pdserve-gateway": 1, "pdserve-prefill": 1, "pdserve-decode": 2,
                 "pdserve-agent": 1}
 
+    up: dict[str, int] = {}
+
     def all_up() -> bool:
-        try:
-            targets = get_json(f"{prometheus_url}/api/v1/targets")["data"]["activeTargets"]
-        except OSError:
-            return False
-        up: dict[str, int] = {}
+        (name,) = engine.containers("prometheus")
+        if engine.health(name) in ("stopped", "exited"):
+            raise SmokeFailure("monitor", f"{name} exited: see `{engine.binary} logs {name}`")
+        targets = get_json(f"{prometheus_url}/api/v1/targets")["data"]["activeTargets"]
+        up.clear()
         for target in targets:
             if target["health"] == "up":
                 up[target["labels"]["job"]] = up.get(target["labels"]["job"], 0) + 1
-        monitor.last = targets  # type: ignore[attr-defined]
         return all(up.get(job, 0) >= n for job, n in expected.items())
 
-    deadline_loop("Prometheus scraping every pdserve target", 180, all_up)
+    try:
+        deadline_loop("Prometheus scraping every pdserve target", 180, all_up)
+    except SmokeFailure as exc:
+        raise SmokeFailure("monitor", f"{exc.message}; targets up: {up}, expected "
+                                      f"{expected}") from None
     timings.mark("Prometheus: every target up", since)
 
 

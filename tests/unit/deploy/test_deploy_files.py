@@ -111,7 +111,8 @@ def test_prometheus_scrapes_every_component_where_it_listens() -> None:
         if job["job_name"] in ("pdserve-prefill", "pdserve-decode"):
             credentials = job["authorization"]["credentials_file"]
             assert f'"$PDSERVE_INTERNAL_TOKEN" > {credentials}' in script
-            assert os.path.dirname(credentials) in prometheus["tmpfs"]
+            mounts = [tmpfs.split(":")[0] for tmpfs in prometheus["tmpfs"]]
+            assert os.path.dirname(credentials) in mounts
 
 
 # ---------------------------------------------------------------- images
