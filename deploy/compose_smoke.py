@@ -56,8 +56,8 @@ class Timings:
         self.rows: list[tuple[str, float]] = []
         self.notes: list[str] = []
 
-    def mark(self, what: str, since_s: float) -> float:
-        elapsed_s = time.monotonic() - since_s
+    def mark(self, what: str, since_s: float, until_s: float | None = None) -> float:
+        elapsed_s = (until_s or time.monotonic()) - since_s
         self.rows.append((what, elapsed_s))
         print(f">> {what}: {elapsed_s:.1f} s", flush=True)
         return elapsed_s
@@ -164,6 +164,7 @@ def migrate(engine: ComposeEngine, client, model: str, gateway_url: str, admin_t
                 if chunk.usage is not None:
                     result["completion_tokens"] = chunk.usage.completion_tokens
             result["finish"] = finish
+            result["ended_at"] = time.monotonic()
         except Exception as exc:  # reported by the main thread with the step's name
             result["error"] = repr(exc)
 
@@ -197,7 +198,7 @@ def migrate(engine: ComposeEngine, client, model: str, gateway_url: str, admin_t
     if result.get("completion_tokens") != STREAM_MAX_TOKENS:
         raise SmokeFailure("migrate", f"the migrated stream sent {result} tokens, not "
                                       f"max_tokens={STREAM_MAX_TOKENS}")
-    timings.mark("the stream's end, from the kill", killed_at)
+    timings.mark("the stream's end, from the kill", killed_at, result["ended_at"])
     timings.note(f"stream: {result['completion_tokens']} tokens ({result['finish']}), "
                  f"{KILL_AFTER_CHUNKS}+ of them before the kill")
     time.sleep(15)  # the agent's probation: a second restart would show by now
