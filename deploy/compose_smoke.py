@@ -302,6 +302,7 @@ def main(argv: list[str]) -> int:
                 timings.mark("teardown", since)
             except SmokeFailure as exc:
                 failure = failure or exc
+    timings.mark("total", timings.start_s)
     print("\ncompose smoke timings (" + engine.describe() + "):\n" + timings.report())
     if failure is not None:
         print(f"\ncompose smoke FAILED at {failure.step}: {failure.message}", file=sys.stderr)
