@@ -35,8 +35,12 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compose_engine import ComposeEngine, SmokeFailure, deadline_loop, detect_engine
+
+if TYPE_CHECKING:
+    from openai import OpenAI  # imported at run time only after --help and the engine checks
 
 DEPLOY = Path(__file__).resolve().parent
 REPO_ROOT = DEPLOY.parent
@@ -107,7 +111,7 @@ def start_cluster(engine: ComposeEngine, timings: Timings) -> float:
     return since
 
 
-def serve(client, gateway_url: str, timings: Timings, up_since_s: float) -> str:
+def serve(client: OpenAI, gateway_url: str, timings: Timings, up_since_s: float) -> str:
     """The served model's id, after one plain and one streamed chat completion."""
     models = [model.id for model in client.models.list().data]
     if not models:
@@ -136,7 +140,7 @@ def ready_decode_workers(gateway_url: str, admin_token: str) -> list[dict]:
     return [w for w in workers if w["role"] == "decode" and w["state"] == "ready"]
 
 
-def migrate(engine: ComposeEngine, client, model: str, gateway_url: str, admin_token: str,
+def migrate(engine: ComposeEngine, client: OpenAI, model: str, gateway_url: str, admin_token: str,
             timings: Timings) -> None:
     since = time.monotonic()
     engine.compose(["up", "-d", "--no-build", "--no-deps", "--scale", "decode=2", "decode"],
@@ -270,12 +274,16 @@ def main(argv: list[str]) -> int:
         env.update(PYTHON_IMAGE="localhost/pdserve-base:bookworm",
                    REDIS_IMAGE="localhost/pdserve-redis:bookworm",
                    PROMETHEUS_IMAGE="localhost/pdserve-prometheus:bookworm")
-    engine = detect_engine(args.engine, args.project, DEPLOY / "docker-compose.yml", env)
-    print(f">> engine: {engine.describe()}", flush=True)
+    try:
+        engine = detect_engine(args.engine, args.project, DEPLOY / "docker-compose.yml", env)
+        print(f">> engine: {engine.describe()}", flush=True)
+        engine.check_nothing_left(before_start=True)  # not ours to tear down: stop here
+    except (SmokeFailure, subprocess.SubprocessError, OSError) as exc:
+        print(f"compose smoke FAILED before starting: {exc}", file=sys.stderr)
+        return 1
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     failure: SmokeFailure | None = None
     try:
-        engine.check_nothing_left(before_start=True)
         build_images(engine, args, timings)
         engine.start_health_ticker()
         up_since_s = start_cluster(engine, timings)
