@@ -21,7 +21,7 @@ CPU_VARIANTS := default avx2
 # Debian packages the integration tests run (Redis falls back to the bundled Valkey).
 TEST_TOOLS := redis-server prometheus chromium
 
-.PHONY: setup run test typecheck test-tools clean help
+.PHONY: setup run test typecheck test-tools compose-smoke clean help
 
 help:
 	@echo "make run    set up .venv and start the main job (local cluster on the default model)"
@@ -29,6 +29,7 @@ help:
 	@echo "make setup  only create .venv and install pdserve, its test tools and the default model"
 	@echo "make typecheck  mypy over the typed packages (make test runs it first)"
 	@echo "make test-tools  apt-get install what the tests run: $(TEST_TOOLS) (as root)"
+	@echo "make compose-smoke  build the CPU image and run the compose cluster for real (before each release; not in CI)"
 	@echo "make clean  remove .venv"
 
 setup: $(STAMP)
@@ -65,6 +66,11 @@ test: typecheck test-tools
 	    echo ">> $(CPU_VARIANT_TESTS) as a CPU with ATEN_CPU_CAPABILITY=$$cap" >&2; \
 	    ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -p no:cacheprovider $(CPU_VARIANT_TESTS) || exit 1; \
 	done
+
+# Not part of `make test` nor CI: a cold layer cache alone takes longer than CI's budget.
+# Needs a container engine (docker, or podman: docs/deployment.md).
+compose-smoke:
+	deploy/compose-smoke.sh $(COMPOSE_SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV)

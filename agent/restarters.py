@@ -12,7 +12,9 @@
                 pid the agent saw.
     exit        ask the worker to exit (POST /internal/exit): its orchestrator (compose
                 `restart: unless-stopped`, systemd) starts it again. A frozen worker cannot
-                answer: the call fails, the ejection stays, and an operator must act.
+                answer: the call fails, the ejection stays, and an operator must act. The
+                request names the epoch judged, so a replacement the orchestrator started
+                at the same address refuses it (stale_epoch: done already).
     kubernetes  delete the worker's pod through the Kubernetes API (the worker id is the
                 pod name; the pod's service-account token and CA); its Deployment starts a
                 new one. Only a pod labelled as a worker (app.kubernetes.io/component
@@ -44,10 +46,10 @@ import aiohttp
 from agent.observer import is_local
 from protocol.agent_messages import (ExitRequest, ExitResponse, RestartStatus, RestartWorkerRequest,
                                      RestartWorkerResponse)
-from protocol.messages import MessageDecoder, ProtocolError, WorkerInfo, encode
+from protocol.messages import ErrorCode, MessageDecoder, ProtocolError, WorkerInfo, encode
 from rpc.channel_client import ChannelPool
 from rpc.control_client import ControlClient
-from rpc.errors import ControlError
+from rpc.errors import ControlError, RemoteError
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WORKER_COMPONENTS = frozenset({"prefill", "decode"})  # the pools' pod labels (deploy/)
@@ -117,8 +119,13 @@ class ExitRestarter:
     async def restart(self, info: WorkerInfo, reason: str) -> str:
         client = ControlClient(info.control_url, self.channels)
         try:
-            answer = await client.call(ExitRequest(reason=reason[:1000]), ExitResponse,
-                                       timeout_s=self.timeout_s)
+            answer = await client.call(ExitRequest(reason=reason[:1000], epoch=info.epoch),
+                                       ExitResponse, timeout_s=self.timeout_s)
+        except RemoteError as exc:
+            if exc.frame.code is ErrorCode.STALE_EPOCH:
+                # Its orchestrator restarted it already, at the same address.
+                return f"epoch {info.epoch} exited already: {exc.frame.message}"
+            raise RestartError(f"the worker did not take the exit request: {exc}") from None
         except ControlError as exc:
             raise RestartError(f"the worker did not take the exit request: {exc}") from None
         return f"pid {answer.pid} exits: its orchestrator restarts it"

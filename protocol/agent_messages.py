@@ -75,6 +75,11 @@ class ReclaimResponse(Message, tag="reclaim_response", frozen=True, kw_only=True
 
 class ExitRequest(Message, tag="exit_request", frozen=True, kw_only=True):
     reason: Reason = ""
+    # The registry epoch the agent judged. A process that never registered it refuses with
+    # stale_epoch: an orchestrator that restarts a container keeps its address (and, PID
+    # namespaces being per container, often its worker id), so the exit meant for a dead
+    # process would reach its replacement. None: whatever process answers exits.
+    epoch: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class ExitResponse(Message, tag="exit_response", frozen=True, kw_only=True):

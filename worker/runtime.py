@@ -39,9 +39,9 @@ from kv_transfer.layout import transfer_bytes
 from protocol.agent_messages import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
                                      ExitResponse, FaultRequest, FaultResponse, HealthRequest)
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
-from protocol.messages import Message, Role, WorkerInfo
+from protocol.messages import ErrorCode, Message, Role, WorkerInfo
 from protocol.worker_load import WorkerLoad
-from rpc.control_server import ControlServer, add_call, make_app
+from rpc.control_server import ControlServer, RequestRejected, add_call, make_app
 from state.redis_state import RedisState, connect
 from telemetry.metrics import MetricsRegistry
 from telemetry.tracing import NO_TRACING, Tracing
@@ -51,6 +51,14 @@ from worker.publisher import WorkerPublisher
 from worker.step_fit import StepFit
 
 log = logging.getLogger(__name__)
+
+
+def exit_refusal(request: ExitRequest, own_epochs: set[int]) -> str | None:
+    """Why this process must not take an exit request, or None. Side-effect free."""
+    if request.epoch is None or request.epoch in own_epochs:
+        return None
+    return (f"the exit is for epoch {request.epoch}; this process registered "
+            f"{sorted(own_epochs) or 'none yet'} (it replaced that one)")
 
 
 class RoleWorker(Protocol):
@@ -265,6 +273,9 @@ class WorkerRuntime:
 
     async def _exit(self, request: ExitRequest) -> Message:
         """The operations agent restarts this worker (its orchestrator starts a new one)."""
+        refusal = exit_refusal(request, self.own_epochs)
+        if refusal is not None:
+            raise RequestRejected(ErrorCode.STALE_EPOCH, refusal)
         log.warning("%s: exiting at once to be restarted (%s)", self.worker_id,
                     request.reason or "no reason given")
         asyncio.get_running_loop().call_later(0.1, os._exit, EXIT_CODE_RESTART)

@@ -19,16 +19,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from agent.actuator import ActionError, Actuator
-from agent.restarters import KubernetesRestarter, RestartError, SupervisorRestarter
+from agent.restarters import ExitRestarter, KubernetesRestarter, RestartError, SupervisorRestarter
 from launcher.restart_line import RestartLine
 from launcher.supervisor import Child, Supervisor
-from protocol.agent_messages import RestartWorkerRequest, RestartWorkerResponse
-from protocol.messages import MessageDecoder, Role, WorkerInfo, encode
+from protocol.agent_messages import (ExitRequest, ExitResponse, RestartWorkerRequest,
+                                     RestartWorkerResponse)
+from protocol.messages import ErrorCode, MessageDecoder, Role, WorkerInfo, encode
 from rpc.channel_client import ChannelPool
+from rpc.control_server import ControlServer, RequestRejected, add_call, make_app
+from worker.runtime import exit_refusal
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -222,3 +226,35 @@ async def test_kubernetes_refuses_without_a_service_account(tmp_path: Path) -> N
     async with aiohttp.ClientSession() as session:
         with pytest.raises(RestartError, match="no Kubernetes service account"):
             await KubernetesRestarter(session, account=tmp_path).restart(info("d"), "hung")
+
+
+async def test_an_exit_for_a_dead_epoch_does_not_stop_its_replacement() -> None:
+    """Under compose a restarted container keeps its address (and often its worker id): the
+    exit the agent meant for epoch 1 reaches the process that registered epoch 2, which
+    refuses it; the agent records the restart as done already."""
+    taken: list[ExitRequest] = []
+
+    async def on_exit(request: ExitRequest) -> ExitResponse:
+        refusal = exit_refusal(request, {2})
+        if refusal is not None:
+            raise RequestRejected(ErrorCode.STALE_EPOCH, refusal)
+        taken.append(request)
+        return ExitResponse(pid=4242)
+
+    app = make_app(None)
+    add_call(app, ExitRequest, on_exit)
+    server = ControlServer(app)
+    url = await server.start()
+    pool = ChannelPool(None)
+    try:
+        restarter = ExitRestarter(pool)
+        dead = msgspec.structs.replace(info("decode-x-6", url=url), epoch=1)
+        assert "exited already" in await restarter.restart(dead, "dead")
+        assert taken == []
+        live = msgspec.structs.replace(dead, epoch=2)
+        assert await restarter.restart(live, "hung") == \
+            "pid 4242 exits: its orchestrator restarts it"
+        assert [request.epoch for request in taken] == [2]
+    finally:
+        await pool.aclose()
+        await server.stop()

@@ -42,6 +42,7 @@ NETWORK_CLIENTS = {
     "launcher/local_cluster.py": "its gateway's /ready and /v1/models",
     "launcher/redis_server.py": "the Redis server it started (a ping)",
     "deploy/docker/healthcheck.py": "the container's own process's /health or /ready",
+    "deploy/compose_smoke.py": "the compose cluster's published gateway and Prometheus ports",
 }
 CONNECTS = re.compile(r"ClientSession|open_connection|create_connection|urlopen|http\.client"
                       r"|import httpx|import requests")

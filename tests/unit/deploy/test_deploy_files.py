@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_tools import (DEPLOY, METRIC_RE, REPO_ROOT, exported_metric_names, metric_base,
-                          resolved_compose, run, subcommands)
+from deploy_tools import (COMPOSE_SECRETS, DEPLOY, METRIC_RE, REPO_ROOT, exported_metric_names,
+                          metric_base, resolved_compose, run, subcommands)
 
 from gateway.admission.tiers import TIER_HEADER, Caller, classify, load_tier_config, resolve
 
@@ -100,14 +100,19 @@ def test_prometheus_scrapes_every_component_where_it_listens() -> None:
                 scraped[name] = dns["port"]
     for name in ("gateway", "prefill", "decode", "agent"):
         assert scraped[name] == int(services[name]["environment"]["PDSERVE_PORT"]), name
-    # Workers' /metrics may demand the internal token: Prometheus reads it from its secret.
-    monitoring = resolved_compose(profiles=("monitoring",))
-    secret_files = {s["target"] for s in monitoring["services"]["prometheus"]["secrets"]}
+    # Workers' /metrics may demand the internal token: Prometheus reads it from the file its
+    # entry point writes from the environment, on a tmpfs of its read-only container.
+    prometheus = resolved_compose(profiles=("monitoring",))["services"]["prometheus"]
+    assert prometheus["environment"]["PDSERVE_INTERNAL_TOKEN"] == \
+        COMPOSE_SECRETS["PDSERVE_INTERNAL_TOKEN"]
+    script = prometheus["entrypoint"][2].replace("$$", "$")  # compose config keeps the escape
+    assert prometheus["read_only"]
     for job in config["scrape_configs"]:
         if job["job_name"] in ("pdserve-prefill", "pdserve-decode"):
-            assert job["authorization"]["credentials_file"] in secret_files
-    (secret,) = [s for s in monitoring["secrets"].values()]
-    assert secret["environment"] == "PDSERVE_INTERNAL_TOKEN"
+            credentials = job["authorization"]["credentials_file"]
+            assert f'"$PDSERVE_INTERNAL_TOKEN" > {credentials}' in script
+            mounts = [tmpfs.split(":")[0] for tmpfs in prometheus["tmpfs"]]
+            assert os.path.dirname(credentials) in mounts
 
 
 # ---------------------------------------------------------------- images
