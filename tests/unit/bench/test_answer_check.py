@@ -11,7 +11,7 @@ import json
 import pytest
 
 from bench.sse_client import ErrorKind, StreamFault, StreamState, read_stream
-from benchmarks.answer_check import Answer, body_answer, judge, summarize_checks
+from bench.answer_check import Answer, body_answer, judge, summarize_checks
 
 
 def event(payload: object) -> bytes:
