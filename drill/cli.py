@@ -61,10 +61,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="after the load, how long the workers may take to let go of "
                            "their KV blocks and reservations (default 30)")
     load = p.add_argument_group("load")
-    load.add_argument("--workload", default="chat",
-                      help="bench workload preset or TOML file (default chat)")
-    load.add_argument("--rate", type=float, default=0.5,
-                      help="open-loop requests per second during each scenario (default 0.5)")
+    load.add_argument("--workload", default="steady",
+                      help="bench workload preset or TOML file (default steady: short chat "
+                           "in the batch tier, so that nothing is shed for latency)")
+    load.add_argument("--rate", type=float, default=1.0,
+                      help="open-loop requests per second during each scenario (default 1)")
     load.add_argument("--check-tokens", type=int, default=16,
                       help="max_tokens of the answer checker's fixed prompts, asked one "
                            "after the other throughout (default 16)")
