@@ -71,10 +71,15 @@ def gateway_pids(supervisor_pid: int) -> list[int]:
     return sorted(p for p in children(supervisor_pid) if _is_subcommand(cmdline(p), b"gateway"))
 
 
+def _program(pid: int) -> bytes:
+    """The name the process runs as: a server that rewrote its title ("redis-server
+    127.0.0.1:6379") is known by its first word."""
+    argv = cmdline(pid)
+    return Path(argv[0].split(b" ")[0].decode(errors="replace")).name.encode() if argv else b""
+
+
 def redis_pids(supervisor_pid: int) -> list[int]:
-    return [p for p in children(supervisor_pid)
-            if any(Path(arg.decode(errors="replace")).name.encode() in REDIS_BINARIES
-                   for arg in cmdline(p)[:2])]
+    return [p for p in children(supervisor_pid) if _program(p) in REDIS_BINARIES]
 
 
 def kill(pid: int) -> None:

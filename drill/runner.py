@@ -32,6 +32,7 @@ from drill.target_cluster import TargetCluster, WorkerRow
 
 WATCH_PERIOD_S = 0.5
 HEALTH_PERIOD_S = 1.0
+ROUTED_AROUND_S = 5.0  # idle this long under load: the router sends it nothing
 
 
 class DrillOptions(msgspec.Struct, frozen=True):
@@ -104,11 +105,28 @@ class Drill:
                 return totals[0], totals[1], totals[2]
             await asyncio.sleep(WATCH_PERIOD_S)
 
+    async def _routed_around(self, victim: Victim, workers: list[WorkerRow], now: float,
+                             idle_since: list[float]) -> bool:
+        """Whether the slowed victim ran nothing for ROUTED_AROUND_S while the load went on:
+        the router, which predicts each worker's steps from its fitted step model, sends a
+        slow worker nothing, and the agent, which judges decode steps, then sees none.
+        `idle_since` holds when its idle stretch began (empty: busy)."""
+        mine = [w for w in workers if w.id == victim.worker_id and w.epoch == victim.epoch]
+        state = await self.cluster.worker_state(mine[0]) if mine else None
+        if state is None or state.get("num_running") or state.get("num_waiting"):
+            idle_since.clear()
+            return False
+        if not idle_since:
+            idle_since.append(now)
+        return now - idle_since[0] >= ROUTED_AROUND_S
+
     async def _recover(self, scenario: Scenario, victim: Victim, expected_ids: set[str],
                        fault_at: float, fault_wall_ms: int, supervisor_pid: int | None,
                        notes: list[str]) -> tuple[float | None, float | None]:
         """(seconds to the first ejection, seconds to whole again); None: not seen."""
         ejected_s: float | None = None
+        out = False  # ejected, or (slow-decode) routed around
+        idle_since: list[float] = []
         lifted = scenario.fault not in (FaultKind.SLOW, FaultKind.STALL)
         num_before = len(process_pids(scenario.target, supervisor_pid)) + 1 \
             if not scenario.target.is_worker and supervisor_pid else 0
@@ -124,19 +142,27 @@ class Drill:
                 elif workers and victim_out(victim, workers):
                     ejected_s = now - fault_at
                 if ejected_s is not None:
+                    out = True
                     say(f"{scenario.name}: {victim.worker_id} out after {ejected_s:.1f} s")
-            if not lifted and (
-                    (scenario.fault is FaultKind.SLOW and ejected_s is not None)
-                    or (scenario.fault is FaultKind.STALL
-                        and now - fault_at >= self.options.fault_s)):
+            if scenario.fault is FaultKind.SLOW and not out and \
+                    await self._routed_around(victim, workers, now, idle_since):
+                out = True
+                notes.append(f"routed around: ran nothing from {idle_since[0] - fault_at:.1f} s "
+                             f"after the fault on, for {ROUTED_AROUND_S:g} s (not ejected)")
+                say(f"{scenario.name}: {victim.worker_id} routed around")
+            if not lifted and ((scenario.fault is FaultKind.SLOW and out) or (
+                    scenario.fault is FaultKind.STALL and now - fault_at >= self.options.fault_s)):
                 await lift(self.cluster, scenario, victim)
                 lifted = True
                 notes.append(f"fault lifted after {now - fault_at:.1f} s")
             whole = lifted and workers_whole(scenario, victim, expected_ids, workers) \
-                and (ejected_s is not None or not scenario.expects_ejection)
+                and (out or not scenario.expects_ejection)
             if whole and not scenario.target.is_worker and supervisor_pid is not None:
                 whole = replaced(victim, process_pids(scenario.target, supervisor_pid),
                                  num_before)
+            if whole and scenario.target is Target.GATEWAY:
+                whole = await self.cluster.num_replicas_ready(self.layout.num_gateways) \
+                    >= self.layout.num_gateways
             if whole and await self.cluster.probe_completion(self.model):
                 return ejected_s, time.monotonic() - fault_at
             await asyncio.sleep(WATCH_PERIOD_S)

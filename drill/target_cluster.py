@@ -129,6 +129,32 @@ class TargetCluster:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return False
 
+    async def num_replicas_ready(self, num_expected: int) -> int:
+        """How many gateway replicas answer /ready with 200, each named by the gateway id
+        in its shared admission limits, over fresh connections (the kernel spreads them
+        over the replicas sharing the port): up to 8 tries per replica expected. Replicas
+        without names (no shared limits): all of them when every try answered 200."""
+        seen: set[str] = set()
+        num_ok = 0
+        connector = aiohttp.TCPConnector(force_close=True)
+        timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as fresh:
+            for _ in range(8 * num_expected):
+                try:
+                    async with fresh.get(self.url + "/ready") as response:
+                        body = await response.json(content_type=None)
+                        if response.status == 200:
+                            num_ok += 1
+                            limits = body.get("admission_limits") or {}
+                            seen.add(str(limits.get("gateway_id", "")))
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                    pass
+                if len(seen) >= num_expected and "" not in seen:
+                    break
+        if seen == {""}:
+            return num_expected if num_ok == 8 * num_expected else 0
+        return len(seen - {""})
+
     async def worker_probes(self, worker: WorkerRow) -> tuple[int | None, int | None]:
         """(/health status, /ready status) of one worker; None: no answer."""
         health, ready = await asyncio.gather(self._probes.probe(worker.control_url, "/health"),
