@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from bench.answer_check import CheckRecord, run_checks, summarize_checks
-from drill.fault import FaultSettings, inject, lift, process_pids
+from drill.fault import FaultSettings, inject, lift, pick_worker, process_pids
 from drill.recovery import Victim, ejected_at_ms, replaced, victim_out, workers_whole
 from drill.row import DrillRow, judge
 from drill.scenario import FaultKind, Layout, Scenario, Target, has_peer
@@ -168,6 +168,12 @@ class Drill:
             await asyncio.sleep(WATCH_PERIOD_S)
         return ejected_s, None
 
+    async def _pushes(self, scenario: Scenario, workers: list[WorkerRow]) -> float | None:
+        """stall-transfer: the KV pushes its victim completed so far (else None)."""
+        if scenario.fault is not FaultKind.STALL:
+            return None
+        return await self.cluster.num_pushes(pick_worker(scenario, workers))
+
     async def run_scenario(self, index: int, scenario: Scenario) -> DrillRow:
         o = self.options
         workers = await self.wait_whole(o.recovery_timeout_s + o.idle_timeout_s)
@@ -189,12 +195,17 @@ class Drill:
             try:
                 await asyncio.sleep(o.before_s)
                 fault_at, fault_wall_ms = time.monotonic(), int(time.time() * 1000)
+                pushes = await self._pushes(scenario, workers)
                 victim = await inject(self.cluster, scenario, workers, supervisor_pid,
                                       o.faults)
                 say(f"{scenario.name}: hit {victim.label}")
                 ejected_s, recovered_s = await self._recover(
                     scenario, victim, expected_ids, fault_at, fault_wall_ms,
                     supervisor_pid, notes)
+                if pushes is not None:
+                    after = await self._pushes(scenario, workers)
+                    done = "?" if after is None else f"{after - pushes:g}"
+                    notes.append(f"KV pushes the victim completed, fault to recovery: {done}")
                 say(f"{scenario.name}: " + (f"whole again after {recovered_s:.1f} s"
                                             if recovered_s is not None else "NOT recovered")
                     + f"; load for {o.after_s:g} s more")

@@ -161,6 +161,10 @@ class TargetCluster:
                                              self._probes.probe(worker.control_url, "/ready"))
         return health, ready
 
+    async def num_pushes(self, worker: WorkerRow) -> float | None:
+        """KV pushes the worker completed so far (pdserve_kv_pushes_total)."""
+        return await self._probes.metric_sum(worker.control_url, "pdserve_kv_pushes_total")
+
     async def worker_state(self, worker: WorkerRow) -> WorkerState | None:
         return await self._probes.admin_state(worker.control_url)
 

@@ -2,6 +2,7 @@
 
     probe(url, path)          GET /health or /ready: the status, or None when no answer
                               came within the deadline (refused, reset, stopped process)
+    metric_sum(url, name)     GET /metrics: one counter's value summed over its labels
     admin_state(url)          GET /admin/state with the cluster's token: the worker's own
                               bookkeeping (held tables, reservations, KV blocks in use)
 
@@ -50,6 +51,26 @@ class ProbeClient:
                     return response.status
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
+
+    async def metric_sum(self, control_url: str, name: str) -> float | None:
+        """The sum of every sample of metric `name` on the worker's /metrics (0 when it has
+        none yet); None: no answer."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session.get(control_url.rstrip("/") + "/metrics") as response:
+                    if response.status != 200:
+                        return None
+                    text = await response.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeError):
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith((name + "{", name + " ")):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+        return total
 
     async def admin_state(self, control_url: str) -> WorkerState | None:
         """The worker's GET /admin/state (its token-guarded view); None: no (valid) answer
