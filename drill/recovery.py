@@ -41,6 +41,15 @@ def ejected_at_ms(victim: Victim, events: list[AgentEventRow], since_unix_ms: in
     return min(times) if times else None
 
 
+def others_ejected(victim: Victim, events: list[AgentEventRow], since_unix_ms: int
+                   ) -> list[str]:
+    """Workers other than the victim the agent took out after the fault (a peer found
+    slow while it carried the victim's share, say): reported, not judged."""
+    return sorted({f"{e.worker_id} ({e.rule})" for e in events
+                   if e.worker_id != victim.worker_id and e.at_unix_ms >= since_unix_ms
+                   and "eject" in e.action and e.outcome.startswith("done")})
+
+
 def workers_whole(scenario: Scenario, victim: Victim, expected_ids: set[str],
                   workers: list[WorkerRow]) -> bool:
     """Every worker listed before the fault is routable again; a killed or stopped victim

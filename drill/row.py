@@ -36,6 +36,7 @@ class DrillRow(msgspec.Struct):
     held_tables: int | None
     held_reservations: int | None
     health_lies: list[str]  # "worker-id: N samples" of /health 200 while refusing
+    others_ejected: list[str] = []  # "worker-id (rule)": peers the agent took out meanwhile
     problems: list[str] = []
     notes: list[str] = []
 
@@ -76,8 +77,8 @@ def _held(row: DrillRow) -> str:
 def markdown_table(rows: list[DrillRow]) -> str:
     lines = ["| scenario | victim | sent | ok | failed (by kind) | 429 | broken / checked "
              "| ejected s | recovered s | held blocks / tables / reservations "
-             "| /health 200 while refusing | verdict |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
+             "| /health 200 while refusing | others ejected | verdict |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---|"]
     for r in rows:
         failed = ", ".join(f"{k} {v}" for k, v in sorted(r.failed_by_kind.items()))
         if r.failed_in_flight:
@@ -86,5 +87,6 @@ def markdown_table(rows: list[DrillRow]) -> str:
         lines.append(f"| {r.scenario} | {r.victim} | {r.sent} | {r.ok} | {failed or '0'} | "
                      f"{r.refused_429} | {r.answers_broken} / {r.answers_checked} | "
                      f"{_seconds(r.ejected_after_s)} | {_seconds(r.recovered_after_s)} | "
-                     f"{_held(r)} | {'; '.join(r.health_lies) or 'none'} | {verdict} |")
+                     f"{_held(r)} | {'; '.join(r.health_lies) or 'none'} | "
+                     f"{', '.join(r.others_ejected) or 'none'} | {verdict} |")
     return "\n".join(lines)

@@ -24,7 +24,8 @@ import msgspec
 
 from bench.answer_check import CheckRecord, run_checks, summarize_checks
 from drill.fault import FaultSettings, inject, lift, pick_worker, process_pids
-from drill.recovery import Victim, ejected_at_ms, replaced, victim_out, workers_whole
+from drill.recovery import (Victim, ejected_at_ms, others_ejected, replaced, victim_out,
+                            workers_whole)
 from drill.row import DrillRow, judge
 from drill.scenario import FaultKind, Layout, Scenario, Target, has_peer
 from drill.steady_load import SteadyLoad, TimedRecord
@@ -185,7 +186,7 @@ class Drill:
         notes: list[str] = []
         victim: Victim | None = None
         ejected_s = recovered_s = None
-        fault_at = 0.0
+        fault_at, fault_wall_ms = 0.0, 0
         say(f"{scenario.name}: load for {o.before_s:g} s, then the fault")
         async with asyncio.TaskGroup() as tg:
             load = tg.create_task(self.make_load(index).run(stop))
@@ -215,8 +216,12 @@ class Drill:
                     await lift(self.cluster, scenario, victim)
                 stop.set()
         held = await self._held_after()
-        return self._row(scenario, victim, load.result(), checks, fault_at, ejected_s,
-                         recovered_s, held, lies, notes)
+        row = self._row(scenario, victim, load.result(), checks, fault_at, ejected_s,
+                        recovered_s, held, lies, notes)
+        if victim is not None:
+            row.others_ejected = others_ejected(victim, await self.cluster.agent_events(),
+                                                fault_wall_ms)
+        return row
 
     def _row(self, scenario: Scenario, victim: Victim | None, records: list[TimedRecord],
              checks: list[CheckRecord], fault_at: float, ejected_s: float | None,

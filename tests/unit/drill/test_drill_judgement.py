@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from drill.recovery import Victim, ejected_at_ms, replaced, victim_out, workers_whole
+from drill.recovery import (Victim, ejected_at_ms, others_ejected, replaced, victim_out,
+                            workers_whole)
 from drill.row import DrillRow, judge, markdown_table
 from drill.scenario import BY_NAME, Layout, has_peer, select
 from drill.target_cluster import AgentEventRow, WorkerRow
@@ -68,6 +69,7 @@ def test_the_audit_trail_dates_the_ejection_after_the_fault_only() -> None:
               AgentEventRow(1700, "decode-1", 1, "dead", "eject+restart", "done: killed"),
               AgentEventRow(1600, "decode-0", 1, "slow", "eject", "done")]
     assert ejected_at_ms(victim, events, since_unix_ms=1000) == 1700
+    assert others_ejected(victim, events, since_unix_ms=1000) == ["decode-0 (slow)"]
 
 
 def test_whole_needs_every_worker_and_a_killed_one_at_a_new_epoch() -> None:
