@@ -54,6 +54,9 @@ async def inject(cluster: TargetCluster, scenario: Scenario, workers: list[Worke
         processes.kill(pid)
         return Victim(f"{scenario.target.value} (pid {pid})", pid)
     worker = pick_worker(scenario, workers)
+    if scenario.fault in (FaultKind.KILL, FaultKind.STOP) and not processes.runs_worker(
+            worker.pid or 0, worker.id):
+        raise RuntimeError(f"{scenario.name}: pid {worker.pid} is not {worker.id} on this host")
     victim = Victim(f"{worker.id} (pid {worker.pid})", worker.pid, worker.id, worker.epoch)
     if scenario.fault is FaultKind.KILL:
         processes.kill(worker.pid or 0)
@@ -69,7 +72,7 @@ async def inject(cluster: TargetCluster, scenario: Scenario, workers: list[Worke
 
 async def lift(cluster: TargetCluster, scenario: Scenario, victim: Victim) -> None:
     """Undo what the drill set on the victim, when it is still the process hit."""
-    if scenario.fault is FaultKind.STOP and victim.pid and processes.alive(victim.pid):
+    if scenario.fault is FaultKind.STOP and victim.pid and processes.state(victim.pid) == "T":
         processes.cont(victim.pid)
     if scenario.fault not in (FaultKind.SLOW, FaultKind.STALL):
         return

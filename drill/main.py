@@ -65,7 +65,7 @@ async def discover_layout(cluster: TargetCluster) -> Layout:
         num_gateways=len(processes.gateway_pids(supervisor)) if supervisor else 1,
         has_agent=bool(supervisor and processes.agent_pids(supervisor)),
         has_redis=bool(supervisor and processes.redis_pids(supervisor)),
-        can_set_faults=can_set_faults)
+        can_set_faults=can_set_faults, has_local_processes=supervisor is not None)
 
 
 async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:

@@ -63,6 +63,13 @@ def _is_subcommand(argv: list[bytes], name: bytes) -> bool:
                for arg in argv[:3]) and name in argv[1:4]
 
 
+def runs_worker(pid: int, worker_id: str) -> bool:
+    """Whether `pid` is the worker process started with `--worker-id worker_id`."""
+    argv = cmdline(pid)
+    return any(arg == b"--worker-id" and value == worker_id.encode()
+               for arg, value in zip(argv, argv[1:]))
+
+
 def agent_pids(supervisor_pid: int) -> list[int]:
     return [p for p in children(supervisor_pid) if _is_subcommand(cmdline(p), b"agent")]
 

@@ -90,19 +90,22 @@ class Drill:
 
     async def _held_after(self) -> tuple[int | None, int | None, int | None]:
         """KV blocks used, held tables and reservations over the workers, once every one
-        reads zero or the idle timeout passed (then the last figures)."""
+        reads zero or the idle timeout passed (then the last figures; None: a worker's
+        state could not be read, or the cluster's token is not known)."""
+        if self.cluster.internal_token is None:
+            return None, None, None
         deadline = time.monotonic() + self.options.idle_timeout_s
         while True:
-            totals = [0, 0, 0]
+            totals: list[int | None] = [0, 0, 0]
             for worker in await self.cluster.workers() or []:
                 state = await self.cluster.worker_state(worker)
-                if state is None:
-                    return None, None, None
                 for i, key in enumerate(("num_kv_blocks_used", "num_held_tables",
                                          "num_reservations")):
-                    value = state.get(key, 0)
-                    totals[i] += value if isinstance(value, int) else 0
-            if not any(totals) or time.monotonic() > deadline:
+                    value = None if state is None else state.get(key, 0)
+                    total = totals[i]
+                    totals[i] = total + value if isinstance(value, int) and total is not None \
+                        else None
+            if totals == [0, 0, 0] or time.monotonic() > deadline:
                 return totals[0], totals[1], totals[2]
             await asyncio.sleep(WATCH_PERIOD_S)
 

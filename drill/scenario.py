@@ -79,6 +79,7 @@ class Layout(msgspec.Struct, frozen=True):
     has_agent: bool
     has_redis: bool  # a Redis the supervisor started (and restarts)
     can_set_faults: bool  # fault injection on and the cluster's token known
+    has_local_processes: bool  # the workers are children of one `pdserve up` on this host
 
 
 def num_in_group(layout: Layout, target: Target) -> int:
@@ -90,6 +91,8 @@ def why_not(scenario: Scenario, layout: Layout) -> str | None:
     target = scenario.target
     if target.is_worker and num_in_group(layout, target) == 0:
         return f"no {target.value} worker"
+    if scenario.fault in (FaultKind.KILL, FaultKind.STOP) and not layout.has_local_processes:
+        return "its processes are not children of a `pdserve up` on this host"
     if scenario.fault in (FaultKind.SLOW, FaultKind.STALL) and not layout.can_set_faults:
         return "faults cannot be set (fault injection off, or the cluster's token unknown)"
     if scenario.fault is FaultKind.SLOW and num_in_group(layout, target) < 2:

@@ -12,9 +12,10 @@ from drill.scenario import BY_NAME, Layout, has_peer, select
 from drill.target_cluster import AgentEventRow, WorkerRow
 
 
-def layout(roles: list[str], gateways: int = 1, faults: bool = True) -> Layout:
+def layout(roles: list[str], gateways: int = 1, faults: bool = True,
+           local: bool = True) -> Layout:
     return Layout(roles=roles, num_gateways=gateways, has_agent=True, has_redis=True,
-                  can_set_faults=faults)
+                  can_set_faults=faults, has_local_processes=local)
 
 
 def worker(id: str, role: str = "decode", epoch: int = 1, state: str = "ready") -> WorkerRow:
@@ -39,6 +40,9 @@ def test_the_default_selection_follows_the_layout() -> None:
     # One decode worker: nobody to compare its steps with; no fault injection: no faults.
     chosen, _ = select(None, layout(["prefill", "decode"], faults=False))
     assert {"slow-decode", "stall-transfer"}.isdisjoint(s.name for s in chosen)
+    # A cluster on another host: no process of it is signalled from here.
+    chosen, _ = select(None, layout(["prefill", "decode", "decode"], local=False))
+    assert [s.name for s in chosen] == ["slow-decode", "stall-transfer"]
 
 
 def test_a_named_scenario_the_layout_cannot_run_is_refused() -> None:
