@@ -30,6 +30,7 @@ from drill.row import DrillRow, judge
 from drill.scenario import FaultKind, Layout, Scenario, Target, has_peer
 from drill.steady_load import SteadyLoad, TimedRecord
 from drill.target_cluster import TargetCluster, WorkerRow
+from rpc.errors import ControlError
 
 WATCH_PERIOD_S = 0.5
 HEALTH_PERIOD_S = 1.0
@@ -190,6 +191,8 @@ class Drill:
         victim: Victim | None = None
         ejected_s = recovered_s = None
         fault_at, fault_wall_ms = 0.0, 0
+        pushes: float | None = None
+        error: str | None = None  # the drill's own failure, not the cluster's
         say(f"{scenario.name}: load for {o.before_s:g} s, then the fault")
         async with asyncio.TaskGroup() as tg:
             load = tg.create_task(self.make_load(index).run(stop))
@@ -202,6 +205,10 @@ class Drill:
                 pushes = await self._pushes(scenario, workers)
                 victim = await inject(self.cluster, scenario, workers, supervisor_pid,
                                       o.faults)
+            except (RuntimeError, ControlError, TimeoutError) as exc:
+                error = f"the fault could not be injected: {exc}"
+                say(f"{scenario.name}: {error}")
+            else:
                 say(f"{scenario.name}: hit {victim.label}")
                 ejected_s, recovered_s = await self._recover(
                     scenario, victim, expected_ids, fault_at, fault_wall_ms,
@@ -224,6 +231,8 @@ class Drill:
         if victim is not None:
             row.others_ejected = others_ejected(victim, await self.cluster.agent_events(),
                                                 fault_wall_ms)
+        if error is not None:
+            row.problems.insert(0, error)
         return row
 
     def _row(self, scenario: Scenario, victim: Victim | None, records: list[TimedRecord],
@@ -262,4 +271,20 @@ class Drill:
         return row
 
     async def run(self, scenarios: list[Scenario]) -> list[DrillRow]:
-        return [await self.run_scenario(i, s) for i, s in enumerate(scenarios)]
+        """Every scenario in turn; a cluster that is not whole again before the next one
+        ends the drill there (its row says so: every later row would be judged on a
+        cluster already broken)."""
+        rows = []
+        for index, scenario in enumerate(scenarios):
+            try:
+                rows.append(await self.run_scenario(index, scenario))
+            except RuntimeError as exc:
+                say(f"{scenario.name}: not run: {exc}; the drill stops here")
+                rows.append(DrillRow(
+                    scenario=scenario.name, victim="-", has_peer=False, sent=0, ok=0,
+                    refused_429=0, failed_by_kind={}, failed_in_flight=0, answers_checked=0,
+                    answers_broken=0, ejected_after_s=None, recovered_after_s=None,
+                    held_kv_blocks=None, held_tables=None, held_reservations=None,
+                    health_lies=[], problems=[f"not run: {exc}"]))
+                break
+        return rows
