@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
 from bench.corpus import Corpus
 from bench.goodput import SearchParams, search_goodput
 from bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
@@ -46,7 +47,6 @@ from bench.report import RunReport, attains, build_report, summarize
 from bench.slo import SLOTarget
 from bench.sse_client import RequestRecord
 from bench.workload import Workload, load_workload
-from bench.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
 from drill.up_cluster import UpCluster
 
 

@@ -66,7 +66,6 @@ from telemetry.options import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE, INTERNAL_TOKEN
                                REDIS_URL_FILE, env_name)
 
 
-
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     role: Role  # the role it starts in
