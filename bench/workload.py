@@ -145,7 +145,7 @@ def preset_names() -> list[str]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A preset name (`chat`, `rag`, `mixed`) or a path to a TOML file."""
+    """A preset name (`chat`, `rag`, `mixed`, `steady`) or a path to a TOML file."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         return parse_workload(path.read_text(encoding="utf-8"), str(path))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.up_cluster import UpCluster
+from drill.up_cluster import UpCluster
 from protocol.messages import AbortRequest, AbortResponse, DecodeRequest, ErrorCode, TokenFrame
 from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool

@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.up_cluster import UpCluster
+from drill.up_cluster import UpCluster
 
 MODES: dict[str, tuple[str, dict[str, str]]] = {  # `pdserve up` options, the environment
     "colocated": ("--colocated --workers 2", {}),

@@ -25,7 +25,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from benchmarks.up_cluster import UpCluster
+from drill.up_cluster import UpCluster
 
 WORKLOAD = """
 name = "kv-pressure"

@@ -20,7 +20,7 @@ retries or migrates the requests it held. Reports requests sent, refused by admi
 (429: the load was more than the cluster could serve in its tiers' targets, not a fault),
 failed (by kind), kills, and whether the cluster was whole again afterwards; beside the
 load, fixed prompts are asked over and over with logprobs, and each answer must have
-received exactly the tokens its usage counts (benchmarks/answer_check.py: a token lost or
+received exactly the tokens its usage counts (bench/answer_check.py: a token lost or
 repeated at a retry or migration shows there). Exits 1 when a request failed, an answer
 was broken or a worker did not come back.
 
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
 from bench.corpus import Corpus
 from bench.goodput import SearchParams, search_goodput
 from bench.loadgen import LoadConfig, RunResult, fetch_model_id, run_load
@@ -46,8 +47,7 @@ from bench.report import RunReport, attains, build_report, summarize
 from bench.slo import SLOTarget
 from bench.sse_client import RequestRecord
 from bench.workload import Workload, load_workload
-from benchmarks.answer_check import CheckRecord, CheckSummary, run_checks, summarize_checks
-from benchmarks.up_cluster import UpCluster
+from drill.up_cluster import UpCluster
 
 
 class TierRow(msgspec.Struct):
@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     soak.add_argument("--check-answers", action=argparse.BooleanOptionalAction, default=True,
                       help="beside the load, ask fixed prompts over and over with logprobs "
                            "and check that each answer received exactly the tokens its "
-                           "usage counts (benchmarks/answer_check.py); a token lost or "
+                           "usage counts (bench/answer_check.py); a token lost or "
                            "repeated fails the run (default on)")
     soak.add_argument("--check-tokens", type=int, default=32,
                       help="max_tokens of the checked answers (default 32)")

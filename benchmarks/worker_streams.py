@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.up_cluster import UpCluster
+from drill.up_cluster import UpCluster
 from protocol.messages import DecodeRequest, TokenFrame
 from protocol.sampling_params import SamplingParams
 from rpc.channel_client import ChannelPool

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from agent import cli as agent_cli
 from bench import cli as bench_cli
+from drill import cli as drill_cli
 from engine import generate_cli
 from gateway import cli as gateway_cli
 from launcher import up_cli, worker_cli
@@ -27,6 +28,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     gateway_cli.add_parser,
     agent_cli.add_parser,
     up_cli.add_parser,
+    drill_cli.add_parser,
 )
 
 

@@ -62,10 +62,8 @@ from launcher.secret_file import write_secret
 from launcher.supervisor import Child, Supervisor
 from protocol.messages import Role
 from state.redis_users import AGENT_USER, GATEWAY_USER, cluster_grants, worker_username
-from telemetry.options import ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, env_name
-
-ADMIN_TOKEN_FILE = "admin-token"
-REDIS_URL_FILE = "redis-url"  # in the log folder: the default user's URL, mode 0600
+from telemetry.options import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE, INTERNAL_TOKEN_ENV,
+                               REDIS_URL_FILE, env_name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,10 @@ INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 # The gateway's /admin API (gateway/ops/admin_access.py): held by the gateways and the
 # operator only, never by a worker or the agent.
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+# What `pdserve up` writes into its log folder for the operator (mode 0600,
+# launcher/secret_file.py): the admin token it generated, and its Redis's admin URL.
+ADMIN_TOKEN_FILE = "admin-token"
+REDIS_URL_FILE = "redis-url"
 # The Redis password, for a --redis-url that carries none (state/redis_access.py). Read from
 # the environment only, never an option: a command line is readable by every local process.
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"

@@ -1,1 +1,1 @@
-"""Workload presets shipped as package data (chat, rag, mixed)."""
+"""Workload presets shipped as package data (chat, rag, mixed, steady)."""

@@ -27,8 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 PACKAGES = ("protocol", "telemetry", "text", "state", "rpc", "engine", "kv_transfer", "worker",
-            "gateway", "agent", "bench", "testing", "launcher", "benchmarks", "deploy")
-TYPED = ("agent/", "gateway/", "worker/", "kv_transfer/", "protocol/", "rpc/", "state/",
+            "gateway", "agent", "bench", "drill", "testing", "launcher", "benchmarks", "deploy")
+TYPED = ("agent/", "drill/", "gateway/", "worker/", "kv_transfer/", "protocol/", "rpc/", "state/",
          "telemetry/", "text/")
 MAP_START, MAP_END = "<!-- folder-map -->", "<!-- /folder-map -->"
 # What opens a network connection, outside rpc/ (which alone reaches workers' control
@@ -39,6 +39,10 @@ NETWORK_CLIENTS = {
     "agent/restarters.py": "the Kubernetes API (deleting a pod)",
     "bench/loadgen.py": "the OpenAI-compatible server under test",
     "bench/sse_client.py": "the OpenAI-compatible server under test",
+    "bench/answer_check.py": "the OpenAI-compatible server under test",
+    "drill/steady_load.py": "the gateway of the cluster under drill",
+    "drill/target_cluster.py": "the gateway of the cluster under drill (/admin, a probe)",
+    "drill/up_cluster.py": "the gateway of the `pdserve up` it started (/admin/workers)",
     "launcher/local_cluster.py": "its gateway's /ready and /v1/models",
     "launcher/redis_server.py": "the Redis server it started (a ping)",
     "deploy/docker/healthcheck.py": "the container's own process's /health or /ready",

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from bench.answer_check import Answer, body_answer, judge, summarize_checks
 from bench.sse_client import ErrorKind, StreamFault, StreamState, read_stream
-from benchmarks.answer_check import Answer, body_answer, judge, summarize_checks
 
 
 def event(payload: object) -> bytes:

@@ -1,8 +1,9 @@
-"""A `pdserve up` cluster run as a child process, for benchmarks that need a whole cluster.
+"""A `pdserve up` cluster run as a child process: the drill's own cluster, and the
+benchmarks' that need a whole one.
 
-Lifecycle: start() (free port, own internal token, log file) → wait_ready() (polls /ready
-and checks that every worker it was asked for registered) → workers() / kill_worker() →
-stop() (SIGTERM, then SIGKILL after a grace period; always called via `with`).
+Lifecycle: start() (free port, own internal token, its log folder) → wait_ready() (until
+`pdserve up` prints that it is up, with a deadline) → workers() / kill_worker() → stop()
+(SIGTERM, then SIGKILL of its process group after a grace period; always called via `with`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from telemetry.options import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE, INTERNAL_TOKEN_ENV
 
 HTTP_TIMEOUT_S = 5.0
 
@@ -32,15 +35,21 @@ def free_port() -> int:
 
 class UpCluster:
     def __init__(self, up_args: str, log_path: Path, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 600.0, cwd: Path | None = None) -> None:
-        """`cwd`: run `pdserve up` from another checkout (its code first on the path)."""
+                 ready_timeout_s: float = 600.0, cwd: Path | None = None,
+                 log_dir: Path | None = None) -> None:
+        """`cwd`: run `pdserve up` from another checkout (its code first on the path);
+        `log_dir`: the children's logs and the secrets `pdserve up` writes (default: a new
+        folder beside `log_path`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_hex(16)
         self.up_args = shlex.split(up_args)
         self.log_path = log_path
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-",
+                                                        dir=log_path.parent
+                                                        if log_path.parent.exists() else None))
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
-                    "PDSERVE_INTERNAL_TOKEN": self.token}
+                    INTERNAL_TOKEN_ENV: self.token}
         if cwd is not None:
             self.env["PYTHONPATH"] = str(cwd)
         self.cwd = cwd
@@ -55,10 +64,22 @@ class UpCluster:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def admin_token(self) -> str:
+        """The operator's admin token from the environment, else the one `pdserve up`
+        generated and wrote to LOG_DIR/admin-token (readable once it is up)."""
+        return self.env.get(ADMIN_TOKEN_ENV) or \
+            (self.log_dir / ADMIN_TOKEN_FILE).read_text().strip()
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "launcher.cli", "up", "--port", str(self.port),
-                   *self.up_args]
+                   "--log-dir", str(self.log_dir), *self.up_args]
         print(f">> {shlex.join(command[1:])}  (log {self.log_path})", file=sys.stderr)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,

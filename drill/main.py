@@ -1,0 +1,111 @@
+"""The drill's wiring: reach the cluster, find its layout, pick the scenarios, run them,
+print and write the table. Returns the exit code (0 every row passed, 1 one did not, 2 the
+drill could not run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+
+from bench.answer_check import PROMPTS
+from bench.corpus import Corpus
+from bench.loadgen import fetch_model_id
+from bench.planner import RequestPlanner
+from bench.workload import load_workload
+from drill import processes
+from drill.fault import FaultSettings
+from drill.row import DrillRow, markdown_table
+from drill.runner import Drill, DrillOptions, say
+from drill.scenario import Layout, select
+from drill.steady_load import SteadyLoad
+from drill.target_cluster import TargetCluster
+from protocol.agent_messages import FaultRequest
+from rpc.errors import ControlError
+
+# A prompt of about 600 tokens: long enough that the router hands it off prefill → decode,
+# so the answer checks cross a KV transfer too (stall-transfer's victim).
+LONG_PROMPT = ("Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 70)
+               + ". Now name the fruits again:")
+
+
+class DrillSetup(msgspec.Struct, frozen=True):
+    url: str
+    admin_token: str
+    internal_token: str | None
+    scenario_names: list[str] | None
+
+
+class DrillReport(msgspec.Struct):
+    url: str
+    layout: Layout
+    skipped: list[str]
+    options: DrillOptions
+    rate_rps: float
+    workload: str
+    rows: list[DrillRow]
+    passed: bool
+
+
+async def discover_layout(cluster: TargetCluster) -> Layout:
+    workers = await cluster.workers()
+    if not workers:
+        raise RuntimeError(f"{cluster.url}/admin/workers lists no worker")
+    supervisor = cluster.supervisor_pid(workers)
+    can_set_faults = False
+    if cluster.internal_token is not None:
+        try:
+            await cluster.set_fault(workers[0], FaultRequest())  # all off: a no-op
+            can_set_faults = True
+        except (ControlError, TimeoutError):
+            pass
+    return Layout(
+        roles=sorted(w.role for w in workers),
+        num_gateways=len(processes.gateway_pids(supervisor)) if supervisor else 1,
+        has_agent=bool(supervisor and processes.agent_pids(supervisor)),
+        has_redis=bool(supervisor and processes.redis_pids(supervisor)),
+        can_set_faults=can_set_faults, has_local_processes=supervisor is not None)
+
+
+async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
+    options = DrillOptions(
+        before_s=args.before_s, after_s=args.after_s, fault_s=args.fault_s,
+        recovery_timeout_s=args.recovery_timeout_s, idle_timeout_s=args.idle_timeout_s,
+        check_tokens=args.check_tokens, request_timeout_s=args.request_timeout_s,
+        faults=FaultSettings(args.slow_step_ms, args.stall_layer_ms))
+    cluster = TargetCluster(setup.url, setup.admin_token, setup.internal_token)
+    await cluster.open()
+    try:
+        layout = await discover_layout(cluster)
+        scenarios, skipped = select(setup.scenario_names, layout)
+        say(f"cluster {setup.url}: workers {', '.join(layout.roles)}; "
+            f"{layout.num_gateways} gateway(s); agent {'yes' if layout.has_agent else 'no'}; "
+            f"faults {'on' if layout.can_set_faults else 'off'}")
+        for line in skipped:
+            say(f"skipped {line}")
+        model = await fetch_model_id(setup.url, 10.0, None)
+        workload = load_workload(args.workload)
+        corpus = Corpus.load()
+
+        def make_load(index: int) -> SteadyLoad:
+            seed = args.seed + index
+            return SteadyLoad(setup.url, model, RequestPlanner(workload, corpus, seed),
+                              args.rate, args.request_timeout_s, seed)
+
+        drill = Drill(cluster, layout, model, make_load, options, (*PROMPTS, LONG_PROMPT))
+        rows = await drill.run(scenarios)
+    except (RuntimeError, ValueError) as exc:
+        print(f"pdserve drill: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await cluster.aclose()
+    passed = all(not r.problems for r in rows)
+    report = DrillReport(setup.url, layout, skipped, options, args.rate, workload.name, rows,
+                         passed)
+    print(markdown_table(rows))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+        say(f"wrote {args.output}")
+    return 0 if passed else 1
