@@ -33,6 +33,7 @@ from gateway.routing.retry_policy import LegFailed
 from gateway.routing.router import RoutePlan
 from protocol.finish_reason import FinishReason
 from protocol.sampling_params import SamplingParams
+from text.tool_prompt import ChatTurn, ToolFunction
 
 
 class BackendUnavailable(Exception):
@@ -128,4 +129,10 @@ class PromptTokenizer(Protocol):
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Apply the chat template to (role, text) turns and tokenize, with the generation
         prompt for the assistant appended."""
+        ...
+
+    def encode_tool_chat(self, turns: Sequence[ChatTurn],
+                         functions: tuple[ToolFunction, ...]) -> list[int]:
+        """The same for a conversation with tools, tool calls or tool results
+        (text/tool_prompt.py)."""
         ...

@@ -52,6 +52,7 @@ from gateway.api.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer,
 from gateway.api.slo_accounting import RequestTiming, timed_batches
 from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
+from gateway.api.tool_request import parameters_spec
 from telemetry.log_format import REQUEST_ID, TRACE_ID
 from telemetry.tracing import NO_TRACING, Tracing
 
@@ -195,6 +196,9 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
     grammars = app.get(GRAMMARS)
+    if validated.tool_use is not None and grammars is not None:
+        for i, function in enumerate(validated.tool_use.functions):
+            await grammars.check(parameters_spec(function), f"tools[{i}].function.parameters")
     if validated.grammar is not None and grammars is not None:
         await grammars.check(validated.grammar, validated.grammar_param or "response_format")
     backend = app[BACKEND]
@@ -215,7 +219,10 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
-    if len(prompts) > 1 or validated.n > 1:
+    # Several choices, or tool calls to find in the answer: the merged path, which parses
+    # calls out of each choice's text (no direct token writes there).
+    parses_tools = validated.tool_use is not None and validated.tool_use.parses_output
+    if len(prompts) > 1 or validated.n > 1 or parses_tools:
         generations = [GenerationRequest(
             request_id=f"{request_id}-{p * validated.n + j}", model=validated.model,
             prompt_token_ids=prompts[p], sampling=choice_sampling(samplings[p], j),
@@ -348,7 +355,10 @@ async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,
                     limits: RequestLimits) -> tuple[int, ...]:
     if validated.prompt_token_ids is not None:
         return validated.prompt_token_ids
-    if validated.chat_turns is not None:
+    if validated.tool_turns is not None:
+        num_chars = sum(len(t.content) + sum(len(c.arguments) for c in t.tool_calls)
+                        for t in validated.tool_turns)
+    elif validated.chat_turns is not None:
         num_chars = sum(len(text) for _, text in validated.chat_turns)
     else:
         assert validated.prompt_text is not None
@@ -360,6 +370,9 @@ async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,
             f"tokens can hold ({limits.context_description}).", param,
             code="context_length_exceeded")
     try:
+        if validated.tool_turns is not None:
+            functions = validated.tool_use.in_prompt if validated.tool_use is not None else ()
+            return tuple(await pool.encode_tool_chat(validated.tool_turns, functions))
         if validated.chat_turns is not None:
             return tuple(await pool.encode_chat(validated.chat_turns))
         assert validated.prompt_text is not None

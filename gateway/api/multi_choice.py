@@ -46,6 +46,7 @@ from gateway.api.openai_api import (ChatChoice, ChatChunkChoice, ChatCompletionC
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.responses import SENT_RESPONSE, StreamTiming, shutting_down, write_bounded
 from gateway.api.slo_accounting import RequestTiming
+from gateway.api.tool_answer import ToolDeltas, answer_finish_reason, tool_message
 from gateway.api.sse import DONE_EVENT, SSE_HEADERS, encode_event
 from protocol.finish_reason import FinishReason
 from protocol.sampling_params import SamplingParams
@@ -147,10 +148,7 @@ async def json_choices_answer(validated: ValidatedRequest, request_id: str,
     if validated.endpoint is Endpoint.CHAT:
         body = ChatCompletionResponse(
             id=request_id, created=created, model=validated.model, usage=usage,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.texts)),
-                                logprobs=chat_logprobs(tuple(c.logprobs)) if want_logprobs
-                                else None, finish_reason=c.finish_reason)
-                     for i, c in enumerate(choices)])
+            choices=[_chat_choice(validated, i, c, want_logprobs) for i, c in enumerate(choices)])
     else:
         body = CompletionResponse(
             id=request_id, created=created, model=validated.model, usage=usage,
@@ -161,6 +159,19 @@ async def json_choices_answer(validated: ValidatedRequest, request_id: str,
                      for i, c in enumerate(choices)])
     return web.Response(body=msgspec.json.encode(body), content_type="application/json"), \
         num_generated
+
+
+def _chat_choice(validated: ValidatedRequest, index: int, choice: _Choice,
+                 want_logprobs: bool) -> ChatChoice:
+    text = "".join(choice.texts)
+    tools = validated.tool_use
+    if tools is not None and tools.parses_output:
+        message, num_calls = tool_message(text, tools.names)
+    else:
+        message, num_calls = ChatResponseMessage(role="assistant", content=text), 0
+    return ChatChoice(index=index, message=message,
+                      logprobs=chat_logprobs(tuple(choice.logprobs)) if want_logprobs else None,
+                      finish_reason=answer_finish_reason(choice.finish_reason, num_calls))
 
 
 async def stream_choices_answer(request: web.Request, validated: ValidatedRequest,
@@ -219,6 +230,9 @@ class _ChunkEvents:
         self._want_logprobs = validated.logprobs is not None
         self._id, self._model, self._created = request_id, validated.model, int(time.time())
         self._choices = [_Choice() for _ in range(num_choices)]
+        tools = validated.tool_use
+        self._tools = [ToolDeltas(tools.names) for _ in range(num_choices)] \
+            if self._chat and tools is not None and tools.parses_output else None
         self.num_generated = 0
 
     def of(self, index: int, batch: list[TokenDelta]) -> list[bytes]:
@@ -231,7 +245,9 @@ class _ChunkEvents:
             choice.num_tokens += delta.num_tokens
             self.num_generated += delta.num_tokens
             lp = delta.logprobs if self._want_logprobs else None
-            if self._chat:
+            if self._tools is not None:
+                out += self._tool_events(index, delta, lp)
+            elif self._chat:
                 out.append(self._chat_event(
                     index, ChatDelta(content=delta.text) if delta.text or delta.finish_reason
                     is None else ChatDelta(), delta.finish_reason, lp))
@@ -244,7 +260,24 @@ class _ChunkEvents:
             choice.num_chars += len(delta.text)
         return out
 
-    def _chat_event(self, index: int, delta: ChatDelta, finish_reason: FinishReason | None,
+    def _tool_events(self, index: int, delta: TokenDelta,
+                     logprobs: tuple[TokenLogprob, ...] | None) -> list[bytes]:
+        """Content outside the calls, each call's deltas, then the finish."""
+        assert self._tools is not None
+        tools = self._tools[index]
+        finish = delta.finish_reason
+        content, calls = tools.feed(delta.text, finish is not None)
+        out = []
+        if content or logprobs is not None:
+            out.append(self._chat_event(index, ChatDelta(content=content), None, logprobs))
+        out += [self._chat_event(index, ChatDelta(tool_calls=[call]), None, None)
+                for call in calls]
+        if finish is not None:
+            out.append(self._chat_event(index, ChatDelta(), answer_finish_reason(
+                finish, tools.num_calls), None))
+        return out
+
+    def _chat_event(self, index: int, delta: ChatDelta, finish_reason: str | None,
                     logprobs: tuple[TokenLogprob, ...] | None) -> bytes:
         return encode_event(msgspec.json.encode(ChatCompletionChunk(
             id=self._id, created=self._created, model=self._model,

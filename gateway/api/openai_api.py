@@ -38,7 +38,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # assistant: the calls it made (checked by hand)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -119,8 +120,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # gateway/api/tool_request.py
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -182,9 +184,23 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatResponseMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str | None = None
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # `role` and `content` have no default, so they are always written (content null beside
+    # tool calls); `tool_calls` only when there are some.
+    role: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -203,10 +219,26 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class ToolCallFunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: the first names it (`id`, `type`, `function.name`), the
+    next ones add to `function.arguments`; `index` says which call of the choice."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: ToolCallFunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The last chunk's delta is `{}`: omit_defaults drops the unset members.
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

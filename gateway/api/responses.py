@@ -188,7 +188,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     if validated.endpoint is Endpoint.CHAT:
         body = ChatCompletionResponse(
             id=generation.request_id, created=created, model=validated.model, usage=usage,
-            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=text),
+            choices=[ChatChoice(index=0, message=ChatResponseMessage(role="assistant", content=text),
                                 logprobs=chat_logprobs(tuple(logprobs)) if want_logprobs else None,
                                 finish_reason=finish_reason)])
     else:
