@@ -28,6 +28,7 @@ from typing import Protocol
 
 import msgspec
 
+from gateway.api.shared_prefill import SharedPrefill
 from gateway.routing.plan_model import Targets
 from gateway.routing.retry_policy import LegFailed
 from gateway.routing.router import RoutePlan
@@ -85,6 +86,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str | None = None
     trace: RouteObserver | None = None  # told each plan and failure (gateway/api/request_trace.py)
     sink: DeltaSink | None = None  # a streamed answer's direct way to the client
+    # n > 1: the choices of one prompt prefill once (gateway/api/shared_prefill.py)
+    shared_prefill: SharedPrefill | None = None
 
 
 class RouteObserver(Protocol):

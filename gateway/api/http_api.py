@@ -49,6 +49,7 @@ from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedReque
 from gateway.api.request_trace import RequestTrace
 from gateway.api.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer, keep_refusal,
                                    shutting_down)
+from gateway.api.shared_prefill import SharedPrefill
 from gateway.api.slo_accounting import RequestTiming, timed_batches
 from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
@@ -223,11 +224,15 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     # calls out of each choice's text (no direct token writes there).
     parses_tools = validated.tool_use is not None and validated.tool_use.parses_output
     if len(prompts) > 1 or validated.n > 1 or parses_tools:
+        # n > 1: each prompt's first choice prefills, the others reuse its KV (one prefill).
+        shares = [SharedPrefill(f"{request_id}-{p * validated.n}") if validated.n > 1 else None
+                  for p in range(len(prompts))]
         generations = [GenerationRequest(
             request_id=f"{request_id}-{p * validated.n + j}", model=validated.model,
             prompt_token_ids=prompts[p], sampling=choice_sampling(samplings[p], j),
             tier=tier.name, key_id=key_id, local_prefill=decision.local_prefill,
-            targets=decision.targets, priority=decision.wire_priority, trace=trace)
+            targets=decision.targets, priority=decision.wire_priority, trace=trace,
+            shared_prefill=shares[p])
             for p in range(len(prompts)) for j in range(validated.n)]
         return await _serve_choices(request, validated, request_id, generations,
                                     [len(p) for p in prompts], tier, key_id, slo_timing)

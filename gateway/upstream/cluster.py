@@ -156,6 +156,10 @@ class ClusterView:
                      if not self._excluded(w.worker_id, exclude)
                      and not self._is_unreachable(w.worker_id, now))
 
+    def is_routable(self, worker_id: str) -> bool:
+        """Registered, ready for requests and not marked unreachable."""
+        return any(w.worker_id == worker_id for w in self._routable({}))
+
     def _excluded(self, worker_id: str, exclude: Mapping[str, int]) -> bool:
         return worker_id in exclude and self._live_epochs.get(worker_id) == exclude[worker_id]
 
