@@ -53,7 +53,6 @@ from gateway.api.shared_prefill import SharedPrefill
 from gateway.api.slo_accounting import RequestTiming, timed_batches
 from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
-from gateway.api.tool_request import parameters_spec
 from telemetry.log_format import REQUEST_ID, TRACE_ID
 from telemetry.tracing import NO_TRACING, Tracing
 
@@ -197,11 +196,8 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
     grammars = app.get(GRAMMARS)
-    if validated.tool_use is not None and grammars is not None:
-        for i, function in enumerate(validated.tool_use.functions):
-            await grammars.check(parameters_spec(function), f"tools[{i}].function.parameters")
-    if validated.grammar is not None and grammars is not None:
-        await grammars.check(validated.grammar, validated.grammar_param or "response_format")
+    if grammars is not None:
+        await grammars.check_request(validated)
     backend = app[BACKEND]
     limits = _context_limits(settings.limits, backend.context_limit())
     prompts = await _tokenize_all(app[TOKENIZE], validated, limits)

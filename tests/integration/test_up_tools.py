@@ -13,12 +13,15 @@ and here only to answer 200 with either text or well-formed calls.
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import jsonschema
 import pytest
 from up_process import HANDOFF_TIER, UpProcess
 
 import openai
+from testing.random_schemas import SchemaGenerator, body_with
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -137,3 +140,27 @@ def test_bad_tools_are_400_with_an_openai_body(client, model, kwargs, param) -> 
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, **body)
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param and error["message"]
+
+
+def test_random_schemas_through_the_gateway_are_200_or_400(up) -> None:
+    """30 of the unit fuzz's schemas (tests/unit/gateway/test_schema_fuzz.py) over HTTP:
+    answered or refused with an OpenAI error body, never a 5xx."""
+    generator = SchemaGenerator(seed=30)
+    statuses = []
+    for i in range(30):
+        body = {**json.loads(body_with(generator.schema(), i % 3)), "model": "default",
+                "max_tokens": 4}
+        request = urllib.request.Request(
+            f"{up.url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                statuses.append(response.status)
+                assert json.loads(response.read())["choices"]
+        except urllib.error.HTTPError as exc:
+            statuses.append(exc.code)
+            error = json.loads(exc.read())["error"]
+            assert exc.code == 400 and error["message"] and error["param"], error
+    assert 200 in statuses and 400 in statuses, statuses
+    with urllib.request.urlopen(f"{up.url}/health", timeout=5) as response:
+        assert response.status == 200
