@@ -19,14 +19,14 @@ from typing import Any, TypedDict, TypeVar
 
 import msgspec
 
+from gateway.api.chat_messages import validate_messages
 from gateway.api.errors import ApiError, invalid_request, unsupported
 from gateway.api.grammar_request import grammar_from_request
-from gateway.api.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                    SamplingFields)
+from gateway.api.openai_api import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.api.tool_request import ToolUse, tool_use_from_request
 from protocol.grammar_spec import GrammarSpec
 from protocol.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
-from text.tool_prompt import ChatTurn, TurnToolCall
+from text.tool_prompt import ChatTurn
 
 # OpenAI's completions endpoint defaults to 16 tokens; chat fills the remaining context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -35,8 +35,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
 MAX_BATCH_PROMPTS = 64
 MAX_CHOICES = 64
-CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
-                              "assistant": "assistant", "tool": "tool"}
 INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -131,7 +129,7 @@ def parse_completion(body: bytes, limits: RequestLimits) -> ValidatedRequest:
 
 def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
     req, unknown = _decode(body, ChatCompletionRequest, limits)
-    full_turns = _validate_messages(req.messages)
+    full_turns = validate_messages(req.messages)
     turns = tuple((t.role, t.content) for t in full_turns)
     tool_use = tool_use_from_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     with_tools = tool_use is not None or any(t.role == "tool" or t.tool_calls for t in full_turns)
@@ -281,62 +279,6 @@ def _validate_prompt(prompt: str | list[Any], limits: RequestLimits,
             raise invalid_request(f"Token id {t} is outside the vocabulary"
                                   f"{f' [0, {vocab})' if vocab else ''}.", f"{param}[{i}]")
     return tuple(prompt)
-
-
-def _validate_messages(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
-    if not messages:
-        raise invalid_request("`messages` must contain at least one message.", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            raise unsupported(f"Message role `{m.role}` is not supported; use system, user, "
-                              "assistant or tool.", f"messages[{i}].role")
-        calls = _turn_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
-        if calls and role != "assistant":
-            raise invalid_request("Only assistant messages carry `tool_calls`.",
-                                  f"messages[{i}].tool_calls")
-        if m.content is None:
-            if role != "assistant":
-                raise invalid_request(f"A {m.role} message needs `content`.", f"messages[{i}].content")
-            text = ""
-        elif isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                where = f"messages[{i}].content[{j}]"
-                if part.type != "text":
-                    raise unsupported(f"Content parts of type `{part.type}` are not supported "
-                                      "(this model reads text only).", f"{where}.type")
-                if part.text is None:
-                    raise invalid_request("A text content part needs `text`.", f"{where}.text",
-                                          code="missing_required_parameter")
-                parts.append(part.text)
-            text = "\n".join(parts)
-        turns.append(ChatTurn(role, text, calls,
-                              m.tool_call_id if role == "tool" else None))
-    if turns[-1].role == "assistant" and len(turns) == 1:
-        raise invalid_request("`messages` needs at least one system or user message.", "messages")
-    return tuple(turns)
-
-
-def _turn_tool_calls(calls: list[Any] | None, where: str) -> tuple[TurnToolCall, ...]:
-    """An assistant message's `tool_calls`, as OpenAI returned them."""
-    out = []
-    for j, call in enumerate(calls or ()):
-        here = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid_request("A tool call needs `function.name`.", f"{here}.function",
-                                  code="missing_required_parameter")
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):  # an object is taken too (some clients send one)
-            arguments = msgspec.json.encode(arguments).decode()
-        call_id = call.get("id")
-        out.append(TurnToolCall(call_id if isinstance(call_id, str) else f"call_{j}",
-                                function["name"], arguments))
-    return tuple(out)
 
 
 class _Constraints(TypedDict):

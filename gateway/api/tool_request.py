@@ -76,10 +76,11 @@ class ToolUse:
         return tool_call_grammar(tuple(chosen), self.parallel)
 
 
-def tool_use_from_request(tools: list[Any] | None, tool_choice: Any,
+def tool_use_from_request(tools: list[object] | None, tool_choice: object,
                           parallel_tool_calls: bool | None) -> ToolUse | None:
     """The request's tools and how they may be used; None when it has none and asks for
-    none. ApiError(400) naming the field."""
+    none. ApiError(400) naming the field. `tools` and `tool_choice` are the body's JSON
+    values, unchecked: their shapes are checked here."""
     functions = _functions(tools) if tools is not None else ()
     choice, named = _choice(tool_choice, functions)
     if not functions and choice is ToolChoice.NONE:
@@ -122,7 +123,7 @@ def _call_schema(function: ToolFunction) -> dict[str, Any]:
     return schema
 
 
-def _functions(tools: list[Any]) -> tuple[ToolFunction, ...]:
+def _functions(tools: list[object]) -> tuple[ToolFunction, ...]:
     if len(tools) > MAX_TOOLS:
         raise invalid_request(f"At most {MAX_TOOLS} tools per request; got {len(tools)}.", "tools")
     functions: list[ToolFunction] = []
@@ -158,7 +159,7 @@ def _functions(tools: list[Any]) -> tuple[ToolFunction, ...]:
     return tuple(functions)
 
 
-def _choice(value: Any, functions: tuple[ToolFunction, ...]) -> tuple[ToolChoice, str | None]:
+def _choice(value: object, functions: tuple[ToolFunction, ...]) -> tuple[ToolChoice, str | None]:
     if value is None:
         return (ToolChoice.AUTO if functions else ToolChoice.NONE), None
     if isinstance(value, str):

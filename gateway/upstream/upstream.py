@@ -62,7 +62,7 @@ from gateway.api.prompt_tokenizer import GatewayTokenizer
 from gateway.routing.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
                                           client_message, leg_failed, marks_worker_dead,
                                           retry_after_s, should_retry)
-from gateway.routing.router import NoWorkers, RoutePlan
+from gateway.routing.router import NoWorkers
 from gateway.upstream.cluster import ClusterView
 from gateway.upstream.handoff import (Attempt, Generation, UpstreamTimeouts, first_prefill_frame,
                                       prepend, reserve_and_forward, should_prefill_early,
@@ -181,7 +181,7 @@ class WorkerBackend:
         share = request.shared_prefill
         if share is not None and not share.leads(request.request_id) and not generation.attempts:
             shared = await share.route()  # the leader's, once its prompt is in a prefix cache
-            if shared is not None and self._still_routable(shared):
+            if shared is not None and self.cluster.can_route(shared):
                 self.metrics.observe_plan(shared.kind, False, request.tier)
                 return generation.new_attempt(shared)
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
@@ -212,10 +212,6 @@ class WorkerBackend:
             raise BackendUnavailable(client_message(len(generation.attempts), failure), 1,
                                      client_code(failure))
         raise BackendUnavailable(plan.reason.capitalize() + ".", 1, "no_worker")
-
-    def _still_routable(self, plan: RoutePlan) -> bool:
-        return self.cluster.is_routable(plan.decode_worker_id) and (
-            plan.prefill_worker_id is None or self.cluster.is_routable(plan.prefill_worker_id))
 
     def _note_failure(self, generation: Generation, failure: LegFailed) -> None:
         log.warning("%s: attempt %d failed (%s); %d token(s) delivered",
