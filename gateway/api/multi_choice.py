@@ -1,6 +1,8 @@
 """Requests with several choices: a list of prompts on /v1/completions, `n` > 1 on both
-endpoints. Each choice is a generation of its own (its own id, its own route, its own
-workers); their deltas are merged here into one answer.
+endpoints; and every chat answer whose tool calls are parsed (gateway/api/tool_answer.py),
+one choice or more. Each choice is a generation of its own (its own id, its own workers;
+the n choices of one prompt share the first one's route and prefill,
+gateway/api/shared_prefill.py); their deltas are merged here into one answer.
 
     prompts p0..pk, n samples each ──▶ choice index = prompt index * n + sample index
                                         (OpenAI's order), generation id "<request id>-<index>"
@@ -46,8 +48,8 @@ from gateway.api.openai_api import (ChatChoice, ChatChunkChoice, ChatCompletionC
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.responses import SENT_RESPONSE, StreamTiming, shutting_down, write_bounded
 from gateway.api.slo_accounting import RequestTiming
-from gateway.api.tool_answer import ToolDeltas, answer_finish_reason, tool_message
 from gateway.api.sse import DONE_EVENT, SSE_HEADERS, encode_event
+from gateway.api.tool_answer import ToolDeltas, answer_finish_reason, tool_message
 from protocol.finish_reason import FinishReason
 from protocol.sampling_params import SamplingParams
 

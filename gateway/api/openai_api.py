@@ -8,8 +8,8 @@ conversion, in code, where the messages can name the field and the allowed range
 Unknown top-level fields are ignored (and reported back to the caller for a log line), as
 OpenAI and vLLM do in practice: benchmark tools send vendor extensions such as
 `skip_special_tokens` that must not fail a request. Fields that are known but change
-semantics in ways pdserve does not implement (`n > 1`, `echo`, `tools`, images, ...) are
-rejected with a clear 400 instead of being silently dropped.
+semantics in ways pdserve does not implement (`echo`, `suffix`, images, ...) are rejected
+with a clear 400 instead of being silently dropped.
 
 `prompt`, `logit_bias` and `tools` are typed loosely (`list[Any]`, ...) because msgspec
 unions admit one array-like member; their shapes are checked by hand.
