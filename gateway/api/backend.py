@@ -58,6 +58,9 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     finish_reason: FinishReason | None = None  # STOP or LENGTH, on the last delta
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when requested
+    # On the last delta, when a worker reported it: the prompt tokens the prefilling worker
+    # found in its prefix cache.
+    num_cached_tokens: int | None = None
 
 
 class DeltaSink(Protocol):

@@ -44,7 +44,8 @@ from gateway.api.drain import Drain
 from gateway.api.errors import overloaded
 from gateway.api.openai_api import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatResponseMessage,
-                                    CompletionChoice, CompletionChunk, CompletionResponse, Usage)
+                                    CompletionChoice, CompletionChunk, CompletionResponse,
+                                    PromptTokensDetails, Usage)
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.responses import SENT_RESPONSE, StreamTiming, shutting_down, write_bounded
 from gateway.api.slo_accounting import RequestTiming
@@ -71,6 +72,7 @@ class _Choice:
     num_tokens: int = 0
     num_chars: int = 0  # text streamed so far (completions' logprob offsets)
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None  # reported with the finish
     announced: bool = False  # chat: the role event went out
 
 
@@ -118,10 +120,17 @@ def _unfinished(delta: TokenDelta) -> TokenDelta:
     return msgspec.structs.replace(delta, finish_reason=None)
 
 
-def usage_of_choices(prompt_lengths: Sequence[int], num_generated: int) -> Usage:
+def usage_of_choices(prompt_lengths: Sequence[int], num_generated: int,
+                     choices: Sequence[_Choice] = ()) -> Usage:
+    """Each prompt once, with its first choice's cached tokens (the one that prefilled it,
+    gateway/api/shared_prefill.py), when the workers reported them."""
     num_prompt = sum(prompt_lengths)
+    n = len(choices) // len(prompt_lengths) if choices else 1
+    cached = [c.num_cached_tokens for c in choices[::n]]
+    details = None if not cached or None in cached else PromptTokensDetails(
+        cached_tokens=sum(c for c in cached if c is not None))
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                 total_tokens=num_prompt + num_generated)
+                 total_tokens=num_prompt + num_generated, prompt_tokens_details=details)
 
 
 async def json_choices_answer(validated: ValidatedRequest, request_id: str,
@@ -138,12 +147,13 @@ async def json_choices_answer(validated: ValidatedRequest, request_id: str,
                 choice.num_tokens += delta.num_tokens
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
+                    choice.num_cached_tokens = delta.num_cached_tokens
     except BackendUnavailable as exc:
         raise overloaded(str(exc), exc.retry_after_s, exc.code) from exc
     finally:
         await merged.aclose()
     num_generated = sum(c.num_tokens for c in choices)
-    usage = usage_of_choices(prompt_lengths, num_generated)
+    usage = usage_of_choices(prompt_lengths, num_generated, choices)
     created = int(time.time())
     want_logprobs = validated.logprobs is not None
     body: ChatCompletionResponse | CompletionResponse
@@ -246,6 +256,8 @@ class _ChunkEvents:
         for delta in batch:
             choice.num_tokens += delta.num_tokens
             self.num_generated += delta.num_tokens
+            if delta.finish_reason is not None:
+                choice.num_cached_tokens = delta.num_cached_tokens
             lp = delta.logprobs if self._want_logprobs else None
             if self._tools is not None:
                 out += self._tool_events(index, delta, lp)
@@ -288,7 +300,7 @@ class _ChunkEvents:
                                      else None)])))
 
     def usage(self, prompt_lengths: Sequence[int]) -> bytes:
-        usage = usage_of_choices(prompt_lengths, self.num_generated)
+        usage = usage_of_choices(prompt_lengths, self.num_generated, self._choices)
         chunk: ChatCompletionChunk | CompletionChunk
         if self._chat:
             chunk = ChatCompletionChunk(id=self._id, created=self._created, model=self._model,

@@ -127,10 +127,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 # ---------------------------------------------------------------- responses
 
-class Usage(msgspec.Struct, kw_only=True):
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from a prefix cache
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # When the workers reported it: the prompt's tokens found in the prefilling worker's
+    # prefix cache (with n > 1, the first choice's: the prompt counts once).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):

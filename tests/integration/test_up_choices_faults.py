@@ -98,6 +98,12 @@ def test_n_choices_compute_their_prompt_once(up) -> None:
     # (only their last, partial block is computed again).
     assert cached >= 2 * (num_prompt - 64), (num_prompt, started, cached)
     assert started - cached <= num_prompt + 2 * 64
+    # The usage counts the prompt once, with the prefill of its first choice (a new prompt:
+    # nothing cached); the same prompt again finds it in the prefix cache.
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] < 64
+    again = post(up, {"model": "default", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": prompt}]})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= num_prompt - 64
 
 
 class ConstrainedStream(Stream):
@@ -147,5 +153,6 @@ def test_a_constrained_stream_keeps_its_grammar_across_a_migration(up) -> None:
     assert text == expected
     assert num_migrations(up) == migrations + 1  # resumed mid-stream, not retried from scratch
     assert events[-2]["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     jsonschema.validate(json.loads(text), TEAM)
     assert_nothing_held(up)
