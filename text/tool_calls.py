@@ -8,20 +8,22 @@ tool block asks for (text/tool_prompt.py) and its grammar forces
 (gateway/api/tool_request.py). Other formats (Llama 3's bare JSON, Mistral's
 `[TOOL_CALLS]`, ...) stay text.
 
-Two readers over the same format:
-
-    parse_tool_calls(text)      the whole answer at once (JSON responses)
-    ToolCallStream.feed(piece)  piece by piece (streams): text outside the calls is released
-                                as soon as it cannot be the start of a `<tool_call>` tag; a
-                                call is released once its `</tool_call>` (or the end) arrives
-
-A call is kept only when its body is a JSON object with a string `name` among `known_names`
-(when given) and an `arguments` (or `parameters`) object; anything else stays in the text.
+One reader, `ToolCallStream`, fed piece by piece (streams); `parse_tool_calls` runs it over
+a whole answer (JSON responses), so both give the same calls. Text outside the calls is
+released as soon as it cannot be the start of a `<tool_call>` tag. A call written name
+first (`{"name": "<a known tool>", "arguments": {...`, the Hermes order, and the only one
+the gateway's grammar allows) streams: its start as soon as its name is known, then its
+arguments as the model writes them (their text is the model's own). Any other call is
+read whole at its `</tool_call>` (or the end): kept when its body is a JSON object with a
+string `name` among `known_names` (when given) and an `arguments` (or `parameters`)
+object, else left in the text. A streamed call is a call whatever follows its start (its
+arguments are not parsed: a model may write invalid JSON there, as OpenAI's may).
 Side-effect free apart from `ToolCallStream`'s own buffer.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -66,43 +68,94 @@ def parse_call_body(body: str, known_names: Collection[str] | None) -> ParsedToo
 
 
 def parse_tool_calls(text: str, known_names: Collection[str] | None = None) -> ParsedAnswer:
-    """The calls in a whole answer and the text around them."""
+    """The calls in a whole answer and the text around them (exactly what the stream
+    reader gives, assembled)."""
     stream = ToolCallStream(known_names)
-    pieces = stream.feed(text) + stream.finish()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    calls = tuple(p for p in pieces if isinstance(p, ParsedToolCall))
-    if calls:
-        content = content.strip()
-    return ParsedAnswer(content or None, calls)
+    content: list[str] = []
+    calls: list[ParsedToolCall] = []
+    started: CallStart | None = None
+    arguments: list[str] = []
+    for piece in stream.feed(text) + stream.finish():
+        if isinstance(piece, str):
+            content.append(piece)
+        elif isinstance(piece, ParsedToolCall):
+            calls.append(piece)
+        elif isinstance(piece, CallStart):
+            started, arguments = piece, []
+        elif isinstance(piece, ArgumentsPiece):
+            arguments.append(piece.text)
+        else:
+            assert started is not None
+            calls.append(ParsedToolCall(started.name, "".join(arguments)))
+    joined = "".join(content)
+    return ParsedAnswer((joined.strip() if calls else joined) or None, tuple(calls))
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A call whose arguments follow as `ArgumentsPiece`s, then `CallEnd`."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentsPiece:
+    text: str  # the next characters of the arguments object, as the model wrote them
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    pass
+
+
+Piece = str | ParsedToolCall | CallStart | ArgumentsPiece | CallEnd
+# The start of a call body whose arguments can stream: name first, then an object.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 class ToolCallStream:
-    """Splits streamed text into plain text and whole calls, in order.
+    """Splits streamed text into plain text and calls, in order.
 
-    Invariant: every character fed comes out exactly once, as text or inside a call, once
-    `finish()` has been called; what is held back is at most an unfinished call, or a tail
-    that could still become `<tool_call>`.
+    A call that starts `{"name": "<a known tool>", "arguments": {` streams: `CallStart`
+    as soon as that much has arrived, then its arguments as they come (`ArgumentsPiece`;
+    only the last `}` seen is held back, since it may close the call's outer object), then
+    `CallEnd` at `</tool_call>` or the end of the answer. Any other call comes whole
+    (`ParsedToolCall`) at its closing tag, or as text when it is not one.
+
+    Invariant: every character fed comes out exactly once, once `finish()` has been
+    called: as text, inside a call, or as a call's JSON punctuation; what is held back is
+    at most an unfinished call, or a tail that could still become `<tool_call>`.
     """
 
     def __init__(self, known_names: Collection[str] | None = None) -> None:
         self._known = known_names
         self._held = ""  # not yet released: an open call, or a possible tag start
+        self._arguments_at: int | None = None  # streaming a call: where its arguments start
+        self._num_sent = 0  # of those arguments
         self.num_calls = 0
 
-    def feed(self, piece: str) -> list[str | ParsedToolCall]:
+    def feed(self, piece: str) -> list[Piece]:
         self._held += piece
-        out: list[str | ParsedToolCall] = []
+        out: list[Piece] = []
         while True:
+            if self._arguments_at is not None:
+                if not self._stream_arguments(out):
+                    return out
+                continue
             start = self._held.find(OPEN_TAG)
             if start < 0:
                 keep = _partial_tag_len(self._held)
-                text, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
-                if text:
-                    out.append(text)
+                cut = len(self._held) - keep
+                if cut:
+                    out.append(self._held[:cut])
+                self._held = self._held[cut:]
                 return out
             if start:
                 out.append(self._held[:start])
                 self._held = self._held[start:]
+            self._try_header(out)
+            if self._arguments_at is not None:
+                continue  # written name first: it streams
             end = self._held.find(CLOSE_TAG, len(OPEN_TAG))
             if end < 0:
                 return out  # the call is still arriving
@@ -111,13 +164,62 @@ class ToolCallStream:
             self._held = self._held[end + len(CLOSE_TAG):]
             out.append(self._call_or_text(body, whole))
 
-    def finish(self) -> list[str | ParsedToolCall]:
+    def finish(self) -> list[Piece]:
         """The end of the answer: a call cut before its closing tag still counts when its
         JSON is whole (models often stop at EOS right after it)."""
+        if self._arguments_at is not None:
+            out: list[Piece] = []
+            self._end_arguments(len(self._held), out)
+            self._held = ""
+            return out
         held, self._held = self._held, ""
         if held.startswith(OPEN_TAG):
             return [self._call_or_text(held[len(OPEN_TAG):], held)]
         return [held] if held else []
+
+    def _try_header(self, out: list[Piece]) -> None:
+        """An open call whose name and the start of its arguments object have arrived
+        starts streaming."""
+        match = _HEADER.match(self._held, len(OPEN_TAG))
+        if match is None or match.end() >= len(self._held) or self._held[match.end()] != "{":
+            return
+        if self._known is not None and match.group(1) not in self._known:
+            return
+        self.num_calls += 1
+        out.append(CallStart(match.group(1)))
+        self._arguments_at, self._num_sent = match.end(), 0
+
+    def _stream_arguments(self, out: list[Piece]) -> bool:
+        """Releases what is safe of a streaming call; True when the call ended."""
+        assert self._arguments_at is not None
+        end = self._held.find(CLOSE_TAG, self._arguments_at)
+        if end >= 0:
+            self._end_arguments(end, out)
+            self._held = self._held[end + len(CLOSE_TAG):]
+            return True
+        last_brace = self._held.rfind("}", self._arguments_at)
+        safe = last_brace if last_brace >= 0 else len(self._held)
+        self._send(safe, out)
+        return False
+
+    def _end_arguments(self, end: int, out: list[Piece]) -> None:
+        """The call's text ends at `end`: its arguments end before the last `}` (the
+        call's own object closes there)."""
+        assert self._arguments_at is not None
+        close = self._held.rfind("}", self._arguments_at, end)
+        self._send(close if close >= 0 else end, out, final=True)
+        out.append(CallEnd())
+        self._arguments_at = None
+
+    def _send(self, stop: int, out: list[Piece], final: bool = False) -> None:
+        assert self._arguments_at is not None
+        begin = self._arguments_at + self._num_sent
+        text = self._held[begin:stop]
+        if final:
+            text = text.rstrip()
+        if text:
+            out.append(ArgumentsPiece(text))
+            self._num_sent += len(text)
 
     def _call_or_text(self, body: str, whole: str) -> str | ParsedToolCall:
         call = parse_call_body(body, self._known)

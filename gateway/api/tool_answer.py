@@ -4,9 +4,11 @@
     JSON   message = {"role": "assistant", "content": text outside the calls or null,
                       "tool_calls": [{"id": "call_…", "type": "function",
                                       "function": {"name", "arguments": JSON text}}]}
-    SSE    text outside the calls as `content` deltas; each call, once whole, as two deltas
-           of `tool_calls[index]`: {index, id, type, function: {name, arguments: ""}}, then
-           {index, function: {arguments}}, which the official client assembles
+    SSE    text outside the calls as `content` deltas; each call as deltas of
+           `tool_calls[index]`: {index, id, type, function: {name, arguments: ""}} once its
+           name is known, then {index, function: {arguments: the next piece}} as the
+           arguments arrive (all at once for a call not written name first), which the
+           official client assembles
 
 `finish_reason` is "tool_calls" when the choice made a call and ended normally ("stop");
 a choice cut by `max_tokens` keeps "length".
@@ -20,7 +22,8 @@ from collections.abc import Collection
 from gateway.api.openai_api import (ChatResponseMessage, ToolCall, ToolCallDelta,
                                     ToolCallFunction, ToolCallFunctionDelta)
 from protocol.finish_reason import FinishReason
-from text.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
+from text.tool_calls import (ArgumentsPiece, CallStart, ParsedToolCall, ToolCallStream,
+                             parse_tool_calls)
 
 TOOL_CALLS = "tool_calls"
 
@@ -52,6 +55,7 @@ class ToolDeltas:
 
     def __init__(self, known_names: Collection[str]) -> None:
         self._stream = ToolCallStream(known_names)
+        self._num_started = 0
 
     @property
     def num_calls(self) -> int:
@@ -60,23 +64,30 @@ class ToolDeltas:
     def feed(self, text: str, last: bool) -> tuple[str, list[ToolCallDelta]]:
         """The content to send now and the call deltas (each its own event); `last`: the
         choice ends with this text."""
-        before = self._stream.num_calls
         pieces = self._stream.feed(text)
         if last:
             pieces += self._stream.finish()
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
-        index = before
         for piece in pieces:
-            if isinstance(piece, ParsedToolCall):
-                deltas += call_deltas(index, piece)
-                index += 1
-            else:
+            if isinstance(piece, str):
                 content.append(piece)
+            elif isinstance(piece, ParsedToolCall):
+                deltas.append(_named(self._num_started, piece.name))
+                deltas.append(_arguments(self._num_started, piece.arguments))
+                self._num_started += 1
+            elif isinstance(piece, CallStart):
+                deltas.append(_named(self._num_started, piece.name))
+                self._num_started += 1
+            elif isinstance(piece, ArgumentsPiece):
+                deltas.append(_arguments(self._num_started - 1, piece.text))
         return "".join(content), deltas
 
 
-def call_deltas(index: int, call: ParsedToolCall) -> list[ToolCallDelta]:
-    return [ToolCallDelta(index=index, id=new_call_id(), type="function",
-                          function=ToolCallFunctionDelta(name=call.name, arguments="")),
-            ToolCallDelta(index=index, function=ToolCallFunctionDelta(arguments=call.arguments))]
+def _named(index: int, name: str) -> ToolCallDelta:
+    return ToolCallDelta(index=index, id=new_call_id(), type="function",
+                         function=ToolCallFunctionDelta(name=name, arguments=""))
+
+
+def _arguments(index: int, text: str) -> ToolCallDelta:
+    return ToolCallDelta(index=index, function=ToolCallFunctionDelta(arguments=text))

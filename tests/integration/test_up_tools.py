@@ -103,10 +103,15 @@ def test_a_named_function_streamed_matches_the_json_answer(client, model) -> Non
     whole = client.chat.completions.create(**kwargs)
     calls = whole.choices[0].message.tool_calls or []
     assert [name for name, _ in _valid_calls(calls)] == ["add"]
+    argument_pieces = []
     with client.chat.completions.stream(**kwargs) as stream:
-        for _ in stream:
-            pass
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                for call in event.chunk.choices[0].delta.tool_calls or ():
+                    if call.function is not None and call.function.arguments:
+                        argument_pieces.append(call.function.arguments)
         final = stream.get_final_completion().choices[0]
+    assert len(argument_pieces) > 1  # the arguments stream as the model writes them
     assert final.finish_reason == "tool_calls"
     streamed = final.message.tool_calls or []
     assert [(c.function.name, c.function.arguments) for c in streamed] == \

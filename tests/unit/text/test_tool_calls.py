@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from text.tool_calls import ParsedToolCall, ToolCallStream, parse_tool_calls
+from text.tool_calls import (ArgumentsPiece, CallEnd, CallStart, ParsedToolCall, ToolCallStream,
+                             parse_tool_calls)
 
 NAMES = {"get_weather", "add"}
 
@@ -47,21 +48,49 @@ def test_what_is_not_a_known_call_stays_text(text):
     assert parsed.tool_calls == () and parsed.content == text
 
 
+def assemble(pieces) -> tuple[list[tuple[str, str]], str]:
+    calls, texts = [], []
+    for piece in pieces:
+        if isinstance(piece, str):
+            texts.append(piece)
+        elif isinstance(piece, ParsedToolCall):
+            calls.append((piece.name, piece.arguments))
+        elif isinstance(piece, CallStart):
+            calls.append((piece.name, ""))
+        elif isinstance(piece, ArgumentsPiece):
+            calls[-1] = (calls[-1][0], calls[-1][1] + piece.text)
+    return calls, "".join(texts)
+
+
 def test_streamed_pieces_give_the_same_calls_and_text_as_the_whole():
-    text = ('Sure <tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call> '
-            'and <tool_call>{"name":"add","arguments":{"a":5,"b":6}}</tool_call> done <tool')
+    text = ('Sure <tool_call>{"name":"get_weather","arguments":{"city":"Ro}me"}}</tool_call> '
+            'and <tool_call>{"arguments":{"a":5,"b":6}, "name":"add"}</tool_call> then '
+            '<tool_call>\n{"name": "add", "arguments": {"a": {"b": 1}}}\n</tool_call> done <tool')
+    whole = parse_tool_calls(text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [
+        ("get_weather", {"city": "Ro}me"}), ("add", {"a": 5, "b": 6}), ("add", {"a": {"b": 1}})]
     rng = random.Random(7)
-    for _ in range(50):
+    for _ in range(100):
         stream, out, i = ToolCallStream(NAMES), [], 0
         while i < len(text):
             j = min(len(text), i + rng.randint(1, 6))
             out += stream.feed(text[i:j])
             i = j
         out += stream.finish()
-        calls = [p for p in out if isinstance(p, ParsedToolCall)]
-        texts = "".join(p for p in out if isinstance(p, str))
-        assert [c.name for c in calls] == ["get_weather", "add"]
-        assert texts == "Sure  and  done <tool"
+        calls, texts = assemble(out)
+        assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+        assert texts == "Sure  and  then  done <tool"
+
+
+def test_arguments_stream_before_the_call_closes():
+    stream = ToolCallStream(NAMES)
+    assert stream.feed('<tool_call>{"name": "get_weather", "arg') == []
+    assert stream.feed('uments": {"city": "Os') == [CallStart("get_weather"),
+                                                   ArgumentsPiece('{"city": "Os')]
+    assert stream.feed('lo"}') == [ArgumentsPiece('lo"')]  # "}" may close the call
+    assert stream.feed("}") == [ArgumentsPiece("}")]
+    assert stream.feed("</tool_call>ok") == [CallEnd(), "ok"]
+    assert stream.num_calls == 1
 
 
 def test_text_is_released_as_soon_as_it_cannot_start_a_tag():
