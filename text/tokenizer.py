@@ -40,6 +40,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from text.gguf_metadata import GGUFTokenizerData
+from text.tool_prompt import (ChatTurn, ToolFunction, folded_messages, template_knows_tools,
+                              template_messages, template_tools)
 from text.token_bytes import TokenBytes
 
 TOKEN_TYPE_CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL: special, e.g. <|im_start|>
@@ -142,8 +144,22 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> list[int]:
         """Template then encode. Templates usually write BOS themselves, so the text is encoded
         without special tokens and BOS is added only when the model wants one and it is absent."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                          add_special_tokens=False)
+        return self._encode_rendered(self.apply_chat_template(messages, add_generation_prompt))
+
+    def encode_tool_chat(self, turns: Sequence[ChatTurn],
+                         functions: tuple[ToolFunction, ...]) -> list[int]:
+        """A conversation with tools (text/tool_prompt.py), with the generation prompt: the
+        template renders `tools` itself when it knows them, else they are folded into the
+        system prompt, Hermes style."""
+        if self.chat_template is not None and template_knows_tools(self.chat_template):
+            text = self.apply_chat_template(template_messages(tuple(turns)), True,
+                                            template_tools(functions))
+        else:
+            text = self.apply_chat_template(folded_messages(tuple(turns), functions), True)
+        return self._encode_rendered(text)
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        ids = self.encode(text, add_special_tokens=False)
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

@@ -28,11 +28,13 @@ from typing import Protocol
 
 import msgspec
 
+from gateway.api.shared_prefill import SharedPrefill
 from gateway.routing.plan_model import Targets
 from gateway.routing.retry_policy import LegFailed
 from gateway.routing.router import RoutePlan
 from protocol.finish_reason import FinishReason
 from protocol.sampling_params import SamplingParams
+from text.tool_prompt import ChatTurn, ToolFunction
 
 
 class BackendUnavailable(Exception):
@@ -56,6 +58,9 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     finish_reason: FinishReason | None = None  # STOP or LENGTH, on the last delta
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when requested
+    # On the last delta, when a worker reported it: the prompt tokens the prefilling worker
+    # found in its prefix cache.
+    num_cached_tokens: int | None = None
 
 
 class DeltaSink(Protocol):
@@ -84,6 +89,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     key_id: str | None = None
     trace: RouteObserver | None = None  # told each plan and failure (gateway/api/request_trace.py)
     sink: DeltaSink | None = None  # a streamed answer's direct way to the client
+    # n > 1: the choices of one prompt prefill once (gateway/api/shared_prefill.py)
+    shared_prefill: SharedPrefill | None = None
 
 
 class RouteObserver(Protocol):
@@ -128,4 +135,10 @@ class PromptTokenizer(Protocol):
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Apply the chat template to (role, text) turns and tokenize, with the generation
         prompt for the assistant appended."""
+        ...
+
+    def encode_tool_chat(self, turns: Sequence[ChatTurn],
+                         functions: tuple[ToolFunction, ...]) -> list[int]:
+        """The same for a conversation with tools, tool calls or tool results
+        (text/tool_prompt.py)."""
         ...

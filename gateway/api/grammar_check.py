@@ -1,7 +1,8 @@
 """Compiles a request's grammar before it is routed, so a grammar that cannot work is a 400
 here, not an error from a worker (and a worker never sees it).
 
-    parsed request --grammar?--> GrammarCheck.check: compile on the pool (cached by the
+    parsed request --grammar?--> GrammarCheck.check_request: each tool's parameter schema,
+        then the output grammar, each by GrammarCheck.check: compile on the pool (cached by the
         spec's key) within `deadline_s` --ok--> routed; the workers compile it again, from
         their own caches
                                                 --GrammarError / deadline--> 400
@@ -22,6 +23,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.api.grammar_request import grammar_error
+from gateway.api.request_parsing import ValidatedRequest
+from gateway.api.tool_request import parameters_spec
 from protocol.grammar_spec import GrammarSpec
 from text.grammar import GrammarCompiler, GrammarError
 
@@ -36,6 +39,15 @@ class GrammarCheck:
         self._compiler = compiler
         self.deadline_s = deadline_s
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+
+    async def check_request(self, validated: ValidatedRequest) -> None:
+        """Every schema and grammar of a parsed request: each tool's parameters (so a bad
+        one is named), then the output constraint; ApiError(400) for the first that fails."""
+        if validated.tool_use is not None:
+            for i, function in enumerate(validated.tool_use.functions):
+                await self.check(parameters_spec(function), f"tools[{i}].function.parameters")
+        if validated.grammar is not None:
+            await self.check(validated.grammar, validated.grammar_param or "response_format")
 
     async def check(self, spec: GrammarSpec, param: str) -> None:
         """Returns when `spec` compiles; raises ApiError(400) naming `param` otherwise."""

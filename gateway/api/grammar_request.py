@@ -18,9 +18,10 @@ At most one of them may constrain a request (two are a 400, as is any other vLLM
 `structural_tag`, `whitespace_pattern`). Whether the grammar compiles is checked later,
 off the event loop (gateway/api/grammar_check.py).
 
-Tool calling will reuse this path: `tool_choice: "required"` (or a named function) becomes a
-JSON_SCHEMA spec here, an `anyOf` over the tools' `{"name": const, "arguments": parameters}`
-objects, and the answer's text is parsed into `tool_calls`; the workers need nothing new.
+Tool calling reuses the same path: `tool_choice: "required"` (or a named function) becomes a
+LARK spec (gateway/api/tool_request.py), `<tool_call>` tags around each tool's
+`{"name": const, "arguments": parameters}` schema, and the answer's text is parsed into
+`tool_calls` (gateway/api/tool_answer.py); the workers need nothing new.
 """
 
 from __future__ import annotations

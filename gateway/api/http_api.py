@@ -49,6 +49,7 @@ from gateway.api.request_parsing import (Endpoint, RequestLimits, ValidatedReque
 from gateway.api.request_trace import RequestTrace
 from gateway.api.responses import (SLO_TIMING, TRACE, StreamTiming, json_answer, keep_refusal,
                                    shutting_down)
+from gateway.api.shared_prefill import SharedPrefill
 from gateway.api.slo_accounting import RequestTiming, timed_batches
 from gateway.api.stream_writer import DirectTokens, stream_answer
 from gateway.api.tokenize_pool import TokenizePool, TokenizerBusy
@@ -195,8 +196,8 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if validated.model not in settings.served_models:
         raise model_not_found(validated.model)
     grammars = app.get(GRAMMARS)
-    if validated.grammar is not None and grammars is not None:
-        await grammars.check(validated.grammar, validated.grammar_param or "response_format")
+    if grammars is not None:
+        await grammars.check_request(validated)
     backend = app[BACKEND]
     limits = _context_limits(settings.limits, backend.context_limit())
     prompts = await _tokenize_all(app[TOKENIZE], validated, limits)
@@ -215,12 +216,19 @@ async def _serve_tracked(request: web.Request, endpoint: Endpoint) -> web.Stream
     if trace.span.trace_id is not None:
         TRACE_ID.set(trace.span.trace_id)
     slo_timing = request[SLO_TIMING] = RequestTiming(tier, arrived_s)
-    if len(prompts) > 1 or validated.n > 1:
+    # Several choices, or tool calls to find in the answer: the merged path, which parses
+    # calls out of each choice's text (no direct token writes there).
+    parses_tools = validated.tool_use is not None and validated.tool_use.parses_output
+    if len(prompts) > 1 or validated.n > 1 or parses_tools:
+        # n > 1: each prompt's first choice prefills, the others reuse its KV (one prefill).
+        shares = [SharedPrefill(f"{request_id}-{p * validated.n}") if validated.n > 1 else None
+                  for p in range(len(prompts))]
         generations = [GenerationRequest(
             request_id=f"{request_id}-{p * validated.n + j}", model=validated.model,
             prompt_token_ids=prompts[p], sampling=choice_sampling(samplings[p], j),
             tier=tier.name, key_id=key_id, local_prefill=decision.local_prefill,
-            targets=decision.targets, priority=decision.wire_priority, trace=trace)
+            targets=decision.targets, priority=decision.wire_priority, trace=trace,
+            shared_prefill=shares[p])
             for p in range(len(prompts)) for j in range(validated.n)]
         return await _serve_choices(request, validated, request_id, generations,
                                     [len(p) for p in prompts], tier, key_id, slo_timing)
@@ -348,7 +356,10 @@ async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,
                     limits: RequestLimits) -> tuple[int, ...]:
     if validated.prompt_token_ids is not None:
         return validated.prompt_token_ids
-    if validated.chat_turns is not None:
+    if validated.tool_turns is not None:
+        num_chars = sum(len(t.content) + sum(len(c.arguments) for c in t.tool_calls)
+                        for t in validated.tool_turns)
+    elif validated.chat_turns is not None:
         num_chars = sum(len(text) for _, text in validated.chat_turns)
     else:
         assert validated.prompt_text is not None
@@ -360,6 +371,9 @@ async def _tokenize(pool: TokenizePool, validated: ValidatedRequest,
             f"tokens can hold ({limits.context_description}).", param,
             code="context_length_exceeded")
     try:
+        if validated.tool_turns is not None:
+            functions = validated.tool_use.in_prompt if validated.tool_use is not None else ()
+            return tuple(await pool.encode_tool_chat(validated.tool_turns, functions))
         if validated.chat_turns is not None:
             return tuple(await pool.encode_chat(validated.chat_turns))
         assert validated.prompt_text is not None

@@ -1,6 +1,8 @@
 """Requests with several choices: a list of prompts on /v1/completions, `n` > 1 on both
-endpoints. Each choice is a generation of its own (its own id, its own route, its own
-workers); their deltas are merged here into one answer.
+endpoints; and every chat answer whose tool calls are parsed (gateway/api/tool_answer.py),
+one choice or more. Each choice is a generation of its own (its own id, its own workers;
+the n choices of one prompt share the first one's route and prefill,
+gateway/api/shared_prefill.py); their deltas are merged here into one answer.
 
     prompts p0..pk, n samples each ──▶ choice index = prompt index * n + sample index
                                         (OpenAI's order), generation id "<request id>-<index>"
@@ -42,11 +44,13 @@ from gateway.api.drain import Drain
 from gateway.api.errors import overloaded
 from gateway.api.openai_api import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatResponseMessage,
-                                    CompletionChoice, CompletionChunk, CompletionResponse, Usage)
+                                    CompletionChoice, CompletionChunk, CompletionResponse,
+                                    PromptTokensDetails, Usage)
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.responses import SENT_RESPONSE, StreamTiming, shutting_down, write_bounded
 from gateway.api.slo_accounting import RequestTiming
 from gateway.api.sse import DONE_EVENT, SSE_HEADERS, encode_event
+from gateway.api.tool_answer import ToolDeltas, answer_finish_reason, tool_message
 from protocol.finish_reason import FinishReason
 from protocol.sampling_params import SamplingParams
 
@@ -68,6 +72,7 @@ class _Choice:
     num_tokens: int = 0
     num_chars: int = 0  # text streamed so far (completions' logprob offsets)
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None  # reported with the finish
     announced: bool = False  # chat: the role event went out
 
 
@@ -115,10 +120,17 @@ def _unfinished(delta: TokenDelta) -> TokenDelta:
     return msgspec.structs.replace(delta, finish_reason=None)
 
 
-def usage_of_choices(prompt_lengths: Sequence[int], num_generated: int) -> Usage:
+def usage_of_choices(prompt_lengths: Sequence[int], num_generated: int,
+                     choices: Sequence[_Choice] = ()) -> Usage:
+    """Each prompt once, with its first choice's cached tokens (the one that prefilled it,
+    gateway/api/shared_prefill.py), when the workers reported them."""
     num_prompt = sum(prompt_lengths)
+    n = len(choices) // len(prompt_lengths) if choices else 1
+    cached = [c.num_cached_tokens for c in choices[::n]]
+    details = None if not cached or None in cached else PromptTokensDetails(
+        cached_tokens=sum(c for c in cached if c is not None))
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                 total_tokens=num_prompt + num_generated)
+                 total_tokens=num_prompt + num_generated, prompt_tokens_details=details)
 
 
 async def json_choices_answer(validated: ValidatedRequest, request_id: str,
@@ -135,22 +147,20 @@ async def json_choices_answer(validated: ValidatedRequest, request_id: str,
                 choice.num_tokens += delta.num_tokens
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
+                    choice.num_cached_tokens = delta.num_cached_tokens
     except BackendUnavailable as exc:
         raise overloaded(str(exc), exc.retry_after_s, exc.code) from exc
     finally:
         await merged.aclose()
     num_generated = sum(c.num_tokens for c in choices)
-    usage = usage_of_choices(prompt_lengths, num_generated)
+    usage = usage_of_choices(prompt_lengths, num_generated, choices)
     created = int(time.time())
     want_logprobs = validated.logprobs is not None
     body: ChatCompletionResponse | CompletionResponse
     if validated.endpoint is Endpoint.CHAT:
         body = ChatCompletionResponse(
             id=request_id, created=created, model=validated.model, usage=usage,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.texts)),
-                                logprobs=chat_logprobs(tuple(c.logprobs)) if want_logprobs
-                                else None, finish_reason=c.finish_reason)
-                     for i, c in enumerate(choices)])
+            choices=[_chat_choice(validated, i, c, want_logprobs) for i, c in enumerate(choices)])
     else:
         body = CompletionResponse(
             id=request_id, created=created, model=validated.model, usage=usage,
@@ -161,6 +171,19 @@ async def json_choices_answer(validated: ValidatedRequest, request_id: str,
                      for i, c in enumerate(choices)])
     return web.Response(body=msgspec.json.encode(body), content_type="application/json"), \
         num_generated
+
+
+def _chat_choice(validated: ValidatedRequest, index: int, choice: _Choice,
+                 want_logprobs: bool) -> ChatChoice:
+    text = "".join(choice.texts)
+    tools = validated.tool_use
+    if tools is not None and tools.parses_output:
+        message, num_calls = tool_message(text, tools.names)
+    else:
+        message, num_calls = ChatResponseMessage(role="assistant", content=text), 0
+    return ChatChoice(index=index, message=message,
+                      logprobs=chat_logprobs(tuple(choice.logprobs)) if want_logprobs else None,
+                      finish_reason=answer_finish_reason(choice.finish_reason, num_calls))
 
 
 async def stream_choices_answer(request: web.Request, validated: ValidatedRequest,
@@ -219,6 +242,9 @@ class _ChunkEvents:
         self._want_logprobs = validated.logprobs is not None
         self._id, self._model, self._created = request_id, validated.model, int(time.time())
         self._choices = [_Choice() for _ in range(num_choices)]
+        tools = validated.tool_use
+        self._tools = [ToolDeltas(tools.names) for _ in range(num_choices)] \
+            if self._chat and tools is not None and tools.parses_output else None
         self.num_generated = 0
 
     def of(self, index: int, batch: list[TokenDelta]) -> list[bytes]:
@@ -230,8 +256,12 @@ class _ChunkEvents:
         for delta in batch:
             choice.num_tokens += delta.num_tokens
             self.num_generated += delta.num_tokens
+            if delta.finish_reason is not None:
+                choice.num_cached_tokens = delta.num_cached_tokens
             lp = delta.logprobs if self._want_logprobs else None
-            if self._chat:
+            if self._tools is not None:
+                out += self._tool_events(index, delta, lp)
+            elif self._chat:
                 out.append(self._chat_event(
                     index, ChatDelta(content=delta.text) if delta.text or delta.finish_reason
                     is None else ChatDelta(), delta.finish_reason, lp))
@@ -244,7 +274,24 @@ class _ChunkEvents:
             choice.num_chars += len(delta.text)
         return out
 
-    def _chat_event(self, index: int, delta: ChatDelta, finish_reason: FinishReason | None,
+    def _tool_events(self, index: int, delta: TokenDelta,
+                     logprobs: tuple[TokenLogprob, ...] | None) -> list[bytes]:
+        """Content outside the calls, each call's deltas, then the finish."""
+        assert self._tools is not None
+        tools = self._tools[index]
+        finish = delta.finish_reason
+        content, calls = tools.feed(delta.text, finish is not None)
+        out = []
+        if content or logprobs is not None:
+            out.append(self._chat_event(index, ChatDelta(content=content), None, logprobs))
+        out += [self._chat_event(index, ChatDelta(tool_calls=[call]), None, None)
+                for call in calls]
+        if finish is not None:
+            out.append(self._chat_event(index, ChatDelta(), answer_finish_reason(
+                finish, tools.num_calls), None))
+        return out
+
+    def _chat_event(self, index: int, delta: ChatDelta, finish_reason: str | None,
                     logprobs: tuple[TokenLogprob, ...] | None) -> bytes:
         return encode_event(msgspec.json.encode(ChatCompletionChunk(
             id=self._id, created=self._created, model=self._model,
@@ -253,7 +300,7 @@ class _ChunkEvents:
                                      else None)])))
 
     def usage(self, prompt_lengths: Sequence[int]) -> bytes:
-        usage = usage_of_choices(prompt_lengths, self.num_generated)
+        usage = usage_of_choices(prompt_lengths, self.num_generated, self._choices)
         chunk: ChatCompletionChunk | CompletionChunk
         if self._chat:
             chunk = ChatCompletionChunk(id=self._id, created=self._created, model=self._model,

@@ -8,8 +8,8 @@ conversion, in code, where the messages can name the field and the allowed range
 Unknown top-level fields are ignored (and reported back to the caller for a log line), as
 OpenAI and vLLM do in practice: benchmark tools send vendor extensions such as
 `skip_special_tokens` that must not fail a request. Fields that are known but change
-semantics in ways pdserve does not implement (`n > 1`, `echo`, `tools`, images, ...) are
-rejected with a clear 400 instead of being silently dropped.
+semantics in ways pdserve does not implement (`echo`, `suffix`, images, ...) are rejected
+with a clear 400 instead of being silently dropped.
 
 `prompt`, `logit_bias` and `tools` are typed loosely (`list[Any]`, ...) because msgspec
 unions admit one array-like member; their shapes are checked by hand.
@@ -38,7 +38,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # assistant: the calls it made (checked by hand)
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -119,16 +120,24 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # gateway/api/tool_request.py
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------- responses
 
-class Usage(msgspec.Struct, kw_only=True):
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from a prefix cache
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # When the workers reported it: the prompt's tokens found in the prefilling worker's
+    # prefix cache (with n > 1, the first choice's: the prompt counts once).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
@@ -182,9 +191,23 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatResponseMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str | None = None
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # `role` and `content` have no default, so they are always written (content null beside
+    # tool calls); `tool_calls` only when there are some.
+    role: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -203,10 +226,26 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class ToolCallFunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: the first names it (`id`, `type`, `function.name`), the
+    next ones add to `function.arguments`; `index` says which call of the choice."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: ToolCallFunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The last chunk's delta is `{}`: omit_defaults drops the unset members.
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

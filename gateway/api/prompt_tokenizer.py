@@ -21,6 +21,7 @@ from protocol.sampling_params import SamplingParams
 from text.detokenizer import new_detokenizer
 from text.stop_checker import check_stop
 from text.tokenizer import Tokenizer
+from text.tool_prompt import ChatTurn, ToolFunction
 
 
 class GatewayTokenizer:
@@ -41,6 +42,10 @@ class GatewayTokenizer:
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         return self._tokenizer.encode_chat([{"role": r, "content": c} for r, c in messages])
+
+    def encode_tool_chat(self, turns: Sequence[ChatTurn],
+                         functions: tuple[ToolFunction, ...]) -> list[int]:
+        return self._tokenizer.encode_tool_chat(turns, functions)
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprob listings (a lone byte piece decodes to U+FFFD)."""

@@ -19,12 +19,14 @@ from typing import Any, TypedDict, TypeVar
 
 import msgspec
 
+from gateway.api.chat_messages import validate_messages
 from gateway.api.errors import ApiError, invalid_request, unsupported
 from gateway.api.grammar_request import grammar_from_request
-from gateway.api.openai_api import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                    SamplingFields)
+from gateway.api.openai_api import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.api.tool_request import ToolUse, tool_use_from_request
 from protocol.grammar_spec import GrammarSpec
 from protocol.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
+from text.tool_prompt import ChatTurn
 
 # OpenAI's completions endpoint defaults to 16 tokens; chat fills the remaining context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -33,8 +35,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
 MAX_BATCH_PROMPTS = 64
 MAX_CHOICES = 64
-CHAT_ROLES: dict[str, str] = {"system": "system", "developer": "system", "user": "user",
-                              "assistant": "assistant"}
 INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -96,6 +96,10 @@ class ValidatedRequest:
     grammar: GrammarSpec | None = None  # the output must match it
     grammar_param: str | None = None  # the field that gave it, for errors
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    # Chat with tools, or a conversation that carries tool calls or results: the whole
+    # conversation, rendered by the tokenizer's tool path (text/tool_prompt.py).
+    tool_turns: tuple[ChatTurn, ...] | None = None
+    tool_use: ToolUse | None = None
 
 
 def parse_completion(body: bytes, limits: RequestLimits) -> ValidatedRequest:
@@ -125,16 +129,25 @@ def parse_completion(body: bytes, limits: RequestLimits) -> ValidatedRequest:
 
 def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
     req, unknown = _decode(body, ChatCompletionRequest, limits)
-    turns = _validate_messages(req.messages)
-    if req.tools:
-        raise unsupported("Tool calling is not supported.", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("Tool calling is not supported.", "tool_choice")
+    full_turns = validate_messages(req.messages)
+    turns = tuple((t.role, t.content) for t in full_turns)
+    tool_use = tool_use_from_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+    with_tools = tool_use is not None or any(t.role == "tool" or t.tool_calls for t in full_turns)
     top_logprobs = _check_int_range(req.top_logprobs, "top_logprobs", 0, 20)
     if top_logprobs is not None and not req.logprobs:
         raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
     logprobs = (top_logprobs or 0) if req.logprobs else None
     constraints = _validate_common(req, limits)
+    forced = tool_use.grammar() if tool_use is not None else None
+    if forced is not None:
+        if constraints["grammar"] is not None:
+            raise invalid_request(f"`tool_choice` {tool_use.choice.value if tool_use else ''} "
+                                  f"cannot be combined with `{constraints['grammar_param']}` "
+                                  "(both constrain the output).", "tool_choice")
+        if req.ignore_eos:
+            raise invalid_request("`ignore_eos` cannot be combined with a forced tool call.",
+                                  "ignore_eos")
+        constraints["grammar"], constraints["grammar_param"] = forced, "tools"
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -143,7 +156,8 @@ def parse_chat(body: bytes, limits: RequestLimits) -> ValidatedRequest:
         endpoint=Endpoint.CHAT, model=req.model, prompt_text=None, prompt_token_ids=None,
         chat_turns=turns, stream=bool(req.stream), include_usage=_include_usage(req),
         max_tokens=max_tokens, logprobs=logprobs, sampling_fields=req,
-        unknown_fields=unknown, user=req.user, **constraints)
+        unknown_fields=unknown, user=req.user, tool_turns=full_turns if with_tools else None,
+        tool_use=tool_use, **constraints)
 
 
 def build_sampling_params(request: ValidatedRequest, prompt_len: int,
@@ -265,41 +279,6 @@ def _validate_prompt(prompt: str | list[Any], limits: RequestLimits,
             raise invalid_request(f"Token id {t} is outside the vocabulary"
                                   f"{f' [0, {vocab})' if vocab else ''}.", f"{param}[{i}]")
     return tuple(prompt)
-
-
-def _validate_messages(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
-    if not messages:
-        raise invalid_request("`messages` must contain at least one message.", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            raise unsupported(f"Message role `{m.role}` is not supported; use system, user or "
-                              "assistant.", f"messages[{i}].role")
-        if m.tool_calls:
-            raise unsupported("Tool calls are not supported.", f"messages[{i}].tool_calls")
-        if m.content is None:
-            if role != "assistant":
-                raise invalid_request(f"A {m.role} message needs `content`.", f"messages[{i}].content")
-            text = ""
-        elif isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                where = f"messages[{i}].content[{j}]"
-                if part.type != "text":
-                    raise unsupported(f"Content parts of type `{part.type}` are not supported "
-                                      "(this model reads text only).", f"{where}.type")
-                if part.text is None:
-                    raise invalid_request("A text content part needs `text`.", f"{where}.text",
-                                          code="missing_required_parameter")
-                parts.append(part.text)
-            text = "\n".join(parts)
-        turns.append((role, text))
-    if turns[-1][0] == "assistant" and len(turns) == 1:
-        raise invalid_request("`messages` needs at least one system or user message.", "messages")
-    return tuple(turns)
 
 
 class _Constraints(TypedDict):

@@ -29,7 +29,8 @@ from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelt
 from gateway.api.chunk_encoder import chat_logprobs, completion_logprobs
 from gateway.api.errors import ApiError, overloaded
 from gateway.api.openai_api import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
-                                    CompletionChoice, CompletionResponse, Usage)
+                                    CompletionChoice, CompletionResponse, PromptTokensDetails,
+                                    Usage)
 from gateway.api.request_parsing import Endpoint, ValidatedRequest
 from gateway.api.request_trace import RequestTrace
 from gateway.api.slo_accounting import RequestTiming
@@ -162,6 +163,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     logprobs: list[TokenLogprob] = []
     num_generated = 0
     finish_reason: FinishReason | None = None
+    num_cached: int | None = None
     try:
         batch = await first_batch(batches)
         while finish_reason is None:
@@ -170,6 +172,7 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
                 logprobs.extend(delta.logprobs or ())
                 num_generated += delta.num_tokens
                 finish_reason = delta.finish_reason
+                num_cached = delta.num_cached_tokens
                 if finish_reason is not None:
                     break
             else:
@@ -181,14 +184,14 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     finally:
         await batches.aclose()
     text = "".join(texts)
-    usage = usage_of(generation, num_generated)
+    usage = usage_of(generation, num_generated, num_cached)
     created = int(time.time())
     want_logprobs = generation.sampling.logprobs is not None
     body: ChatCompletionResponse | CompletionResponse
     if validated.endpoint is Endpoint.CHAT:
         body = ChatCompletionResponse(
             id=generation.request_id, created=created, model=validated.model, usage=usage,
-            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=text),
+            choices=[ChatChoice(index=0, message=ChatResponseMessage(role="assistant", content=text),
                                 logprobs=chat_logprobs(tuple(logprobs)) if want_logprobs else None,
                                 finish_reason=finish_reason)])
     else:
@@ -200,7 +203,10 @@ async def json_answer(validated: ValidatedRequest, generation: GenerationRequest
     return web.Response(body=msgspec.json.encode(body), content_type="application/json"), num_generated
 
 
-def usage_of(generation: GenerationRequest, num_generated: int) -> Usage:
+def usage_of(generation: GenerationRequest, num_generated: int,
+             num_cached: int | None = None) -> Usage:
     num_prompt = len(generation.prompt_token_ids)
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                 total_tokens=num_prompt + num_generated)
+                 total_tokens=num_prompt + num_generated,
+                 prompt_tokens_details=None if num_cached is None
+                 else PromptTokensDetails(cached_tokens=num_cached))

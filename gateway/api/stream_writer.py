@@ -151,6 +151,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
     response = request[SENT_RESPONSE] = web.StreamResponse(headers=SSE_HEADERS)
     events: list[bytes] = []
     direct_opened = False
+    num_cached: int | None = None
     try:
         try:
             batch = await first_batch_or_keepalive(request, response, batches, timing)
@@ -170,7 +171,7 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 num_generated += delta.num_tokens
                 events.append(encode(delta.text, delta.logprobs, delta.finish_reason))
                 if delta.finish_reason is not None:
-                    finished = True
+                    finished, num_cached = True, delta.num_cached_tokens
                     break
             if finished:
                 break
@@ -192,7 +193,8 @@ async def stream_answer(request: web.Request, validated: ValidatedRequest,
                 events.append(encode_event(refusal.body_bytes()))
                 break
         if validated.include_usage:
-            events.append(encoder.usage(usage_of(generation, num_generated + direct.num_tokens)))
+            events.append(encoder.usage(usage_of(generation, num_generated + direct.num_tokens,
+                                                 num_cached)))
         events.append(DONE_EVENT)
         # With the end-of-body chunk: the last events, [DONE] and the end in one write.
         await write_bounded(request, response, b"".join(events), write_timeout_s, eof=True)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from gateway.api.backend import PromptTokenizer
+from text.tool_prompt import ChatTurn, ToolFunction
 
 A = TypeVar("A")
 INLINE_MAX_TURNS = 16  # a chat template's cost grows with the turns, not only the text
@@ -69,6 +70,12 @@ class TokenizePool:
                 sum(len(text) for _, text in turns) <= self.inline_max_chars:
             return self.tokenizer.encode_chat(turns)
         return await self._run(self.tokenizer.encode_chat, turns)
+
+    async def encode_tool_chat(self, turns: tuple[ChatTurn, ...],
+                               functions: tuple[ToolFunction, ...]) -> list[int]:
+        """A conversation with tools: always on the pool (its rendering is the costly kind)."""
+        tokenizer = self.tokenizer
+        return await self._run(lambda job: tokenizer.encode_tool_chat(*job), (turns, functions))
 
     async def _run(self, fn: Callable[[A], list[int]], arg: A) -> list[int]:
         if self._num_admitted >= self.max_workers + self.max_waiting:

@@ -156,6 +156,12 @@ class ClusterView:
                      if not self._excluded(w.worker_id, exclude)
                      and not self._is_unreachable(w.worker_id, now))
 
+    def can_route(self, plan: RoutePlan) -> bool:
+        """Whether `plan`'s workers are all still routable (registered, not marked
+        unreachable): a plan made for another request, reused (gateway/api/shared_prefill.py)."""
+        ids = {w.worker_id for w in self._routable({})}
+        return plan.decode_worker_id in ids and plan.prefill_worker_id in (None, *ids)
+
     def _excluded(self, worker_id: str, exclude: Mapping[str, int]) -> bool:
         return worker_id in exclude and self._live_epochs.get(worker_id) == exclude[worker_id]
 

@@ -26,6 +26,8 @@ import enum
 import logging
 from collections.abc import Sequence
 
+import msgspec
+
 from gateway.api.backend import DeltaSink, TokenDelta, TokenLogprob
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.prompt_tokenizer import GatewayTokenizer
@@ -61,6 +63,9 @@ class TokenRelay:
         self.sampling = sampling
         self.token_ids: list[int] = []
         self.finished = False
+        # The prefill worker's prefix-cache hits (its PrefillResult); None: the decode
+        # worker prefilled, and its last frame's usage says.
+        self._num_cached_tokens: int | None = None
         self._tokenizer = tokenizer
         self._metrics = metrics
 
@@ -76,8 +81,10 @@ class TokenRelay:
                                                 self.sampling, finish is not None)
         self.token_ids.append(result.first_token_id)
         self.finished = finish is not None
+        self._num_cached_tokens = result.num_cached_tokens
         logprobs = self._logprobs([result.first_logprob]) if result.first_logprob else None
-        return TokenDelta(text=text, num_tokens=1, finish_reason=finish, logprobs=logprobs)
+        return TokenDelta(text=text, num_tokens=1, finish_reason=finish, logprobs=logprobs,
+                          num_cached_tokens=result.num_cached_tokens if finish else None)
 
     def frames(self, frames: Sequence[TokenFrame], worker_id: str
                ) -> tuple[list[TokenDelta], StreamEnd]:
@@ -118,6 +125,9 @@ class TokenRelay:
                 deltas.append(TokenDelta(text=text, num_tokens=len(frame.token_ids),
                                          finish_reason=finish, logprobs=logprobs))
             if finish is not None:
+                cached = self._num_cached_tokens if self._num_cached_tokens is not None \
+                    else frame.usage.num_cached_tokens if frame.usage is not None else None
+                deltas[-1] = msgspec.structs.replace(deltas[-1], num_cached_tokens=cached)
                 # Frames after the finishing one (none from a correct worker) are dropped.
                 self.finished = True
                 return deltas, StreamEnd.FINISHED

@@ -120,6 +120,7 @@ class WorkerBackend:
         relay = TokenRelay(request.request_id, request.prompt_token_ids, request.sampling,
                            self.tokenizer, self.metrics)
         generation = Generation(request, relay)
+        share = request.shared_prefill
         self._active[request.request_id] = generation
         try:
             while True:
@@ -131,6 +132,8 @@ class WorkerBackend:
                             if not prefilled:  # its prompt has left the prefill queue
                                 prefilled = True
                                 self.cluster.settle(request.request_id)
+                                if share is not None and share.leads(request.request_id):
+                                    share.prefilled(attempt.plan)
                             if first_at is None:
                                 first_at = time.perf_counter()
                                 self.ttft_window.observe(request.tier, first_at - started)
@@ -159,6 +162,8 @@ class WorkerBackend:
         finally:
             self._active.pop(request.request_id, None)
             self.cluster.settle(request.request_id)
+            if share is not None and share.leads(request.request_id):
+                share.prefilled(None)  # its followers plan on their own (no-op once set)
             if outcome != "finished" and generation.current is not None:
                 self._abort_legs(generation.current)
             num_tokens = relay.num_tokens
@@ -173,6 +178,12 @@ class WorkerBackend:
         up but the request already failed on each of them (only a new one could take it)."""
         request, relay = generation.request, generation.relay
         resuming = relay.num_tokens > 0
+        share = request.shared_prefill
+        if share is not None and not share.leads(request.request_id) and not generation.attempts:
+            shared = await share.route()  # the leader's, once its prompt is in a prefix cache
+            if shared is not None and self.cluster.can_route(shared):
+                self.metrics.observe_plan(shared.kind, False, request.tier)
+                return generation.new_attempt(shared)
         tokens = [*request.prompt_token_ids, *relay.token_ids] if resuming \
             else request.prompt_token_ids
         hashes = block_hashes(tokens, self.cluster.block_size)

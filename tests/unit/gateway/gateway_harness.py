@@ -25,6 +25,7 @@ from gateway.api.request_parsing import RequestLimits
 from gateway.ops.ops_api import METRICS, REFUSALS, count_middleware
 from protocol.finish_reason import FinishReason
 from telemetry.tracing import NO_TRACING, Tracing
+from text.tool_prompt import ChatTurn, ToolFunction
 
 MODEL = "test-model"
 
@@ -40,6 +41,13 @@ class ByteTokenizer:
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         rendered = "".join(f"<{role}>{text}\n" for role, text in messages) + "<assistant>"
         return self.encode(rendered)
+
+    def encode_tool_chat(self, turns: Sequence[ChatTurn],
+                         functions: tuple[ToolFunction, ...]) -> list[int]:
+        tools = "".join(f"<tool {f.name}>" for f in functions)
+        return self.encode_chat([(t.role, t.content + "".join(
+            f"<call {c.name} {c.arguments}>" for c in t.tool_calls)) for t in turns]) + \
+            self.encode(tools)
 
 
 @dataclass

@@ -21,7 +21,8 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "n", "best_of",
           "user", "stream", "stream_options", "ignore_eos", "min_tokens", "echo", "suffix",
-          "logit_bias", "tools", "tool_choice", "response_format", "include_stop_str_in_output"]
+          "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+          "include_stop_str_in_output"]
 BASE = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
         "/v1/completions": {"model": MODEL, "prompt": "hi"}}
 paths = st.sampled_from(sorted(BASE))

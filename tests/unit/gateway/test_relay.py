@@ -102,3 +102,24 @@ def test_per_token_texts_that_do_not_match_the_ids_become_one_delta() -> None:
     odd = TokenFrame(request_id="r", token_ids=[4, 5], texts=["a", "b", "c"])
     deltas, _ = r.frames([odd], "d0")
     assert [(d.text, d.num_tokens) for d in deltas] == [("abc", 2)]
+
+
+def test_the_finish_carries_the_prefilling_workers_cache_hits() -> None:
+    # Handed off: the prefill worker's count, whatever the decode worker reports.
+    r, _ = relay()
+    first = r.first_token(PrefillResult(request_id="r", first_token_id=7, num_prompt_tokens=3,
+                                        num_cached_tokens=2,
+                                        transfer_status=TransferStatus.PENDING))
+    assert first.num_cached_tokens is None  # only the last delta carries it
+    last = TokenFrame(request_id="r", token_ids=[8], text="<8>", finish_reason=FinishReason.STOP,
+                      usage=Usage(num_prompt_tokens=3, num_completion_tokens=3,
+                                  num_cached_tokens=0))
+    deltas, _ = r.frames([frame(9), last], "d0")
+    assert [d.num_cached_tokens for d in deltas] == [None, 2]
+    # Prefilled by the decode worker: its usage says.
+    local, _ = relay()
+    last = TokenFrame(request_id="r", token_ids=[8], text="<8>", finish_reason=FinishReason.STOP,
+                      usage=Usage(num_prompt_tokens=3, num_completion_tokens=1,
+                                  num_cached_tokens=1))
+    deltas, _ = local.frames([last], "d0")
+    assert deltas[-1].num_cached_tokens == 1

@@ -78,7 +78,7 @@ def test_content_parts_are_joined_and_developer_is_system():
     (parse_chat, chat(temperature=3), 400, "temperature"),
     (parse_chat, chat(temperature="hot"), 400, "temperature"),
     (parse_chat, chat(messages=[]), 400, "messages"),
-    (parse_chat, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role"),
+    (parse_chat, chat(messages=[{"role": "function", "content": "x"}]), 400, "messages[0].role"),
     (parse_chat, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     (parse_chat, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
@@ -86,7 +86,7 @@ def test_content_parts_are_joined_and_developer_is_system():
     (parse_chat, chat(messages=[{"content": "x"}]), 400, "messages[0].role"),
     (parse_chat, chat(top_logprobs=2), 400, "top_logprobs"),
     (parse_chat, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
-    (parse_chat, chat(tools=[{"type": "function"}]), 400, "tools"),
+    (parse_chat, chat(tools=[{"type": "function"}]), 400, "tools[0].function"),
     (parse_chat, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     (parse_chat, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     (parse_chat, chat(stop=[""]), 400, "stop"),
