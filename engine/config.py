@@ -38,6 +38,29 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The mixture-of-experts feed-forward of a model (engine/models/moe.py): `num_experts`
+    gated MLPs of width `intermediate_size` each, of which a router picks `top_k` per token;
+    `renormalize`: the picked experts' softmax weights are rescaled to sum to one (Mixtral;
+    Qwen3-MoE's `norm_topk_prob`). `layers`: the decoder layers whose feed-forward is this
+    block; the others keep the dense MLP of `ModelConfig.intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size <= 0:
+            raise ValueError(f"model config: moe intermediate_size must be positive, "
+                             f"got {self.intermediate_size}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"model config: experts per token ({self.top_k}) must be "
+                             f"between 1 and the number of experts ({self.num_experts})")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer. `architecture` (the Hugging Face
     class name) picks the family module in engine/models/families.py, which owns the
@@ -71,6 +94,8 @@ class ModelConfig:
     # A query at position p of a sliding layer sees keys (p - sliding_window, p] only.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # The mixture-of-experts feed-forward; None: every layer has the dense MLP.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -92,6 +117,13 @@ class ModelConfig:
         if any(not 0 <= n < self.num_layers for n in self.sliding_layers):
             raise ValueError(f"model config: sliding_layers {self.sliding_layers} name layers "
                              f"outside 0..{self.num_layers - 1}")
+        if self.moe is not None and any(not 0 <= n < self.num_layers for n in self.moe.layers):
+            raise ValueError(f"model config: mixture-of-experts layers {self.moe.layers} name "
+                             f"layers outside 0..{self.num_layers - 1}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True where `layer`'s feed-forward is the mixture-of-experts block."""
+        return self.moe is not None and layer in self.moe.layers
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`; None where it attends to its whole context."""

@@ -105,6 +105,11 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                                  f"(supported: {', '.join(_ARCHITECTURES)})")
         self.arch: str = arch
+        num_experts = self._get(f"{arch}.expert_count", 0)
+        if num_experts:
+            raise ModelLoadError(f"{path}: mixture-of-experts GGUF files are unsupported "
+                                 f"({arch!r} with {num_experts} experts, e.g. Mixtral); "
+                                 f"load the Hugging Face directory instead")
         self._tensors = header.tensors
         if "rope_freqs.weight" in self._tensors:
             raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) "

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import Activation, Llama3RopeScaling, ModelConfig, sliding_fields
+from engine.config import Activation, Llama3RopeScaling, ModelConfig, MoEConfig, sliding_fields
 from engine.models.families import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 from text.errors import ModelLoadError
 
@@ -74,12 +74,14 @@ def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positi
              path: Path) -> dict[str, Any]:
     """The window and the layers it applies to, as transformers reads them: Mistral slides
     on every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
-    on the layers from `max_window_layers` on; Gemma 2 on every even layer. A `layer_types`
-    list, where the config has one, names the sliding layers instead."""
+    on the layers from `max_window_layers` on; Gemma 2 on every even layer; Mixtral as
+    Mistral; Qwen3-MoE on every layer with `use_sliding_window`. A `layer_types` list,
+    where the config has one, names the sliding layers instead."""
     window = cfg.get("sliding_window")
     if architecture == "Gemma2ForCausalLM":
         default = [n % 2 == 0 for n in range(num_layers)]
-    elif architecture == "MistralForCausalLM":
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM") or (
+            architecture == "Qwen3MoeForCausalLM" and cfg.get("use_sliding_window")):
         default = [True] * num_layers
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", 28))  # transformers' default
@@ -106,6 +108,32 @@ def _gemma2_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         attn_logit_softcap=None if softcaps[0] is None else float(softcaps[0]),
         final_logit_softcap=None if softcaps[1] is None else float(softcaps[1]))
+
+
+def _moe(cfg: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig | None:
+    """The mixture-of-experts fields as transformers reads them. Mixtral: every layer, the
+    experts `intermediate_size` wide, weights renormalised. Qwen3-MoE: layer n is sparse
+    unless listed in `mlp_only_layers`, and only where (n + 1) % decoder_sparse_step == 0;
+    experts `moe_intermediate_size` wide; renormalised where `norm_topk_prob`. Hub
+    configs name the expert count `num_experts`, transformers 5 writes
+    `num_local_experts`."""
+    if architecture == "MixtralForCausalLM":
+        return MoEConfig(num_experts=int(cfg["num_local_experts"]),
+                         top_k=int(cfg.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(cfg["intermediate_size"]), renormalize=True,
+                         layers=tuple(range(num_layers)))
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(n for n in range(num_layers)
+                   if num_experts > 0 and n not in dense and (n + 1) % step == 0)
+    if not layers:
+        return None
+    return MoEConfig(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
+                     intermediate_size=int(cfg["moe_intermediate_size"]),
+                     renormalize=bool(cfg.get("norm_topk_prob", False)), layers=layers)
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -156,6 +184,7 @@ def read_config(directory: Path) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             hidden_act=activation,
+            moe=_moe(cfg, architecture, num_layers),
             **family,
         )
     except KeyError as exc:

@@ -139,11 +139,12 @@ def _fill(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], num_
 
     model = model_class(config.architecture)(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
+    parameter_name = type(model).parameter_name
     every = max(1, num_tensors // _NUM_PROGRESS_REPORTS)
     num_loaded = 0
     with torch.no_grad():
         for name, tensor in tensors:
-            params[name].copy_(tensor)
+            params[parameter_name(name)].copy_(tensor)
             num_loaded += 1
             if num_loaded % every == 0 or num_loaded == num_tensors:
                 report(f"loading weights: {num_loaded}/{num_tensors} tensors")

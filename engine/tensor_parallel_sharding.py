@@ -32,6 +32,10 @@ def check_shardable(config: ModelConfig, tp_size: int) -> None:
     """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if config.moe is not None and tp_size > 1:
+        raise ValueError(f"tensor parallelism does not shard mixture-of-experts models yet "
+                         f"({config.architecture}, {config.moe.num_experts} experts); "
+                         f"run it with --tp 1")
     if config.num_kv_heads % tp_size:
         raise ValueError(
             f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "

@@ -29,6 +29,7 @@ from engine.config import ModelConfig
 from engine.kernels.gemv import GemvWorkspace, linear
 from engine.kv_storage import KVStorage
 from engine.models.layers import Attention, GatedMLP, RMSNorm, rope_inv_freq
+from engine.models.moe import MoEBlock
 
 
 class DecoderLayer(nn.Module):
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
     across ranks (engine/tensor_parallel_group.py). None: the whole layer is here."""
 
     self_attn: Attention
-    mlp: GatedMLP
+    mlp: GatedMLP | MoEBlock
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,6 +126,20 @@ class DecoderForCausalLM(nn.Module):
         """Why the Triton kernel path cannot run this config; None when it can."""
         return f"{config.architecture} has no kernel path"
 
+    @classmethod
+    def graph_capture_refusal(cls, config: ModelConfig) -> str | None:
+        """Why a step of this config cannot be captured in a CUDA graph; None when it can."""
+        if config.moe is not None:
+            return ("its mixture-of-experts layers read each expert's token count on the "
+                    "host (engine/models/moe.py)")
+        return None
+
+    @classmethod
+    def parameter_name(cls, checkpoint_name: str) -> str:
+        """The model's parameter that a checkpoint tensor (named as in `expected_shapes`)
+        fills; the same name unless the family stores it under another."""
+        return checkpoint_name
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -153,7 +168,11 @@ class DecoderForCausalLM(nn.Module):
     def enable_tensor_parallel(self, tp_size: int,
                                all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Mark this model as one of `tp_size` shards whose layers sum their partial
-        outputs with `all_reduce`. Only the torch path supports it."""
+        outputs with `all_reduce`. Only the torch path supports it, and no model with
+        mixture-of-experts layers (engine/tensor_parallel_sharding.py refuses them)."""
+        if self.config.moe is not None:
+            raise ValueError(f"tensor parallelism does not shard mixture-of-experts models "
+                             f"({self.config.architecture}) yet")
         self.tp_size = tp_size
         for layer in self.model.layers:
             layer.all_reduce = all_reduce
@@ -186,6 +205,8 @@ class DecoderForCausalLM(nn.Module):
             # .to() or a reload would have replaced the views with new tensors).
             if fused is None or attn.q_proj.weight.data_ptr() != fused.data_ptr():
                 attn.fuse_projections()
+            if isinstance(mlp, MoEBlock):
+                continue
             fused = getattr(mlp, "gate_up_weight", None)
             if fused is None or mlp.gate_proj.weight.data_ptr() != fused.data_ptr():
                 mlp.fuse_projections()

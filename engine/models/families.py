@@ -4,6 +4,8 @@
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM  engine/models/llama.py
     Qwen3ForCausalLM                                     engine/models/qwen3.py
     Gemma2ForCausalLM                                    engine/models/gemma2.py
+    Qwen3MoeForCausalLM                                  engine/models/qwen3_moe.py
+    MixtralForCausalLM                                   engine/models/mixtral.py
 
 Readers (engine/hf_reader.py, engine/gguf_reader.py) refuse anything else with
 `unsupported_architecture_message`, so the error and this table cannot drift apart.
@@ -14,7 +16,9 @@ from __future__ import annotations
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +26,8 @@ _MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASSES)
 

@@ -28,15 +28,20 @@ from engine.config import ModelConfig
 from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM, DecoderLayer
 from engine.models.layers import Attention, GatedMLP, RMSNorm
+from engine.models.moe import MoEBlock
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: ModelConfig, window: int | None, qk_norm: bool = False) -> None:
+    """`mlp`: the layer's feed-forward (a mixture-of-experts block, engine/models/moe.py);
+    None: the dense gated MLP."""
+
+    def __init__(self, config: ModelConfig, window: int | None, qk_norm: bool = False,
+                 mlp: MoEBlock | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, window=window, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_k: torch.Tensor, kv_v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:

@@ -40,7 +40,19 @@ VARIANTS: dict[str, dict] = {
     # embedding scaled by sqrt(hidden), this random model repeats one token forever.
     "gemma2": dict(arch="gemma2", tie_word_embeddings=False, head_dim=16, rope_theta=10000.0, sliding_window=6, query_pre_attn_scalar=24,
                    attn_logit_softcapping=4.0, final_logit_softcapping=20.0),
+    # Mixtures of 4 experts, 2 per token: Qwen3-MoE with every layer sparse and the picked
+    # weights as the softmax left them; with layer 0 dense (decoder_sparse_step 2) and the
+    # weights renormalised; Mixtral (always renormalised, w1/w2/w3 expert names).
+    "qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, head_dim=24,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=False),
+    "qwen3_moe_sparse_step": dict(arch="qwen3_moe", tie_word_embeddings=False, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=40,
+                                  norm_topk_prob=True, decoder_sparse_step=2),
+    "mixtral": dict(arch="mixtral", tie_word_embeddings=False, num_local_experts=4,
+                    num_experts_per_tok=2, rope_theta=1000000.0),
 }
+MOE_VARIANTS = ("qwen3_moe", "qwen3_moe_sparse_step", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -57,11 +69,15 @@ def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
     if "rope_theta" in spec:
         spec["rope_parameters"] = dict(rope_type="default", rope_theta=spec.pop("rope_theta"))
     name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-            "gemma2": "Gemma2"}[arch]
+            "gemma2": "Gemma2", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[arch]
     config_cls = getattr(transformers, name + "Config")
     model_cls = getattr(transformers, name + "ForCausalLM")
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**_COMMON, **spec})).eval()
+    config = config_cls(**{**_COMMON, **spec})
+    if variant in MOE_VARIANTS:
+        # The plain attention the reference test compares against, whatever the default.
+        config._attn_implementation = "eager"
+    model = model_cls(config).eval()
     # Biases start at zero and norms at one (Gemma's at zero); give them values so a dropped
     # bias or norm cannot go unnoticed.
     with torch.no_grad():

@@ -1,0 +1,127 @@
+"""The mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral): a router picks `top_k`
+of `num_experts` gated MLPs per token and the block sums their outputs, each weighted by
+its routing probability.
+
+    probs   = softmax(gate(x))                   float32, [T, num_experts]
+    w, ids  = topk(probs, top_k)                 [T, top_k]; w /= sum(w) when renormalize
+    out[t]  = sum_j w[t, j] * expert[ids[t, j]](x[t])
+
+The tokens are grouped by expert rather than looped over: the T * top_k (token, expert)
+assignments are sorted by expert id, the tokens gathered once in that order, each expert
+runs one matmul chain over its contiguous slice, and one scatter-add puts the weighted
+outputs back on their tokens.
+
+    assignments sorted by expert:  | expert 0 rows | expert 1 rows | ... | expert E-1 rows |
+                                   0              c0              c0+c1                T*top_k
+    (c_e = number of assignments to expert e; a slice may be empty)
+
+The slice bounds are read on the host (one sync per block), so this path runs on any
+device with plain torch ops but cannot be captured in a CUDA graph: the model runner
+skips graph capture for models with this block (engine/model_runner.py). A fused
+grouped-GEMM kernel (one Triton launch over all experts, bounds read on the device) is
+not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import Activation, MoEConfig
+from engine.kernels.gemv import GemvWorkspace
+
+
+class Expert(nn.Module):
+    """One expert: down(act(gate(x)) * up(x)), as the dense gated MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+class MoEBlock(nn.Module):
+    """`gate` is the router ([num_experts, hidden]); `experts[e]` expert e.
+
+    `round_weights`: the routing weights are rounded to the model dtype before they scale
+    the expert outputs (Qwen3-MoE); otherwise the product is taken in float32 and rounded
+    after (Mixtral). Both are exact in float32 and differ by one rounding in bf16."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, activation: Activation,
+                 round_weights: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size)
+                                     for _ in range(moe.num_experts))
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.activation = activation
+        self.round_weights = round_weights
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, top_k], expert ids long [T, top_k]) for tokens x [T, hidden];
+        side-effect free."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, expert_ids
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        if self.activation is Activation.GELU_TANH:
+            return F.gelu(gate, approximate="tanh")
+        return F.silu(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        flat_ids = expert_ids.reshape(-1)
+        # Stable: an expert's rows keep token order, so results do not depend on the sort.
+        order = torch.argsort(flat_ids, stable=True)
+        token_rows = order // self.top_k
+        sorted_weights = weights.reshape(-1)[order]
+        if self.round_weights:
+            sorted_weights = sorted_weights.to(x.dtype)
+        grouped = x[token_rows]
+        outputs = torch.empty_like(grouped)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = grouped[start:start + count]
+                hidden = self._act(F.linear(rows, expert.gate_proj.weight)) * F.linear(
+                    rows, expert.up_proj.weight)
+                outputs[start:start + count] = F.linear(hidden, expert.down_proj.weight)
+            start += count
+        weighted = (outputs * sorted_weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_rows, weighted)
+
+    def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
+        """The kernel path's call: the same torch ops (no fused MoE kernel yet)."""
+        return self.forward(x)
+
+
+
+# The expert projections' names in Qwen3-MoE checkpoints (ours too) and in Mixtral's.
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def moe_shapes(prefix: str, hidden_size: int, moe: MoEConfig,
+               expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES
+               ) -> dict[str, tuple[int, ...]]:
+    """Every tensor of one block as its checkpoint names it, after `prefix` (the block's
+    own, e.g. "model.layers.0.mlp."): the router and, per expert, gate, up and down
+    (`expert_names` in that order). The checkpoints store one tensor per expert, as every
+    Qwen3-MoE and Mixtral checkpoint on the Hub does and transformers' save_pretrained
+    writes (it un-fuses the 3D expert tensors it holds in memory)."""
+    i = moe.intermediate_size
+    gate, up, down = expert_names
+    shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (moe.num_experts, hidden_size)}
+    for e in range(moe.num_experts):
+        shapes[f"{prefix}experts.{e}.{gate}.weight"] = (i, hidden_size)
+        shapes[f"{prefix}experts.{e}.{up}.weight"] = (i, hidden_size)
+        shapes[f"{prefix}experts.{e}.{down}.weight"] = (hidden_size, i)
+    return shapes
