@@ -1,0 +1,151 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) beyond the shared reference tests
+(test_llama_reference.py runs their logits and greedy decoding against transformers):
+the block against its definition, the routing margins those tests rely on, the config
+fields read, and what is refused or switched off (tensor parallelism, CUDA graphs, GGUF)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import Activation, MoEConfig
+from engine.hf_reader import read_config
+from engine.loader import ModelLoadError, load_model
+from engine.models.layers import GatedMLP
+from engine.models.moe import MoEBlock
+from engine.tensor_parallel_sharding import check_shardable
+from tests.unit.engine.conftest import MOE_VARIANTS
+from tests.unit.engine.test_llama_reference import NUM_GREEDY, PROMPTS, reference_greedy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def block_by_definition(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    """sum over the picked experts of weight * expert(x), token by token."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(block.gate(x[t]).float(), dim=-1)
+        weights, ids = torch.topk(probs, block.top_k)
+        if block.renormalize:
+            weights = weights / weights.sum()
+        for weight, e in zip(weights, ids.tolist()):
+            expert = block.experts[e]
+            hidden = torch.nn.functional.silu(expert.gate_proj(x[t])) * expert.up_proj(x[t])
+            out[t] += weight * expert.down_proj(hidden)
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_grouped_block_equals_the_per_token_definition(renormalize):
+    torch.manual_seed(0)
+    moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=24, renormalize=renormalize,
+                    layers=(0,))
+    block = MoEBlock(16, moe, Activation.SILU, round_weights=True)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(37, 16)
+    x[:, 0] = 1.0
+    with torch.no_grad():
+        # A router that never picks expert 3: an expert without tokens is skipped.
+        block.gate.weight[3] = 0.0
+        block.gate.weight[3, 0] = -100.0
+        ours = block(x)
+        expected = block_by_definition(block, x)
+        _, ids = block.route(x)
+    assert 3 not in ids.tolist() and len(set(ids.flatten().tolist())) == 3
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(block(x[:0]), x[:0])
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_reference_routing_has_no_near_ties(tiny_model, variant):
+    """The reference tests compare routed models computed in another summation order: a
+    token whose k-th and (k+1)-th router probabilities were within rounding of each other
+    could pick another expert and fail them for no fault of ours. None comes close here."""
+    tiny = tiny_model(variant)
+    reference = tiny.reference
+    top_k = reference.config.num_experts_per_tok
+    for prompt in PROMPTS:
+        sequence = prompt + reference_greedy(reference, prompt, NUM_GREEDY)
+        with torch.no_grad():
+            out = reference(torch.tensor([sequence]), output_router_logits=True)
+        for router_logits in out.router_logits:
+            probs = torch.softmax(router_logits.float(), dim=-1).sort(dim=-1, descending=True)
+            gaps = probs.values[:, top_k - 1] - probs.values[:, top_k]
+            assert float(gaps.min()) > 1e-5
+
+
+def test_moe_fields_read_from_the_config(tiny_model, tmp_path):
+    config = read_config(tiny_model("qwen3_moe_sparse_step").path)
+    assert config.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=40,
+                                   renormalize=True, layers=(1,))
+    model = load_model(str(tiny_model("qwen3_moe_sparse_step").path)).model
+    assert isinstance(model.model.layers[0].mlp, GatedMLP)
+    assert isinstance(model.model.layers[1].mlp, MoEBlock)
+    mixtral = read_config(tiny_model("mixtral").path)
+    assert mixtral.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=112,
+                                    renormalize=True, layers=(0, 1))
+    # A Hub-style Qwen3-MoE config: `num_experts`, a layer listed as dense.
+    target = tmp_path / "hub_style"
+    shutil.copytree(tiny_model("qwen3_moe").path, target)
+    raw = json.loads((target / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    raw["mlp_only_layers"] = [0]
+    (target / "config.json").write_text(json.dumps(raw))
+    config = read_config(target)
+    assert config.moe is not None and config.moe.layers == (1,)
+    assert not config.moe.renormalize
+    # Layer 0's checkpoint tensors are experts, the config now says dense: refused.
+    with pytest.raises(ModelLoadError, match=r"missing tensors model\.layers\.0\.mlp\.down"):
+        load_model(str(target))
+
+
+def test_tensor_parallel_is_refused_for_moe(tiny_model):
+    config = read_config(tiny_model("mixtral").path)
+    with pytest.raises(ValueError, match=r"does not shard mixture-of-experts.*MixtralForCausal"
+                                         r"LM, 4 experts.*--tp 1"):
+        check_shardable(config, 2)
+    check_shardable(config, 1)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_shardable(read_config(tiny_model("qwen3_moe").path), 2)
+
+
+def test_runner_skips_graph_capture_for_moe(tiny_model, caplog):
+    from engine.kv_storage import KVStorage
+    from engine.model_runner import ModelRunner
+
+    model = load_model(str(tiny_model("qwen3_moe").path)).model
+    kv = KVStorage.for_model(model.config, 16, 4, torch.float32)
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        runner = ModelRunner(model, kv, 4, use_kernels=True, cuda_graph_batch_sizes=(1, 2),
+                             mixed_graph_tokens=16)
+    assert runner.graphs is None and runner.mixed_graphs is None
+    assert "CUDA graphs off for Qwen3MoeForCausalLM" in caplog.text
+
+
+def write_gguf_header(path: Path, arch: str, num_experts: int) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_expert_count(num_experts)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_refuses_moe_naming_the_architecture(tmp_path):
+    mixtral = tmp_path / "mixtral.gguf"
+    write_gguf_header(mixtral, "llama", 8)
+    with pytest.raises(ModelLoadError, match=r"mixture-of-experts GGUF .*'llama' with 8 experts"):
+        load_model(str(mixtral))
+    qwen3moe = tmp_path / "qwen3moe.gguf"
+    write_gguf_header(qwen3moe, "qwen3moe", 128)
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'qwen3moe'"):
+        load_model(str(qwen3moe))
