@@ -5,8 +5,14 @@ with `gguf.quants.dequantize` (any type it knows: F32, F16, BF16, Q4_0, Q4_1, Q8
 
 Architectures: `llama` (Llama, Mistral, SmolLM as llama.cpp converts them), `qwen2` (q/k/v
 biases `blk.N.attn_q.bias` ...), `qwen3` (per-head q/k norms `blk.N.attn_q_norm.weight` /
-`attn_k_norm.weight`) and `gemma2` (four norms a layer, `ffn_norm` being the one before the
-MLP, each stored as 1 + weight). Only llama.cpp's `llama` converter reorders Q/K rows.
+`attn_k_norm.weight`), `qwen3moe` (Qwen3's norms; a router `blk.N.ffn_gate_inp.weight` and
+each projection of all experts in one 3D tensor `blk.N.ffn_{gate,up,down}_exps.weight`,
+[experts, out, in] in torch order, which the reader splits into the per-expert tensors of
+HF checkpoints; every layer sparse, the picked weights renormalised, as llama.cpp runs it:
+the format stores no `norm_topk_prob`) and `gemma2` (four norms a layer, `ffn_norm` being
+the one before the MLP, each stored as 1 + weight). Only llama.cpp's `llama` converter
+reorders Q/K rows. Other mixture-of-experts files (`llama` with an `expert_count`, as
+Mixtral converts) are refused.
 Metadata keys are prefixed by the architecture (`qwen3.block_count`).
 
 llama.cpp's converter reorders the rows of the Q and K projections of `llama` models so that
@@ -31,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import Activation, ModelConfig, sliding_fields
+from engine.config import Activation, ModelConfig, MoEConfig, sliding_fields
 from text.errors import ModelLoadError
 from text.gguf_metadata import GGUFTensorInfo, GGUFTokenizerData, read_gguf_header, tokenizer_data
 
@@ -55,7 +61,12 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+# One GGUF tensor holding every expert's projection -> the HF name of expert 0's.
+_EXPERT_NAMES = {"ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+                 "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+                 "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight"}
 # Gemma 2 names its four norms apart; its `ffn_norm` is the norm before the MLP.
 _GEMMA2_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -65,7 +76,8 @@ _GEMMA2_LAYER_NAMES = {
 }
 # GGUF `general.architecture` -> the HF architecture it holds.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM"}
 # Architectures whose converter permutes Q/K rows (see the module docstring).
 _PERMUTED_QK = {"llama"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -83,6 +95,16 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The HF names, expert by expert, of a GGUF tensor holding every expert's projection;
+    None for any other tensor."""
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES:
+        return None
+    pattern = f"model.layers.{match.group(1)}.{_EXPERT_NAMES[match.group(2)]}"
+    return [pattern.format(e) for e in range(num_experts)]
+
+
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undoes llama.cpp's Q/K row order for RoPE (see the module docstring)."""
     rows = weight.shape[0]
@@ -91,8 +113,9 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file of a `llama`, `qwen2` or `qwen3` model: its header parsed here
-    (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor at a time."""
+    """One GGUF file of a `llama`, `qwen2`, `qwen3`, `qwen3moe` or `gemma2` model: its header
+    parsed here (text/gguf_metadata.py), its tensor data memory-mapped and read one tensor
+    at a time."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -106,7 +129,7 @@ class GGUFCheckpoint:
                                  f"(supported: {', '.join(_ARCHITECTURES)})")
         self.arch: str = arch
         num_experts = self._get(f"{arch}.expert_count", 0)
-        if num_experts:
+        if num_experts and arch != "qwen3moe":
             raise ModelLoadError(f"{path}: mixture-of-experts GGUF files are unsupported "
                                  f"({arch!r} with {num_experts} experts, e.g. Mixtral); "
                                  f"load the Hugging Face directory instead")
@@ -141,12 +164,22 @@ class GGUFCheckpoint:
         family: dict[str, Any] = {}
         if a == "gemma2":
             family = self._gemma2_fields(num_layers, hidden // num_heads, head_dim, context)
+        elif a == "qwen3moe":
+            family = dict(moe=MoEConfig(
+                num_experts=int(self._get(f"{a}.expert_count", required=True)),
+                top_k=int(self._get(f"{a}.expert_used_count", required=True)),
+                intermediate_size=int(self._get(f"{a}.expert_feed_forward_length",
+                                                required=True)),
+                renormalize=True, layers=tuple(range(num_layers))))
         try:
             return ModelConfig(
                 architecture=_ARCHITECTURES[a],
                 vocab_size=int(vocab),
                 hidden_size=hidden,
-                intermediate_size=int(self._get(f"{a}.feed_forward_length", required=True)),
+                # qwen3moe files may name no dense width: none of their layers is dense.
+                intermediate_size=int(
+                    self._get(f"{a}.feed_forward_length", required=a != "qwen3moe")
+                    or self._get(f"{a}.expert_feed_forward_length", required=True)),
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(self._get(f"{a}.attention.head_count_kv", num_heads)),
@@ -187,8 +220,15 @@ class GGUFCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> torch shape of every tensor; GGUF tensors without one keep their name."""
         # GGUF lists dimensions innermost first; torch lists them outermost first.
-        return {hf_name(name, self.arch) or name: tuple(reversed(t.dims))
-                for name, t in self._tensors.items()}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, t in self._tensors.items():
+            shape = tuple(reversed(t.dims))
+            experts = expert_names(name, shape[0]) if self.arch == "qwen3moe" else None
+            if experts is None:
+                shapes[hf_name(name, self.arch) or name] = shape
+            else:
+                shapes.update((expert, shape[1:]) for expert in experts)
+        return shapes
 
     def iter_tensors(self, names: set[str], config: ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -200,16 +240,23 @@ class GGUFCheckpoint:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         permuted = self.arch in _PERMUTED_QK
         for gguf_name, t in self._tensors.items():
-            name = hf_name(gguf_name, self.arch)
-            if name not in names:
-                continue
             shape = tuple(reversed(t.dims))
+            experts = expert_names(gguf_name, shape[0]) if self.arch == "qwen3moe" else None
+            name = hf_name(gguf_name, self.arch)
+            if name not in names and not (experts and names.intersection(experts)):
+                continue
             try:
                 qtype = GGMLQuantizationType(t.ggml_type)
                 weight = dequantize(_raw(data, t, qtype, self.path), qtype).reshape(shape)
             except (NotImplementedError, ValueError) as exc:
                 raise ModelLoadError(f"{self.path}: cannot dequantize {gguf_name} "
                                      f"(type {t.ggml_type}): {exc}") from None
+            if experts is not None:
+                for expert, expert_weight in zip(experts, weight):
+                    if expert in names:
+                        yield expert, torch.from_numpy(np.array(expert_weight, dtype=np.float32))
+                continue
+            assert name is not None  # in `names`
             if permuted and name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rows(weight, config.num_heads)
             elif permuted and name.endswith("self_attn.k_proj.weight"):

@@ -140,12 +140,103 @@ def write_gguf_header(path: Path, arch: str, num_experts: int) -> None:
     writer.close()
 
 
-def test_gguf_refuses_moe_naming_the_architecture(tmp_path):
+def test_gguf_refuses_other_moe_naming_the_architecture(tmp_path):
     mixtral = tmp_path / "mixtral.gguf"
     write_gguf_header(mixtral, "llama", 8)
     with pytest.raises(ModelLoadError, match=r"mixture-of-experts GGUF .*'llama' with 8 experts"):
         load_model(str(mixtral))
-    qwen3moe = tmp_path / "qwen3moe.gguf"
-    write_gguf_header(qwen3moe, "qwen3moe", 128)
-    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'qwen3moe'"):
-        load_model(str(qwen3moe))
+
+
+def write_qwen3moe_gguf(reference: torch.nn.Module, path: Path) -> None:
+    """A llama.cpp-style `qwen3moe` GGUF of `reference`: each projection of all experts in
+    one 3D F16 tensor [E, out, in], attention in Q8_0, norms and router in F32, the rest
+    F16.
+    `reference` is updated in place to the rounded weights, so it stays exact."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    config = reference.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_eos_token_id(2)
+    state = reference.state_dict()
+    q8, f16, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16,
+                    gguf.GGMLQuantizationType.F32)
+
+    def add(gguf_name: str, hf_name: str, qtype: gguf.GGMLQuantizationType) -> None:
+        weight = state[hf_name].numpy().astype(np.float32)
+        if qtype == q8:
+            data = quantize(weight, qtype)
+            rounded = dequantize(data, qtype).reshape(weight.shape)
+        else:
+            data = weight.astype(np.float16 if qtype == f16 else np.float32)
+            rounded = data.astype(np.float32)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        with torch.no_grad():
+            state[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(rounded)))
+
+    add("token_embd.weight", "model.embed_tokens.weight", f16)
+    add("output_norm.weight", "model.norm.weight", f32)
+    add("output.weight", "lm_head.weight", f16)
+    layer_names = {"attn_q.weight": "self_attn.q_proj.weight",
+                   "attn_k.weight": "self_attn.k_proj.weight",
+                   "attn_v.weight": "self_attn.v_proj.weight",
+                   "attn_output.weight": "self_attn.o_proj.weight",
+                   "attn_norm.weight": "input_layernorm.weight",
+                   "ffn_norm.weight": "post_attention_layernorm.weight",
+                   "attn_q_norm.weight": "self_attn.q_norm.weight",
+                   "attn_k_norm.weight": "self_attn.k_norm.weight",
+                   "ffn_gate_inp.weight": "mlp.gate.weight"}
+    for n in range(config.num_hidden_layers):
+        prefix = f"model.layers.{n}."
+        for short, long in layer_names.items():
+            add(f"blk.{n}.{short}", prefix + long,
+                q8 if short.startswith("attn_") and "norm" not in short else f32)
+        # transformers holds the experts fused in memory: gate_up_proj [E, 2I, H] (gate
+        # rows first) and down_proj [E, H, I].
+        gate_up = state[prefix + "mlp.experts.gate_up_proj"]
+        size = config.moe_intermediate_size
+        for projection, tensor in (("gate", gate_up[:, :size]), ("up", gate_up[:, size:]),
+                                   ("down", state[prefix + "mlp.experts.down_proj"])):
+            data = tensor.numpy().astype(np.float16)
+            writer.add_tensor(f"blk.{n}.ffn_{projection}_exps.weight", data, raw_dtype=f16)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(data.astype(np.float32)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3moe_gguf_decodes_like_transformers(tiny_model, stepper, tmp_path):
+    """From llama.cpp's format, whose experts come fused in 3D tensors; the GGUF has no
+    norm_topk_prob and llama.cpp renormalises, so the reference does too."""
+    import copy
+
+    reference = copy.deepcopy(tiny_model("qwen3_moe").reference)
+    reference.config.norm_topk_prob = True
+    for layer in reference.model.layers:
+        layer.mlp.gate.norm_topk_prob = True
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_qwen3moe_gguf(reference, path)
+    loaded = load_model(str(path))
+    assert loaded.config.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=48,
+                                          renormalize=True, layers=(0, 1))
+    for prompt in PROMPTS[1:]:
+        expected = reference_greedy(reference, prompt, NUM_GREEDY)
+        assert stepper(loaded.model).greedy(prompt, NUM_GREEDY, list(range(20))) == expected
