@@ -8,10 +8,16 @@ Megatron-style; rank r of N holds the r-th contiguous slice:
     down_proj   [hidden, intermediate]        row-parallel   all-reduce(sum) of the partial outputs
     embeddings, norms, lm_head                replicated
 
+Mixture-of-experts layers (engine/models/moe.py) shard every expert the same way (its
+gate/up column-parallel, its down row-parallel: the names end alike) and replicate the
+router (`mlp.gate.weight`): every rank routes its identical input to the same experts, and
+the layer's one all-reduce sums the partial expert outputs, already weighted.
+
 Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
 attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
 rank is therefore an ordinary model of its family built from `shard_config()`, with two
-all-reduces per layer. N must divide num_kv_heads (hence num_heads) and intermediate_size.
+all-reduces per layer. N must divide num_kv_heads (hence num_heads) and intermediate_size
+(and the experts' intermediate size).
 
 Functions of names, shapes and ranks only: no process group, no I/O, no copies (a shard is
 a view of the full tensor). The processes that hold the shards are
@@ -32,10 +38,6 @@ def check_shardable(config: ModelConfig, tp_size: int) -> None:
     """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
-    if config.moe is not None and tp_size > 1:
-        raise ValueError(f"tensor parallelism does not shard mixture-of-experts models yet "
-                         f"({config.architecture}, {config.moe.num_experts} experts); "
-                         f"run it with --tp 1")
     if config.num_kv_heads % tp_size:
         raise ValueError(
             f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "
@@ -44,14 +46,21 @@ def check_shardable(config: ModelConfig, tp_size: int) -> None:
     if config.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"intermediate size {config.intermediate_size}")
+    if config.moe is not None and config.moe.intermediate_size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
+                         f"expert intermediate size {config.moe.intermediate_size}")
 
 
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
-    """The shape one rank holds: heads and intermediate size divided by `tp_size`."""
+    """The shape one rank holds: heads and intermediate sizes (the experts' too) divided by
+    `tp_size`."""
     check_shardable(config, tp_size)
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp_size)
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
                                num_kv_heads=config.num_kv_heads // tp_size,
-                               intermediate_size=config.intermediate_size // tp_size)
+                               intermediate_size=config.intermediate_size // tp_size, moe=moe)
 
 
 class ShardDim(enum.Enum):

@@ -168,11 +168,7 @@ class DecoderForCausalLM(nn.Module):
     def enable_tensor_parallel(self, tp_size: int,
                                all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Mark this model as one of `tp_size` shards whose layers sum their partial
-        outputs with `all_reduce`. Only the torch path supports it, and no model with
-        mixture-of-experts layers (engine/tensor_parallel_sharding.py refuses them)."""
-        if self.config.moe is not None:
-            raise ValueError(f"tensor parallelism does not shard mixture-of-experts models "
-                             f"({self.config.architecture}) yet")
+        outputs with `all_reduce`. Only the torch path supports it."""
         self.tp_size = tp_size
         for layer in self.model.layers:
             layer.all_reduce = all_reduce

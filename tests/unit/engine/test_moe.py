@@ -1,10 +1,12 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) beyond the shared reference tests
 (test_llama_reference.py runs their logits and greedy decoding against transformers):
 the block against its definition, the routing margins those tests rely on, the config
-fields read, and what is refused or switched off (tensor parallelism, CUDA graphs, GGUF)."""
+fields read, tensor-parallel shapes, CUDA graphs switched off, and GGUF (qwen3moe read,
+Mixtral-style files refused)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -18,7 +20,7 @@ from engine.hf_reader import read_config
 from engine.loader import ModelLoadError, load_model
 from engine.models.layers import GatedMLP
 from engine.models.moe import MoEBlock
-from engine.tensor_parallel_sharding import check_shardable
+from engine.tensor_parallel_sharding import check_shardable, shard_config
 from tests.unit.engine.conftest import MOE_VARIANTS
 from tests.unit.engine.test_llama_reference import NUM_GREEDY, PROMPTS, reference_greedy
 
@@ -105,14 +107,14 @@ def test_moe_fields_read_from_the_config(tiny_model, tmp_path):
         load_model(str(target))
 
 
-def test_tensor_parallel_is_refused_for_moe(tiny_model):
-    config = read_config(tiny_model("mixtral").path)
-    with pytest.raises(ValueError, match=r"does not shard mixture-of-experts.*MixtralForCausal"
-                                         r"LM, 4 experts.*--tp 1"):
-        check_shardable(config, 2)
-    check_shardable(config, 1)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_shardable(read_config(tiny_model("qwen3_moe").path), 2)
+def test_tensor_parallel_splits_every_expert(tiny_model):
+    """Greedy decoding over TP ranks is test_tensor_parallel.py's; here the shapes."""
+    config = read_config(tiny_model("qwen3_moe_sparse_step").path)
+    shard = shard_config(config, 2)
+    assert shard.moe is not None and shard.moe.intermediate_size == 20
+    assert shard.intermediate_size == 56 and shard.moe.num_experts == 4
+    with pytest.raises(ValueError, match="expert intermediate size 40"):
+        check_shardable(dataclasses.replace(config, num_heads=16, num_kv_heads=16), 16)
 
 
 def test_runner_skips_graph_capture_for_moe(tiny_model, caplog):

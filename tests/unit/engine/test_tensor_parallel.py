@@ -65,7 +65,8 @@ def _write_kv3_model(directory: Path) -> Path:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant,tp_size", [("qwen2_bias", 2), ("llama_untied", 2),
-                                             ("qwen3", 2), ("gemma2", 2), ("kv3", 3)])
+                                             ("qwen3", 2), ("gemma2", 2), ("kv3", 3),
+                                             ("qwen3_moe_sparse_step", 2), ("mixtral", 2)])
 def test_sharded_greedy_matches_unsharded(variant, tp_size, tmp_path, tiny_model,
                                           single_thread):
     path = _write_kv3_model(tmp_path) if variant == "kv3" else tiny_model(variant).path
@@ -112,6 +113,10 @@ def test_shards_reassemble_the_full_weights(tiny_model):
     assert shard_dim("model.layers.0.self_attn.k_proj.bias") is ShardDim.COLUMN
     assert shard_dim("model.layers.0.mlp.down_proj.weight") is ShardDim.ROW
     assert shard_dim("model.embed_tokens.weight") is ShardDim.REPLICATED
+    # Experts shard as dense MLPs do; the router is replicated.
+    assert shard_dim("model.layers.0.mlp.experts.3.up_proj.weight") is ShardDim.COLUMN
+    assert shard_dim("model.layers.0.mlp.experts.3.down_proj.weight") is ShardDim.ROW
+    assert shard_dim("model.layers.0.mlp.gate.weight") is ShardDim.REPLICATED
 
 
 def test_default_model_refuses_tp2_and_accepts_tp3():
