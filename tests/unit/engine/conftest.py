@@ -42,7 +42,8 @@ VARIANTS: dict[str, dict] = {
                    attn_logit_softcapping=4.0, final_logit_softcapping=20.0),
     # Mixtures of 4 experts, 2 per token: Qwen3-MoE with every layer sparse and the picked
     # weights as the softmax left them; with layer 0 dense (decoder_sparse_step 2) and the
-    # weights renormalised; Mixtral (always renormalised, w1/w2/w3 expert names).
+    # weights renormalised; Mixtral (always renormalised, w1/w2/w3 expert names) with
+    # Mistral's window on every layer, shorter than the prompts.
     "qwen3_moe": dict(arch="qwen3_moe", tie_word_embeddings=False, head_dim=24,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       norm_topk_prob=False),
@@ -50,7 +51,7 @@ VARIANTS: dict[str, dict] = {
                                   num_experts_per_tok=2, moe_intermediate_size=40,
                                   norm_topk_prob=True, decoder_sparse_step=2),
     "mixtral": dict(arch="mixtral", tie_word_embeddings=False, num_local_experts=4,
-                    num_experts_per_tok=2, rope_theta=1000000.0),
+                    num_experts_per_tok=2, rope_theta=1000000.0, sliding_window=5),
 }
 MOE_VARIANTS = ("qwen3_moe", "qwen3_moe_sparse_step", "mixtral")
 

@@ -92,6 +92,7 @@ def test_moe_fields_read_from_the_config(tiny_model, tmp_path):
     mixtral = read_config(tiny_model("mixtral").path)
     assert mixtral.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=112,
                                     renormalize=True, layers=(0, 1))
+    assert (mixtral.sliding_window, mixtral.sliding_layers) == (5, (0, 1))
     # A Hub-style Qwen3-MoE config: `num_experts`, a layer listed as dense.
     target = tmp_path / "hub_style"
     shutil.copytree(tiny_model("qwen3_moe").path, target)
