@@ -20,6 +20,10 @@ device with plain torch ops but cannot be captured in a CUDA graph: the model ru
 skips graph capture for models with this block (engine/model_runner.py). A fused
 grouped-GEMM kernel (one Triton launch over all experts, bounds read on the device) is
 not built yet.
+
+Tensor parallel: each rank holds a slice of every expert's width and the whole router
+(engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
+partial sums that the decoder layer's all-reduce adds up.
 """
 
 from __future__ import annotations
