@@ -17,7 +17,9 @@ on the worker that prefills it, with a TTFT target and a TPOT target:
                                      + a_D * min(Q_D, M_D - B_D)   (the chunk in progress,
                                        which the prompt arrives in the middle of)
                        D's running requests' TPOT while it lasts: step_D(min(W, M_D - B_D), B_D, C_D)
-                       this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P)
+                       this request's TPOT afterwards:            step_D(0, B_D + 1, C_D + P),
+                         its first ceil(Q_D / (M_D - B_D - 1)) steps (at most max_tokens) mixed
+                         with a chunk of the queue: step_D(min(Q_D, M_D - B_D - 1), B_D + 1, ..)
     P prefills, D    TTFT        = the same on P (its own queue; P decodes nothing, or its B_P),
     decodes                        and at least D's current step: the reservation is taken on
                                    D's engine thread between two steps, and P's first token
@@ -25,7 +27,8 @@ on the worker that prefills it, with a TTFT target and a TPOT target:
                                    of a long prompt's chunk holds it for that chunk):
                                    step_D(min(Q_D, M_D - B_D), B_D, C_D), 0 for an idle D
                      transfer    = P * kv_bytes_per_token / P's measured push rate
-                     this request's TPOT ~ step_D(0, B_D + 1, C_D + P) + transfer / max_tokens
+                     this request's TPOT ~ as after a local prefill on D (D's queue mixed
+                                   into its first steps) + transfer / max_tokens
                      D's running requests' TPOT: unchanged (one more sequence); P's own
                      running requests (a BOTH worker): stretched as in a local prefill on P
 
@@ -193,9 +196,17 @@ def _decoding(side: WorkerSide, prompt_len: int, max_tokens: int) -> tuple[float
     worker's running decodes over its max_tokens steps)."""
     load, m = side.load, side.model
     busy = min(MAX_PREFILL_BUSY, m.prefill_token_s * load.prefill_tokens_per_s)
-    step = m.step_s(0, load.num_decoding + 1, load.num_context_tokens + prompt_len)
+    decoding, context = load.num_decoding + 1, load.num_context_tokens + prompt_len
+    step = m.step_s(0, decoding, context) / (1.0 - busy)
     added = load.num_decoding * (m.decode_seq_s + m.context_token_s * prompt_len) * max_tokens
-    return step / (1.0 - busy), added
+    # The prompts queued there now share the next steps with this request's decodes: each
+    # of those steps also computes a chunk of them, until the queue is done.
+    per_step = max(1, side.max_batched_tokens - decoding)
+    num_mixed = min(max_tokens, math.ceil(load.num_queued_prefill_tokens / per_step))
+    if num_mixed:
+        mixed = m.step_s(min(load.num_queued_prefill_tokens, per_step), decoding, context)
+        step = (num_mixed * max(mixed, step) + (max_tokens - num_mixed) * step) / max_tokens
+    return step, added
 
 
 def _predict(ttft: float, tpot: float, running_tpot: float, has_running: bool,

@@ -288,3 +288,24 @@ def test_a_worker_whose_decode_steps_miss_anyway_still_prefills_a_short_prompt_i
     for seed in range(10):
         plan = route([a, b], 5, seed, targets=standard)
         assert (plan.decode_worker_id, plan.kind) == ("a", "local")
+
+
+def test_decoding_behind_a_long_prefill_queue_costs_its_chunks() -> None:
+    """A's queue holds a 4,000-token prompt (512-token steps): a 6-token answer decoded there
+    shares all 6 steps with 511-token chunks of it, step(511, 1, 5) = 5 + 10.22 + 0.1 ms
+    = 15.3 ms each (not 5.1 ms); on the idle B a step is 5.1 ms."""
+    a = WorkerView("a", Role.BOTH, WorkerLoad(num_kv_blocks_total=1000, num_running=1,
+                                              num_queued_prefill_tokens=4000,
+                                              step_model=MODEL), max_batched_tokens=512)
+    b = WorkerView("b", Role.BOTH, WorkerLoad(num_kv_blocks_total=1000, step_model=MODEL),
+                   max_batched_tokens=512)
+    targets = Targets(ttft_s=2.0, tpot_s=0.1, strictest_tpot_s=0.05, max_tokens=6)
+    onto_a = predict_split(WorkerSide(b.load, MODEL, 512, 1000),
+                           WorkerSide(a.load, MODEL, 512, 1000), 5, 0, 0, targets)
+    onto_b = predict_split(WorkerSide(a.load, MODEL, 512, 1000),
+                           WorkerSide(b.load, MODEL, 512, 1000), 5, 0, 0, targets)
+    assert onto_a.tpot_s == pytest.approx(0.005 + 511 * 20e-6 + 1e-4 + 5e-6, rel=1e-3)
+    assert onto_a.tpot_s > 2.9 * onto_b.tpot_s
+    for seed in range(10):
+        plan = route([a, b], 5, seed, targets=targets)
+        assert plan.decode_worker_id == "b", plan
