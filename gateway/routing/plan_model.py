@@ -170,22 +170,24 @@ def _running_charged(side: WorkerSide, targets: Targets) -> bool:
         0, load.num_decoding, load.num_context_tokens) < targets.strictest_tpot_s
 
 
+def _chunk_tokens(side: WorkerSide) -> int:
+    """Prompt tokens of the worker's queue in the step it is computing now."""
+    load = side.load
+    return min(load.num_queued_prefill_tokens, max(0, side.max_batched_tokens - load.num_decoding))
+
+
 def _chunk_in_progress(side: WorkerSide) -> float:
     """The prefill chunk the worker is computing now, which a prompt arriving at it waits
     for before its own step (a decode-only step is short and left out); 0 when it prefills
     nothing."""
-    load, m = side.load, side.model
-    chunk = min(load.num_queued_prefill_tokens,
-                max(0, side.max_batched_tokens - load.num_decoding))
-    return m.prefill_token_s * chunk if chunk else 0.0
+    return side.model.prefill_token_s * _chunk_tokens(side)
 
 
 def _current_step(side: WorkerSide) -> float:
     """How long the worker's engine thread is busy with the step it is in (what a
     reservation waits for): a chunk of its queue beside its decodes; 0 when idle."""
     load, m = side.load, side.model
-    chunk = min(load.num_queued_prefill_tokens,
-                max(0, side.max_batched_tokens - load.num_decoding))
+    chunk = _chunk_tokens(side)
     if chunk == 0 and load.num_decoding == 0:
         return 0.0
     return m.step_s(chunk, load.num_decoding, load.num_context_tokens)
