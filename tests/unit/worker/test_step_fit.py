@@ -92,3 +92,29 @@ def test_rare_prefill_steps_keep_their_own_window_so_one_slow_one_does_not_set_t
                                  context_tokens=800), 0.002 + 8e-4 + 1e-5 * 64 * (1 + i % 16))
     model = window.model()
     assert model is not None and model.prefill_token_s == pytest.approx(1e-5, rel=0.02)
+
+
+def test_a_worker_whose_steps_turned_slow_is_predicted_slow_after_a_few_dozen_steps() -> None:
+    """256 decode steps at 50 ms, then 20 at 550 ms (a fault delaying each step by 500 ms,
+    the agent's test): the model predicts the new speed's side, not a blend that keeps the
+    worker looking 2x its peers; equal weights predicted 89 ms."""
+    window = StepFit(window_size=256)
+    for i in range(256):
+        window.observe(StepShape(decode_seqs=1 + i % 4, context_tokens=100 * (1 + i % 4)), 0.05)
+    for i in range(20):
+        window.observe(StepShape(decode_seqs=1 + i % 4, context_tokens=100 * (1 + i % 4)), 0.55)
+    model = window.model()
+    assert model is not None
+    assert model.step_s(0, 2, 200) > 3 * 0.05
+    for i in range(256):  # and back: the slow steps age out of the model
+        window.observe(StepShape(decode_seqs=1 + i % 4, context_tokens=100 * (1 + i % 4)), 0.05)
+    model = window.model()
+    assert model is not None and model.step_s(0, 2, 200) == pytest.approx(0.05, rel=0.05)
+
+
+def test_weights_must_be_one_positive_weight_per_sample() -> None:
+    samples = synthetic(20, random.Random(4))
+    with pytest.raises(ValueError):
+        fit(samples, weights=[1.0] * 19)
+    with pytest.raises(ValueError):
+        fit(samples, weights=[0.0] * 20)
