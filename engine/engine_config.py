@@ -30,6 +30,9 @@ class EngineConfig:
     # On CUDA: size the KV pool to this fraction of device memory (engine/memory_plan.py)
     # instead of num_kv_blocks; None keeps num_kv_blocks.
     gpu_memory_fraction: float | None = None
+    # A step's prompt tokens are what its decodes' tightest TPOT target leaves, by the
+    # worker's step model (engine/step_budget.py); False: up to max_num_batched_tokens.
+    hold_tpot: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1:

@@ -176,6 +176,12 @@ class EngineThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    @property
+    def holds_tpot(self) -> bool:
+        """Whether its scheduler budgets prompt tokens by the decodes' TPOT targets (and so
+        wants the worker's step model as its `step_model`)."""
+        return self._engine.scheduler.config.hold_tpot
+
     def submit(self, fn: Callable[[LLMEngine], object], what: str) -> None:
         """Run fn(engine) on the engine thread before its next step; never blocks.
 

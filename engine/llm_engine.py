@@ -63,7 +63,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            prefill_chunk_tokens=config.prefill_chunk_tokens),
+                            prefill_chunk_tokens=config.prefill_chunk_tokens,
+                            hold_tpot=config.hold_tpot),
             self.kv_cache)
         self.runner = runner
         self.sampler = Sampler(tokenizer.eos_token_ids, device=config.device, seed=sampler_seed)
@@ -94,12 +95,10 @@ class LLMEngine:
                     params: SamplingParams, priority: int = 0,
                     mode: RequestMode = RequestMode.PREFILL_AND_DECODE,
                     resumed_token_ids: Sequence[int] = (),
-                    notify_kv_ready: bool = False) -> None:
-        """Queue a request; its outputs come from later `step()` calls.
-
+                    notify_kv_ready: bool = False, tpot_s: float | None = None) -> None:
+        """Queue a request; outputs come from later `step()` calls. `tpot_s`: its TPOT target.
         With `notify_kv_ready` (PREFILL_ONLY requests only) the step that computes its final
         prompt chunk hands a KVReady to `step()`'s `on_kv_ready` (engine/kv_ready.py).
-
         With `resumed_token_ids` it continues after that output, produced elsewhere (a
         worker that died mid-stream): the tokens are replayed through the detokenizer and
         the stop rules, so the text continues exactly where theirs ended and they are never
@@ -108,7 +107,8 @@ class LLMEngine:
         self._check_prompt(request_id, prompt_token_ids)
         if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
             raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
-        request = Request(request_id, list(prompt_token_ids), params, priority=priority, mode=mode)
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority,
+                          tpot_s=tpot_s, mode=mode)
         tracked = self._track(request, notify_kv_ready, resumed_token_ids)
         if not resumed_token_ids:
             self.scheduler.add_request(request)
@@ -140,11 +140,11 @@ class LLMEngine:
 
     def add_decode_request(self, request_id: str, prompt_token_ids: Sequence[int],
                            params: SamplingParams, first_token_id: int,
-                           priority: int = 0) -> None:
+                           priority: int = 0, tpot_s: float | None = None) -> None:
         """Decode side: join a reserved request whose prompt KV has landed. The first token
         was sampled (and streamed) by the prefill side, so it is not emitted again."""
         request = Request(request_id, list(prompt_token_ids), params, priority=priority,
-                          mode=RequestMode.DECODE_ONLY)
+                          tpot_s=tpot_s, mode=RequestMode.DECODE_ONLY)
         tracked = self._track(request, replayed=(first_token_id,))
         self.scheduler.add_decode_request(request, first_token_id)
         self.outputs.join_first_token(tracked, first_token_id)

@@ -80,6 +80,7 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     priority: int = 0  # higher is more important
+    tpot_s: float | None = None  # its time-per-output-token target (engine/step_budget.py)
     arrival_time: float = field(default_factory=time.monotonic)  # seconds; orders equal ranks
     mode: RequestMode = RequestMode.PREFILL_AND_DECODE
     # ---- state below is written by the scheduler and the KV cache manager only ----

@@ -27,15 +27,15 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
      and (while nothing was preempted this step) WAITING/PREEMPTED requests, merged in prefill
      order, each a chunk of min(tokens left, budget left, prefill_chunk_tokens): a prompt that
      arrives while a longer one is mid-prefill computes first in the next step, the long one
-     takes what is left. Admission (prefix-cache hits skip their compute) never preempts and
-     stops at the first waiting request without a seat or blocks: nobody overtakes it.
+     takes what is left (with `hold_tpot`, of what the decodes' tightest TPOT target leaves:
+     engine/step_budget.py). Admission (prefix-cache hits skip their compute) never preempts
+     and stops at the first waiting request without a seat or blocks: nobody overtakes it.
   When a running request needs a block and none is free, the worst-ranked running request
   (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
   full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
   waiting queue, and a chunk already scheduled for it this step is withdrawn.
 
-Rank, prefill order, starvation (a long prompt among short ones): `engine/request_rank.py`.
-Lifecycle: drawn in `engine/request.py`.
+Rank, prefill order, starvation: `engine/request_rank.py`; lifecycle: `engine/request.py`.
 No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
 (FINISHED_ERROR); a request that grows past the pool while decoding ends FINISHED_LENGTH.
 
@@ -56,7 +56,9 @@ from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.request_rank import RequestOrder
 from engine.schedule_output import ScheduledChunk, ScheduleDraft, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
+from engine.step_budget import budget_beside
 from engine.waiting_queue import WAITING_STATES, WaitingQueue
+from protocol.worker_load import StepModel
 
 
 class Scheduler:
@@ -72,6 +74,7 @@ class Scheduler:
         self._outstanding: ScheduleOutput | None = None
         self._scheduled: dict[str, Request] = {}
         self._num_steps = 0
+        self.step_model: StepModel | None = None  # the worker's, for hold_tpot (None: unfitted)
 
     @property
     def num_waiting(self) -> int:
@@ -205,6 +208,9 @@ class Scheduler:
                 step.budget -= 1
             else:
                 self._schedule_running(request, step)
+        if self.config.hold_tpot and self.step_model is not None and (prefills or self._waiting):
+            # (Only steps with prompts to compute ask: decode-only steps pay nothing for it.)
+            step.budget = budget_beside(self.step_model, seated, chunks, step.budget)
         self._prefill(prefills, step)
         out = step.output()
         if not out.is_empty:

@@ -14,6 +14,9 @@ class SchedulerConfig:
     # Prompt tokens left worth one step of age in the prefill order (shortest remaining
     # first, engine/request_rank.py); None: prefills in rank order.
     prefill_aging_tokens: int | None = 256
+    # A step's prompt tokens are what the tightest TPOT target among its decoding requests
+    # leaves, by the worker's step model (engine/step_budget.py); False: the fixed budget.
+    hold_tpot: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -268,10 +268,17 @@ class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):
     epoch: NonNegInt | None = None  # the reservation's epoch; a mismatch is STALE_EPOCH
     resume_token_ids: TokenIds = []
     traceparent: Traceparent | None = None
+    # Its tier's time-per-output-token target, which a worker holding TPOT keeps its steps
+    # within while the request decodes (engine/step_budget.py); None: no target.
+    tpot_ms: Annotated[float, msgspec.Meta(gt=0, le=3_600_000)] | None = None
 
     @property
     def is_local_prefill(self) -> bool:
         return self.first_token_id is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        return None if self.tpot_ms is None else self.tpot_ms / 1000
 
 
 class TokenFrame(Message, tag="token_frame", frozen=True, kw_only=True):

@@ -268,7 +268,8 @@ class DecodeWorker:
             if request.is_local_prefill:
                 await engine.call(lambda e: e.add_request(
                     rid, request.prompt_token_ids, params, request.priority,
-                    RequestMode.PREFILL_AND_DECODE, request.resume_token_ids))
+                    RequestMode.PREFILL_AND_DECODE, request.resume_token_ids,
+                    tpot_s=request.tpot_s))
                 in_engine = True
             elif request.resume_token_ids:
                 yield error_frame(rid, ErrorCode.BAD_REQUEST, "resume_token_ids needs a local "
@@ -292,7 +293,8 @@ class DecodeWorker:
                 first_token_id = request.first_token_id
                 assert first_token_id is not None  # not a local prefill
                 await engine.call(lambda e: e.add_decode_request(
-                    rid, request.prompt_token_ids, params, first_token_id, request.priority))
+                    rid, request.prompt_token_ids, params, first_token_id, request.priority,
+                    tpot_s=request.tpot_s))
             async for frame in stream_frames(stream, deadline, self.metrics):
                 # Only a normal finish leaves nothing behind in the engine.
                 finished = isinstance(frame, TokenFrame) and frame.finish_reason is not None

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.step_budget import STEP_BUDGET_CHOICES
 from engine.step_mode import STEP_MODE_CHOICES, StepMode, choose_step_mode
 from protocol.messages import RESERVED_WORKER_IDS, Role, is_worker_id
 from telemetry.log_format import LOG_FORMATS
@@ -50,6 +51,7 @@ class WorkerOptions:
     otlp_endpoint: str | None = None  # traces to this OTLP/HTTP base URL (None: off)
     warm_up: str = "auto"  # auto | on | off (engine/warm_up.py)
     pipelined_steps: str = "auto"  # auto | on | off | overlap (engine/step_mode.py)
+    step_budget: str = "auto"  # auto | tpot | fixed (engine/step_budget.py)
     gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     redis_insecure: bool = False  # accept a Redis that answers without a password
@@ -127,6 +129,13 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "device; not with tensor parallelism, which falls back to on); auto: overlap for "
         "CUDA, off elsewhere (on the CPU the model runs on the same cores, so "
         "nothing would overlap)", choices=STEP_MODE_CHOICES)
+    add("--step-budget", "auto", "tpot: a step that decodes takes only the prompt tokens "
+        "that its decoding requests' tightest time-per-output-token target leaves, by this "
+        "worker's own step model, up to --max-num-batched-tokens (decodes hold their target, "
+        "prefill takes the rest); fixed: every step may take --max-num-batched-tokens; auto: "
+        "tpot on CUDA, fixed on the CPU (where a decode step of a small model already takes "
+        "about the strictest target, so holding prompts back would buy nothing)",
+        choices=STEP_BUDGET_CHOICES)
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
@@ -182,6 +191,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         otlp_endpoint=getattr(args, "otlp_endpoint", None) or None,
         warm_up=getattr(args, "warm_up", "auto"),
         pipelined_steps=getattr(args, "pipelined_steps", "auto"),
+        step_budget=getattr(args, "step_budget", "auto"),
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
         redis_insecure=bool(getattr(args, "redis_insecure", False)))

@@ -70,6 +70,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.engine_builder import build_engine
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_runner import ModelRunner
+    from engine.step_budget import holds_tpot
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
     from worker.runtime import WorkerRuntime
@@ -84,7 +85,8 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          dtype=getattr(torch, dtype), device=options.device)
+                          dtype=getattr(torch, dtype), device=options.device,
+                          hold_tpot=holds_tpot(options.step_budget, options.device))
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)

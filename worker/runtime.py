@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -40,7 +41,7 @@ from protocol.agent_messages import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, Exi
                                      ExitResponse, FaultRequest, FaultResponse, HealthRequest)
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import ErrorCode, Message, Role, WorkerInfo
-from protocol.worker_load import WorkerLoad
+from protocol.worker_load import StepModel, WorkerLoad
 from rpc.control_server import ControlServer, RequestRejected, add_call, make_app
 from state.redis_state import RedisState, connect
 from telemetry.metrics import MetricsRegistry
@@ -51,6 +52,8 @@ from worker.publisher import WorkerPublisher
 from worker.step_fit import StepFit
 
 log = logging.getLogger(__name__)
+
+STEP_MODEL_HAND_S = 0.5  # how often, at most, the engine's scheduler gets a refitted model
 
 
 def exit_refusal(request: ExitRequest, own_epochs: set[int]) -> str | None:
@@ -120,6 +123,10 @@ class WorkerRuntime:
         self.engine_thread: EngineThread | None = None
         self.publisher: WorkerPublisher | None = None
         self.step_fit = StepFit()
+        # The step model last handed to the engine's scheduler, which budgets prompt tokens
+        # by it under hold_tpot (engine/step_budget.py), and when (monotonic seconds).
+        self._engine_step_model: StepModel | None = None
+        self._engine_step_model_at = 0.0
         self.own_epochs: set[int] = set()  # every epoch this process registered
         self.faults = Faults()  # all off unless a test asks (worker/faults.py)
         self.ready = False
@@ -225,6 +232,7 @@ class WorkerRuntime:
         self.metrics.on_step(report)
         for step in report.timed_steps():
             self.step_fit.observe(step.shape, step.seconds)
+        self._hand_step_model()
         if self.publisher is None or not report.cache_events:
             return
         # Keep the order of events: a hash may be evicted and inserted again in one step.
@@ -233,6 +241,22 @@ class WorkerRuntime:
                 self.publisher.record_inserted((event.block_hash,))
             else:
                 self.publisher.record_evicted((event.block_hash,))
+
+    def _hand_step_model(self) -> None:
+        """Give the engine's scheduler the refitted step model, at most every
+        STEP_MODEL_HAND_S (a fit per step would cost the event loop more than it gains),
+        on the engine thread (the scheduler is that thread's alone)."""
+        thread = self.engine_thread
+        now = time.monotonic()
+        if (thread is None or not thread.holds_tpot
+                or now - self._engine_step_model_at < STEP_MODEL_HAND_S):
+            return
+        self._engine_step_model_at = now
+        model = self.step_fit.model()
+        if model is not None and model is not self._engine_step_model:
+            self._engine_step_model = model
+            thread.submit(lambda engine: setattr(engine.scheduler, "step_model", model),
+                          "hand the step model")
 
     def _load(self) -> WorkerLoad:
         load = self.engine_thread.load if self.engine_thread is not None else WorkerLoad()

@@ -92,6 +92,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     # n > 1: the choices of one prompt prefill once (gateway/api/shared_prefill.py)
     shared_prefill: SharedPrefill | None = None
 
+    @property
+    def tpot_ms(self) -> float:
+        """The TPOT target a worker holds its steps to while this decodes (its tier's)."""
+        return self.targets.tpot_s * 1000
+
 
 class RouteObserver(Protocol):
     """What a backend tells about one request's routing (its timeline and trace spans)."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection
 
-from gateway.api.openai_api import (ChatResponseMessage, ToolCall, ToolCallDelta,
-                                    ToolCallFunction, ToolCallFunctionDelta)
+from gateway.api.openai_api import (ChatResponseMessage, ToolCall, ToolCallDelta, ToolCallFunction,
+                                    ToolCallFunctionDelta)
 from protocol.finish_reason import FinishReason
 from text.tool_calls import (ArgumentsPiece, CallStart, ParsedToolCall, ToolCallStream,
                              parse_tool_calls)

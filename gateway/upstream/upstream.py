@@ -238,7 +238,7 @@ class WorkerBackend:
         message = DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling, priority=request.priority,
-            timeout_ms=self.timeouts.request_ms,
+            timeout_ms=self.timeouts.request_ms, tpot_ms=request.tpot_ms,
             resume_token_ids=list(generation.relay.token_ids), traceparent=generation.traceparent)
         # Returned, not wrapped: one generator level less per relayed batch.
         stream = self._decode_stream(decode_id, attempt, message)
@@ -301,7 +301,7 @@ class WorkerBackend:
                 assert reserved is not None
                 decode_frames = self._decode_stream(decode_id, attempt, DecodeRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-                    priority=priority, timeout_ms=t.request_ms,
+                    priority=priority, timeout_ms=t.request_ms, tpot_ms=request.tpot_ms,
                     first_token_id=first.first_token_id,
                     epoch=reserved.destination.epoch, traceparent=generation.traceparent))
                 # Sent now, while token 1 is written to the client: D's wait for the KV

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.mixed_graphs import (DEFAULT_DECODE_SIZES, DEFAULT_TOKEN_SIZES, MAX_PREFILL_CHUNKS,
-                                 MixedShape, captured_decode_sizes, logits_rows,
-                                 mixed_token_sizes, padded_shape)
+                                 MixedShape, captured_decode_sizes, logits_rows, mixed_token_sizes,
+                                 padded_shape)
 
 
 def test_token_sizes_end_at_the_engines_step_budget():
