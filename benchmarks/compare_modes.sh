@@ -16,7 +16,9 @@
 #   RATE_TOLERANCE=0.05  bisect until a passing and a failing rate are this close (relative)
 #   ADMISSIONS="adaptive static"  each mode under each (PDSERVE_ADMISSION)
 #   MODES      ";"-separated NAME=UP_ARGS pairs, run in order (default below: on a GPU,
-#              when UP_ARGS says --device cuda, the GPU list)
+#              when UP_ARGS says --device cuda, the GPU list); UP_ARGS may start with
+#              VAR=value words, that mode's environment (e.g. "PDSERVE_STEP_BUDGET=tpot
+#              --colocated --workers 1")
 #   UP_ARGS    extra `pdserve up` options for every mode (e.g. "--model /m --device cuda")
 #   BENCH_ARGS extra `pdserve bench goodput` options (e.g. --slo)
 #   READY_TIMEOUT=600                    seconds to wait for a cluster's /ready
@@ -90,14 +92,24 @@ wait_ready() {  # $1: base URL; polls /ready (a decode worker registered) until 
 }
 
 run_mode() {  # $1: mode name, $2: extra `pdserve up` options, $3: admission
-    local mode="$1@$3" up_args="$2" admission="$3" port url dir
+    local mode="$1@$3" up_args="" admission="$3" port url dir word
+    local -a mode_env=()
+    # Leading VAR=value words are the mode's environment (e.g. PDSERVE_STEP_BUDGET=tpot).
+    for word in $2; do
+        if [[ -z "$up_args" && "$word" =~ ^[A-Z_][A-Z0-9_]*= ]]; then
+            mode_env+=("$word")
+        else
+            up_args+="${up_args:+ }$word"
+        fi
+    done
     dir="$OUT_DIR/$mode"
     mkdir -p "$dir"
     port="$(free_port)"
     url="http://127.0.0.1:$port"
-    echo ">> $mode: PDSERVE_ADMISSION=$admission pdserve up --port $port $up_args" >&2
+    echo ">> $mode: PDSERVE_ADMISSION=$admission ${mode_env[*]} pdserve up --port $port" \
+        "$up_args" >&2
     # shellcheck disable=SC2086  # word splitting of the option strings is intended
-    PDSERVE_ADMISSION="$admission" "$PY" -m launcher.cli up --port "$port" $up_args \
+    env PDSERVE_ADMISSION="$admission" "${mode_env[@]}" "$PY" -m launcher.cli up --port "$port" $up_args \
         >"$dir/up.log" 2>&1 &
     UP_PID=$!
     wait_ready "$url"

@@ -132,9 +132,9 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
     add("--step-budget", "auto", "tpot: a step that decodes takes only the prompt tokens "
         "that its decoding requests' tightest time-per-output-token target leaves, by this "
         "worker's own step model, up to --max-num-batched-tokens (decodes hold their target, "
-        "prefill takes the rest); fixed: every step may take --max-num-batched-tokens; auto: "
-        "tpot on CUDA, fixed on the CPU (where a decode step of a small model already takes "
-        "about the strictest target, so holding prompts back would buy nothing)",
+        "prefill takes the rest; raise --max-num-batched-tokens with it); fixed: every step "
+        "may take --max-num-batched-tokens; auto: fixed (tpot is not yet measured against it "
+        "on a GPU)",
         choices=STEP_BUDGET_CHOICES)
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "

@@ -36,8 +36,8 @@ def test_a_target_the_decodes_miss_anyway_or_nothing_to_judge_by_keeps_the_fixed
     assert prefill_token_budget(MODEL, 4, 400, 0.020, 0) == 0
 
 
-def test_auto_holds_tpot_on_cuda_only() -> None:
-    assert holds_tpot("auto", "cuda:0") and not holds_tpot("auto", "cpu")
+def test_only_tpot_holds_tpot_until_it_is_measured_on_a_gpu() -> None:
+    assert not holds_tpot("auto", "cuda:0") and not holds_tpot("auto", "cpu")
     assert holds_tpot("tpot", "cpu") and not holds_tpot("fixed", "cuda")
     with pytest.raises(ValueError):
         holds_tpot("sometimes", "cuda")
