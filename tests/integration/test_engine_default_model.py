@@ -17,6 +17,7 @@ from default_engine import PROMPTS, make_engine
 from engine.engine_builder import build_engine
 from engine.llm_engine import LLMEngine
 from protocol.sampling_params import SamplingParams
+from protocol.worker_load import StepModel
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -140,6 +141,37 @@ def test_abort_frees_blocks(loaded):
     engine.check_invariants()
     assert engine.kv_cache.num_used_blocks == 0
     assert not engine.has_unfinished()
+
+
+def test_steps_held_to_tpot_give_a_prompt_what_the_decodes_target_leaves(loaded, expected):
+    """`hold_tpot` (engine/step_budget.py) on the real engine: while a request with a 100 ms
+    TPOT target decodes, a 300-token prompt computes in chunks of what that target leaves by
+    the step model the worker would hand over (10 ms a step + 10 ms a decoding row + 1 ms a
+    prompt token: 0.9 x 100 - 20 = 70 tokens), not in the fixed 256; the decoding answer is
+    still transformers' greedy one."""
+    engine = make_engine(loaded, hold_tpot=True, max_num_batched_tokens=256)
+    engine.scheduler.step_model = StepModel(
+        base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.01, context_token_s=0.0,
+        num_samples=32, num_prefill_samples=16, num_decode_samples=16)
+    engine.add_request("d", engine.tokenizer.encode(PROMPTS[0]), GREEDY, tpot_s=0.1)
+    tokens = []
+    while not tokens:
+        tokens += [t for out in engine.step() if out.request_id == "d" for t in out.new_token_ids]
+    long_ids = engine.tokenizer.encode(" ".join(["apple pear plum"] * 200))[:300]
+    engine.add_request("long", long_ids, SamplingParams(max_tokens=1, temperature=0.0))
+    chunks, computed, long_done = [], 0, False
+    while engine.has_unfinished():
+        outputs = engine.step()
+        tokens += [t for out in outputs if out.request_id == "d" for t in out.new_token_ids]
+        long_done = long_done or any(o.request_id == "long" and o.finished for o in outputs)
+        request = engine.scheduler.get_request("long")
+        done = 300 if request is None else request.num_computed_tokens
+        if done > computed:
+            chunks.append(done - computed)
+            computed = done
+    assert chunks == [70, 70, 70, 70, 20] and long_done, chunks
+    assert tokens == expected[PROMPTS[0]]
+    engine.check_invariants()
 
 
 def test_generate_cli_streams_only_the_text(hf_reference):
