@@ -37,6 +37,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.expert_parallel import (REBALANCE_INTERVAL_STEPS, ExpertBank, ExpertParallelRank,
+                                    ExpertRebalancer, initial_placements)
+from engine.expert_placement import ExpertPlacement
 from engine.kv_storage import KVLayout, KVStorage
 from engine.schedule_output import ScheduleOutput
 from engine.tensor_parallel_sharding import check_shardable, shard_config, shard_tensor
@@ -58,6 +61,7 @@ class TensorParallelGroup:
     tp_rank: int
     tp_size: int
     device: torch.device
+    expert_parallel: bool = False  # whole experts per rank (engine/expert_parallel.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -70,19 +74,26 @@ def shard_model(full: "DecoderForCausalLM", group: TensorParallelGroup,
     """This rank's model: built from shard_config, filled from the full model's state dict,
     its decoder layers wired to all-reduce. The caller drops `full` afterwards."""
     dtype = full.model.embed_tokens.weight.dtype
-    model = type(full)(shard_config(full.config, group.tp_size), dtype=dtype, device=device)
+    ep = group.expert_parallel
+    model = type(full)(shard_config(full.config, group.tp_size, ep), dtype=dtype, device=device)
+    if ep:  # whole experts, this rank's only; the others' weights stay in the host bank
+        model.expert_parallel = ExpertParallelRank(group.tp_rank, ExpertBank.of(full), device)
+        model.expert_parallel.place(model, initial_placements(model, group.tp_size))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in full.state_dict().items():
-            params[name].copy_(shard_tensor(name, tensor, group.tp_rank, group.tp_size))
+            if params[name].numel():  # (an expert this rank does not hold is empty)
+                params[name].copy_(shard_tensor(name, tensor, group.tp_rank, group.tp_size, ep))
     model.enable_tensor_parallel(group.tp_size, group.all_reduce)
     return model.eval()
 
 
 class StepMessage(msgspec.Struct, frozen=True):
-    """Rank 0 -> followers, once per step. No schedule: shut down."""
+    """Rank 0 -> followers, once per step. No schedule: shut down. `placements`: the expert
+    placements every rank switches to before this step (engine/expert_parallel.py)."""
 
     schedule: ScheduleOutput | None
+    placements: tuple[ExpertPlacement, ...] | None = None
 
 
 class _Broadcast:
@@ -108,10 +119,15 @@ class DrivingRunner:
     """Rank 0's runner: sends each schedule to the followers, then runs its own shard.
     Constructing it sends the KV layout (followers allocate their pool from it)."""
 
-    def __init__(self, runner: "ModelRunner", group: TensorParallelGroup) -> None:
+    def __init__(self, runner: "ModelRunner", group: TensorParallelGroup,
+                 rebalance_every: int = REBALANCE_INTERVAL_STEPS) -> None:
         if group.tp_rank != 0:
             raise ValueError(f"only rank 0 drives; this is rank {group.tp_rank}")
         self.runner = runner
+        self.expert_rank: ExpertParallelRank | None = getattr(runner.model, "expert_parallel",
+                                                               None)
+        self.rebalancer = (None if self.expert_rank is None
+                           else ExpertRebalancer(runner.model, group.tp_size, rebalance_every))
         self._channel = _Broadcast(group.device)
         self._closed = False
         self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
@@ -133,7 +149,10 @@ class DrivingRunner:
             raise ValueError("a tensor-parallel group runs no overlapped steps")
         if self._closed:
             raise RuntimeError("the tensor-parallel group has been shut down")
-        self._channel.send(msgspec.msgpack.encode(StepMessage(schedule)))
+        placements = None if self.rebalancer is None else self.rebalancer.step()
+        self._channel.send(msgspec.msgpack.encode(StepMessage(schedule, placements)))
+        if placements is not None and self.expert_rank is not None:
+            self.expert_rank.place(self.runner.model, placements)
         return self.runner.execute(schedule)
 
     def close(self) -> None:
@@ -154,8 +173,11 @@ def follow(model: "DecoderForCausalLM", group: TensorParallelGroup,
     runner = ModelRunner(model, KVStorage(layout, device), layout.block_size,
                          use_kernels=False, cuda_graph_batch_sizes=())
     decoder = msgspec.msgpack.Decoder(StepMessage)
+    expert_rank: ExpertParallelRank | None = getattr(model, "expert_parallel", None)
     num_steps = 0
     while (message := decoder.decode(channel.receive())).schedule is not None:
+        if message.placements is not None and expert_rank is not None:
+            expert_rank.place(model, message.placements)
         runner.execute(message.schedule)
         num_steps += 1
     return num_steps
@@ -170,7 +192,8 @@ def rank_device(device: str, tp_rank: int) -> torch.device:
 
 
 def connect(tp_rank: int, tp_size: int, store: dist.Store, device: torch.device,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+            timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False
+            ) -> TensorParallelGroup:
     """Join the default process group (gloo on CPU, nccl on CUDA). `timeout_s` bounds every
     collective, so a follower whose driver died exits instead of waiting forever."""
     if device.type == "cuda":
@@ -182,7 +205,7 @@ def connect(tp_rank: int, tp_size: int, store: dist.Store, device: torch.device,
         backend = "gloo"
     dist.init_process_group(backend, store=store, rank=tp_rank, world_size=tp_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return TensorParallelGroup(tp_rank, tp_size, device)
+    return TensorParallelGroup(tp_rank, tp_size, device, expert_parallel)
 
 
 class Followers:
@@ -191,7 +214,8 @@ class Followers:
     any that do not."""
 
     def __init__(self, tp_size: int, model: str, dtype: str, device: str,
-                 threads: int | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 threads: int | None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 expert_parallel: bool = False) -> None:
         # Port 0: the store binds a free port and the children learn it from their argv.
         self.store = dist.TCPStore(HOST, 0, tp_size, True,
                                    timeout=datetime.timedelta(seconds=timeout_s),
@@ -206,6 +230,8 @@ class Followers:
                     "--dtype", dtype, "--device", device, "--timeout-s", str(timeout_s)]
             if threads is not None:
                 argv += ["--threads", str(threads)]
+            if expert_parallel:
+                argv.append("--ep")
             # Followers print nothing a user asked for: their stdout joins rank 0's stderr.
             self.processes.append(subprocess.Popen(argv, env=env, stdout=sys.stderr))
 
@@ -236,7 +262,7 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
     from engine.loader import load_model
 
     loaded = load_model(model, dtype=dtype, device="cpu")
-    check_shardable(loaded.config, group.tp_size)
+    check_shardable(loaded.config, group.tp_size, group.expert_parallel)
     sharded = shard_model(loaded.model, group, device)
     return dataclasses.replace(loaded, model=sharded)
 
@@ -244,28 +270,31 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
 @contextlib.contextmanager
 def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
                            kv_cache_bytes: int, threads: int | None = None,
-                           progress: Callable[[str], None] | None = None
-                           ) -> Iterator["LLMEngine"]:
+                           progress: Callable[[str], None] | None = None,
+                           expert_parallel: bool = False) -> Iterator["LLMEngine"]:
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
-    gone when the block exits. `kv_cache_bytes` is per rank. Raises ValueError (TP size
-    does not fit the model) or ModelLoadError before any process is spawned."""
+    gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: whole
+    experts per rank (engine/expert_parallel.py). Raises ValueError (TP size does not fit
+    the model) or ModelLoadError before any process is spawned."""
     from engine.engine_builder import load_tokenizer
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.loader import read_model_config
 
     report = progress or (lambda message: None)
     full_config = read_model_config(model)
-    check_shardable(full_config, tp_size)
+    check_shardable(full_config, tp_size, expert_parallel)
     dtype_name = str(config.dtype).removeprefix("torch.")
-    followers = Followers(tp_size, model, dtype_name, config.device, threads)
+    followers = Followers(tp_size, model, dtype_name, config.device, threads,
+                          expert_parallel=expert_parallel)
     connected, engine = False, None
     try:
         device = rank_device(config.device, 0)
         report(f"tensor parallel: waiting for {tp_size - 1} follower rank(s)")
-        group = connect(0, tp_size, followers.store, device)
+        group = connect(0, tp_size, followers.store, device, expert_parallel=expert_parallel)
         connected = True
         loaded = load_shard(model, group, config.dtype, device)
-        num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size),
+        num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size,
+                                                                expert_parallel),
                                                    kv_cache_bytes, config.block_size,
                                                    config.dtype)
         engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
@@ -273,7 +302,8 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
         from engine.model_runner import ModelRunner
 
         # This rank's KV heads only; the runner sends every step to the followers first.
-        storage = KVStorage.for_model(shard_config(loaded.config, tp_size), num_blocks,
+        storage = KVStorage.for_model(shard_config(loaded.config, tp_size, expert_parallel),
+                                      num_blocks,
                                       engine_config.block_size, engine_config.dtype,
                                       engine_config.device)
         runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
@@ -305,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="weights' dtype (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--ep", action="store_true", help="whole experts per rank")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help="limit on each wait for the leader (default %(default)s)")
     args = parser.parse_args(argv)
@@ -313,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = rank_device(args.device, args.rank)
     store = dist.TCPStore(HOST, args.port, args.tp, False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
-    group = connect(args.rank, args.tp, store, device, args.timeout_s)
+    group = connect(args.rank, args.tp, store, device, args.timeout_s, args.ep)
     try:
         loaded = load_shard(args.model, group, getattr(torch, args.dtype), device)
         follow(loaded.model, group, device)

@@ -13,6 +13,10 @@ gate/up column-parallel, its down row-parallel: the names end alike) and replica
 router (`mlp.gate.weight`): every rank routes its identical input to the same experts, and
 the layer's one all-reduce sums the partial expert outputs, already weighted.
 
+With expert parallelism (`expert_parallel`, engine/expert_parallel.py) the experts are not
+sliced: each rank keeps whole experts (its placement's), so the experts' tensors are
+replicated here and the experts' width stays whole in `shard_config`.
+
 Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
 attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
 rank is therefore an ordinary model of its family built from `shard_config()`, with two
@@ -34,8 +38,9 @@ import torch
 from engine.config import ModelConfig
 
 
-def check_shardable(config: ModelConfig, tp_size: int) -> None:
-    """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model."""
+def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
+    """Raises ValueError, naming the head counts, unless `tp_size` ranks can split the model
+    (its experts whole, with `expert_parallel`)."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
     if config.num_kv_heads % tp_size:
@@ -46,17 +51,24 @@ def check_shardable(config: ModelConfig, tp_size: int) -> None:
     if config.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"intermediate size {config.intermediate_size}")
-    if config.moe is not None and config.moe.intermediate_size % tp_size:
+    if expert_parallel:
+        if config.moe is None:
+            raise ValueError("expert parallelism needs a mixture-of-experts model")
+        if config.moe.num_experts % tp_size:
+            raise ValueError(f"expert parallel size {tp_size} does not divide the model's "
+                             f"{config.moe.num_experts} experts")
+    elif config.moe is not None and config.moe.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"expert intermediate size {config.moe.intermediate_size}")
 
 
-def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
-    """The shape one rank holds: heads and intermediate sizes (the experts' too) divided by
-    `tp_size`."""
-    check_shardable(config, tp_size)
+def shard_config(config: ModelConfig, tp_size: int, expert_parallel: bool = False
+                 ) -> ModelConfig:
+    """The shape one rank holds: heads and intermediate sizes (the experts' too, unless
+    `expert_parallel`) divided by `tp_size`."""
+    check_shardable(config, tp_size, expert_parallel)
     moe = config.moe
-    if moe is not None:
+    if moe is not None and not expert_parallel:
         moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp_size)
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
                                num_kv_heads=config.num_kv_heads // tp_size,
@@ -83,10 +95,12 @@ def shard_dim(name: str) -> ShardDim:
     return ShardDim.REPLICATED
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor)."""
+def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int,
+                 expert_parallel: bool = False) -> torch.Tensor:
+    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor).
+    With `expert_parallel` an expert's tensors are whole."""
     dim = shard_dim(name)
-    if dim is ShardDim.REPLICATED or tp_size == 1:
+    if dim is ShardDim.REPLICATED or tp_size == 1 or (expert_parallel and ".experts." in name):
         return tensor
     if tensor.shape[dim.value] % tp_size:
         raise ValueError(f"{name}: dimension {dim.value} of shape {list(tensor.shape)} "

@@ -23,7 +23,14 @@ not built yet.
 
 Tensor parallel: each rank holds a slice of every expert's width and the whole router
 (engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
-partial sums that the decoder layer's all-reduce adds up.
+partial sums that the decoder layer's all-reduce adds up. Expert parallel (`shares` set,
+engine/expert_parallel.py): each rank holds whole experts instead, computes only the rows of
+the experts it holds (of an expert with k copies, every k-th row from its copy's index), and
+returns those partial sums to the same all-reduce.
+
+Load: `expert_tokens` counts the (token, expert) assignments of every expert since it was
+last read (`take_expert_tokens`), on the block's device, from the counts the grouping
+computes anyway.
 """
 
 from __future__ import annotations
@@ -64,6 +71,19 @@ class MoEBlock(nn.Module):
         self.renormalize = moe.renormalize
         self.activation = activation
         self.round_weights = round_weights
+        # Made at the first forward, on the input's device (a model may be built on the meta
+        # device and materialized without its buffers' values).
+        self.expert_tokens: torch.Tensor | None = None
+        # Expert parallel: expert -> (this rank's copy index, copies); None: all experts here.
+        self.shares: dict[int, tuple[int, int]] | None = None
+
+    def take_expert_tokens(self) -> list[int]:
+        """The assignments per expert since the last call (and start counting again)."""
+        if self.expert_tokens is None:
+            return [0] * self.num_experts
+        counts = self.expert_tokens.tolist()
+        self.expert_tokens = None  # (made in inference mode: replaced, not zeroed in place)
+        return counts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, top_k], expert ids long [T, top_k]) for tokens x [T, hidden];
@@ -89,15 +109,23 @@ class MoEBlock(nn.Module):
         if self.round_weights:
             sorted_weights = sorted_weights.to(x.dtype)
         grouped = x[token_rows]
-        outputs = torch.empty_like(grouped)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
+        shares = self.shares
+        outputs = torch.empty_like(grouped) if shares is None else torch.zeros_like(grouped)
+        counts_on_device = torch.bincount(flat_ids, minlength=self.num_experts)
+        if self.expert_tokens is None or self.expert_tokens.device != x.device:
+            self.expert_tokens = torch.zeros_like(counts_on_device)
+        self.expert_tokens += counts_on_device
+        counts = counts_on_device.tolist()  # host sync
         start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = grouped[start:start + count]
+        for e, (expert, count) in enumerate(zip(self.experts, counts)):
+            share = (0, 1) if shares is None else shares.get(e)
+            if count and share is not None:
+                # This copy's rows of the expert's slice: every copies-th from its index.
+                rows_of = slice(start + share[0], start + count, share[1])
+                rows = grouped[rows_of]
                 hidden = self._act(F.linear(rows, expert.gate_proj.weight)) * F.linear(
                     rows, expert.up_proj.weight)
-                outputs[start:start + count] = F.linear(hidden, expert.down_proj.weight)
+                outputs[rows_of] = F.linear(hidden, expert.down_proj.weight)
             start += count
         weighted = (outputs * sorted_weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_rows, weighted)

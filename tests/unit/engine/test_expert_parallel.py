@@ -1,0 +1,106 @@
+"""Expert parallelism on CPU (`--tp 2 --ep`): real follower processes over gloo, each holding
+whole experts; the reference is the unsharded model in this process.
+
+A skewed checkpoint (one expert picked by every token: its router row reads a component
+every token's hidden state carries) makes its home rank the busiest; the rebalancer gives
+that expert a second copy, the imbalance falls, and the tokens stay the unsharded ones
+through the switch.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from test_tensor_parallel import BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch
+
+from engine.expert_parallel import moe_blocks
+from engine.kv_storage import KVStorage
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.tensor_parallel_group import DrivingRunner, Followers, connect, load_shard
+
+
+def _skewed(tiny: Path, directory: Path) -> Path:
+    """The checkpoint with every token's hidden state carrying +4 in dimension 0 (from the
+    embeddings, through the residual stream) and expert 0's router row reading it."""
+    shutil.copytree(tiny, directory)
+    (weights,) = directory.glob("*.safetensors")
+    state = load_file(weights)
+    state["model.embed_tokens.weight"][:, 0] += 4.0
+    for name, tensor in state.items():
+        if name.endswith("mlp.gate.weight"):
+            tensor[0, 0] = 3.0
+    save_file(state, weights, metadata={"format": "pt"})
+    return directory
+
+
+def _run_ep(path: Path, rebalance_every: int) -> tuple[list[list[int]], torch.Tensor, object,
+                                                       torch.nn.Module]:
+    followers = Followers(2, str(path), "float32", "cpu", threads=1, timeout_s=60.0,
+                          expert_parallel=True)
+    connected = False
+    try:
+        group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
+                        expert_parallel=True)
+        connected = True
+        shard = load_shard(str(path), group, torch.float32, "cpu").model
+        kv = KVStorage.for_model(shard.config, len(PROMPTS) * BLOCKS_PER_SEQ, BLOCK_SIZE,
+                                 torch.float32)
+        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group, rebalance_every)
+        tokens, logits = _greedy_batch(runner)
+        runner.close()
+        codes = followers.stop(timeout_s=30.0)
+    finally:
+        followers.stop(timeout_s=0.0)
+        if connected:
+            dist.destroy_process_group()
+    assert codes == [0]
+    return tokens, logits, runner.rebalancer, shard
+
+
+def _reference(path: Path) -> tuple[list[list[int]], torch.Tensor]:
+    full = load_model(str(path)).model
+    kv = KVStorage.for_model(full.config, len(PROMPTS) * BLOCKS_PER_SEQ, BLOCK_SIZE,
+                             torch.float32)
+    return _greedy_batch(ModelRunner(full, kv, BLOCK_SIZE))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_whole_experts_per_rank_give_the_unsharded_tokens(variant, tiny_model, single_thread):
+    path = tiny_model(variant).path
+    expected_tokens, expected_logits = _reference(path)
+    tokens, logits, _, shard = _run_ep(path, rebalance_every=1000)
+    assert tokens == expected_tokens
+    rel_err = (logits - expected_logits).norm() / expected_logits.norm()
+    assert rel_err < 1e-4, f"relative error {rel_err:.2e}"
+    for block in moe_blocks(shard):  # rank 0 holds experts 0 and 1, whole; 2 and 3 not at all
+        held = [e for e, x in enumerate(block.experts) if x.gate_proj.weight.numel()]
+        assert held == [0, 1] and block.shares == {0: (0, 1), 1: (0, 1)}
+        assert block.experts[0].gate_proj.weight.shape[0] == shard.config.moe.intermediate_size
+
+
+@pytest.mark.timeout(120)
+def test_a_hot_expert_gets_a_second_copy_and_the_tokens_do_not_change(tiny_model, tmp_path,
+                                                                     single_thread):
+    path = _skewed(tiny_model("qwen3_moe").path, tmp_path / "skewed")
+    expected_tokens, expected_logits = _reference(path)
+    tokens, logits, rebalancer, shard = _run_ep(path, rebalance_every=2)
+    assert tokens == expected_tokens  # through the switch: nothing lost, nothing changed
+    first = rebalancer.rebalances[0]
+    # Expert 0, which every token picks in the first MoE layer, has a copy on each rank; each
+    # layer copied its hottest expert (the second layer's mix is its own).
+    assert rebalancer.placements[0].replicas[0] == (0, 1), rebalancer.placements
+    assert all(sorted(map(len, p.replicas)) == [1, 1, 1, 2] for p in rebalancer.placements)
+    # In the first MoE layer rank 0 (experts 0 and 1) took 70% of the assignments (busiest
+    # over mean 1.4 here); after the switch the ranks share them nearly evenly (1.1).
+    assert first.imbalance_before[0] > 1.25 and first.imbalance_after[0] < 0.85 * 1.4, first
+    assert all(r.imbalance_after[i] < r.imbalance_before[i] for r in rebalancer.rebalances
+               for i in range(2) if r.imbalance_after[i] != r.imbalance_before[i])
+    assert rebalancer.imbalance[0] < first.imbalance_before[0]  # the last window, balanced
+    assert moe_blocks(shard)[0].shares[0] == (0, 2)  # rank 0: every other row of expert 0
