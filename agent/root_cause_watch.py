@@ -101,11 +101,15 @@ class RootCauseWatch:
         """Take this tick's snapshot; the reports it brings (at most one per tier)."""
         workers = worker_ticks(samples, reports, self._previous, ejected_for)
         self._previous = dict(reports)
-        self.snapshots.append(Snapshot(now_s, tier_tallies(tallies), workers))
-        keep_from = now_s - self.config.recent_s - self.config.baseline_s
-        while self.snapshots and self.snapshots[0].at_s <= keep_from:
+        return self.take(Snapshot(now_s, tier_tallies(tallies), workers), now_unix_ms)
+
+    def take(self, snapshot: Snapshot, now_unix_ms: int) -> list[RootCauseReport]:
+        """Keep `snapshot` (the newest), drop what both windows left behind, and judge."""
+        self.snapshots.append(snapshot)
+        keep_from = snapshot.at_s - self.config.recent_s - self.config.baseline_s
+        while self.snapshots and self.snapshots[0].at_s < keep_from:
             self.snapshots.popleft()
-        return self._judge(now_s, now_unix_ms)
+        return self._judge(snapshot.at_s, now_unix_ms)
 
     def _judge(self, now_s: float, now_unix_ms: int) -> list[RootCauseReport]:
         config = self.config
