@@ -141,8 +141,11 @@ def test_a_fallback_to_a_slower_transport_is_named_first() -> None:
 
 
 def test_too_few_requests_tell_nothing() -> None:
-    # Four requests, all late, in the recent window: fewer than min_requests (5).
-    assert report_of(recording((0, 1, 200, 5.0, 80.0, 30.0, 900.0, 0), num_recent=4)) is None
+    # A quiet spell: four requests, all late, in the recent window (fewer than 5).
+    snapshots = recording(STEADY_TIER)[:60] + [
+        Snapshot(float(t), {"standard": tally((0, 1, 200, 5.0, 80.0, 30.0, 900.0, 0))}
+                 if t % 2 else {}, workers(STEADY_WORKERS)) for t in range(61, 69)]
+    assert report_of(snapshots) is None
 
 
 def feed(watch: RootCauseWatch, snapshots: list[Snapshot]) -> list[RootCauseReport]:
