@@ -141,10 +141,10 @@ def test_a_fallback_to_a_slower_transport_is_named_first() -> None:
 
 
 def test_too_few_requests_tell_nothing() -> None:
-    # A quiet spell: four requests, all late, in the recent window (fewer than 5).
+    # A quiet spell: three requests, all late, in the recent window (fewer than 5).
     snapshots = recording(STEADY_TIER)[:60] + [
         Snapshot(float(t), {"standard": tally((0, 1, 200, 5.0, 80.0, 30.0, 900.0, 0))}
-                 if t % 2 else {}, workers(STEADY_WORKERS)) for t in range(61, 69)]
+                 if t % 3 == 0 else {}, workers(STEADY_WORKERS)) for t in range(61, 71)]
     assert report_of(snapshots) is None
 
 
