@@ -8,9 +8,7 @@ One tick (every `period_s`, about 1 s):
       ─▶ act through the actuator (agent/actuator.py) ─▶ audit (agent/audit.py)
     then: probation and re-admission (cases EJECTED), renewal of held ejections, and every
     `rebalance_period_s` one rebalancing decision (agent/rebalance.py); last, the capacity
-    plan (agent/capacity_plan.py) and the root-cause watch (agent/root_cause_watch.py: the
-    gateways' tallies and the workers' reports of this tick, a report when a tier's
-    attainment dropped).
+    plan and the root-cause reports (agent/capacity_plan.py, agent/root_cause_watch.py).
 
 What happens to a worker the rules find bad (its case: agent/worker_case.py has the states
 and the pure transitions; this loop does the I/O they call for):
@@ -50,8 +48,8 @@ from agent.casebook import Casebook
 from agent.decision import (Decision, EventAction, EventRule, Outcome, OutcomeKind, RoleSwitch,
                             Routine, parse_rule)
 from agent.guard_rails import ActionKind, plan_actions
-from agent.health_rules import Detection, Thresholds, WorkerSample, detect
-from agent.observer import Lapsed, Observer
+from agent.health_rules import Detection, Thresholds, detect
+from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.role_mover import RoleMover, role_views
 from agent.root_cause import RootCauseConfig
@@ -60,8 +58,6 @@ from agent.worker_case import (CaseState, Drop, FollowUp, Readmit, Recover, Repo
                                Restrike, Timing, WorkerCase, advance)
 from protocol.messages import WorkerInfo
 from state.agent_state import now_unix_ms
-from state.redis_state import REDIS_FAILURES, raise_if_cancelling
-from state.tier_tallies import TallyStream
 from telemetry.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
@@ -100,7 +96,7 @@ class AgentConfig:
 class ControlLoop:
     def __init__(self, observer: Observer, actuator: Actuator, audit: Audit,
                  config: AgentConfig, metrics: MetricsRegistry,
-                 tallies: TallyStream | None = None) -> None:
+                 watch: RootCauseWatch | None = None) -> None:
         self.observer = observer
         self.actuator = actuator
         self.audit = audit
@@ -120,11 +116,7 @@ class ControlLoop:
         self.tick_seconds = metrics.histogram("pdserve_agent_tick_seconds",
                                               "one control loop tick")
         self.planner = None if config.plan is None else CapacityPlanner(config.plan)
-        # Root-cause reports need the gateways' tallies (None: no reports).
-        self.tallies = tallies
-        self.watch = None if config.root_cause is None or tallies is None else \
-            RootCauseWatch(config.root_cause)
-        self._tallies_after: str | None = None  # the last tally entry read
+        self.watch = watch  # root-cause reports (None: none)
         self.desired_workers = metrics.gauge(
             "pdserve_agent_desired_workers",
             "workers the forecast demand needs, by role (prefill, decode; total: workers "
@@ -182,8 +174,11 @@ class ControlLoop:
                                       self.config.window_s)
         if self.planner is not None:
             self._plan(now)
-        if self.watch is not None:
-            await self._explain(observed, now)
+        if self.watch is not None:  # every agent keeps the windows; the leader records
+            for report in await self.watch.tick(now, observed, self.observer.reports,
+                                                self.casebook.held_rules):
+                if self.is_leader:
+                    await self.audit.report(report)
         self.num_ejected.set(len(self.out_ids))
         self.tick_seconds.observe(time.perf_counter() - started)
         self.ticks.inc(result="leader" if self.is_leader else "standby")
@@ -205,24 +200,6 @@ class ControlLoop:
             log.info("capacity plan: %d prefill, %d decode (or %d doing both) workers "
                      "needed; %s", desired.prefill, desired.decode, desired.total,
                      desired.reason)
-
-    async def _explain(self, observed: list[WorkerSample | Lapsed], now: float) -> None:
-        """This tick's root-cause snapshot; the leader records the reports it brings (every
-        agent keeps the windows, so a standby that takes over has them)."""
-        assert self.watch is not None and self.tallies is not None
-        try:
-            self._tallies_after, tallies = await self.tallies.read_after(self._tallies_after)
-        except REDIS_FAILURES as exc:
-            raise_if_cancelling(exc)
-            tallies = []  # read next tick: the entries stay in the stream
-        ejected_for = {c.worker_id: str(c.hold.rule) for c in self.casebook.cases.values()
-                       if c.hold is not None}
-        samples = [s for s in observed if isinstance(s, WorkerSample)]
-        reports = self.watch.observe(now, now_unix_ms(), tallies, samples,
-                                     self.observer.reports, ejected_for)
-        if self.is_leader:
-            for report in reports:
-                await self.audit.report(report)
 
     def _decision(self, worker_id: str, epoch: int, rule: EventRule, evidence: str,
                   action: EventAction | RoleSwitch, outcome: Outcome) -> Decision:

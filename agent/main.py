@@ -42,6 +42,7 @@ from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
 from agent.root_cause import RootCauseConfig
+from agent.root_cause_watch import RootCauseWatch
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
@@ -136,7 +137,9 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
                                    args.kube_namespace, supervisor)
         actuator = Actuator(agent_state, restarter, channels, eject_hold_s=args.eject_hold_s)
         observer = Observer(state, channels, control_timeout_s=args.control_timeout_s)
-        loop_ = ControlLoop(observer, actuator, audit, config, metrics, TallyStream(state))
+        watch = None if config.root_cause is None else \
+            RootCauseWatch(config.root_cause, TallyStream(state))
+        loop_ = ControlLoop(observer, actuator, audit, config, metrics, watch)
         if args.once:
             return await _once(loop_, config)
         runner = await _start_http(metrics, args.host, args.port)

@@ -1,8 +1,8 @@
 """The owner of root-cause reports in the control loop: it keeps the snapshots the
 attribution compares (agent/root_cause.py) and decides when a tier gets a report.
 
-Per tick (`observe`, after the observer's read): the gateways' tallies published since the
-last tick (state/tier_tallies.py) and what the agent saw of each worker become one
+Per tick (`tick`, after the observer's read): the gateways' tallies published since the
+last tick (state/tier_tallies.py; Redis away: read at the next tick) and what the agent saw of each worker become one
 `Snapshot`; snapshots older than both windows are dropped; then, per tier:
 
     QUIET ──(a drop)──▶ PENDING ──(a cause found, or the drop lasted recent_s)──▶ REPORTED
@@ -26,11 +26,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.health_rules import WorkerSample, peer_step_s
+from agent.observer import Lapsed
 from agent.root_cause import (RootCauseConfig, Snapshot, WorkerTick, Window, attribute,
                               dropped, split)
 from protocol.agent_messages import HealthReport
 from protocol.root_cause_report import RootCauseReport
 from protocol.tier_tally import GatewayTally, TierTally, merged
+from state.agent_state import now_unix_ms
+from state.redis_state import REDIS_FAILURES, raise_if_cancelling
+from state.tier_tallies import TallyStream
 
 
 class Episode(enum.Enum):
@@ -86,14 +90,31 @@ def worker_ticks(samples: Sequence[WorkerSample], reports: Mapping[str, HealthRe
 
 
 class RootCauseWatch:
-    def __init__(self, config: RootCauseConfig, max_reports: int = 50) -> None:
+    def __init__(self, config: RootCauseConfig, tallies: TallyStream | None = None,
+                 max_reports: int = 50) -> None:
         self.config = config
+        self.tallies = tallies  # None: fed by hand (tests)
+        self._tallies_after: str | None = None  # the last tally entry read
         self.max_reports = max_reports
         self.snapshots: deque[Snapshot] = deque()
         self.episodes: dict[str, _Open] = {}
         self.reports: deque[RootCauseReport] = deque(maxlen=max_reports)  # newest first
         self.latest: dict[str, RootCauseReport] = {}
         self._previous: dict[str, HealthReport] = {}
+
+    async def tick(self, now_s: float, observed: Sequence[WorkerSample | Lapsed],
+                   reports: Mapping[str, HealthReport], ejected_for: Mapping[str, str]
+                   ) -> list[RootCauseReport]:
+        """Read the tallies the gateways published since the last tick, then `observe`."""
+        tallies: list[GatewayTally] = []
+        if self.tallies is not None:
+            try:
+                self._tallies_after, tallies = await self.tallies.read_after(
+                    self._tallies_after)
+            except REDIS_FAILURES as exc:
+                raise_if_cancelling(exc)  # read next tick: the entries stay in the stream
+        samples = [s for s in observed if isinstance(s, WorkerSample)]
+        return self.observe(now_s, now_unix_ms(), tallies, samples, reports, ejected_for)
 
     def observe(self, now_s: float, now_unix_ms: int, tallies: Sequence[GatewayTally],
                 samples: Sequence[WorkerSample], reports: Mapping[str, HealthReport],
