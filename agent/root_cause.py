@@ -48,8 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.messages import Role
-from protocol.root_cause_report import (Cause, CauseKind, RootCauseReport, StageChange,
-                                        StageName)
+from protocol.root_cause_report import Cause, CauseKind, RootCauseReport, StageChange, StageName
 from protocol.tier_tally import StageSum, TierTally, merged
 
 

@@ -57,8 +57,8 @@ from gateway.ops.tier_tally_book import TierTallyBook
 from gateway.upstream.cluster import ClusterView, WorkerEntry
 from gateway.upstream.upstream import WorkerBackend
 from protocol.messages import Role
-from protocol.worker_load import StepModel, WorkerLoad
 from protocol.root_cause_report import RootCauseReport
+from protocol.worker_load import StepModel, WorkerLoad
 from state.agent_state import AgentEvent, AgentState, Ejection
 from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 
