@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import pytest
 
+from agent.health_rules import WorkerSample
 from agent.root_cause import RootCauseConfig, Snapshot, WorkerTick, attribute, split
-from agent.root_cause_watch import RootCauseWatch
+from agent.root_cause_watch import RootCauseWatch, worker_ticks
+from protocol.agent_messages import HealthReport
 from protocol.messages import Role
 from protocol.root_cause_report import CauseKind, RootCauseReport, StageName
 from protocol.tier_tally import StageSum, TierTally
+from protocol.worker_load import WorkerLoad
 
 CONFIG = RootCauseConfig()  # recent 10 s, baseline 60 s, target 0.9
 
@@ -190,3 +193,28 @@ def test_config_refuses_nonsense() -> None:
         RootCauseConfig(attainment_target=0)
     with pytest.raises(ValueError):
         RootCauseConfig(slow_ratio=1.0)
+
+
+def health(epoch: int, waits: int, carrier: int, failures: int) -> HealthReport:
+    return HealthReport(epoch=epoch, load=WorkerLoad(num_kv_blocks_used=90,
+                                                     num_kv_blocks_total=100),
+                        num_steps=10, step_sum_s=0.5, num_decode_steps=5, decode_sum_s=0.1,
+                        decode_seqs=5, decode_context=500, num_requests=3, num_failed=0,
+                        num_kv_waits=waits, num_kv_waiting=1, num_transfers_carrier=carrier,
+                        transfer_sum_s=0.1 * carrier, num_transfer_failures=failures)
+
+
+def test_worker_counters_count_from_the_previous_report_of_the_same_epoch() -> None:
+    sample = WorkerSample(at_s=1.0, worker_id="d0", epoch=2, role=Role.DECODE,
+                          lease_left_s=2.0, process_alive=True, control_ok=True)
+    ticks = worker_ticks([sample], {"d0": health(2, waits=5, carrier=4, failures=1)},
+                         {"d0": health(2, waits=3, carrier=1, failures=1)}, {"d0": "slow"})
+    tick = ticks["d0"]
+    assert (tick.num_kv_waits, tick.num_transfers_carrier, tick.num_transfer_failures) == \
+        (2, 3, 0)
+    assert tick.kv_usage == 0.9 and tick.num_kv_waiting == 1 and tick.ejected_for == "slow"
+    assert tick.transfer_s == pytest.approx(0.3)
+    # A restarted worker (a new epoch) counts nothing until its second report.
+    fresh = worker_ticks([sample], {"d0": health(3, waits=1, carrier=1, failures=0)},
+                         {"d0": health(2, waits=5, carrier=4, failures=1)}, {})["d0"]
+    assert (fresh.num_kv_waits, fresh.num_transfers_carrier, fresh.ejected_for) == (0, 0, None)
