@@ -133,6 +133,16 @@ class Window:
         return [s.workers[worker_id] for s in self.snapshots if worker_id in s.workers]
 
 
+def covered_s(snapshots: Sequence[Snapshot], until_s: float, nominal_s: float) -> float:
+    """The time `snapshots` (ending at `until_s`) cover: the nominal window, or less for an
+    agent that started within it (a rate over it is not diluted by time it did not see).
+    A snapshot's tallies cover the tick before it."""
+    if not snapshots:
+        return nominal_s
+    tick_s = snapshots[1].at_s - snapshots[0].at_s if len(snapshots) > 1 else 1.0
+    return max(tick_s, min(nominal_s, until_s - snapshots[0].at_s + tick_s))
+
+
 def split(snapshots: Sequence[Snapshot], now_s: float, config: RootCauseConfig
           ) -> tuple[list[Snapshot], list[Snapshot]]:
     """(baseline, recent): the snapshots of each window, oldest first."""
@@ -140,6 +150,15 @@ def split(snapshots: Sequence[Snapshot], now_s: float, config: RootCauseConfig
     baseline_from = recent_from - config.baseline_s
     return ([s for s in snapshots if baseline_from < s.at_s <= recent_from],
             [s for s in snapshots if s.at_s > recent_from])
+
+
+def windows(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot],
+            config: RootCauseConfig) -> tuple[Window, Window]:
+    """The baseline and recent windows of `tier`, each over the time it covers."""
+    now_s = recent[-1].at_s if recent else baseline[-1].at_s if baseline else 0.0
+    recent_from = now_s - config.recent_s
+    return (Window.of(tier, baseline, covered_s(baseline, recent_from, config.baseline_s)),
+            Window.of(tier, recent, covered_s(recent, now_s, config.recent_s)))
 
 
 def dropped(baseline: Window, recent: Window, config: RootCauseConfig) -> str | None:
@@ -162,8 +181,7 @@ def dropped(baseline: Window, recent: Window, config: RootCauseConfig) -> str | 
 def attribute(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot],
               at_unix_ms: int, config: RootCauseConfig) -> RootCauseReport | None:
     """The report on `tier`'s drop, or None when it did not drop (module doc)."""
-    before = Window.of(tier, baseline, config.baseline_s)
-    now = Window.of(tier, recent, config.recent_s)
+    before, now = windows(tier, baseline, recent, config)
     trigger = dropped(before, now, config)
     if trigger is None:
         return None
@@ -193,12 +211,12 @@ def stage_changes(before: Window, now: Window) -> list[StageChange]:
                     recent_ms=_ms(n.admission_queue.mean_ms)),
         StageChange(stage=StageName.PREFILL, baseline_ms=_ms(b.prefill.mean_ms),
                     recent_ms=_ms(n.prefill.mean_ms),
-                    worker_ids=_grew(b.prefill_by_worker, n.prefill_by_worker)),
+                    worker_ids=_grew(n.prefill_by_worker)),
         StageChange(stage=StageName.KV_TRANSFER, baseline_ms=_ms(transfer_ms(before)),
                     recent_ms=_ms(transfer_ms(now))),
         StageChange(stage=StageName.DECODE_STEP, baseline_ms=_ms(b.decode.mean_ms),
                     recent_ms=_ms(n.decode.mean_ms),
-                    worker_ids=_grew(b.decode_by_worker, n.decode_by_worker)),
+                    worker_ids=_grew(n.decode_by_worker)),
     ]
 
 
@@ -206,7 +224,7 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def _grew(before: Mapping[str, StageSum], now: Mapping[str, StageSum]) -> list[str]:
+def _grew(now: Mapping[str, StageSum]) -> list[str]:
     """The workers whose recent mean is at least 1.5 x the other workers' median."""
     ratios = _outliers({w: s.mean_ms for w, s in now.items()})
     return sorted(w for w, r in ratios.items() if r >= 1.5)
@@ -238,6 +256,8 @@ def rate_surge(before: Window, now: Window, config: RootCauseConfig) -> Cause | 
 
 
 def mix_shift(before: Window, now: Window, config: RootCauseConfig) -> Cause | None:
+    if before.tally.num_prompts < config.min_requests:
+        return None
     ratio = _ratio(now.prompt_tokens, before.prompt_tokens)
     if ratio is None or ratio < config.mix_ratio or now.prompt_tokens is None:
         return None
@@ -267,26 +287,28 @@ def slow_workers(now: Window, config: RootCauseConfig) -> list[Cause]:
                  if t.step_s is not None and t.peer_step_s]
         step_ratio = statistics.median(steps) if steps else None
         ejected = next((t.ejected_for for t in reversed(ticks) if t.ejected_for), None)
-        measures = [(r, text) for r, text in (
+        measures = [(r, text, stage) for r, text, stage in (
             (step_ratio, f"its decode step x{step_ratio or 0:.1f} what its peers' step models "
-                         f"predict for the same batch (median of {len(steps)} ticks)"),
+                         f"predict for the same batch (median of {len(steps)} ticks)",
+             StageName.DECODE_STEP),
             (tpot.get(worker_id), f"the tier's decode gap (TPOT) on it "
-                                  f"x{tpot.get(worker_id) or 0:.1f} the other workers'"),
+                                  f"x{tpot.get(worker_id) or 0:.1f} the other workers'",
+             StageName.DECODE_STEP),
             (prefill.get(worker_id), f"the tier's prefill stage on it "
-                                     f"x{prefill.get(worker_id) or 0:.1f} the other workers'"))
+                                     f"x{prefill.get(worker_id) or 0:.1f} the other workers'",
+             StageName.PREFILL_COMPUTE))
             if r is not None and r >= config.slow_ratio]
         if not measures and ejected is None:
             continue
-        score = max([r / config.slow_ratio for r, _ in measures], default=1.0)
-        evidence = "; ".join(text for _, text in measures)
+        measures.sort(key=lambda m: -m[0])
+        score = measures[0][0] / config.slow_ratio if measures else 1.0
+        evidence = "; ".join(text for _, text, _ in measures)
         if ejected is not None:
             evidence = f"{evidence}; ejected ({ejected})" if evidence else f"ejected ({ejected})"
-        decodes = roles.get(worker_id) is None or roles[worker_id] is not Role.PREFILL
+        stage = measures[0][2] if measures else StageName.PREFILL_COMPUTE \
+            if roles.get(worker_id) is Role.PREFILL else StageName.DECODE_STEP
         found.append(Cause(
-            kind=CauseKind.SLOW_WORKER, score=round(score, 2),
-            stage=StageName.DECODE_STEP if decodes and (
-                step_ratio or tpot.get(worker_id) or not prefill.get(worker_id))
-            else StageName.PREFILL_COMPUTE,
+            kind=CauseKind.SLOW_WORKER, score=round(score, 2), stage=stage,
             worker_ids=[worker_id], evidence=f"{worker_id} over the last {now.span_s:.0f} s: "
                                              f"{evidence}",
             action=f"ejected by the agent ({ejected}); it is restarted if still slow after "

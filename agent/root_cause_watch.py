@@ -7,11 +7,11 @@ last tick (state/tier_tallies.py; Redis away: read at the next tick) and what th
 
     QUIET ──(a drop)──▶ PENDING ──(a cause found, or the drop lasted recent_s)──▶ REPORTED
       ▲                    │                                                       │
-      └────(recent window has min_requests and no drop)────────────────────────────┘
+      └──(recent window has min_requests and no drop; or no drop seen for baseline_s)┘
 
 so a tier gets at most one report per episode (a drop and its recovery), not one per tick;
 a drop without a cause yet is given one recent window for the evidence to show. A window
-with too few requests to tell leaves the state as it is.
+with too few requests to tell leaves the state as it is (for at most `baseline_s`).
 
 Invariants (`check_invariants`): snapshots are in time order and none is older than
 `baseline_s + recent_s`; `reports` holds at most `max_reports`, newest first; every
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from agent.health_rules import WorkerSample, peer_step_s
 from agent.observer import Lapsed
-from agent.root_cause import (RootCauseConfig, Snapshot, Window, WorkerTick, attribute, dropped,
-                              split)
+from agent.root_cause import (RootCauseConfig, Snapshot, WorkerTick, attribute, dropped, split,
+                              windows)
 from protocol.agent_messages import HealthReport
 from protocol.root_cause_report import RootCauseReport
 from protocol.tier_tally import GatewayTally, TierTally, merged
@@ -45,7 +45,8 @@ class Episode(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class _Open:
     state: Episode
-    since_s: float
+    since_s: float  # the drop first seen
+    seen_s: float  # ... last seen
 
 
 def tier_tallies(tallies: Sequence[GatewayTally]) -> dict[str, TierTally]:
@@ -121,7 +122,9 @@ class RootCauseWatch:
                 ejected_for: Mapping[str, str]) -> list[RootCauseReport]:
         """Take this tick's snapshot; the reports it brings (at most one per tier)."""
         workers = worker_ticks(samples, reports, self._previous, ejected_for)
-        self._previous = dict(reports)
+        # A worker that missed this tick's question counts from its last answer next time.
+        self._previous = {w: r for w, r in {**self._previous, **reports}.items()
+                          if w in workers}
         return self.take(Snapshot(now_s, tier_tallies(tallies), workers), now_unix_ms)
 
     def take(self, snapshot: Snapshot, now_unix_ms: int) -> list[RootCauseReport]:
@@ -138,22 +141,25 @@ class RootCauseWatch:
         tiers = sorted({t for s in self.snapshots for t in s.tiers} | set(self.episodes))
         emitted = []
         for tier in tiers:
-            now = Window.of(tier, recent, config.recent_s)
-            trigger = dropped(Window.of(tier, baseline, config.baseline_s), now, config)
+            before, now = windows(tier, baseline, recent, config)
+            trigger = dropped(before, now, config)
             episode = self.episodes.get(tier)
             if trigger is None:
-                if now.tally.num_requests >= config.min_requests:
-                    self.episodes.pop(tier, None)  # recovered: the next drop is news
+                # Recovered (the next drop is news), or quiet since long before.
+                if now.tally.num_requests >= config.min_requests or (
+                        episode is not None and now_s - episode.seen_s > config.baseline_s):
+                    self.episodes.pop(tier, None)
                 continue
-            if episode is None:
-                episode = self.episodes[tier] = _Open(Episode.PENDING, now_s)
+            since = now_s if episode is None else episode.since_s
+            state = Episode.PENDING if episode is None else episode.state
+            episode = self.episodes[tier] = _Open(state, since, now_s)
             if episode.state is Episode.REPORTED:
                 continue
             report = attribute(tier, baseline, recent, now_unix_ms, config)
             if report is None:
                 continue
             if report.causes or now_s - episode.since_s >= config.recent_s:
-                self.episodes[tier] = _Open(Episode.REPORTED, episode.since_s)
+                self.episodes[tier] = _Open(Episode.REPORTED, episode.since_s, now_s)
                 self.reports.appendleft(report)
                 self.latest[tier] = report
                 emitted.append(report)

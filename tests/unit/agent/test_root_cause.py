@@ -218,3 +218,25 @@ def test_worker_counters_count_from_the_previous_report_of_the_same_epoch() -> N
     fresh = worker_ticks([sample], {"d0": health(3, waits=1, carrier=1, failures=0)},
                          {"d0": health(2, waits=5, carrier=4, failures=1)}, {})["d0"]
     assert (fresh.num_kv_waits, fresh.num_transfers_carrier, fresh.ejected_for) == (0, 0, None)
+
+
+def test_a_tier_that_fell_quiet_after_its_report_is_reported_again_at_its_next_drop() -> None:
+    slow = {"d1": (0.300, 0.031, 0.45, 0, 0, 0, 0.0, 0, None)}
+    watch = RootCauseWatch(CONFIG)
+    assert len(feed(watch, recording((1, 1, 200, 5.0, 85.0, 30.0, 310.0, 0), slow,
+                                     num_recent=12))) == 1
+    # No request for 70 s (longer than the baseline), then late requests again.
+    quiet = [Snapshot(float(t), {}, workers(STEADY_WORKERS)) for t in range(73, 143)]
+    assert feed(watch, quiet) == [] and watch.episodes == {}
+    late = [Snapshot(float(t), {"standard": tally((1, 1, 200, 5.0, 85.0, 30.0, 310.0, 0))},
+                     workers({**STEADY_WORKERS, **slow})) for t in range(143, 150)]
+    assert len(feed(watch, late)) == 1
+
+
+def test_a_young_agent_compares_rates_over_the_time_it_saw() -> None:
+    # The agent started 20 s ago: 10 s of baseline at 2 requests/s, then 2 requests/s
+    # with every other one late. The same rate, however short the baseline: no surge.
+    snapshots = recording((1, 1, 200, 5.0, 85.0, 30.0, 31.0, 0))[50:]
+    report = report_of(snapshots)
+    assert report is not None
+    assert all(c.kind is not CauseKind.RATE_SURGE for c in report.causes), report.causes
