@@ -30,7 +30,8 @@ Origin (401/403, 415, 403).
 by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them),
 and every refusal (429, 503, before or after the stream's headers) by its error code, with
 one warning line per burst of one code (gateway/admission/refusals.py); it also ends each request's
-trace and keeps it in the request history the cluster page shows (gateway/ops/cluster_page.py).
+trace and keeps it in the request history the cluster page shows (gateway/ops/cluster_page.py)
+and in the tier tally the operations agent reads (gateway/ops/tier_tally_book.py).
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ class AgentEvents(msgspec.Struct):
 
 async def handle_agent_events(request: web.Request) -> web.Response:
     require_admin(request, AdminCall.READ)
-    agent_state = _agent_state(request)
     count = _limit(request, 100)
+    agent_state = _agent_state(request)
     try:
         events = await agent_state.recent_events(count)
     except REDIS_FAILURES as exc:
@@ -250,8 +251,8 @@ class AgentReports(msgspec.Struct):
 
 async def handle_agent_reports(request: web.Request) -> web.Response:
     require_admin(request, AdminCall.READ)
-    agent_state = _agent_state(request)
     count = _limit(request, 20)
+    agent_state = _agent_state(request)
     try:
         reports = await agent_state.recent_reports(count)
     except REDIS_FAILURES as exc:
