@@ -8,7 +8,7 @@ One tick (every `period_s`, about 1 s):
       ─▶ act through the actuator (agent/actuator.py) ─▶ audit (agent/audit.py)
     then: probation and re-admission (cases EJECTED), renewal of held ejections, and every
     `rebalance_period_s` one rebalancing decision (agent/rebalance.py); last, the capacity
-    plan and the root-cause reports (agent/capacity_plan.py, agent/root_cause_watch.py).
+    plan and root-cause reports (agent/capacity_plan.py, agent/root_cause_watch.py).
 
 What happens to a worker the rules find bad (its case: agent/worker_case.py has the states
 and the pure transitions; this loop does the I/O they call for):
@@ -132,6 +132,8 @@ class ControlLoop:
 
     def check_invariants(self) -> None:
         self.casebook.check_invariants()
+        if self.watch is not None:
+            self.watch.check_invariants()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -174,11 +176,10 @@ class ControlLoop:
                                       self.config.window_s)
         if self.planner is not None:
             self._plan(now)
-        if self.watch is not None:  # every agent keeps the windows; the leader records
-            for report in await self.watch.tick(now, observed, self.observer.reports,
-                                                self.casebook.held_rules):
-                if self.is_leader:
-                    await self.audit.report(report)
+        reports = [] if self.watch is None else await self.watch.tick(
+            now, observed, self.observer.reports, self.casebook.held_rules)
+        for report in reports if self.is_leader else []:  # every agent keeps the windows
+            await self.audit.report(report)
         self.num_ejected.set(len(self.out_ids))
         self.tick_seconds.observe(time.perf_counter() - started)
         self.ticks.inc(result="leader" if self.is_leader else "standby")
