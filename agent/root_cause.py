@@ -311,12 +311,17 @@ def slow_workers(now: Window, config: RootCauseConfig) -> list[Cause]:
             kind=CauseKind.SLOW_WORKER, score=round(score, 2), stage=stage,
             worker_ids=[worker_id], evidence=f"{worker_id} over the last {now.span_s:.0f} s: "
                                              f"{evidence}",
-            action=f"ejected by the agent ({ejected}); it is restarted if still slow after "
-                   "its probation" if ejected else
+            action=_ejection_text(ejected) if ejected else
                    "recommend: eject it (the agent's slow rule does once it stays slow), "
                    "then restart it"))
     num_workers = max(1, len(roles))
     return found if len(found) <= max(1, num_workers // 2) else []
+
+
+def _ejection_text(rule: str) -> str:
+    follow = "restarted if still slow after its probation" if rule == "slow" else \
+        "re-admitted after its probation once healthy"
+    return f"ejected by the agent ({rule}): {follow}"
 
 
 def _outliers(means: Mapping[str, float | None]) -> dict[str, float]:

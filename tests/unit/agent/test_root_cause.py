@@ -115,7 +115,8 @@ def test_an_ejected_worker_is_named_as_what_the_agent_did() -> None:
     report = report_of(recording((1, 1, 200, 5.0, 85.0, 30.0, 310.0, 0), slow))
     assert report is not None and report.cause is not None
     assert report.cause.worker_ids == ["d1"]
-    assert report.cause.action.startswith("ejected by the agent (slow)")
+    assert report.cause.action == "ejected by the agent (slow): restarted if still slow " \
+                                  "after its probation"
 
 
 def test_kv_pressure_is_named_first() -> None:
