@@ -8,6 +8,9 @@ outcome) becomes one `AgentEvent` (its JSON spelling) and goes to:
   * Prometheus counters on the agent's /metrics: pdserve_agent_decisions_total{rule,
     action,outcome} with outcome done | dry_run | held | failed;
   * one log line (and, with `echo`, one JSON line there).
+Root-cause reports (agent/root_cause.py) go the same ways: the file (one JSON line each),
+the Redis stream `{ns}:agent_reports` (GET /admin/agent/reports), the counter
+pdserve_agent_reports_total{tier,cause} and one log line.
 A decision held for the same reason as the last time it was seen (same worker, epoch, rule
 and action; the figures in the reason aside) is recorded once, not at every tick: the log
 says when something changed.
@@ -23,6 +26,7 @@ from typing import IO
 import msgspec
 
 from agent.decision import Decision, EventAction, EventRule, OutcomeKind, RoleSwitch
+from protocol.root_cause_report import RootCauseReport
 from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 from telemetry.metrics import MetricsRegistry
@@ -39,6 +43,10 @@ class Audit:
         self.decisions = metrics.counter("pdserve_agent_decisions_total",
                                          "the agent's decisions, by rule, action and outcome",
                                          ("rule", "action", "outcome"))
+        self.reports = metrics.counter("pdserve_agent_reports_total",
+                                       "root-cause reports, by tier and first cause "
+                                       "(none: nothing observed explains the drop)",
+                                       ("tier", "cause"))
         self.path = path
         self._file: IO[bytes] | None = None
         # (worker, epoch, rule, action) -> the last held reason, its figures masked
@@ -84,3 +92,22 @@ class Audit:
             raise_if_cancelling(exc)
             self.num_redis_failures += 1
         return True
+
+    async def report(self, report: RootCauseReport) -> None:
+        """Record one root-cause report."""
+        cause = report.cause
+        self.reports.inc(tier=report.tier, cause=cause.kind.value if cause else "none")
+        log.warning("root cause, tier %s: %s -> %s", report.tier, report.trigger,
+                    f"{cause.kind.value} ({cause.stage.value}): {cause.evidence}" if cause
+                    else "nothing observed explains it")
+        line = msgspec.json.encode(report)
+        if self._file is not None:
+            self._file.write(line + b"\n")
+            self._file.flush()
+        if self.echo is not None:
+            print(line.decode(), file=self.echo, flush=True)
+        try:
+            await self.agent_state.record_report(report)
+        except REDIS_FAILURES as exc:
+            raise_if_cancelling(exc)
+            self.num_redis_failures += 1

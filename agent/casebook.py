@@ -72,6 +72,11 @@ class Casebook:
         """The workers the agent holds out of routing now."""
         return frozenset(w for w, case in self.cases.items() if case.out)
 
+    @property
+    def held_rules(self) -> dict[str, str]:
+        """Each worker held out of routing, and the rule it is held for."""
+        return {w: str(case.hold.rule) for w, case in self.cases.items() if case.hold}
+
     def case(self, worker_id: str, epoch: int) -> WorkerCase:
         """The worker's case; a new HEALTHY one (its ledger of `epoch`) if it has none."""
         return self.cases.get(worker_id) or WorkerCase(worker_id, Ledger(epoch))

@@ -114,6 +114,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--plan-scale-down-s", "300", type=float,
         help="a smaller worker count is published only once every plan of this long asked "
              "for at most it (default 300)")
+    opt("--reports", "on", choices=("on", "off"),
+        help="root-cause reports: when a tier's attainment drops, say which stage grew, on "
+             "which workers, and which change explains it (GET /admin/agent/reports on the "
+             "gateway; default on)")
+    opt("--report-attainment", "0.9", type=float,
+        help="a tier whose attainment (met / finished requests) over the recent window is "
+             "below this gets a root-cause report (default 0.9)")
+    opt("--report-window-s", "10", type=float,
+        help="the recent window a drop is judged over; the baseline is the 60 s before "
+             "(default 10)")
     opt("--log-level", "info", help="debug | info | warning | error")
     opt("--log-format", "text", choices=LOG_FORMATS, help="text lines, or json")
     p.set_defaults(func=run)

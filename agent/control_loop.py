@@ -7,7 +7,8 @@ One tick (every `period_s`, about 1 s):
       ─▶ detect (agent/health_rules.py) ─▶ plan_actions (agent/guard_rails.py)
       ─▶ act through the actuator (agent/actuator.py) ─▶ audit (agent/audit.py)
     then: probation and re-admission (cases EJECTED), renewal of held ejections, and every
-    `rebalance_period_s` one rebalancing decision (agent/rebalance.py).
+    `rebalance_period_s` one rebalancing decision (agent/rebalance.py); last, the capacity
+    plan and root-cause reports (agent/capacity_plan.py, agent/root_cause_watch.py).
 
 What happens to a worker the rules find bad (its case: agent/worker_case.py has the states
 and the pure transitions; this loop does the I/O they call for):
@@ -51,6 +52,8 @@ from agent.health_rules import Detection, Thresholds, detect
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.role_mover import RoleMover, role_views
+from agent.root_cause import RootCauseConfig
+from agent.root_cause_watch import RootCauseWatch
 from agent.worker_case import (CaseState, Drop, FollowUp, Readmit, Recover, ReportLost, Restart,
                                Restrike, Timing, WorkerCase, advance)
 from protocol.messages import WorkerInfo
@@ -74,6 +77,7 @@ class AgentConfig:
     role_drain_timeout_s: float = 30.0
     restart_grace_s: float = 180.0  # a restarted worker not back by then is reported
     plan: PlanConfig | None = field(default_factory=PlanConfig)  # None: no capacity plan
+    root_cause: RootCauseConfig | None = field(default_factory=RootCauseConfig)  # None: off
 
     def __post_init__(self) -> None:
         if min(self.period_s, self.window_s, self.cooldown_s, self.probation_s,
@@ -91,7 +95,8 @@ class AgentConfig:
 
 class ControlLoop:
     def __init__(self, observer: Observer, actuator: Actuator, audit: Audit,
-                 config: AgentConfig, metrics: MetricsRegistry) -> None:
+                 config: AgentConfig, metrics: MetricsRegistry,
+                 watch: RootCauseWatch | None = None) -> None:
         self.observer = observer
         self.actuator = actuator
         self.audit = audit
@@ -111,6 +116,7 @@ class ControlLoop:
         self.tick_seconds = metrics.histogram("pdserve_agent_tick_seconds",
                                               "one control loop tick")
         self.planner = None if config.plan is None else CapacityPlanner(config.plan)
+        self.watch = watch  # root-cause reports (None: none)
         self.desired_workers = metrics.gauge(
             "pdserve_agent_desired_workers",
             "workers the forecast demand needs, by role (prefill, decode; total: workers "
@@ -126,6 +132,8 @@ class ControlLoop:
 
     def check_invariants(self) -> None:
         self.casebook.check_invariants()
+        if self.watch is not None:
+            self.watch.check_invariants()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -168,6 +176,10 @@ class ControlLoop:
                                       self.config.window_s)
         if self.planner is not None:
             self._plan(now)
+        reports = [] if self.watch is None else await self.watch.tick(
+            now, observed, self.observer.reports, self.casebook.held_rules)
+        for report in reports if self.is_leader else []:  # every agent keeps the windows
+            await self.audit.report(report)
         self.num_ejected.set(len(self.out_ids))
         self.tick_seconds.observe(time.perf_counter() - started)
         self.ticks.inc(result="leader" if self.is_leader else "standby")

@@ -193,11 +193,9 @@ def _outlier(sample: WorkerSample, tick: Sequence[WorkerSample],
     step = sample.step_time_s
     if step is None:
         return None
-    expected = [e for p in tick if p.role == sample.role and p.worker_id != sample.worker_id
-                and (e := _expected(p, sample.step_shape)) is not None]
-    if not expected:
+    reference = peer_step_s(sample, tick)
+    if reference is None:
         return None  # nobody to compare with: one worker of a role is never "slow"
-    reference = statistics.median(expected)
     if step >= t.slow_min_step_s and step > t.slow_factor * reference:
         return step, reference
     return False
@@ -231,6 +229,14 @@ def latest_tick(windows: Mapping[str, Sequence[WorkerSample]]) -> list[WorkerSam
     """The samples of the most recent tick (every worker's, when it was seen then)."""
     last = max((w[-1].at_s for w in windows.values() if w), default=None)
     return [w[-1] for w in windows.values() if w and w[-1].at_s == last]
+
+
+def peer_step_s(sample: WorkerSample, tick: Sequence[WorkerSample]) -> float | None:
+    """What the peers of `sample` (its role's other workers in `tick`) take for a decode
+    step of its shape: the median of their expectations (None: no peer to ask)."""
+    expected = [e for p in tick if p.role == sample.role and p.worker_id != sample.worker_id
+                and (e := _expected(p, sample.step_shape)) is not None]
+    return statistics.median(expected) if expected else None
 
 
 def _expected(peer: WorkerSample, shape: tuple[float, float] | None) -> float | None:

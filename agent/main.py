@@ -5,7 +5,8 @@
         the workers' channels (rpc/), the supervisor's restart line (--supervisor-fd, from
         `pdserve up`), an aiohttp session for the Kubernetes API, the metrics registry,
         GET /health and /metrics on --host:--port ─▶ Observer, Actuator (with the restarter
-        of --restart), Audit (--audit-log) ─▶ ControlLoop.adopt() (ejections a previous
+        of --restart), Audit (--audit-log), the gateways' tally stream (root-cause
+        reports, --reports) ─▶ ControlLoop.adopt() (ejections a previous
         agent left) ─▶ tick every --period-s until SIGTERM/SIGINT (--once: a few ticks in
         dry-run, the decisions printed on stdout, then exit)
         ─▶ stop: the role-change task, the leader lease (resigned), the audit file, the
@@ -40,10 +41,13 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
+from agent.root_cause import RootCauseConfig
+from agent.root_cause_watch import RootCauseWatch
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
+from state.tier_tallies import TallyStream
 from telemetry.metrics import MetricsRegistry
 from telemetry.options import INTERNAL_TOKEN_ENV
 
@@ -71,6 +75,8 @@ _CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "--plan-tpot-ms": (lambda v: 0 < v <= 60_000, "in (0, 60000]"),
     "--plan-prefill-busy": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "--plan-scale-down-s": (lambda v: 0 < v <= 86_400, "in (0, 86400]"),
+    "--report-attainment": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "--report-window-s": (lambda v: 1 <= v <= 600, "in [1, 600]"),
 }
 
 
@@ -97,7 +103,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                                        tpot_s=args.plan_tpot_ms / 1000,
                                        prefill_busy=args.plan_prefill_busy,
                                        scale_down_after_s=args.plan_scale_down_s)
-                       if args.plan == "on" else None)
+                       if args.plan == "on" else None,
+                       root_cause=RootCauseConfig(attainment_target=args.report_attainment,
+                                                  recent_s=args.report_window_s)
+                       if args.reports == "on" else None)
 
 
 def run_agent(args: argparse.Namespace, config: AgentConfig) -> int:
@@ -128,7 +137,9 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
                                    args.kube_namespace, supervisor)
         actuator = Actuator(agent_state, restarter, channels, eject_hold_s=args.eject_hold_s)
         observer = Observer(state, channels, control_timeout_s=args.control_timeout_s)
-        loop_ = ControlLoop(observer, actuator, audit, config, metrics)
+        watch = None if config.root_cause is None else \
+            RootCauseWatch(config.root_cause, TallyStream(state))
+        loop_ = ControlLoop(observer, actuator, audit, config, metrics, watch)
         if args.once:
             return await _once(loop_, config)
         runner = await _start_http(metrics, args.host, args.port)

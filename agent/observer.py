@@ -106,6 +106,7 @@ class Observer:
         self.control_timeout_s = control_timeout_s
         self.registry = Registry(registered_ids=[], workers={}, loads={})
         self._memory: dict[str, _StepMemory] = {}
+        self.reports: dict[str, HealthReport] = {}  # the answers of the last tick
 
     async def observe(self) -> list[WorkerSample | Lapsed]:
         """One sample per registered worker, a `Lapsed` for one whose lease lapsed (raises
@@ -114,6 +115,8 @@ class Observer:
         now = time.monotonic()
         infos = list(registry.workers.values())
         reports = await asyncio.gather(*(self._ask(info) for info in infos))
+        self.reports = {info.worker_id: report for info, report in zip(infos, reports)
+                        if report is not None}
         samples: list[WorkerSample | Lapsed] = [
             self._sample(info, report, registry, now) for info, report in zip(infos, reports)]
         gone = set(registry.registered_ids) - set(registry.workers)

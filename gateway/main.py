@@ -11,7 +11,9 @@
 Lifecycle of the owned resources (one cleanup_ctx, `_owned_resources`): on startup the
 channels to the workers (opened on first use), the Redis client, the cluster view (its poll
 task and the mirror's task) and the concurrency governor (gateway/admission/capacity.py)
-start; the shared-limits sync (gateway/admission/shared_limits.py) starts last; on shutdown
+start; the shared-limits sync (gateway/admission/shared_limits.py) and the tier tallies'
+publisher (gateway/ops/tier_tally_book.py, the operations agent's view of the requests)
+start last; on shutdown
 they stop in reverse order (the sync hands this replica's slots back first) and every
 pending abort is awaited or cancelled, so no task outlives the app.
 """
@@ -49,6 +51,7 @@ from gateway.ops import cluster_page, startup
 from gateway.ops.admin_access import AdminAccess
 from gateway.ops.ops_api import install
 from gateway.ops.startup import StartupGate
+from gateway.ops.tier_tally_book import TierTallyBook
 from gateway.routing.retry_policy import RetryLimits
 from gateway.upstream.cluster import ClusterView
 from gateway.upstream.handoff import UpstreamTimeouts
@@ -58,6 +61,7 @@ from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.prefix_index_mirror import PrefixIndexMirror
 from state.redis_state import RedisState, connect
+from state.tier_tallies import TallyStream
 from telemetry.start_up_heap import freeze_start_up_heap
 from telemetry.tracing import Tracing, start_tracing
 from text.grammar import GrammarCompiler
@@ -149,20 +153,21 @@ async def make_app(config: GatewayConfig) -> web.Application:
     grammars = GrammarCheck(GrammarCompiler(engine_tokenizer, info.vocab_size))
     app = create_app(settings, tiers, backend, tokenizer, gate, tracing=tracing,
                      grammars=grammars)
+    tallies = TierTallyBook(TallyStream(state))
     install(app, cluster, backend, metrics,
-            AdminAccess.for_host(config.admin_token, config.host))
+            AdminAccess.for_host(config.admin_token, config.host), tallies)
     cluster_page.install(app)
     startup.install(app, StartupGate(config.expect_workers, cluster.num_registered))
     app.cleanup_ctx.append(_owned_resources(cluster, backend, channels, state,
                                             governor, config.adaptive_admission, tracing,
-                                            shared, limits_client))
+                                            shared, limits_client, tallies))
     return app
 
 
 def _owned_resources(cluster: ClusterView, backend: WorkerBackend, channels: ChannelPool,
                      state: RedisState, governor: CapacityGovernor, adaptive: bool,
                      tracing: Tracing, shared: SharedLimits | None,
-                     limits_client: Redis | None,
+                     limits_client: Redis | None, tallies: TierTallyBook,
                      ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await cluster.start()
@@ -170,9 +175,11 @@ def _owned_resources(cluster: ClusterView, backend: WorkerBackend, channels: Cha
             governor.start()
         if shared is not None:
             shared.start()
+        tallies.start()
         try:
             yield
         finally:
+            await tallies.stop()  # after the drain: the last requests' tally goes out
             if shared is not None:
                 await shared.stop()  # after the drain: hands this replica's slots back
             if limits_client is not None:

@@ -62,6 +62,13 @@ class HealthReport(Message, tag="health_report", frozen=True, kw_only=True):
     decode_context: NonNegFloat
     num_requests: Count  # requests ended, in all
     num_failed: Count  # of those, ended by an error
+    # The KV handoff (root-cause reports, agent/root_cause.py); 0 from an older worker.
+    num_kv_waits: Count = 0  # reservations that waited in line for free KV blocks
+    num_kv_waiting: Count = 0  # ... waiting now
+    num_transfers_mapped: Count = 0  # KV pushes completed through the mapped pool (fast)
+    num_transfers_carrier: Count = 0  # ... through a carrier (UCX or TCP: the fallback)
+    transfer_sum_s: NonNegFloat = 0.0  # their time
+    num_transfer_failures: Count = 0  # pushes and receives that failed
 
 
 class ReclaimRequest(Message, tag="reclaim_request", frozen=True, kw_only=True):

@@ -4,6 +4,7 @@ and its event log. This module alone reads and writes these keys (docs/redis_sch
     {ns}:ejected        HASH    worker id -> Ejection (JSON): out of routing at that epoch
     {ns}:agent_events   STREAM  field "e": AgentEvent (JSON), MAXLEN ~ 10000
     {ns}:agent_leader   STRING  the acting agent's id, PX lease (one agent acts at a time)
+    {ns}:agent_reports  STREAM  field "r": RootCauseReport (JSON), MAXLEN ~ 1000
 
 An ejection names one epoch of a worker: the gateway routes nothing new to that worker
 while its live epoch is the ejected one and the entry has not lapsed (`until_unix_ms`; the
@@ -23,11 +24,14 @@ from collections.abc import Mapping
 
 import msgspec
 
+from protocol.root_cause_report import RootCauseReport
 from state.redis_state import RedisState, StaleEpochError, glob_escape
 
 EVENTS_MAXLEN = 10_000
+REPORTS_MAXLEN = 1000
 # The key names after "{ns}:" (the schema above).
 _EJECTED, _EVENTS, _LEADER = "ejected", "agent_events", "agent_leader"
+_REPORTS = "agent_reports"
 
 # KEYS: ejected. ARGV: worker id, epoch, entry (JSON), the worker's epoch counter key (an
 # argument, not a key: a script's keys need write access, and the agent's Redis user may
@@ -94,9 +98,9 @@ def now_unix_ms() -> int:
 
 
 def agent_write_patterns(namespace: str) -> list[str]:
-    """The keys the agent writes, as glob patterns (its ACL user's): these three only."""
+    """The keys the agent writes, as glob patterns (its ACL user's): these four only."""
     ns = glob_escape(namespace)
-    return [f"{ns}:{name}" for name in (_EJECTED, _EVENTS, _LEADER)]
+    return [f"{ns}:{name}" for name in (_EJECTED, _EVENTS, _LEADER, _REPORTS)]
 
 
 def active_ejections(ejected: Mapping[str, Ejection], live_epochs: Mapping[str, int],
@@ -116,6 +120,7 @@ class AgentState:
         self._resign = state.client.register_script(_RESIGN)
         self._decoder = msgspec.json.Decoder(Ejection)
         self._event_decoder = msgspec.json.Decoder(AgentEvent)
+        self._report_decoder = msgspec.json.Decoder(RootCauseReport)
 
     @property
     def ejected_key(self) -> str:
@@ -124,6 +129,10 @@ class AgentState:
     @property
     def events_key(self) -> str:
         return f"{self.state.ns}:{_EVENTS}"
+
+    @property
+    def reports_key(self) -> str:
+        return f"{self.state.ns}:{_REPORTS}"
 
     @property
     def leader_key(self) -> str:
@@ -185,3 +194,22 @@ class AgentState:
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
                 continue
         return events
+
+    async def record_report(self, report: RootCauseReport, timeout_s: float | None = None
+                            ) -> None:
+        async with self.state.deadline(timeout_s):
+            await self.state.client.xadd(self.reports_key, {"r": msgspec.json.encode(report)},
+                                         maxlen=REPORTS_MAXLEN, approximate=True)
+
+    async def recent_reports(self, count: int, timeout_s: float | None = None
+                             ) -> list[RootCauseReport]:
+        """The last `count` root-cause reports, newest first."""
+        async with self.state.deadline(timeout_s):
+            rows = await self.state.client.xrevrange(self.reports_key, count=count)
+        reports = []
+        for _, fields in rows or []:
+            try:
+                reports.append(self._report_decoder.decode((fields or {})[b"r"]))
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        return reports

@@ -79,6 +79,10 @@ class Counter(_Metric):
         """The sum over every label set."""
         return sum(self._values.values())
 
+    def items(self) -> list[tuple[LabelValues, float]]:
+        """Each label set's values (in `label_names` order) and its value."""
+        return list(self._values.items())
+
     def render(self) -> list[str]:
         return self.header() + [f"{self.name}{_format_labels(self.label_names, k)} "
                                 f"{_format_value(v)}" for k, v in sorted(self._values.items())]

@@ -137,7 +137,16 @@ class WorkerMetrics:
             decode_seqs=self.decode_step_seqs.value(),
             decode_context=self.decode_step_context.value(),
             num_requests=int(self.requests.total()),
-            num_failed=int(self.requests.value(outcome="error")))
+            num_failed=int(self.requests.value(outcome="error")),
+            num_kv_waits=int(self.kv_waits.total()),
+            num_kv_waiting=int(self.kv_waiting.total()),
+            num_transfers_mapped=int(self.kv_transfers.value(direction="sent", path="mapped")),
+            num_transfers_carrier=int(self.kv_transfers.value(direction="sent",
+                                                              path="carrier")),
+            transfer_sum_s=self.kv_transfer_seconds.sum(direction="sent"),
+            num_transfer_failures=int(sum(
+                n for labels, n in self.handoff_failures.items()
+                if labels[0].startswith("transfer"))))
 
     def tokens_per_s(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second over the last few seconds."""

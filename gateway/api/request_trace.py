@@ -57,12 +57,14 @@ class RequestRecord(msgspec.Struct, frozen=True):
     stages: list[Stage]
     error: str | None
     trace_id: str | None
+    num_prompt_tokens: int = 0
 
 
 class RequestTrace:
     def __init__(self, span: Span, request_id: str, tier: str, arrived_s: float,
-                 arrived_unix_ns: int) -> None:
+                 arrived_unix_ns: int, num_prompt_tokens: int = 0) -> None:
         self.span, self.request_id, self.tier = span, request_id, tier
+        self.num_prompt_tokens = num_prompt_tokens
         self.arrived_s, self.arrived_unix_ns = arrived_s, arrived_unix_ns
         self.stages: list[Stage] = []
         self.route: str | None = None
@@ -81,7 +83,7 @@ class RequestTrace:
                                  "gen_ai.request.max_tokens": max_tokens,
                                  "gen_ai.usage.input_tokens": num_prompt_tokens,
                                  "pdserve.tier": tier, "pdserve.request_id": request_id})
-        return cls(span, request_id, tier, arrived_s, arrived_unix_ns)
+        return cls(span, request_id, tier, arrived_s, arrived_unix_ns, num_prompt_tokens)
 
     @property
     def traceparent(self) -> str | None:
@@ -155,4 +157,5 @@ class RequestTrace:
             ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             tpot_ms=round(timing.tpot_s * 1000, 3) if timing.num_tokens > 1 else None,
             num_tokens=timing.num_tokens, route=self.route, workers=self.workers,
-            stages=list(self.stages), error=error, trace_id=self.span.trace_id)
+            stages=list(self.stages), error=error, trace_id=self.span.trace_id,
+            num_prompt_tokens=self.num_prompt_tokens)

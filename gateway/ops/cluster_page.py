@@ -10,7 +10,10 @@ gateway/static/, no CDN) and `GET /admin/cluster`, the JSON the page polls every
                             buckets, or the gateway's uptime when shorter), "attainment": [{"start_unix_s", "tiers": {tier:
                                        {"met", "missed", "refused", "failed"}}}],
                             "recent": [requests that missed, newest first, with stages],
-                            "agent_events": []}
+                            "agent_events": [],
+                            "agent_reports": [the operations agent's latest root-cause
+                                              report per tier, newest first (Redis away:
+                                              none)]}
                            open on a loopback-only gateway without API keys, else
                            behind an admin key or the cluster's admin token
                            (gateway/ops/admin_access.py; the page asks for it, or reads it
@@ -34,7 +37,11 @@ from gateway.api.request_trace import RequestRecord
 from gateway.ops.admin_access import AdminCall
 from gateway.ops.ops_api import CLUSTER, HISTORY, WorkerRow, require_admin, worker_row
 from gateway.ops.request_history import Bucket
+from protocol.root_cause_report import RootCauseReport
+from state.agent_state import AgentState
+from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 
+REPORTS_READ = 50  # the last reports searched for each tier's latest
 ASSETS = {"app.js": "text/javascript", "app.css": "text/css"}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -64,6 +71,7 @@ class ClusterSnapshot(msgspec.Struct):
     attainment: list[Bucket]
     recent: list[RequestRecord]
     agent_events: list[dict[str, object]]  # the operations agent's decisions (none yet)
+    agent_reports: list[RootCauseReport] = []
 
 
 def install(app: web.Application) -> None:
@@ -89,6 +97,21 @@ async def handle_asset(request: web.Request) -> web.Response:
                         headers=SECURITY_HEADERS)
 
 
+async def _latest_reports(agent_state: AgentState | None) -> list[RootCauseReport]:
+    """The latest report of each tier, newest first (best effort: the page polls on)."""
+    if agent_state is None:
+        return []
+    try:
+        reports = await agent_state.recent_reports(REPORTS_READ, timeout_s=0.5)
+    except REDIS_FAILURES as exc:
+        raise_if_cancelling(exc)
+        return []
+    latest: dict[str, RootCauseReport] = {}
+    for report in reports:
+        latest.setdefault(report.tier, report)
+    return list(latest.values())
+
+
 async def handle_cluster(request: web.Request) -> web.Response:
     app = request.app
     require_admin(request, AdminCall.READ)
@@ -103,6 +126,7 @@ async def handle_cluster(request: web.Request) -> web.Response:
         workers=[worker_row(entry) for entry in app[CLUSTER].entries()], tiers=tiers,
         bucket_s=history.bucket_s, window_s=history.window_s(now),
         attainment=history.attainment(now),
-        recent=history.recent(), agent_events=[])
+        recent=history.recent(), agent_events=[],
+        agent_reports=await _latest_reports(app[CLUSTER].agent_state))
     return web.Response(body=msgspec.json.encode(snapshot), content_type="application/json",
                         headers=SECURITY_HEADERS)

@@ -15,6 +15,8 @@
                      (gateway/ops/role_admin.py)
     /admin/agent/events?limit=N   {"events": [...]}: the operations agent's last N
                      decisions (default 100, at most 1000), newest first
+    /admin/agent/reports?limit=N  {"reports": [...]}: its last N root-cause reports
+                     (agent/root_cause.py; default 20, at most 1000), newest first
     /admin/state     {"num_active", "num_background_tasks", "num_queued", "num_running",
                       "redis_connected", "invariant_error"}: the gateway's own bookkeeping,
                      its invariants checked on the spot (null: all hold)
@@ -28,7 +30,8 @@ Origin (401/403, 415, 403).
 by endpoint and status (after error rendering, so 4xx/5xx are seen as the client sees them),
 and every refusal (429, 503, before or after the stream's headers) by its error code, with
 one warning line per burst of one code (gateway/admission/refusals.py); it also ends each request's
-trace and keeps it in the request history the cluster page shows (gateway/ops/cluster_page.py).
+trace and keeps it in the request history the cluster page shows (gateway/ops/cluster_page.py)
+and in the tier tally the operations agent reads (gateway/ops/tier_tally_book.py).
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ from gateway.ops.admin_access import AdminAccess, AdminCall, AdminRequest, admin
 from gateway.ops.request_history import RequestHistory
 from gateway.ops.role_admin import MAX_BODY_BYTES, change_worker_role, json_answer
 from gateway.ops.startup import STARTUP
+from gateway.ops.tier_tally_book import TierTallyBook
 from gateway.upstream.cluster import ClusterView, WorkerEntry
 from gateway.upstream.upstream import WorkerBackend
 from protocol.messages import Role
+from protocol.root_cause_report import RootCauseReport
 from protocol.worker_load import StepModel, WorkerLoad
-from state.agent_state import AgentEvent, Ejection
+from state.agent_state import AgentEvent, AgentState, Ejection
 from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 
 CLUSTER = web.AppKey("cluster", ClusterView)
@@ -63,6 +68,7 @@ UPSTREAM = web.AppKey("upstream", WorkerBackend)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 REFUSALS = web.AppKey("refusals", RefusalLog)
 HISTORY = web.AppKey("request_history", RequestHistory)
+TALLIES = web.AppKey("tier_tallies", TierTallyBook)
 ADMIN = web.AppKey("admin_access", AdminAccess)
 FINISHED = frozenset({SloOutcome.MET, SloOutcome.MISSED_TTFT, SloOutcome.MISSED_TPOT,
                       SloOutcome.MISSED_BOTH})
@@ -93,9 +99,12 @@ class WorkerList(msgspec.Struct):
 
 
 def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
-            metrics: GatewayMetrics, access: AdminAccess) -> None:
+            metrics: GatewayMetrics, access: AdminAccess,
+            tallies: TierTallyBook | None = None) -> None:
     app[CLUSTER], app[UPSTREAM], app[METRICS], app[ADMIN] = cluster, backend, metrics, access
     app[REFUSALS], app[HISTORY] = RefusalLog(), RequestHistory()
+    if tallies is not None:
+        app[TALLIES] = tallies
     app.middlewares.insert(0, count_middleware)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
@@ -103,6 +112,7 @@ def install(app: web.Application, cluster: ClusterView, backend: WorkerBackend,
     app.router.add_get("/admin/workers", handle_admin_workers)
     app.router.add_get("/admin/state", handle_admin_state)
     app.router.add_get("/admin/agent/events", handle_agent_events)
+    app.router.add_get("/admin/agent/reports", handle_agent_reports)
     app.router.add_post("/admin/workers/{worker_id}/role", handle_admin_role)
 
 
@@ -146,6 +156,8 @@ def _account(request: web.Request, client_gone: bool) -> None:
             record = trace.finish(timing, outcome, error)
             if HISTORY in request.app:  # (unit-test apps may leave the history out)
                 request.app[HISTORY].observe(record, time.time())
+            if TALLIES in request.app:
+                request.app[TALLIES].observe(record)
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -222,20 +234,47 @@ class AgentEvents(msgspec.Struct):
 
 async def handle_agent_events(request: web.Request) -> web.Response:
     require_admin(request, AdminCall.READ)
-    raw = request.query.get("limit", "100")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_AGENT_EVENTS:
-        raise invalid_request(f"limit must be an integer in [1, {MAX_AGENT_EVENTS}]",
-                              param="limit")
-    agent_state = request.app[CLUSTER].agent_state
-    if agent_state is None:
-        raise ApiError(404, "This gateway reads no agent state.", code="not_found")
+    count = _limit(request, 100)
+    agent_state = _agent_state(request)
     try:
-        events = await agent_state.recent_events(int(raw))
+        events = await agent_state.recent_events(count)
     except REDIS_FAILURES as exc:
         raise_if_cancelling(exc)
         raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None
     return web.Response(body=msgspec.json.encode(AgentEvents(events=events)),
                         content_type="application/json")
+
+
+class AgentReports(msgspec.Struct):
+    reports: list[RootCauseReport]
+
+
+async def handle_agent_reports(request: web.Request) -> web.Response:
+    require_admin(request, AdminCall.READ)
+    count = _limit(request, 20)
+    agent_state = _agent_state(request)
+    try:
+        reports = await agent_state.recent_reports(count)
+    except REDIS_FAILURES as exc:
+        raise_if_cancelling(exc)
+        raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None
+    return web.Response(body=msgspec.json.encode(AgentReports(reports=reports)),
+                        content_type="application/json")
+
+
+def _limit(request: web.Request, default: int) -> int:
+    raw = request.query.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_AGENT_EVENTS:
+        raise invalid_request(f"limit must be an integer in [1, {MAX_AGENT_EVENTS}]",
+                              param="limit")
+    return int(raw)
+
+
+def _agent_state(request: web.Request) -> AgentState:
+    agent_state = request.app[CLUSTER].agent_state
+    if agent_state is None:
+        raise ApiError(404, "This gateway reads no agent state.", code="not_found")
+    return agent_state
 
 
 class GatewayState(msgspec.Struct):

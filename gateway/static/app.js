@@ -89,6 +89,22 @@ function render(data) {
   renderChart($("goodput-chart"), data, tiers, counts => counts.met / data.bucket_s, null, "/s");
   renderRecent(data.recent);
   renderAgent(data.agent_events);
+  renderReports(data.agent_reports || []);
+}
+
+function renderReports(reports) {
+  $("reports-empty").hidden = reports.length > 0;
+  $("reports").replaceChildren(...reports.map(r => {
+    const cause = r.causes[0];
+    const when = new Date(r.at_unix_ms).toLocaleTimeString();
+    const what = cause ? `${cause.kind} (${cause.stage}${cause.worker_ids.length ? " on " + cause.worker_ids.join(", ") : ""})`
+                       : "no cause found";
+    return el("li", { "data-tier": r.tier },
+      el("strong", {}, `${r.tier}: ${what}`), ` · ${when}`,
+      el("div", { class: "muted" }, r.trigger),
+      el("div", {}, cause ? cause.evidence : ""),
+      el("div", { class: "muted" }, cause ? cause.action : ""));
+  }));
 }
 
 function renderWorkers(workers) {

@@ -70,6 +70,19 @@ def wait_event(up: UpProcess, predicate, timeout_s: float, what: str) -> dict:
     raise AssertionError(f"no agent event: {what}\n{events(up)}\n{up.output[-3000:]}")
 
 
+def wait_report(up: UpProcess, predicate, timeout_s: float, what: str) -> dict:
+    """The newest root-cause report that satisfies `predicate`."""
+    deadline = time.monotonic() + timeout_s
+    reports: list[dict] = []
+    while time.monotonic() < deadline:
+        reports = up.admin_get("/admin/agent/reports?limit=50")["reports"]
+        found = [r for r in reports if predicate(r)]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no root-cause report: {what}\n{reports}\n{up.output[-3000:]}")
+
+
 def decode_workers(up: UpProcess) -> list[dict]:
     return sorted((w for w in up.workers() if w["role"] == "decode"), key=lambda w: w["id"])
 
@@ -132,12 +145,15 @@ class Load:
 
 def test_the_events_endpoint_refuses_bad_limits(up) -> None:
     token = up.admin_headers
-    for limit in ("0", "1001", "ten", "-1"):
-        response = httpx.get(f"{up.url}/admin/agent/events?limit={limit}", headers=token)
-        assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"] == "limit"
+    for path in ("events", "reports"):
+        for limit in ("0", "1001", "ten", "-1"):
+            response = httpx.get(f"{up.url}/admin/agent/{path}?limit={limit}", headers=token)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == "limit"
     assert httpx.get(f"{up.url}/admin/agent/events?limit=5", headers=token).json() == \
         {"events": []}  # nothing decided yet on a healthy cluster
+    assert httpx.get(f"{up.url}/admin/agent/reports", headers=token).json() == \
+        {"reports": []}  # and no tier dropped
 
 
 def test_a_leaked_reservation_is_reclaimed(up) -> None:
@@ -174,6 +190,13 @@ def test_a_slow_worker_is_ejected_and_its_peer_is_not(up, client) -> None:
                                e["action"] == "eject+restart", 90, "the slow worker restarted")
         assert restarted["epoch"] == slow["epoch"]
         wait_new_epoch_ready(up, slow, 120)
+        # Its tier's attainment fell meanwhile: the root-cause report names the worker and
+        # the stage that grew.
+        report = wait_report(up, lambda r: r["causes"] and r["at_unix_ms"] >= started * 1000,
+                             30, "the slow worker's tier")
+        cause = report["causes"][0]
+        assert cause["kind"] == "slow_worker" and cause["worker_ids"] == [slow["id"]], report
+        assert cause["stage"] == "decode_step", report
     finally:
         load.stop()
     assert not [e for e in events(up) if e["worker_id"] == peer["id"]

@@ -20,6 +20,8 @@ TIERS = load_tier_config(None, {"PDSERVE_API_KEYS": f"{ADMIN}:standard:admin,{US
 
 
 class NoWorkers:
+    agent_state = None  # a gateway that reads no agent state: no reports
+
     def entries(self) -> list:
         return []
 
@@ -69,7 +71,7 @@ def test_the_data_lists_tiers_buckets_and_no_workers(harness: Harness) -> None:
     assert {t["name"] for t in data["tiers"]} == {"interactive", "standard", "batch"}
     assert len(data["attainment"]) == 30 and data["bucket_s"] == 10
     assert 0 <= data["window_s"] < 60  # the history began with this test
-    assert data["recent"] == [] and data["agent_events"] == []
+    assert data["recent"] == [] and data["agent_events"] == [] and data["agent_reports"] == []
 
 
 def test_a_request_span_takes_the_clients_traceparent_and_ignores_a_bad_one() -> None:

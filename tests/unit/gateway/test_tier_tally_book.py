@@ -1,0 +1,48 @@
+"""The gateway's per-tier tally of finished requests, which the operations agent's
+root-cause reports read (gateway/ops/tier_tally_book.py, protocol/tier_tally.py)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.api.request_trace import RequestRecord, Stage
+from gateway.ops.tier_tally_book import TierTallyBook
+from protocol.tier_tally import GatewayTally, merged
+
+
+def record(outcome: str, workers: list[str], stages: list[Stage], tpot_ms: float | None = 20.0,
+           tier: str = "standard", num_prompt_tokens: int = 100) -> RequestRecord:
+    return RequestRecord(request_id="r", tier=tier, outcome=outcome, arrived_unix_ms=0,
+                         ttft_ms=None, tpot_ms=tpot_ms, num_tokens=8, route="split",
+                         workers=workers, stages=stages, error=None, trace_id=None,
+                         num_prompt_tokens=num_prompt_tokens)
+
+
+SPLIT = [Stage("queued", 0.0, 4.0), Stage("route", 4.0, 4.0),
+         Stage("prefill", 4.0, 104.0), Stage("decode", 104.0, 300.0)]
+RETRIED = [Stage("queued", 0.0, 2.0), Stage("retry", 50.0, 50.0, "transfer on p0: worker_error"),
+           Stage("prefill", 2.0, 302.0)]
+
+
+def test_stages_are_summed_per_tier_and_per_worker_and_taken_once() -> None:
+    book = TierTallyBook(stream=None)
+    book.observe(record("met", ["p0", "d0"], SPLIT))
+    book.observe(record("missed_tpot", ["p0", "d1"], SPLIT, tpot_ms=80.0, num_prompt_tokens=300))
+    book.observe(record("missed_ttft", ["p0", "d0"], RETRIED, tpot_ms=None))
+    book.observe(record("rejected", [], [], tpot_ms=None, tier="batch"))
+    taken = book.take(now_unix_ms=5000)
+    assert taken is not None and book.take(now_unix_ms=6000) is None  # each request once
+    standard, batch = taken.tiers["standard"], taken.tiers["batch"]
+    assert (standard.num_met, standard.num_missed, standard.num_requests) == (1, 2, 3)
+    assert (batch.num_refused, batch.num_prompts, batch.prefill.count) == (1, 0, 0)
+    assert standard.admission_queue.mean_ms == 10 / 3
+    assert standard.prefill.mean_ms == (100 + 100 + 300) / 3
+    assert standard.decode.mean_ms == 50.0 and standard.decode.count == 2
+    assert standard.decode_by_worker["d1"].mean_ms == 80.0
+    assert standard.prefill_by_worker["p0"].count == 3
+    assert standard.num_transfer_retries == 1
+    assert standard.num_prompt_tokens / standard.num_prompts == 500 / 3
+    # The wire form decodes to the same figures, and tallies of replicas add up.
+    again = msgspec.json.decode(msgspec.json.encode(taken), type=GatewayTally)
+    total = merged([again.tiers["standard"], standard])
+    assert total.num_requests == 6 and total.decode_by_worker["d0"].count == 2
