@@ -54,6 +54,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "on this host (gloo on CPU; on CUDA one GPU per rank from "
                              "--device on, nccl); it must divide the model's KV heads "
                              "(default: %(default)s)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallel size, for mixture-of-experts models: this many "
+                             "processes each hold whole experts (hot ones copied to less "
+                             "loaded ranks as the load shifts) while attention is split over "
+                             "the same processes, so --tp is set to it (or must equal it); "
+                             "it must divide the number of experts (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -81,28 +87,32 @@ def run(args: argparse.Namespace) -> int:
                               gpu_memory_fraction=args.gpu_memory_fraction)
     except ValueError as exc:
         return _fail(str(exc))
-    if args.tp < 1:
-        return _fail("--tp must be at least 1")
-    if args.tp > 1 and args.gpu_memory_fraction is not None:
+    if args.tp < 1 or args.ep < 1:
+        return _fail("--tp and --ep must be at least 1")
+    if args.ep > 1 and args.tp not in (1, args.ep):
+        return _fail(f"--ep {args.ep} splits attention over the same {args.ep} processes: "
+                     f"--tp must be {args.ep} (or left out), got {args.tp}")
+    tp_size = max(args.tp, args.ep)
+    if tp_size > 1 and args.gpu_memory_fraction is not None:
         return _fail("--gpu-memory-fraction is not supported with --tp above 1; "
                      "use --kv-cache-mb (per rank)")
     with contextlib.ExitStack() as stack:
         try:
-            if args.tp > 1:
+            if tp_size > 1:
                 from engine.tensor_parallel_group import tensor_parallel_engine
 
                 engine = stack.enter_context(tensor_parallel_engine(
-                    args.model, config, args.tp, args.kv_cache_mb << 20, args.threads,
-                    progress=_progress))
+                    args.model, config, tp_size, args.kv_cache_mb << 20, args.threads,
+                    progress=_progress, expert_parallel=args.ep > 1))
             else:
                 engine = build_engine(args.model, config, progress=_progress,
                                       kv_cache_bytes=args.kv_cache_mb << 20)
         except ModelLoadError as exc:
             return _fail(f"cannot load the model: {exc}")
         except ValueError as exc:
-            if args.tp == 1:
+            if tp_size == 1:
                 raise
-            return _fail(str(exc))  # a TP size that does not split the model
+            return _fail(str(exc))  # a TP or EP size that does not split the model
         return _generate(args, engine, params)
 
 

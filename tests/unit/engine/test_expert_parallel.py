@@ -104,3 +104,15 @@ def test_a_hot_expert_gets_a_second_copy_and_the_tokens_do_not_change(tiny_model
                for i in range(2) if r.imbalance_after[i] != r.imbalance_before[i])
     assert rebalancer.imbalance[0] < first.imbalance_before[0]  # the last window, balanced
     assert moe_blocks(shard)[0].shares[0] == (0, 2)  # rank 0: every other row of expert 0
+
+
+def test_generate_cli_refuses_ep_on_a_dense_model_and_a_tp_that_differs() -> None:
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "launcher.cli", "generate", "hello", "--ep", "3"]
+    dense = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert dense.returncode == 2 and "mixture-of-experts" in dense.stderr
+    mixed = subprocess.run(run + ["--tp", "2"], capture_output=True, text=True, timeout=120)
+    assert mixed.returncode == 2 and "--tp must be 3" in mixed.stderr
+
