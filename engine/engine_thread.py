@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.block_pool import CacheEvent
+from engine.expert_load import ExpertLoadWindow
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -90,9 +91,11 @@ def _checked_load(engine: LLMEngine) -> WorkerLoad:
 QUEUE_SHAPE_PERIOD_S = 0.02
 
 
-def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLoad:
+def engine_load(engine: LLMEngine, queued: QueueShape | None = None,
+                experts: ExpertLoadWindow | None = None) -> WorkerLoad:
     """The engine's counters as a WorkerLoad (rates left at zero); engine thread only.
-    `queued`: the queue's shape if known (else read from every live request now)."""
+    `queued`: the queue's shape if known (else read from every live request now);
+    `experts`: the expert load window's last figures, for a MoE model."""
     if queued is None:
         queued = queue_shape(engine.scheduler.live_requests())
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
@@ -101,7 +104,9 @@ def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLo
                       num_held_tables=engine.kv_cache.num_tables,
                       num_steps=engine.num_steps,
                       num_queued_prefill_tokens=queued.prefill_tokens,
-                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens)
+                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens,
+                      moe_imbalance=experts.imbalance if experts else [],
+                      moe_hottest=experts.hottest if experts else [])
 
 
 class EngineThread:
@@ -124,6 +129,9 @@ class EngineThread:
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
         self.load = engine_load(engine)
+        # A MoE model's expert load (a tensor-parallel group's driver holds no model).
+        runner_model = getattr(getattr(engine, "runner", None), "model", None)
+        self._experts = ExpertLoadWindow(runner_model) if runner_model is not None else None
         self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
@@ -353,9 +361,11 @@ class EngineThread:
         if step_s <= 0 or now >= self._queued_until or not self._engine.has_unfinished():
             self._queued = queue_shape(self._engine.scheduler.live_requests())
             self._queued_until = now + QUEUE_SHAPE_PERIOD_S
+        if self._experts is not None and step_s > 0:
+            self._experts.refresh()
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
-                            engine_load(self._engine, self._queued), shape, num_delivered,
-                            device_steps)
+                            engine_load(self._engine, self._queued, self._experts), shape,
+                            num_delivered, device_steps)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

@@ -61,6 +61,10 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     decode_tokens_per_s: float = 0.0
     step_model: StepModel | None = None  # None until enough steps were seen
     kv_send_bytes_per_s: NonNegFloat = 0.0  # KV this worker pushed, recent rate (0: unknown)
+    # Mixture-of-experts models, per MoE layer over the last window (engine/expert_load.py):
+    # the most used expert's assignments over the mean, and its id. Empty: a dense model.
+    moe_imbalance: list[Annotated[float, msgspec.Meta(ge=1.0)]] = []
+    moe_hottest: list[NonNegInt] = []
 
     @property
     def kv_usage(self) -> float:

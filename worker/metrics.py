@@ -45,6 +45,12 @@ class WorkerMetrics:
                                              "KV blocks referenced by requests/reservations")
         self.kv_blocks_total = registry.gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
         self.kv_usage = registry.gauge("pdserve_kv_usage_ratio", "used / total KV blocks")
+        self.moe_imbalance = registry.gauge(
+            "pdserve_moe_expert_imbalance", "the most used expert's tokens over the mean, per "
+            "MoE layer, over the last window (1: even)", ["layer"])
+        self.moe_hottest = registry.gauge(
+            "pdserve_moe_hottest_expert", "the most used expert's id, per MoE layer, over the "
+            "last window", ["layer"])
         self.prefix_hit_tokens = registry.counter(
             "pdserve_prefix_cache_hit_tokens_total", "prompt tokens served from a prefix cache")
         self.prompt_tokens = registry.counter("pdserve_prompt_tokens_total",
@@ -102,6 +108,9 @@ class WorkerMetrics:
         self.kv_blocks_used.set(load.num_kv_blocks_used)
         self.kv_blocks_total.set(load.num_kv_blocks_total)
         self.kv_usage.set(load.num_kv_blocks_used / max(1, load.num_kv_blocks_total))
+        for layer, (ratio, hottest) in enumerate(zip(load.moe_imbalance, load.moe_hottest)):
+            self.moe_imbalance.set(ratio, layer=str(layer))
+            self.moe_hottest.set(hottest, layer=str(layer))
         if report.step_s <= 0.0:
             return  # a command, not a step
         for step in report.timed_steps():

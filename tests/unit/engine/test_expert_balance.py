@@ -70,3 +70,37 @@ def test_bad_counts_are_refused() -> None:
         plan_replicas([1, 2], spread(4, 2), slots_per_rank=3)
     with pytest.raises(ValueError):
         plan_replicas([1, -2, 3, 4], spread(4, 2), slots_per_rank=3)
+
+
+def test_the_expert_load_window_reports_each_layers_imbalance_and_hottest_expert(tiny_model):
+    """On a real MoE model (transformers' tiny Qwen3-MoE): the window's figures are those of
+    the router's own choices over the window's steps, read once the window has passed."""
+    from engine.expert_load import ExpertLoadWindow, imbalance
+    from engine.expert_parallel import moe_blocks
+    from engine.loader import load_model
+    from tests.unit.engine.conftest import Stepper
+
+    model = load_model(str(tiny_model("qwen3_moe").path)).model
+    now = [0.0]
+    window = ExpertLoadWindow(model, window_s=5.0, clock=lambda: now[0])
+    stepper = Stepper(model, num_blocks=16, block_size=4)
+    routed: list[list[int]] = [[0] * 4 for _ in moe_blocks(model)]
+    for block, counts in zip(moe_blocks(model), routed):  # what each router picks, recorded
+        original = block.route
+        block.route = (lambda x, original=original, counts=counts:  # type: ignore[method-assign]
+                       _counted(original(x), counts))
+    stepper.greedy(list(range(5, 17)), 4, list(range(8)))
+    window.refresh()
+    assert window.imbalance == [] and window.hottest == []  # the window has not passed
+    now[0] = 5.0
+    window.refresh()
+    assert window.imbalance == [imbalance(c) for c in routed]
+    assert window.hottest == [max(range(4), key=c.__getitem__) for c in routed]
+    assert all(1.0 <= r <= 4.0 for r in window.imbalance) and sum(routed[0]) == 2 * (12 + 3)
+
+
+def _counted(routing, counts: list[int]):
+    """`routing` (weights, expert ids) passed through, its picks added to `counts`."""
+    for e in routing[1].reshape(-1).tolist():
+        counts[e] += 1
+    return routing

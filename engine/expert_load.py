@@ -1,0 +1,53 @@
+"""A worker's expert load (mixture-of-experts models): per MoE layer, how unevenly its
+experts were used over the last window, and which one was used most.
+
+Each MoE block counts its (token, expert) assignments on the device from the counts its
+grouping computes anyway (engine/models/moe.py); the window reads them once every
+`window_s` (one small copy per layer), so the step pays nothing more.
+
+    imbalance  the most used expert's assignments over the mean (1.0: even; E: one expert
+               took everything), per layer
+    hottest    that expert's id, per layer
+
+They travel in the worker's load (protocol/worker_load.py) and its /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from engine.expert_parallel import moe_blocks
+
+WINDOW_S = 5.0
+
+
+def imbalance(counts: Sequence[int]) -> float:
+    """The largest count over the mean (1.0 when nothing was counted)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0
+
+
+class ExpertLoadWindow:
+    """Engine thread only. `refresh()` after a step; `imbalance` and `hottest` hold the last
+    complete window's figures (empty for a dense model or before the first window ends)."""
+
+    def __init__(self, model: nn.Module, window_s: float = WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.blocks = moe_blocks(model)
+        self.window_s = window_s
+        self.clock = clock
+        self.started_s = clock()
+        self.imbalance: list[float] = []
+        self.hottest: list[int] = []
+
+    def refresh(self) -> None:
+        now = self.clock()
+        if not self.blocks or now - self.started_s < self.window_s:
+            return
+        counts = [block.take_expert_tokens() for block in self.blocks]
+        self.imbalance = [imbalance(c) for c in counts]
+        self.hottest = [max(range(len(c)), key=c.__getitem__) for c in counts]
+        self.started_s = now
