@@ -35,9 +35,9 @@ at least 1 is a cause; the highest first):
                        carrier's share of pushes up by more than `carrier_shift` against the
                        baseline (the mapped path lost), or the mean push time up by
                        `transfer_ratio` (stage: KV transfer)
+    expert_imbalance   a MoE worker's busiest expert over the mean (agent/expert_cause.py)
 
-Not seen, so never named: expert imbalance (no worker reports per-expert load), the relay
-(the gateway's decode gap includes it; it is not split from the decode step).
+Not seen, so never named: the relay (the gateway's decode gap includes it).
 Nothing here reads a clock or does I/O.
 """
 
@@ -47,6 +47,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from agent.expert_cause import expert_imbalance
 from protocol.messages import Role
 from protocol.root_cause_report import Cause, CauseKind, RootCauseReport, StageChange, StageName
 from protocol.tier_tally import StageSum, TierTally, merged
@@ -93,6 +94,7 @@ class WorkerTick:
     transfer_s: float = 0.0  # their time
     num_transfer_failures: int = 0
     ejected_for: str | None = None  # the rule the agent holds it out for; None: routable
+    moe_imbalance: float = 1.0  # its worst MoE layer's busiest expert over the mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +189,8 @@ def attribute(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot
         return None
     causes = [c for c in (rate_surge(before, now, config), mix_shift(before, now, config),
                           *slow_workers(now, config), kv_pressure(now, config),
-                          transfer_fallback(before, now, config)) if c is not None]
+                          transfer_fallback(before, now, config),
+                          expert_imbalance(before, now)) if c is not None]
     causes.sort(key=lambda c: -c.score)
     return RootCauseReport(
         at_unix_ms=at_unix_ms, tier=tier, trigger=trigger, baseline_s=config.baseline_s,

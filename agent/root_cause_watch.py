@@ -86,7 +86,8 @@ def worker_ticks(samples: Sequence[WorkerSample], reports: Mapping[str, HealthRe
             num_transfers_carrier=int(delta("num_transfers_carrier")),
             transfer_s=delta("transfer_sum_s"),
             num_transfer_failures=int(delta("num_transfer_failures")),
-            ejected_for=ejected_for.get(sample.worker_id))
+            ejected_for=ejected_for.get(sample.worker_id),
+            moe_imbalance=max(report.load.moe_imbalance, default=1.0) if report else 1.0)
     return out
 
 

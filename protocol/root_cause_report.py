@@ -24,6 +24,7 @@ class CauseKind(enum.StrEnum):
     SLOW_WORKER = "slow_worker"  # one worker's steps (or stage) are slower than its peers'
     KV_PRESSURE = "kv_pressure"  # KV pools near full, reservations wait for blocks
     TRANSFER_FALLBACK = "transfer_fallback"  # KV transfers fail or take a slower path
+    EXPERT_IMBALANCE = "expert_imbalance"  # a few experts of a MoE model carry the traffic
 
 
 class StageName(enum.StrEnum):

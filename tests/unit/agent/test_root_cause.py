@@ -241,3 +241,23 @@ def test_a_young_agent_compares_rates_over_the_time_it_saw() -> None:
     report = report_of(snapshots)
     assert report is not None
     assert all(c.kind is not CauseKind.RATE_SURGE for c in report.causes), report.causes
+
+
+def test_an_overloaded_expert_is_named_first() -> None:
+    """d0 runs a mixture-of-experts model whose busiest expert went from 1.2x to 3.5x the
+    mean (its traffic turned to one topic): its TPOT grew, and nothing else changed."""
+    import dataclasses
+
+    snapshots = recording((1, 1, 200, 5.0, 85.0, 45.0, 31.0, 0))
+    for snapshot in snapshots:
+        tick = snapshot.workers["d0"]
+        hot = 3.5 if snapshot.at_s > 60 else 1.2
+        snapshot.workers["d0"] = dataclasses.replace(tick, moe_imbalance=hot)  # type: ignore[index]
+    report = report_of(snapshots)
+    assert report is not None and report.cause is not None
+    assert report.cause.kind is CauseKind.EXPERT_IMBALANCE, report.causes
+    assert report.cause.worker_ids == ["d0"] and report.cause.stage is StageName.DECODE_STEP
+    assert "3.5x the mean" in report.cause.evidence and "1.2x before" in report.cause.evidence
+    # An even (or unchanged) load names nothing of the kind.
+    even = report_of(recording((1, 1, 200, 5.0, 85.0, 45.0, 31.0, 0)))
+    assert even is not None and CauseKind.EXPERT_IMBALANCE not in [c.kind for c in even.causes]
