@@ -104,9 +104,10 @@ class ControlLoop:
         self.timing = config.timing
         self.agent_id = uuid.uuid4().hex[:12]
         self.casebook = Casebook(config.window_s, config.thresholds)
+        self.planner = None if config.plan is None else CapacityPlanner(config.plan)
         self.mover = None if config.rebalance is None else RoleMover(
             actuator, self._record_one, config.rebalance, config.rebalance_period_s,
-            config.role_drain_timeout_s, config.dry_run)
+            config.role_drain_timeout_s, config.dry_run, self.planner)
         self.is_leader = False
         self.ticks = metrics.counter("pdserve_agent_ticks_total", "control loop ticks, by result",
                                      ("result",))
@@ -115,7 +116,6 @@ class ControlLoop:
         self.leader = metrics.gauge("pdserve_agent_leader", "1 while this agent acts")
         self.tick_seconds = metrics.histogram("pdserve_agent_tick_seconds",
                                               "one control loop tick")
-        self.planner = None if config.plan is None else CapacityPlanner(config.plan)
         self.watch = watch  # root-cause reports (None: none)
         self.desired_workers = metrics.gauge(
             "pdserve_agent_desired_workers",

@@ -2,7 +2,8 @@
 a time, decided by agent/rebalance.py's pure policy and carried out through the actuator.
 
 Every tick `observe()` appends one `PoolSignals` (the history the policy reads); every
-`period_s` `maybe_move()` asks the policy for a move and, if there is one, starts the role
+`period_s` `maybe_move()` asks the policy for a move (and, when it asks for none, the
+capacity plan's split: agent/planned_move.py) and, if there is one, starts the role
 change as an owned task (a drain takes seconds and must not stall the health checks). A
 worker whose process cannot change role (404 on /internal/role: an older build) is
 remembered per epoch and never chosen again. Invariant: at most one role-change task
@@ -16,7 +17,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 
 from agent.actuator import ActionError, Actuator
+from agent.capacity_plan import CapacityPlanner
 from agent.decision import Decision, Outcome, OutcomeKind, RoleSwitch, Routine
+from agent.planned_move import plan_ahead
 from agent.rebalance import (PoolSignals, RebalanceConfig, RoleMove, RoleView, plan_rebalance,
                              pool_signals)
 from protocol.messages import WorkerInfo
@@ -38,13 +41,17 @@ def role_views(registry: Registry, out: Collection[str]) -> list[RoleView]:
 
 class RoleMover:
     def __init__(self, actuator: Actuator, record: Recorder, config: RebalanceConfig,
-                 period_s: float, drain_timeout_s: float, dry_run: bool) -> None:
+                 period_s: float, drain_timeout_s: float, dry_run: bool,
+                 planner: CapacityPlanner | None = None) -> None:
+        """`planner`: the capacity plan whose split a move follows ahead of pressure
+        (agent/planned_move.py), when the pools' signals ask for none; None: react only."""
         self.actuator = actuator
         self.record = record
         self.config = config
         self.period_s = period_s
         self.drain_timeout_s = drain_timeout_s
         self.dry_run = dry_run
+        self.planner = planner
         self.history: deque[PoolSignals] = deque()
         self.last_move_s: float | None = None
         self._last_decision_s: float | None = None
@@ -63,6 +70,8 @@ class RoleMover:
             return  # one role change at a time
         self._last_decision_s = now
         move = plan_rebalance(list(self.history), views, self.last_move_s, now, self.config)
+        if move is None and self.planner is not None:
+            move = plan_ahead(self.planner.desired, views, self.last_move_s, now, self.config)
         if move is None:
             return
         self.last_move_s = now
