@@ -60,6 +60,7 @@ class PlanConfig:
     scale_down_after_s: float = 300.0  # a fall is taken once it held this long
     min_per_role: int = 1
     smoothing: Smoothing = Smoothing()
+    act: bool = False  # move roles toward the plan's split ahead of pressure (planned_move.py)
 
     def __post_init__(self) -> None:
         positive = (self.horizon_s, self.tpot_s, self.queue_drain_s, self.scale_down_after_s)

@@ -102,6 +102,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--plan", "on", choices=("on", "off"),
         help="forecast the demand on the pools and publish the workers it needs as the "
              "gauge pdserve_agent_desired_workers{role}, for an autoscaler (default on)")
+    opt("--plan-act", "off", choices=("on", "off"),
+        help="on: when the pools' pressure asks for no role move, move one worker at a time "
+             "toward the plan's prefill/decode split, ahead of the demand (with the "
+             "rebalancer's cooldown; needs --rebalance on and --plan on) (default off)")
     opt("--plan-horizon-s", "120", type=float,
         help="size the pools for the demand forecast this far ahead: about the time a new "
              "worker takes to start serving (default 120)")

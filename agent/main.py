@@ -102,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                        plan=PlanConfig(horizon_s=args.plan_horizon_s,
                                        tpot_s=args.plan_tpot_ms / 1000,
                                        prefill_busy=args.plan_prefill_busy,
-                                       scale_down_after_s=args.plan_scale_down_s)
+                                       scale_down_after_s=args.plan_scale_down_s,
+                                       act=args.plan_act == "on")
                        if args.plan == "on" else None,
                        root_cause=RootCauseConfig(attainment_target=args.report_attainment,
                                                   recent_s=args.report_window_s)

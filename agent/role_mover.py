@@ -70,7 +70,7 @@ class RoleMover:
             return  # one role change at a time
         self._last_decision_s = now
         move = plan_rebalance(list(self.history), views, self.last_move_s, now, self.config)
-        if move is None and self.planner is not None:
+        if move is None and self.planner is not None and self.planner.config.act:
             move = plan_ahead(self.planner.desired, views, self.last_move_s, now, self.config)
         if move is None:
             return
