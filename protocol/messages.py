@@ -64,6 +64,7 @@ WORKER_ID_PATTERN = (r"^(?!(?i:" + "|".join(re.escape(n) for n in RESERVED_WORKE
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 TimeoutMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_TIMEOUT_MS)]
 ReservationMs = Annotated[int, msgspec.Meta(gt=0, le=MAX_RESERVATION_MS)]
 # W3C trace context: version-trace_id-parent_id-flags, lower-case hex.
@@ -247,6 +248,12 @@ class TransferResult(Message, tag="transfer_result", frozen=True, kw_only=True):
     num_blocks_sent: NonNegInt = 0
     num_bytes_sent: NonNegInt = 0
     error: Text | None = None
+    # What the push cost (worker/kv_push.py): its copy units (one per layer, K or V and run
+    # of blocks consecutive on both sides), the time spent posting them (announcing the
+    # transfer and queueing each layer) and the time from the last post until it landed.
+    num_descriptors: NonNegInt = 0
+    post_ms: NonNegFloat = 0.0
+    wire_ms: NonNegFloat = 0.0
 
 
 class DecodeRequest(Message, tag="decode_request", frozen=True, kw_only=True):

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import KVSender, SendHandle, TransferSpec
-from kv_transfer.layout import KVLayout, transfer_bytes
+from kv_transfer.layout import KVLayout, plan_runs, transfer_bytes
 from protocol.messages import DecodeDestination, TransferResult, TransferStatus
 from worker.faults import Faults
 from worker.handoff import EarlyPush
@@ -59,12 +59,14 @@ class KVPusher:
             handle = await unless(self.sender.start(destination.kv_address, spec,
                                                     max(deadline - loop.time(), 0.001)),
                                   stop, reason)
+            post_s = time.perf_counter() - started  # announcing it, then queueing each layer
             delayed = self.faults.delays_push(spec.request_id)
             events = early.layer_events
             start = "mid_step"
             if events is not None and handle.sends_after_events and not delayed:
                 accepted = time.perf_counter()
                 handle.send_layers_after(events)
+                post_s += time.perf_counter() - accepted
                 start = "layer_events"
                 log.debug("push %s: started %.6f, accepted %.6f, copies queued %.6f",
                           spec.request_id, started, accepted, time.perf_counter())
@@ -75,10 +77,14 @@ class KVPusher:
                         await asyncio.sleep(self.faults.transfer_layer_delay_s)
                     if handle.state.is_terminal or stop.is_set():
                         break
+                    posting = time.perf_counter()
                     handle.send_layer(layer)
+                    post_s += time.perf_counter() - posting
             if stop.is_set():
                 raise TransferCancelled(reason())
+            posted = time.perf_counter()
             await unless(handle.finish(), stop, reason)
+            wire_s = time.perf_counter() - posted
         except KVTransferError as exc:
             if handle is not None and not handle.state.is_terminal:
                 await handle.cancel(str(exc))  # tells the receiver, which frees its blocks
@@ -100,8 +106,13 @@ class KVPusher:
         self.metrics.kv_transfers.inc(direction="sent",
                                       path="mapped" if handle.mapped else "carrier")
         self.metrics.kv_pushes.inc(start=start)
+        num_descriptors = len(plan_runs(spec.src_block_ids, spec.dst_block_ids)) * 2 * len(
+            spec.layers)
+        self.metrics.record_push_cost(num_bytes, num_descriptors, post_s, wire_s)
         return transfer_result(spec.request_id, destination, TransferStatus.DONE,
-                               num_blocks_sent=num_blocks, num_bytes_sent=num_bytes)
+                               num_blocks_sent=num_blocks, num_bytes_sent=num_bytes,
+                               num_descriptors=num_descriptors, post_ms=round(post_s * 1e3, 3),
+                               wire_ms=round(wire_s * 1e3, 3))
 
 
 async def unless(awaitable: Awaitable[T], stop: asyncio.Event, reason: Callable[[], str]) -> T:
@@ -123,7 +134,9 @@ async def unless(awaitable: Awaitable[T], stop: asyncio.Event, reason: Callable[
 
 def transfer_result(request_id: str, destination: DecodeDestination, status: TransferStatus,
                     num_blocks_sent: int = 0, num_bytes_sent: int = 0,
-                    error: str | None = None) -> TransferResult:
+                    error: str | None = None, num_descriptors: int = 0, post_ms: float = 0.0,
+                    wire_ms: float = 0.0) -> TransferResult:
     return TransferResult(request_id=request_id, destination_worker_id=destination.worker_id,
                           destination_epoch=destination.epoch, status=status, error=error,
-                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent)
+                          num_blocks_sent=num_blocks_sent, num_bytes_sent=num_bytes_sent,
+                          num_descriptors=num_descriptors, post_ms=post_ms, wire_ms=wire_ms)

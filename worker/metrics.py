@@ -76,6 +76,17 @@ class WorkerMetrics:
             "pdserve_kv_transfer_seconds", "duration of completed KV transfers (a prefill "
             "worker's: the part after the prompt's step ended, at least 0.1 ms)",
             label_names=("direction",))
+        self.kv_push_bytes = registry.histogram(
+            "pdserve_kv_push_bytes", "bytes of each completed KV push",
+            buckets=tuple(float(1 << n) for n in range(16, 34, 2)))  # 64 KiB .. 8 GiB
+        self.kv_push_descriptors = registry.histogram(
+            "pdserve_kv_push_descriptors", "copy units of each completed KV push (one per "
+            "layer, K or V, and run of blocks consecutive on both sides)",
+            buckets=(2, 8, 32, 128, 512, 2048, 8192, 32768))
+        self.kv_push_phase_seconds = registry.histogram(
+            "pdserve_kv_push_phase_seconds", "each completed KV push's time posting its "
+            "copies (announce, queue each layer: post) and from the last post until it "
+            "landed (wire)", label_names=("phase",))
         self.handoff_failures = registry.counter(
             "pdserve_handoff_failures_total", "handoffs that ended in an error", ("reason",))
         self.requests = registry.counter("pdserve_requests_total", "requests ended, by outcome",
@@ -168,6 +179,15 @@ class WorkerMetrics:
     def record_started(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_hit_tokens.inc(num_cached_tokens)
+
+    def record_push_cost(self, num_bytes: int, num_descriptors: int, post_s: float,
+                         wire_s: float) -> None:
+        """A push completed: its size, its copy units, and its time posting them vs on the
+        wire (worker/kv_push.py)."""
+        self.kv_push_bytes.observe(num_bytes)
+        self.kv_push_descriptors.observe(num_descriptors)
+        self.kv_push_phase_seconds.observe(post_s, phase="post")
+        self.kv_push_phase_seconds.observe(wire_s, phase="wire")
 
     def record_kv_sent(self, num_bytes: int, seconds: float) -> None:
         """A push completed: the transfer rate the router predicts KV handoffs with."""

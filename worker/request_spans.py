@@ -76,6 +76,9 @@ async def _prefill_spans(tracing: Tracing, frames: AsyncGenerator[Message, None]
                     span.set({"pdserve.kv.destination": frame.destination_worker_id})
                     transfer.set({"pdserve.kv.bytes": frame.num_bytes_sent,
                                   "pdserve.kv.blocks": frame.num_blocks_sent,
+                                  "pdserve.kv.descriptors": frame.num_descriptors,
+                                  "pdserve.kv.post_ms": frame.post_ms,
+                                  "pdserve.kv.wire_ms": frame.wire_ms,
                                   "pdserve.kv.status": frame.status.value,
                                   "pdserve.kv.gbps": round(frame.num_bytes_sent / seconds / 1e9, 6)})
                     if frame.error:

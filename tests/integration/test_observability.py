@@ -237,6 +237,9 @@ def test_a_handoff_request_is_one_trace_across_gateway_prefill_and_decode(
     assert t["pdserve.kv.bytes"] > 0 and t["pdserve.kv.blocks"] >= usage.prompt_tokens // 16
     assert t["pdserve.kv.backend"] in ("ucx", "tcp") and t["pdserve.kv.gbps"] > 0
     assert t["pdserve.kv.status"] == "done"
+    # Its cost: copy units (layers x K/V x runs of consecutive blocks), posting vs wire time.
+    assert t["pdserve.kv.descriptors"] >= 2 * 30  # the default model's 30 layers, one run
+    assert t["pdserve.kv.post_ms"] > 0 and t["pdserve.kv.wire_ms"] >= 0
     d = decode.attributes
     assert d["gen_ai.usage.output_tokens"] == 8 and d["pdserve.decode.tokens"] == 7
     assert d["pdserve.decode.steps"] >= 7 and d["gen_ai.response.finish_reasons"] == ["length"]
