@@ -47,13 +47,15 @@ at MAX_PREFILL_BUSY).
 Each prediction gets a score, its worst ratio to a target: TTFT / ttft target, the
 request's TPOT / tpot target, and the running TPOT of the worker that prefills (when it
 decodes anything) / the strictest TPOT of any tier (what its running requests may need).
-Score < 1 meets every target. A worker whose decode steps alone, step(0, B, C), already miss
-the strictest TPOT (a CPU, or a GPU decoding far more than it should) misses it whatever
-this plan does: the running-TPOT ratio is then left out of the score, and the stall the
-prefill adds to those running requests stays in the cost. Otherwise every plan that
-prefills on such a worker would count as a miss, and a short prompt would be sent to wait
-behind a long prefill elsewhere rather than be prefilled at once beside the running streams. And a cost, in seconds of latency the plan adds to the
-cluster:
+Score < 1 meets every target. A worker whose decode steps alone, step(0, B, C), already take
+more than RUNNING_HEADROOM of the strictest TPOT (a CPU, or a GPU decoding far more than it
+should) holds it by chance if at all, whatever this plan does: the running-TPOT ratio is
+then left out of the score, and the stall the prefill adds to those running requests stays
+in the cost. Otherwise every plan that prefills on such a worker would count as a miss (on
+a CPU a decode step of the default model takes 49-54 ms against the strictest 50 ms, so a
+5-token prefill beside it would), and a short prompt would be sent to wait behind a long
+prefill elsewhere rather than be prefilled at once beside the running streams. And a cost,
+in seconds of latency the plan adds to the cluster:
 
     cost = TTFT + max_tokens * TPOT                  (this request, start to end)
          + B_P * a_P * (P - H_P)                     (P's running decodes, stalled by the prefill)
@@ -83,6 +85,9 @@ from protocol.worker_load import StepModel, WorkerLoad
 
 DEFAULT_KV_BYTES_PER_S = 1e9  # before a worker has pushed anything: a slow TCP link
 MAX_PREFILL_BUSY = 0.9  # the share of a worker's time prefill may be predicted to take
+# A worker's decode steps alone within this share of the strictest TPOT hold it: only then
+# does a plan answer for stretching them (module doc).
+RUNNING_HEADROOM = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +169,11 @@ def _prefill_time(side: WorkerSide, uncached: int) -> tuple[float, float, float]
 
 def _running_charged(side: WorkerSide, targets: Targets) -> bool:
     """Whether the plan answers for the running TPOT of this prefilling worker: it decodes
-    something, and its decode steps alone meet the strictest TPOT (module doc)."""
+    something, and its decode steps alone meet the strictest TPOT with room to spare
+    (module doc)."""
     load, m = side.load, side.model
-    return load.num_decoding > 0 and m.step_s(
-        0, load.num_decoding, load.num_context_tokens) < targets.strictest_tpot_s
+    decode_only = m.step_s(0, load.num_decoding, load.num_context_tokens)
+    return load.num_decoding > 0 and decode_only <= RUNNING_HEADROOM * targets.strictest_tpot_s
 
 
 def _chunk_tokens(side: WorkerSide) -> int:

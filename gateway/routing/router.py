@@ -26,7 +26,8 @@ Each candidate gets a cost in *tokens of work ahead of this request*:
                    `prefill_work`)
                    + waiting_cost * num_waiting(w) + running_cost * num_running(w)
                    + kv_pressure_cost * kv_usage(w) ** 2         (eviction risk near full)
-    decode side:   the same load terms; plus the prefill term when it prefills locally
+    decode side:   the same load terms, plus the prompt tokens queued there (its decode
+                   steps share their chunks); plus the prefill term when it prefills locally
 
 so a cached prefix is worth exactly the tokens it saves, and affinity gives way once a
 worker's queue costs more than the prefix saves. Among the candidates within
@@ -36,7 +37,10 @@ instead of the first in the list taking it all. Where the router decides (no tie
 threshold), a prompt goes to the prefill pool unless prefilling it on a decoding worker
 costs less by more than `tie_margin_tokens`: a short prompt stays off a prefill worker busy
 with a long one (its next step is a full chunk of that prompt) while a decoding worker can
-prefill it at once.
+prefill it at once. Where the router decides, a prefill worker that decodes too (role
+both) keeps the request unless another decodes it for less by more than
+`tie_margin_tokens`: between two idle `both` workers a handoff buys nothing, and one onto a
+worker computing a long prompt would make every decode step share a chunk of it.
 
 The snapshot is whatever the gateway last saw (Redis index mirror, worker heartbeats),
 plus, per worker, the prompts this gateway routed there to prefill and has not yet seen
@@ -196,8 +200,11 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
         return local([prefill])
     if not others:  # a BOTH worker alone: it may as well decode what it prefills
         return local([prefill] if prefill.role.decodes else decoders)
-    decode = _pick([(_load_cost(w.load, weights), w) for w in others], rng,
+    decode = _pick([(_decode_cost(w, weights), w) for w in others], rng,
                    weights.tie_margin_tokens)
+    if request.local_prefill is None and prefill.role.decodes and _decode_cost(
+            prefill, weights) <= _decode_cost(decode, weights) + weights.tie_margin_tokens:
+        return local([prefill])  # it decodes as well as any other: no handoff for nothing
     return RoutePlan(decode_worker_id=decode.worker_id, prefill_worker_id=prefill.worker_id,
                      cached_tokens=cached(prefill))
 
@@ -297,6 +304,13 @@ def _load_cost(load: WorkerLoad, weights: RoutingWeights) -> float:
     return (weights.waiting_cost_tokens * load.num_waiting
             + weights.running_cost_tokens * load.num_running
             + weights.kv_pressure_cost_tokens * load.kv_usage ** 2)
+
+
+def _decode_cost(worker: WorkerView, weights: RoutingWeights) -> float:
+    """What decoding one more request there costs: its load, and the prompt tokens queued
+    there, whose chunks its decode steps will share (engine/scheduler.py)."""
+    load = load_at_routing(worker)
+    return _load_cost(load, weights) + load.num_queued_prefill_tokens
 
 
 def _pick(candidates: list[tuple[float, WorkerView]], rng: random.Random,

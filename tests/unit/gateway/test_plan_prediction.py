@@ -290,6 +290,39 @@ def test_a_worker_whose_decode_steps_miss_anyway_still_prefills_a_short_prompt_i
         assert (plan.decode_worker_id, plan.kind) == ("a", "local")
 
 
+def test_a_worker_just_under_the_strictest_tpot_still_prefills_a_short_prompt_itself() -> None:
+    """As above, with step models recorded on the 2-core CPU: A's decode step alone takes
+    49 ms (27 ms + 22 ms a sequence), just under the strictest 50 ms, so noise decides
+    whether it holds it. B computes a long prompt (3,500 tokens left, 512-token steps).
+    local on A: TTFT 27 + 22 + 5 * 6.2 = 80 ms; its TPOT step(0, 2, 15) = 71 ms -> 0.71 of
+        100 ms; A's running TPOT, that mixed step, 80 ms -> 1.6 of 50 ms if charged
+    B -> A:     TTFT 2.40 s (B's chunk in progress, then the prompt) -> 1.20
+    Charged, the local plan missed more (1.6 against 1.2) and the prompt waited seconds behind
+    B's chunk. A step alone over RUNNING_HEADROOM (80%) of the strictest TPOT holds it by
+    chance only: not charged, the local plan scores 0.71 and wins."""
+    cpu = StepModel(base_s=0.027, prefill_token_s=0.0062, decode_seq_s=0.022,
+                    context_token_s=0.0, num_samples=50, num_prefill_samples=8,
+                    num_decode_samples=40)
+    busy = StepModel(base_s=0.041, prefill_token_s=0.0023, decode_seq_s=0.0065,
+                     context_token_s=0.0, num_samples=21, num_prefill_samples=6,
+                     num_decode_samples=15)
+    standard = Targets(ttft_s=2.0, tpot_s=0.1, strictest_tpot_s=0.05, max_tokens=6)
+    a = WorkerView("a", Role.BOTH, WorkerLoad(num_kv_blocks_total=5000, num_running=1,
+                                              num_decoding=1, num_context_tokens=10,
+                                              step_model=cpu), max_batched_tokens=512)
+    b = WorkerView("b", Role.BOTH, WorkerLoad(num_kv_blocks_total=5000, num_running=1,
+                                              num_queued_prefill_tokens=3500,
+                                              step_model=busy), max_batched_tokens=512)
+    local = predict_local(WorkerSide(a.load, cpu, 512, 1000), 5, 0, standard)
+    split = predict_split(WorkerSide(b.load, busy, 512, 1000),
+                          WorkerSide(a.load, cpu, 512, 1000), 5, 0, 0, standard)
+    assert local.running_tpot_s == pytest.approx(0.080) and local.score == pytest.approx(0.71)
+    assert split.ttft_s == pytest.approx(2.396, abs=1e-3) and split.score == pytest.approx(1.198, abs=1e-3)
+    for seed in range(10):
+        plan = route([a, b], 5, seed, targets=standard)
+        assert (plan.decode_worker_id, plan.kind) == ("a", "local")
+
+
 def test_decoding_behind_a_long_prefill_queue_costs_its_chunks() -> None:
     """A's queue holds a 4,000-token prompt (512-token steps): a 6-token answer decoded there
     shares all 6 steps with 511-token chunks of it, step(511, 1, 5) = 5 + 10.22 + 0.1 ms

@@ -201,3 +201,23 @@ def test_a_prompt_routed_a_moment_ago_counts_before_the_worker_reports_it():
     forced = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=False)
     assert plan_route(forced, snapshot([just_routed, worker("d0", Role.DECODE)]),
                       random.Random(0)).kind == "split"
+
+
+def test_two_both_workers_keep_a_short_prompt_local_by_the_rule_and_never_decode_it_on_a_busy_one():
+    """The token-cost rule (no step models yet) on the default CPU layout, two BOTH workers.
+    Both idle: the prefill goes to either, which decodes it too (a handoff buys nothing). One
+    computes a 5,000-token prompt: the short one is prefilled on the idle one, and decoded
+    there as well; its decode steps would otherwise share every step with that prompt."""
+    short = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=None)
+    idle = [worker("a", Role.BOTH), worker("b", Role.BOTH)]
+    for seed in range(10):
+        assert plan_route(short, snapshot(idle), random.Random(seed)).kind == "local"
+    busy = WorkerLoad(num_running=1, num_queued_prefill_tokens=5000, num_kv_blocks_total=1000)
+    cluster = snapshot([worker("a", Role.BOTH, busy), worker("b", Role.BOTH)])
+    for seed in range(10):
+        plan = plan_route(short, cluster, random.Random(seed))
+        assert (plan.kind, plan.decode_worker_id) == ("local", "b")
+    # A tier that forces the handoff still gets one.
+    forced = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=False)
+    for seed in range(10):
+        assert plan_route(forced, snapshot(idle), random.Random(seed)).kind == "split"
