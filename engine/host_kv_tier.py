@@ -1,0 +1,196 @@
+"""The host KV tier: prefix blocks evicted from the device pool, kept in host memory.
+
+A second-level prefix cache with a size of its own (`num_host_blocks`), an LRU keyed by
+chained block hash (protocol/block_hashes.py). The KV cache manager (engine/kv_cache.py)
+offers it every block the device pool evicts with a hash, and looks past the device-cached
+prefix into it at admission: blocks held here are copied back into fresh device blocks, and
+the request counts them as cached (they are not recomputed).
+
+Lifecycle of one host slot:
+
+    FREE --offer (copy to host)--> HELD --evict (LRU, idle only)--> FREE
+                                   |  ^
+                     pin (admission)  reload (copy to device) / offer again: most recent
+
+    in flight  a copy to or from the slot is queued and not done (CUDA only: on the CPU
+               copies are done when the call returns, engine/host_block_copier.py)
+    pinned     an admission will reload it (`pin` ... `reload`): the device allocation between
+               the two may evict device blocks, whose offers must not take this slot
+
+Invariants (`check_invariants`):
+    num_held_blocks + num_free_slots == num_host_blocks (capacity is never exceeded)
+    each hash is held at most once, each slot holds at most one hash
+    a slot in flight or pinned is held, and is never evicted (a block is never both in
+    flight and evictable)
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from engine.host_block_copier import BlockCopier, CopyDone, block_copier
+
+
+class HostTierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The tier's counters since start (blocks and bytes), for a worker's /metrics."""
+
+    num_host_blocks: int
+    num_held_blocks: int
+    num_hit_blocks: int  # prompt blocks past the device-cached prefix served from here
+    num_missed_blocks: int  # prompt blocks past the device-cached prefix not held here
+    num_dropped_blocks: int  # evicted device blocks not kept (every idle slot was busy)
+    offloaded_bytes: int
+    reloaded_bytes: int
+
+
+class HostKVTier:
+    """An LRU of host copies of evicted prefix blocks (one engine thread uses it)."""
+
+    def __init__(self, num_host_blocks: int, copier: BlockCopier, block_bytes: int) -> None:
+        """`block_bytes`: one block's K and V over all layers (what one copy moves)."""
+        if num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks must be at least 1, got {num_host_blocks}")
+        self.num_host_blocks = num_host_blocks
+        self.block_bytes = block_bytes
+        self._copier = copier
+        # Insertion order is the LRU order: the first key was used longest ago.
+        self._slot_by_hash: OrderedDict[int, int] = OrderedDict()
+        self._hash_by_slot: dict[int, int] = {}
+        self._free_slots = list(range(num_host_blocks - 1, -1, -1))
+        self._in_flight: dict[int, CopyDone] = {}
+        self._pins: Counter[int] = Counter()
+        self._num_hit = self._num_missed = self._num_dropped = 0
+        self._num_offloaded = self._num_reloaded = 0
+
+    @classmethod
+    def for_pool(cls, kv: torch.Tensor, num_bytes: int) -> "HostKVTier | None":
+        """A tier of `num_bytes` beside the device pool `kv` (engine/kv_storage.py's
+        tensor), or None when that is less than one block (the tier is off)."""
+        block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        num_host_blocks = num_bytes // block_bytes
+        if num_host_blocks < 1:
+            return None
+        return cls(num_host_blocks, block_copier(kv, num_host_blocks), block_bytes)
+
+    # ---- queries (side-effect free) -------------------------------------------------------
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._slot_by_hash)
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._slot_by_hash
+
+    def num_leading_held(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first, are held here."""
+        for i, block_hash in enumerate(block_hashes):
+            if block_hash not in self._slot_by_hash:
+                return i
+        return len(block_hashes)
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(
+            num_host_blocks=self.num_host_blocks, num_held_blocks=self.num_held_blocks,
+            num_hit_blocks=self._num_hit, num_missed_blocks=self._num_missed,
+            num_dropped_blocks=self._num_dropped,
+            offloaded_bytes=self._num_offloaded * self.block_bytes,
+            reloaded_bytes=self._num_reloaded * self.block_bytes)
+
+    # ---- commands ---------------------------------------------------------------------------
+
+    def offer(self, block_hash: int, block_id: int) -> bool:
+        """Keep a copy of device block `block_id`, which holds prefix `block_hash` and is about
+        to be handed out again (the copy is queued before any later write to it). False: not
+        kept, every slot being in flight or pinned. Called by the device pool's eviction."""
+        if block_hash in self._slot_by_hash:
+            self._slot_by_hash.move_to_end(block_hash)  # the same prefix: the same KV
+            return True
+        slot = self._take_slot()
+        if slot is None:
+            self._num_dropped += 1
+            return False
+        self._slot_by_hash[block_hash] = slot
+        self._hash_by_slot[slot] = block_hash
+        self._track(slot, self._copier.to_host(block_id, slot))
+        self._num_offloaded += 1
+        return True
+
+    def pin(self, block_hashes: Sequence[int]) -> None:
+        """Keep these held blocks from eviction until each is `reload`ed (once per pin)."""
+        for block_hash in block_hashes:
+            self._pins[self._slot_by_hash[block_hash]] += 1  # KeyError: not held
+
+    def reload(self, block_hash: int, block_id: int) -> None:
+        """Copy a pinned block into device block `block_id` (freshly allocated, referenced by
+        the request that will read it) and drop the pin; it becomes the most recent."""
+        slot = self._slot_by_hash[block_hash]
+        if self._pins[slot] < 1:
+            raise ValueError(f"block {block_hash:#x} is reloaded without a pin")
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
+        self._slot_by_hash.move_to_end(block_hash)
+        self._track(slot, self._copier.to_device(slot, block_id))
+        self._num_reloaded += 1
+
+    def record_lookup(self, num_hit_blocks: int, num_missed_blocks: int) -> None:
+        """An admission's outcome past the device-cached prefix (the hit/miss counters)."""
+        self._num_hit += num_hit_blocks
+        self._num_missed += num_missed_blocks
+
+    def wait_for_copies(self) -> None:
+        """Block the calling thread until every queued copy is done: for blocks that
+        something outside the engine's stream writes next (a KV peer filling a reservation)."""
+        for done in self._in_flight.values():
+            done.synchronize()
+        self._in_flight.clear()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _track(self, slot: int, done: CopyDone | None) -> None:
+        if done is not None:
+            self._in_flight[slot] = done  # a later copy of a slot ends after an earlier one
+        else:
+            self._in_flight.pop(slot, None)
+
+    def _is_busy(self, slot: int) -> bool:
+        if slot in self._pins:
+            return True
+        done = self._in_flight.get(slot)
+        if done is None:
+            return False
+        if done.query():
+            del self._in_flight[slot]
+            return False
+        return True
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, slot in self._slot_by_hash.items():  # least recently used first
+            if not self._is_busy(slot):
+                del self._slot_by_hash[block_hash]
+                del self._hash_by_slot[slot]
+                return slot
+        return None
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        held = set(self._hash_by_slot)
+        assert len(self._slot_by_hash) == len(self._hash_by_slot) == len(held), \
+            "a hash or a slot is held twice"
+        assert all(self._hash_by_slot[s] == h for h, s in self._slot_by_hash.items()), \
+            "the hash and slot maps disagree"
+        free = set(self._free_slots)
+        assert len(free) == len(self._free_slots), "a slot is on the free list twice"
+        assert not held & free, "a slot is both held and free"
+        assert len(held) + len(free) == self.num_host_blocks, \
+            "num_held_blocks + num_free_slots != num_host_blocks"
+        assert set(self._in_flight) <= held, "a copy is in flight for a slot not held"
+        assert set(self._pins) <= held and all(n > 0 for n in self._pins.values()), \
+            "a pin on a slot not held"
