@@ -21,27 +21,9 @@ from a host slot asked for after its offload reads what the offload wrote.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-
-class CopyDone(Protocol):
-    """A copy in flight: `torch.cuda.Event` is one."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-class BlockCopier(Protocol):
-    def to_host(self, block_id: int, host_slot: int) -> CopyDone | None:
-        """Copy device block `block_id` into `host_slot`; None: done already."""
-        ...
-
-    def to_device(self, host_slot: int, block_id: int) -> CopyDone | None:
-        """Copy `host_slot` into device block `block_id`; None: done already."""
-        ...
+from engine.host_kv_tier import BlockCopier, CopyDone, HostKVTier
 
 
 def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]:
@@ -91,8 +73,14 @@ class StreamBlockCopier:
         return done
 
 
-def block_copier(kv: torch.Tensor, num_host_blocks: int) -> BlockCopier:
-    """The copier for the pool's device: streams and events on CUDA, plain copies elsewhere."""
-    if kv.is_cuda:
-        return StreamBlockCopier(kv, num_host_blocks)
-    return SyncBlockCopier(kv, num_host_blocks)
+def host_kv_tier(kv: torch.Tensor, num_bytes: int) -> HostKVTier | None:
+    """A host tier of `num_bytes` beside the device pool `kv`, with the copier for its device
+    (streams and events on CUDA, plain copies elsewhere); None when that is less than one
+    block (the tier is off)."""
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    num_host_blocks = num_bytes // block_bytes
+    if num_host_blocks < 1:
+        return None
+    copier: BlockCopier = (StreamBlockCopier if kv.is_cuda else SyncBlockCopier)(
+        kv, num_host_blocks)
+    return HostKVTier(num_host_blocks, copier, block_bytes)

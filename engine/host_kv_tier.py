@@ -1,7 +1,8 @@
 """The host KV tier: prefix blocks evicted from the device pool, kept in host memory.
 
 A second-level prefix cache with a size of its own (`num_host_blocks`), an LRU keyed by
-chained block hash (protocol/block_hashes.py). The KV cache manager (engine/kv_cache.py)
+chained block hash (protocol/block_hashes.py); the copies are a `BlockCopier`'s, the
+tensors its own (engine/host_block_copier.py; this module is torch-free, as the scheduler). The KV cache manager (engine/kv_cache.py)
 offers it every block the device pool evicts with a hash, and looks past the device-cached
 prefix into it at admission: blocks held here are copied back into fresh device blocks, and
 the request counts them as cached (they are not recomputed).
@@ -28,11 +29,29 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
-import torch
 
-from engine.host_block_copier import BlockCopier, CopyDone, block_copier
+
+class CopyDone(Protocol):
+    """A copy in flight: `torch.cuda.Event` is one."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class BlockCopier(Protocol):
+    """Moves one block between the device pool and a host slot (engine/host_block_copier.py)."""
+
+    def to_host(self, block_id: int, host_slot: int) -> CopyDone | None:
+        """Copy device block `block_id` into `host_slot`; None: done already."""
+        ...
+
+    def to_device(self, host_slot: int, block_id: int) -> CopyDone | None:
+        """Copy `host_slot` into device block `block_id`; None: done already."""
+        ...
 
 
 class HostTierStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,16 +84,6 @@ class HostKVTier:
         self._pins: Counter[int] = Counter()
         self._num_hit = self._num_missed = self._num_dropped = 0
         self._num_offloaded = self._num_reloaded = 0
-
-    @classmethod
-    def for_pool(cls, kv: torch.Tensor, num_bytes: int) -> "HostKVTier | None":
-        """A tier of `num_bytes` beside the device pool `kv` (engine/kv_storage.py's
-        tensor), or None when that is less than one block (the tier is off)."""
-        block_bytes = kv[:, :, 0].numel() * kv.element_size()
-        num_host_blocks = num_bytes // block_bytes
-        if num_host_blocks < 1:
-            return None
-        return cls(num_host_blocks, block_copier(kv, num_host_blocks), block_bytes)
 
     # ---- queries (side-effect free) -------------------------------------------------------
 

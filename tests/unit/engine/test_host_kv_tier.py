@@ -118,7 +118,7 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
                       num_kv_heads=2, head_dim=8)
     storage = KVStorage(layout)
     storage.kv.copy_(torch.randn(storage.kv.shape))
-    tier = HostKVTier.for_pool(storage.kv, num_bytes=2 * 3 * 2 * BS * 2 * 8 * 4)
+    tier = storage.host_tier(num_bytes=2 * 3 * 2 * BS * 2 * 8 * 4)
     assert tier is not None and tier.num_host_blocks == 2
     original = storage.kv[:, :, 1].clone()
     tier.offer(42, 1)
@@ -126,7 +126,7 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
     tier.pin([42])
     tier.reload(42, 3)
     assert torch.equal(storage.kv[:, :, 3], original)
-    assert HostKVTier.for_pool(storage.kv, num_bytes=100) is None  # under one block: off
+    assert storage.host_tier(num_bytes=100) is None  # under one block: off
 
 
 def test_sync_copier_is_done_on_return() -> None:
