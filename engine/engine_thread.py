@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.block_pool import CacheEvent
+from engine.host_kv_tier import HostTierStats
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -70,6 +71,7 @@ class StepReport:
     # Overlapped CUDA steps are timed on the device (engine/step_timer.py): the steps the
     # device finished since the last report; None where the wall time above is the step's.
     device_steps: tuple[TimedStep, ...] | None = None
+    host_tier: HostTierStats | None = None  # the host KV tier's counters (None: no tier)
 
     def timed_steps(self) -> tuple[TimedStep, ...]:
         """What each step cost, with its own shape: the device-timed steps where the engine
@@ -353,9 +355,10 @@ class EngineThread:
         if step_s <= 0 or now >= self._queued_until or not self._engine.has_unfinished():
             self._queued = queue_shape(self._engine.scheduler.live_requests())
             self._queued_until = now + QUEUE_SHAPE_PERIOD_S
+        tier = self._engine.kv_cache.host_tier
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
                             engine_load(self._engine, self._queued), shape, num_delivered,
-                            device_steps)
+                            device_steps, tier.stats() if tier is not None else None)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

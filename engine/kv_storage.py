@@ -20,7 +20,6 @@ import mmap
 import os
 import secrets
 import weakref
-
 from typing import TYPE_CHECKING
 
 import msgspec
