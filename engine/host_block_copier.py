@@ -5,18 +5,22 @@
 
 so one host slot holds every layer's K and V of one block, contiguous.
 
-Two copiers, one interface (`BlockCopier`):
+Two copiers, one interface (`BlockCopier`, engine/host_kv_tier.py):
 
     SyncBlockCopier   (CPU)   a plain tensor copy, done when the call returns (`None`).
     StreamBlockCopier (CUDA)  the copy is queued on a side stream after what the engine's
                               stream has queued so far (a block may still be written by a step
-                              in flight), and the engine's stream waits on an event recorded
-                              after the copy, so the next step's kernels (which may overwrite
-                              the block just offloaded, or read the block just reloaded) run
-                              after it. The host thread never waits: the call returns the event.
+                              in flight) and an event recorded after it. Where the engine's
+                              next step may overwrite the block (a copy at eviction) or reads
+                              it (a reload), the engine's stream waits on that event, on the
+                              device; a copy ahead of eviction makes nothing wait. The host
+                              thread never waits: the call returns the event.
 
-Invariant: copies happen in the order they were asked for (one side stream), so a reload
-from a host slot asked for after its offload reads what the offload wrote.
+Copies to the host and back run on two side streams, so that a step waiting for a reload
+does not wait for copies to the host queued ahead of it. Invariant: a reload from a host
+slot runs after the slot's copy in flight, if any (the tier passes it as `after`), so it
+reads what that copy wrote; a slot is not written again while a copy reads it (the tier
+never reuses a slot in flight).
 """
 
 from __future__ import annotations
@@ -34,42 +38,63 @@ def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]
 class SyncBlockCopier:
     """CPU: the device pool is host memory too; a copy is a memcpy done on the spot."""
 
+    asynchronous = False
+
     def __init__(self, kv: torch.Tensor, num_host_blocks: int) -> None:
         self.kv = kv
         self.host = torch.empty(host_buffer_shape(kv, num_host_blocks), dtype=kv.dtype)
 
-    def to_host(self, block_id: int, host_slot: int) -> CopyDone | None:
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
         self.host[host_slot].copy_(self.kv[:, :, block_id])
         return None
 
-    def to_device(self, host_slot: int, block_id: int) -> CopyDone | None:
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
         self.kv[:, :, block_id].copy_(self.host[host_slot])
         return None
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        raise AssertionError("a synchronous copy is never in flight")
 
 
 class StreamBlockCopier:
     """CUDA: pinned host memory, copies on a side stream, events instead of waits."""
 
+    asynchronous = True
+
     def __init__(self, kv: torch.Tensor, num_host_blocks: int) -> None:
         self.kv = kv
         self.host = torch.empty(host_buffer_shape(kv, num_host_blocks), dtype=kv.dtype,
                                 pin_memory=True)
-        self.stream = torch.cuda.Stream(kv.device)
+        self.to_host_stream = torch.cuda.Stream(kv.device)
+        self.to_device_stream = torch.cuda.Stream(kv.device)
 
-    def to_host(self, block_id: int, host_slot: int) -> CopyDone | None:
-        return self._copy(self.host[host_slot], self.kv[:, :, block_id])
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
+        return self._copy(self.to_host_stream, self.host[host_slot], self.kv[:, :, block_id],
+                          before_writes)
 
-    def to_device(self, host_slot: int, block_id: int) -> CopyDone | None:
-        return self._copy(self.kv[:, :, block_id], self.host[host_slot])
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
+        if after is not None:
+            assert isinstance(after, torch.cuda.Event)
+            self.to_device_stream.wait_event(after)
+        return self._copy(self.to_device_stream, self.kv[:, :, block_id],
+                          self.host[host_slot], True)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyDone:
+    def order_writes_after(self, done: CopyDone) -> None:
+        assert isinstance(done, torch.cuda.Event)
+        torch.cuda.current_stream(self.kv.device).wait_event(done)
+
+    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+              engine_waits: bool) -> CopyDone:
         engine_stream = torch.cuda.current_stream(self.kv.device)
-        self.stream.wait_stream(engine_stream)  # after the steps already queued
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(engine_stream)  # after the steps already queued
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
-        engine_stream.wait_event(done)  # the next step's kernels run after the copy
+            done.record(stream)
+        if engine_waits:
+            engine_stream.wait_event(done)  # the next step's kernels run after the copy
         return done
 
 

@@ -13,6 +13,11 @@ Lifecycle of one host slot:
                                    |  ^
                      pin (admission)  reload (copy to device) / offer again: most recent
 
+When copies are asynchronous (CUDA) a block is offered twice: when it becomes cached-free on
+the device (`offer_ahead`: copied then, nothing waits for it) and when the device evicts it
+(`offer`: already held, so no copy; the step that reuses the block waits, on the device,
+only for a copy still in flight). Synchronous copies (CPU) happen at eviction only.
+
     in flight  a copy to or from the slot is queued and not done (CUDA only: on the CPU
                copies are done when the call returns, engine/host_block_copier.py)
     pinned     an admission will reload it (`pin` ... `reload`): the device allocation between
@@ -43,14 +48,29 @@ class CopyDone(Protocol):
 
 
 class BlockCopier(Protocol):
-    """Moves one block between the device pool and a host slot (engine/host_block_copier.py)."""
+    """Moves one block between the device pool and a host slot (engine/host_block_copier.py).
 
-    def to_host(self, block_id: int, host_slot: int) -> CopyDone | None:
-        """Copy device block `block_id` into `host_slot`; None: done already."""
+    `asynchronous`: copies return before they are done (CUDA); the tier then copies blocks
+    ahead of their eviction, when they become cached-free, so the step that reuses one
+    seldom has a copy to wait for."""
+
+    asynchronous: bool
+
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
+        """Copy device block `block_id` into `host_slot`; None: done already. With
+        `before_writes`, work the engine queues next (a step that may overwrite the block)
+        runs after the copy."""
         ...
 
-    def to_device(self, host_slot: int, block_id: int) -> CopyDone | None:
-        """Copy `host_slot` into device block `block_id`; None: done already."""
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
+        """Copy `host_slot` into device block `block_id`, after the copy `after` (the slot's
+        own, still in flight) and before the engine's next work (a step that reads it);
+        None: done already."""
+        ...
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        """Work the engine queues next runs after the copy `done`."""
         ...
 
 
@@ -69,12 +89,15 @@ class HostTierStats(msgspec.Struct, frozen=True, kw_only=True):
 class HostKVTier:
     """An LRU of host copies of evicted prefix blocks (one engine thread uses it)."""
 
-    def __init__(self, num_host_blocks: int, copier: BlockCopier, block_bytes: int) -> None:
-        """`block_bytes`: one block's K and V over all layers (what one copy moves)."""
+    def __init__(self, num_host_blocks: int, copier: BlockCopier, block_bytes: int,
+                 copies_ahead: bool | None = None) -> None:
+        """`block_bytes`: one block's K and V over all layers (what one copy moves);
+        `copies_ahead`: take `offer_ahead`s (default: when the copier is asynchronous)."""
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks must be at least 1, got {num_host_blocks}")
         self.num_host_blocks = num_host_blocks
         self.block_bytes = block_bytes
+        self.copies_ahead = copier.asynchronous if copies_ahead is None else copies_ahead
         self._copier = copier
         # Insertion order is the LRU order: the first key was used longest ago.
         self._slot_by_hash: OrderedDict[int, int] = OrderedDict()
@@ -113,20 +136,28 @@ class HostKVTier:
 
     def offer(self, block_hash: int, block_id: int) -> bool:
         """Keep a copy of device block `block_id`, which holds prefix `block_hash` and is about
-        to be handed out again (the copy is queued before any later write to it). False: not
+        to be handed out again (the copy is ordered before any later write to it). False: not
         kept, every slot being in flight or pinned. Called by the device pool's eviction."""
-        if block_hash in self._slot_by_hash:
-            self._slot_by_hash.move_to_end(block_hash)  # the same prefix: the same KV
+        slot = self._slot_by_hash.get(block_hash)
+        if slot is not None:  # the same prefix: the same KV (copied ahead, or earlier)
+            self._slot_by_hash.move_to_end(block_hash)
+            done = self._in_flight.get(slot)
+            if done is not None and not done.query():
+                self._copier.order_writes_after(done)
             return True
-        slot = self._take_slot()
-        if slot is None:
-            self._num_dropped += 1
-            return False
-        self._slot_by_hash[block_hash] = slot
-        self._hash_by_slot[slot] = block_hash
-        self._track(slot, self._copier.to_host(block_id, slot))
-        self._num_offloaded += 1
-        return True
+        if self._keep(block_hash, block_id, before_writes=True):
+            return True
+        self._num_dropped += 1
+        return False
+
+    def offer_ahead(self, block_hash: int, block_id: int) -> bool:
+        """Start a copy of a block that just became cached-free on the device (still
+        findable there; evicted later, if ever), with nothing waiting for it. False: not
+        kept now (the eviction offers it again)."""
+        if block_hash in self._slot_by_hash:
+            self._slot_by_hash.move_to_end(block_hash)
+            return True
+        return self._keep(block_hash, block_id, before_writes=False)
 
     def pin(self, block_hashes: Sequence[int]) -> None:
         """Keep these held blocks from eviction until each is `reload`ed (once per pin)."""
@@ -143,7 +174,8 @@ class HostKVTier:
         if not self._pins[slot]:
             del self._pins[slot]
         self._slot_by_hash.move_to_end(block_hash)
-        self._track(slot, self._copier.to_device(slot, block_id))
+        # The reload ends after the slot's copy in flight, so it stands for both.
+        self._track(slot, self._copier.to_device(slot, block_id, self._in_flight.get(slot)))
         self._num_reloaded += 1
 
     def record_lookup(self, num_hit_blocks: int, num_missed_blocks: int) -> None:
@@ -159,6 +191,17 @@ class HostKVTier:
         self._in_flight.clear()
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _keep(self, block_hash: int, block_id: int, before_writes: bool) -> bool:
+        """Copy a block not held into a slot; False when every slot is busy."""
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self._slot_by_hash[block_hash] = slot
+        self._hash_by_slot[slot] = block_hash
+        self._track(slot, self._copier.to_host(block_id, slot, before_writes))
+        self._num_offloaded += 1
+        return True
 
     def _track(self, slot: int, done: CopyDone | None) -> None:
         if done is not None:

@@ -83,12 +83,15 @@ class KVCacheManager:
     """Block tables for requests and reservations on one pool (one engine, one thread)."""
 
     def __init__(self, pool: BlockPool, host_tier: HostKVTier | None = None) -> None:
-        """With `host_tier`, the pool's evictions go to it (this wires `pool.on_evict`)."""
+        """With `host_tier`, the pool's evictions go to it (this wires `pool.on_evict`, and
+        `pool.on_cached_free` where the tier copies ahead of eviction)."""
         self.pool = pool
         self.block_size = pool.block_size
         self.host_tier = host_tier
         if host_tier is not None:
             pool.on_evict = host_tier.offer
+            if host_tier.copies_ahead:
+                pool.on_cached_free = host_tier.offer_ahead
         self._tables: dict[str, _BlockTable] = {}
 
     # ---- queries -------------------------------------------------------------------------

@@ -36,9 +36,11 @@ class ManualCopier:
 
     def __init__(self, in_flight: bool = False) -> None:
         self.in_flight = in_flight
+        self.asynchronous = in_flight
         self.host: dict[int, int] = {}  # host slot -> device block it was copied from
         self.reloads: list[tuple[int, int]] = []
         self.pending: list[Done] = []
+        self.waited: list[Done] = []  # copies the engine's next writes were ordered after
 
     def _done(self) -> Done | None:
         if not self.in_flight:
@@ -47,13 +49,16 @@ class ManualCopier:
         self.pending.append(done)
         return done
 
-    def to_host(self, block_id: int, host_slot: int) -> Done | None:
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
         self.host[host_slot] = block_id
         return self._done()
 
-    def to_device(self, host_slot: int, block_id: int) -> Done | None:
+    def to_device(self, host_slot: int, block_id: int, after: Done | None) -> Done | None:
         self.reloads.append((host_slot, block_id))
         return self._done()
+
+    def order_writes_after(self, done: Done) -> None:
+        self.waited.append(done)
 
 
 def test_lru_keeps_the_most_recent_within_capacity() -> None:
@@ -131,7 +136,7 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
 
 def test_sync_copier_is_done_on_return() -> None:
     kv = torch.zeros(1, 2, 2, BS, 1, 2)
-    assert SyncBlockCopier(kv, 1).to_host(0, 0) is None
+    assert SyncBlockCopier(kv, 1).to_host(0, 0, before_writes=True) is None
 
 
 def _request(request_id: str, prompt: list[int]) -> Request:
@@ -187,3 +192,18 @@ def test_a_reservation_takes_host_blocks_and_waits_for_the_copies_out() -> None:
     assert reservation.num_cached_tokens == 8  # both from the host tier
     kv.check_invariants()
     kv.release("e")
+
+
+def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in_flight():
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    assert kv.host_tier is not None and kv.host_tier.copies_ahead
+    _compute(kv, a := _request("a", list(range(9))))
+    kv.free(a)  # two full blocks become cached-free: copied now, nobody waits
+    assert kv.host_tier.num_held_blocks == 2 and len(copier.pending) == 2
+    assert copier.waited == []
+    copier.pending[0].done = True
+    _compute(kv, _request("b", list(range(50, 63))))  # evicts both: no second copy
+    assert len(copier.pending) == 2
+    assert copier.waited == [copier.pending[1]]  # the reuse waits for the one in flight
+    kv.check_invariants()

@@ -5,7 +5,8 @@ pool).
 The copier moves the `KVChecker`'s record of what each slot holds, as the real copier moves
 tensors: a block offloaded after it was overwritten, reloaded into the wrong block, or
 reloaded from a slot that was reused, makes a later chunk find the wrong prefix's KV.
-Copies may stay in flight for a while (as on CUDA), so slots in flight are exercised too.
+Copies may stay in flight for a while (as on CUDA), so slots in flight are exercised too, and
+then blocks are copied ahead of eviction, when they become cached-free (as on CUDA).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class CheckerCopier:
 
     def __init__(self, in_flight: bool) -> None:
         self.in_flight = in_flight
+        self.asynchronous = in_flight
         self.slots: Slots = {}  # the checker's, set once it exists
         self.host: dict[int, dict[int, tuple[int, ...] | None]] = {}
         self.pending: list[Done] = []
@@ -50,17 +52,20 @@ class CheckerCopier:
         self.pending.append(done := Done())
         return done
 
-    def to_host(self, block_id: int, host_slot: int) -> Done | None:
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
         self.host[host_slot] = {s: self.slots.get((block_id, s)) for s in range(BS)}
         return self._done()
 
-    def to_device(self, host_slot: int, block_id: int) -> Done | None:
+    def to_device(self, host_slot: int, block_id: int, after: Done | None) -> Done | None:
         for s, held in self.host[host_slot].items():
             if held is None:
                 self.slots.pop((block_id, s), None)
             else:
                 self.slots[(block_id, s)] = held
         return self._done()
+
+    def order_writes_after(self, done: Done) -> None:
+        pass  # the records moved when the copy was asked for
 
 
 def make_tiered(num_blocks: int, num_host_blocks: int, in_flight: bool, **config
