@@ -97,13 +97,16 @@ def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLo
     `queued`: the queue's shape if known (else read from every live request now)."""
     if queued is None:
         queued = queue_shape(engine.scheduler.live_requests())
+    tier = engine.kv_cache.host_tier
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
                       num_kv_blocks_used=engine.kv_cache.num_used_blocks,
                       num_kv_blocks_total=engine.kv_cache.num_blocks,
                       num_held_tables=engine.kv_cache.num_tables,
                       num_steps=engine.num_steps,
                       num_queued_prefill_tokens=queued.prefill_tokens,
-                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens)
+                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens,
+                      num_host_blocks_used=tier.num_held_blocks if tier is not None else 0,
+                      num_host_blocks_total=tier.num_host_blocks if tier is not None else 0)
 
 
 class EngineThread:

@@ -61,6 +61,8 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     decode_tokens_per_s: float = 0.0
     step_model: StepModel | None = None  # None until enough steps were seen
     kv_send_bytes_per_s: NonNegFloat = 0.0  # KV this worker pushed, recent rate (0: unknown)
+    num_host_blocks_used: NonNegInt = 0  # blocks held by the host KV tier
+    num_host_blocks_total: NonNegInt = 0  # the host KV tier's size (0: the worker has none)
 
     @property
     def kv_usage(self) -> float:

@@ -10,6 +10,7 @@ import random
 import pytest
 from default_engine import make_engine
 
+from engine.engine_thread import engine_load
 from engine.llm_engine import LLMEngine
 from protocol.sampling_params import SamplingParams
 
@@ -61,6 +62,9 @@ def test_an_evicted_prefix_is_served_from_the_host_tier(loaded, hf_reference):
     assert tokens == cold_tokens
     assert tokens == hf_reference.greedy(b, GREEDY.max_tokens, ignore_eos=True).token_ids
     assert engine.kv_cache.num_used_blocks == 0
+    load = engine_load(engine)  # what the worker publishes, and the cluster page shows
+    assert (load.num_host_blocks_used, load.num_host_blocks_total) == \
+        (tier.num_held_blocks, tier.num_host_blocks)
 
 
 def test_random_traffic_with_aborts_keeps_invariants_and_leaks_nothing(loaded):
