@@ -204,10 +204,17 @@ class HostKVTier:
         return True
 
     def _track(self, slot: int, done: CopyDone | None) -> None:
-        if done is not None:
-            self._in_flight[slot] = done  # a later copy of a slot ends after an earlier one
-        else:
-            self._in_flight.pop(slot, None)
+        self._in_flight.pop(slot, None)  # a later copy of a slot ends after an earlier one
+        if done is None:
+            return
+        self._in_flight[slot] = done  # the newest last: the dict is in the order asked
+        # Forget copies done, oldest first, two per call: the map shrinks to the copies
+        # actually in flight (copies ahead of eviction make one per freed block).
+        for _ in range(2):
+            oldest = next(iter(self._in_flight), None)
+            if oldest is None or not self._in_flight[oldest].query():
+                return
+            del self._in_flight[oldest]
 
     def _is_busy(self, slot: int) -> bool:
         if slot in self._pins:

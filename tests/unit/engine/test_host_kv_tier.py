@@ -207,3 +207,17 @@ def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in
     assert len(copier.pending) == 2
     assert copier.waited == [copier.pending[1]]  # the reuse waits for the one in flight
     kv.check_invariants()
+
+
+def test_copies_done_are_forgotten_as_new_ones_start():
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(64, copier, block_bytes=1)
+    for h in range(10):
+        tier.offer_ahead(h, h)
+    for done in copier.pending:
+        done.done = True
+    for h in range(10, 16):
+        tier.offer_ahead(h, h)
+    # 16 asked, 10 done: each new copy forgets up to two done ones, oldest first.
+    assert len(tier._in_flight) == 16 - 10
+    tier.check_invariants()
