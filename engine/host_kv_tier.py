@@ -1,17 +1,18 @@
 """The host KV tier: prefix blocks evicted from the device pool, kept in host memory.
 
 A second-level prefix cache with a size of its own (`num_host_blocks`), an LRU keyed by
-chained block hash (protocol/block_hashes.py); the copies are a `BlockCopier`'s, the
-tensors its own (engine/host_block_copier.py; this module is torch-free, as the scheduler). The KV cache manager (engine/kv_cache.py)
+chained block hash (protocol/block_hashes.py). The KV cache manager (engine/kv_cache.py)
 offers it every block the device pool evicts with a hash, and looks past the device-cached
 prefix into it at admission: blocks held here are copied back into fresh device blocks, and
-the request counts them as cached (they are not recomputed).
+the request counts them as cached (they are not recomputed). The copies and the host
+tensors are a `BlockCopier`'s (engine/host_block_copier.py): this module is torch-free,
+as the scheduler that drives it.
 
 Lifecycle of one host slot:
 
-    FREE --offer (copy to host)--> HELD --evict (LRU, idle only)--> FREE
-                                   |  ^
-                     pin (admission)  reload (copy to device) / offer again: most recent
+    FREE --offer / offer_ahead (copy to host)--> HELD --evict (LRU, idle only)--> FREE
+                                                 |  ^
+                    pin (admission), reload (copy to device), offer again: most recent
 
 When copies are asynchronous (CUDA) a block is offered twice: when it becomes cached-free on
 the device (`offer_ahead`: copied then, nothing waits for it) and when the device evicts it
