@@ -5,7 +5,7 @@ chained block hash (protocol/block_hashes.py). The KV cache manager (engine/kv_c
 offers it every block the device pool evicts with a hash, and looks past the device-cached
 prefix into it at admission: blocks held here are copied back into fresh device blocks, and
 the request counts them as cached (they are not recomputed). The copies and the host
-tensors are a `BlockCopier`'s (engine/host_block_copier.py): this module is torch-free,
+tensors are a `HostCopier`'s (engine/host_copier.py): this module is torch-free,
 as the scheduler that drives it.
 
 Lifecycle of one host slot:
@@ -20,7 +20,7 @@ the device (`offer_ahead`: copied then, nothing waits for it) and when the devic
 only for a copy still in flight). Synchronous copies (CPU) happen at eviction only.
 
     in flight  a copy to or from the slot is queued and not done (CUDA only: on the CPU
-               copies are done when the call returns, engine/host_block_copier.py)
+               copies are done when the call returns, engine/host_copier.py)
     pinned     an admission will reload it (`pin` ... `reload`): the device allocation between
                the two may evict device blocks, whose offers must not take this slot
 
@@ -48,8 +48,8 @@ class CopyDone(Protocol):
     def synchronize(self) -> None: ...
 
 
-class BlockCopier(Protocol):
-    """Moves one block between the device pool and a host slot (engine/host_block_copier.py).
+class HostCopier(Protocol):
+    """Moves one block between the device pool and a host slot (engine/host_copier.py).
 
     `asynchronous`: copies return before they are done (CUDA); the tier then copies blocks
     ahead of their eviction, when they become cached-free, so the step that reuses one
@@ -90,7 +90,7 @@ class HostTierStats(msgspec.Struct, frozen=True, kw_only=True):
 class HostKVTier:
     """An LRU of host copies of evicted prefix blocks (one engine thread uses it)."""
 
-    def __init__(self, num_host_blocks: int, copier: BlockCopier, block_bytes: int,
+    def __init__(self, num_host_blocks: int, copier: HostCopier, block_bytes: int,
                  copies_ahead: bool | None = None) -> None:
         """`block_bytes`: one block's K and V over all layers (what one copy moves);
         `copies_ahead`: take `offer_ahead`s (default: when the copier is asynchronous)."""

@@ -131,7 +131,7 @@ class KVStorage:
 
     def host_tier(self, num_bytes: int) -> "HostKVTier | None":
         """A host KV tier of `num_bytes` for this pool (engine/host_kv_tier.py); None: off."""
-        from engine.host_block_copier import host_kv_tier
+        from engine.host_copier import host_kv_tier
 
         return host_kv_tier(self.kv, num_bytes)
 

@@ -1,5 +1,5 @@
 """The host KV tier on a CUDA device: pinned host memory, copies on a side stream ordered
-against the engine's stream by events (engine/host_block_copier.py).
+against the engine's stream by events (engine/host_copier.py).
 
 A block offloaded and then overwritten by work queued on the engine's stream right after
 (as the next step overwrites a block it reused) comes back intact; and an engine with a tiny
@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.engine_gpu_model import build_random_model
 from engine.config import ModelConfig
-from engine.host_block_copier import StreamBlockCopier
+from engine.host_copier import StreamHostCopier
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ def test_an_offload_completes_before_the_engine_stream_overwrites_the_block():
     storage = KVStorage(layout, "cuda")
     storage.kv.normal_()
     tier = storage.host_tier(4 * 4 * 2 * 16 * 8 * 128 * 2)
-    assert tier is not None and isinstance(tier._copier, StreamBlockCopier)
+    assert tier is not None and isinstance(tier._copier, StreamHostCopier)
     assert tier._copier.host.is_pinned()
     original = storage.kv[:, :, 2].clone()
     torch.cuda.synchronize()

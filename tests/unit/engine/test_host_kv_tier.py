@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.block_pool import BlockPool
-from engine.host_block_copier import SyncBlockCopier
+from engine.host_copier import SyncHostCopier
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache import KVCacheManager
 from engine.kv_storage import KVLayout, KVStorage
@@ -136,7 +136,7 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
 
 def test_sync_copier_is_done_on_return() -> None:
     kv = torch.zeros(1, 2, 2, BS, 1, 2)
-    assert SyncBlockCopier(kv, 1).to_host(0, 0, before_writes=True) is None
+    assert SyncHostCopier(kv, 1).to_host(0, 0, before_writes=True) is None
 
 
 def _request(request_id: str, prompt: list[int]) -> Request:

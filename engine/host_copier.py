@@ -5,16 +5,16 @@
 
 so one host slot holds every layer's K and V of one block, contiguous.
 
-Two copiers, one interface (`BlockCopier`, engine/host_kv_tier.py):
+Two copiers, one interface (`HostCopier`, engine/host_kv_tier.py):
 
-    SyncBlockCopier   (CPU)   a plain tensor copy, done when the call returns (`None`).
-    StreamBlockCopier (CUDA)  the copy is queued on a side stream after what the engine's
-                              stream has queued so far (a block may still be written by a step
-                              in flight) and an event recorded after it. Where the engine's
-                              next step may overwrite the block (a copy at eviction) or reads
-                              it (a reload), the engine's stream waits on that event, on the
-                              device; a copy ahead of eviction makes nothing wait. The host
-                              thread never waits: the call returns the event.
+    SyncHostCopier   (CPU)   a plain tensor copy, done when the call returns (`None`).
+    StreamHostCopier (CUDA)  the copy is queued on a side stream after what the engine's
+                             stream has queued so far (a block may still be written by a step
+                             in flight) and an event recorded after it. Where the engine's
+                             next step may overwrite the block (a copy at eviction) or reads
+                             it (a reload), the engine's stream waits on that event, on the
+                             device; a copy ahead of eviction makes nothing wait. The host
+                             thread never waits: the call returns the event.
 
 Copies to the host and back run on two side streams, so that a step waiting for a reload
 does not wait for copies to the host queued ahead of it. Invariant: a reload from a host
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.host_kv_tier import BlockCopier, CopyDone, HostKVTier
+from engine.host_kv_tier import CopyDone, HostCopier, HostKVTier
 
 
 def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]:
@@ -35,7 +35,7 @@ def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]
     return (num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
-class SyncBlockCopier:
+class SyncHostCopier:
     """CPU: the device pool is host memory too; a copy is a memcpy done on the spot."""
 
     asynchronous = False
@@ -57,7 +57,7 @@ class SyncBlockCopier:
         raise AssertionError("a synchronous copy is never in flight")
 
 
-class StreamBlockCopier:
+class StreamHostCopier:
     """CUDA: pinned host memory, copies on a side stream, events instead of waits."""
 
     asynchronous = True
@@ -106,6 +106,6 @@ def host_kv_tier(kv: torch.Tensor, num_bytes: int) -> HostKVTier | None:
     num_host_blocks = num_bytes // block_bytes
     if num_host_blocks < 1:
         return None
-    copier: BlockCopier = (StreamBlockCopier if kv.is_cuda else SyncBlockCopier)(
+    copier: HostCopier = (StreamHostCopier if kv.is_cuda else SyncHostCopier)(
         kv, num_host_blocks)
     return HostKVTier(num_host_blocks, copier, block_bytes)
