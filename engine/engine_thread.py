@@ -106,7 +106,9 @@ def engine_load(engine: LLMEngine, queued: QueueShape | None = None) -> WorkerLo
                       num_queued_prefill_tokens=queued.prefill_tokens,
                       num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens,
                       num_host_blocks_used=tier.num_held_blocks if tier is not None else 0,
-                      num_host_blocks_total=tier.num_host_blocks if tier is not None else 0)
+                      num_host_blocks_total=tier.num_host_blocks if tier is not None else 0,
+                      host_reload_bytes_per_s=tier.reload_bytes_per_s if tier is not None
+                      else 0.0)
 
 
 class EngineThread:

@@ -25,9 +25,12 @@ never reuses a slot in flight).
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
-from engine.host_kv_tier import CopyDone, HostCopier, HostKVTier
+from engine.host_kv_tier import CopyDone, HostKVTier
 
 
 def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]:
@@ -98,6 +101,25 @@ class StreamHostCopier:
         return done
 
 
+CALIBRATION_BYTES = 16 << 20  # what the start-up measure of the reload rate copies
+
+
+def measure_to_device_bytes_per_s(host: torch.Tensor, device: torch.device) -> float:
+    """The rate of one copy of (up to) CALIBRATION_BYTES of `host` to `device`: the median of
+    three after a warm-up, each synced (start-up only)."""
+    flat = host.view(-1)[:max(1, CALIBRATION_BYTES // host.element_size())]
+    dst = torch.empty_like(flat, device=device)
+    seconds = []
+    for i in range(4):
+        start = time.perf_counter()
+        dst.copy_(flat, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return flat.numel() * flat.element_size() / max(statistics.median(seconds), 1e-9)
+
+
 def host_kv_tier(kv: torch.Tensor, num_bytes: int) -> HostKVTier | None:
     """A host tier of `num_bytes` beside the device pool `kv`, with the copier for its device
     (streams and events on CUDA, plain copies elsewhere); None when that is less than one
@@ -106,6 +128,7 @@ def host_kv_tier(kv: torch.Tensor, num_bytes: int) -> HostKVTier | None:
     num_host_blocks = num_bytes // block_bytes
     if num_host_blocks < 1:
         return None
-    copier: HostCopier = (StreamHostCopier if kv.is_cuda else SyncHostCopier)(
-        kv, num_host_blocks)
-    return HostKVTier(num_host_blocks, copier, block_bytes)
+    copier: SyncHostCopier | StreamHostCopier = (
+        StreamHostCopier if kv.is_cuda else SyncHostCopier)(kv, num_host_blocks)
+    return HostKVTier(num_host_blocks, copier, block_bytes,
+                      reload_bytes_per_s=measure_to_device_bytes_per_s(copier.host, kv.device))

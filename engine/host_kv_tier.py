@@ -39,6 +39,9 @@ from typing import Protocol
 
 import msgspec
 
+from engine.block_pool import CacheEvent, CacheEventKind
+from protocol.block_hashes import host_tier_hash
+
 
 class CopyDone(Protocol):
     """A copy in flight: `torch.cuda.Event` is one."""
@@ -91,14 +94,18 @@ class HostKVTier:
     """An LRU of host copies of evicted prefix blocks (one engine thread uses it)."""
 
     def __init__(self, num_host_blocks: int, copier: HostCopier, block_bytes: int,
-                 copies_ahead: bool | None = None) -> None:
+                 copies_ahead: bool | None = None, reload_bytes_per_s: float = 0.0) -> None:
         """`block_bytes`: one block's K and V over all layers (what one copy moves);
-        `copies_ahead`: take `offer_ahead`s (default: when the copier is asynchronous)."""
+        `copies_ahead`: take `offer_ahead`s (default: when the copier is asynchronous);
+        `reload_bytes_per_s`: the host-to-device copy rate measured at start (0: unknown),
+        which the router prices a host hit with."""
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks must be at least 1, got {num_host_blocks}")
         self.num_host_blocks = num_host_blocks
         self.block_bytes = block_bytes
         self.copies_ahead = copier.asynchronous if copies_ahead is None else copies_ahead
+        self.reload_bytes_per_s = reload_bytes_per_s
+        self._events: list[CacheEvent] = []  # under host_tier_hash names
         self._copier = copier
         # Insertion order is the LRU order: the first key was used longest ago.
         self._slot_by_hash: OrderedDict[int, int] = OrderedDict()
@@ -184,6 +191,13 @@ class HostKVTier:
         self._num_hit += num_hit_blocks
         self._num_missed += num_missed_blocks
 
+    def drain_events(self) -> list[CacheEvent]:
+        """Hashes the tier took and dropped since the last call, oldest first, each under its
+        host-tier name (protocol/block_hashes.py): what the worker publishes to the global
+        prefix index beside its KV cache's own events."""
+        events, self._events = self._events, []
+        return events
+
     def wait_for_copies(self) -> None:
         """Block the calling thread until every queued copy is done: for blocks that
         something outside the engine's stream writes next (a KV peer filling a reservation)."""
@@ -200,6 +214,7 @@ class HostKVTier:
             return False
         self._slot_by_hash[block_hash] = slot
         self._hash_by_slot[slot] = block_hash
+        self._events.append(CacheEvent(CacheEventKind.INSERTED, host_tier_hash(block_hash)))
         self._track(slot, self._copier.to_host(block_id, slot, before_writes))
         self._num_offloaded += 1
         return True
@@ -235,6 +250,8 @@ class HostKVTier:
             if not self._is_busy(slot):
                 del self._slot_by_hash[block_hash]
                 del self._hash_by_slot[slot]
+                self._events.append(CacheEvent(CacheEventKind.EVICTED,
+                                               host_tier_hash(block_hash)))
                 return slot
         return None
 

@@ -244,7 +244,11 @@ class KVCacheManager:
         self.pool.free(reversed(table.block_ids))
 
     def drain_events(self) -> list[CacheEvent]:
-        return self.pool.drain_events()
+        """The pool's cache events, then the host tier's (under their host-tier names)."""
+        events = self.pool.drain_events()
+        if self.host_tier is not None:
+            events += self.host_tier.drain_events()
+        return events
 
     # ---- internals -----------------------------------------------------------------------
 

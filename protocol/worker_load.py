@@ -63,6 +63,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_send_bytes_per_s: NonNegFloat = 0.0  # KV this worker pushed, recent rate (0: unknown)
     num_host_blocks_used: NonNegInt = 0  # blocks held by the host KV tier
     num_host_blocks_total: NonNegInt = 0  # the host KV tier's size (0: the worker has none)
+    host_reload_bytes_per_s: NonNegFloat = 0.0  # its host-to-device copy rate (0: unknown)
 
     @property
     def kv_usage(self) -> float:

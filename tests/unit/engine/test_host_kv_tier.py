@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, CacheEventKind
 from engine.host_copier import SyncHostCopier
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache import KVCacheManager
 from engine.kv_storage import KVLayout, KVStorage
 from engine.request import Request
-from protocol.block_hashes import block_hashes
+from protocol.block_hashes import block_hashes, host_tier_hash
 from protocol.sampling_params import SamplingParams
 
 BS = 4
@@ -221,3 +221,21 @@ def test_copies_done_are_forgotten_as_new_ones_start():
     # 16 asked, 10 done: each new copy forgets up to two done ones, oldest first.
     assert len(tier._in_flight) == 16 - 10
     tier.check_invariants()
+
+
+def test_the_tier_reports_what_it_takes_and_drops_under_host_tier_names():
+    assert host_tier_hash(host_tier_hash(12345)) == 12345 != host_tier_hash(12345)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(2, ManualCopier(), 1))
+    _compute(kv, a := _request("a", list(range(13))))  # 3 full blocks
+    kv.free(a)
+    [h0, h1, h2] = block_hashes(list(range(13)), BS)
+    kv.drain_events()
+    _compute(kv, _request("b", list(range(50, 63))))  # evicts a's 3: the tier keeps 2
+    events = [(e.kind, e.block_hash) for e in kv.drain_events()]
+    host_events = [e for e in events if e[1] in {host_tier_hash(h) for h in (h0, h1, h2)}]
+    # Evicted tail first (h2, h1, h0): the tier takes h2 and h1, then drops h2 for h0.
+    assert host_events == [(CacheEventKind.INSERTED, host_tier_hash(h2)),
+                           (CacheEventKind.INSERTED, host_tier_hash(h1)),
+                           (CacheEventKind.EVICTED, host_tier_hash(h2)),
+                           (CacheEventKind.INSERTED, host_tier_hash(h0))]
+    assert (CacheEventKind.EVICTED, h0) in events  # the KV cache's own, under its own name
