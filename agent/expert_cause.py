@@ -12,18 +12,38 @@ the hot experts grow while the others idle.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from protocol.root_cause_report import Cause, CauseKind, StageName
 
-if TYPE_CHECKING:
-    from agent.root_cause import Window
+
+class _Tick(Protocol):
+    @property
+    def moe_imbalance(self) -> float: ...
+
+
+class _Snapshot(Protocol):
+    @property
+    def workers(self) -> Mapping[str, object]: ...
+
+
+class Window(Protocol):
+    """What this cause reads of a window (agent/root_cause.py's `Window`)."""
+
+    @property
+    def span_s(self) -> float: ...
+
+    @property
+    def snapshots(self) -> Sequence[_Snapshot]: ...
+
+    def ticks(self, worker_id: str) -> Sequence[_Tick]: ...
 
 IMBALANCE_HIGH = 2.0  # the busiest expert at twice the mean or more
 GROWTH = 1.3  # ... and 30% above its baseline
 
 
-def expert_imbalance(before: "Window", now: "Window") -> Cause | None:
+def expert_imbalance(before: Window, now: Window) -> Cause | None:
     worst: tuple[float, str, float, float] | None = None
     for worker_id in sorted({w for s in now.snapshots for w in s.workers}):
         recent = [t.moe_imbalance for t in now.ticks(worker_id)]

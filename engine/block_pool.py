@@ -16,7 +16,11 @@ Lifecycle of one block:
     REFERENCED   refcount >= 1; may carry a hash once its KV is computed (`cache_block`).
     CACHED_FREE  refcount 0 with a hash; found by `lookup`, revived by `acquire`. `allocate`
                  takes these only when no FREE block is left, least recently freed first,
-                 and the eviction drops the hash (an EVICTED event).
+                 and the eviction drops the hash (an EVICTED event) after handing the block
+                 to `on_evict(hash, block_id)` when set (the host KV tier keeps a copy: the
+                 block's KV is intact until the caller of `allocate` writes it). A block
+                 joining CACHED_FREE is handed to `on_cached_free(hash, block_id)` when set
+                 (a tier that copies ahead of eviction, off the step's path).
 
 Invariants (`check_invariants`):
     num_free_blocks + num_referenced_blocks + num_cached_free_blocks == num_blocks
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -67,6 +71,10 @@ class BlockPool:
         self._block_by_hash: dict[int, int] = {}
         self._num_referenced = 0
         self._events: list[CacheEvent] = []
+        # Told of each eviction, before the block is handed out again, and of each block
+        # that becomes cached-free (engine/kv_cache.py sets them to the host KV tier's).
+        self.on_evict: Callable[[int, int], object] | None = None
+        self.on_cached_free: Callable[[int, int], object] | None = None
 
     # ---- queries (side-effect free) -------------------------------------------------------
 
@@ -159,10 +167,13 @@ class BlockPool:
             self._refcounts[block_id] -= 1
             if self._refcounts[block_id] == 0:
                 self._num_referenced -= 1
-                if self._hashes[block_id] is None:
+                block_hash = self._hashes[block_id]
+                if block_hash is None:
                     self._free.append(block_id)
                 else:
                     self._cached_free[block_id] = None
+                    if self.on_cached_free is not None:
+                        self.on_cached_free(block_hash, block_id)
 
     def cache_block(self, block_id: int, block_hash: int) -> bool:
         """Publish a referenced block, whose KV is computed, under `block_hash`.
@@ -193,6 +204,8 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         block_hash = self._hashes[block_id]
         assert block_hash is not None  # cached-free blocks always carry a hash
+        if self.on_evict is not None:
+            self.on_evict(block_hash, block_id)
         del self._block_by_hash[block_hash]
         self._hashes[block_id] = None
         self._events.append(CacheEvent(CacheEventKind.EVICTED, block_hash))

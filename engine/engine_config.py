@@ -33,12 +33,17 @@ class EngineConfig:
     # A step's prompt tokens are what its decodes' tightest TPOT target leaves, by the
     # worker's step model (engine/step_budget.py); False: up to max_num_batched_tokens.
     hold_tpot: bool = False
+    # Host memory for prefix blocks evicted from the KV pool (engine/host_kv_tier.py);
+    # 0: off.
+    kv_host_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_host_cache_bytes < 0:
+            raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], "
                              f"got {self.gpu_memory_fraction}")

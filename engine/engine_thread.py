@@ -39,7 +39,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.block_pool import CacheEvent
+from engine.engine_load import engine_load
 from engine.expert_load import ExpertLoadWindow
+from engine.host_kv_tier import HostTierStats
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -71,6 +73,7 @@ class StepReport:
     # Overlapped CUDA steps are timed on the device (engine/step_timer.py): the steps the
     # device finished since the last report; None where the wall time above is the step's.
     device_steps: tuple[TimedStep, ...] | None = None
+    host_tier: HostTierStats | None = None  # the host KV tier's counters (None: no tier)
 
     def timed_steps(self) -> tuple[TimedStep, ...]:
         """What each step cost, with its own shape: the device-timed steps where the engine
@@ -89,24 +92,6 @@ def _checked_load(engine: LLMEngine) -> WorkerLoad:
 # live request: at most once per this period while steps run (it goes out with heartbeats,
 # hundreds of milliseconds apart), at every report after a command or when work runs out.
 QUEUE_SHAPE_PERIOD_S = 0.02
-
-
-def engine_load(engine: LLMEngine, queued: QueueShape | None = None,
-                experts: ExpertLoadWindow | None = None) -> WorkerLoad:
-    """The engine's counters as a WorkerLoad (rates left at zero); engine thread only.
-    `queued`: the queue's shape if known (else read from every live request now);
-    `experts`: the expert load window's last figures, for a MoE model."""
-    if queued is None:
-        queued = queue_shape(engine.scheduler.live_requests())
-    return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
-                      num_kv_blocks_used=engine.kv_cache.num_used_blocks,
-                      num_kv_blocks_total=engine.kv_cache.num_blocks,
-                      num_held_tables=engine.kv_cache.num_tables,
-                      num_steps=engine.num_steps,
-                      num_queued_prefill_tokens=queued.prefill_tokens,
-                      num_decoding=queued.decode_seqs, num_context_tokens=queued.context_tokens,
-                      moe_imbalance=experts.imbalance if experts else [],
-                      moe_hottest=experts.hottest if experts else [])
 
 
 class EngineThread:
@@ -363,9 +348,10 @@ class EngineThread:
             self._queued_until = now + QUEUE_SHAPE_PERIOD_S
         if self._experts is not None and step_s > 0:
             self._experts.refresh()
+        tier = self._engine.kv_cache.host_tier
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
                             engine_load(self._engine, self._queued, self._experts), shape,
-                            num_delivered, device_steps)
+                            num_delivered, device_steps, tier.stats() if tier is not None else None)
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

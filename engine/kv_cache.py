@@ -12,6 +12,14 @@ Two ways to get blocks:
     cache_full_blocks(request)          adopt_reservation(request)   (scheduler joins it)
     free(request)                       release(request_id)          (if it never joins)
 
+Host tier (engine/host_kv_tier.py, optional): the pool offers every block it evicts with a
+hash to the tier; a lookup continues past the device-cached blocks into the tier, and the
+blocks found there are allocated on the device, filled from the host (queued before the
+step that reads them) and published, so they count as cached:
+
+    prompt blocks  [ device hits | host hits (reloaded) | computed ... ]
+                   ^ block_ids     ^ host_block_hashes   ^ num_missed_blocks (full ones)
+
 Lifecycle of a block table (keyed by request id): created by `allocate_for` or `reserve`,
 grown by `allocate_for`, its full computed blocks published by `cache_full_blocks`, ended by
 `free`/`release` (exactly once; a second call raises KeyError).
@@ -32,17 +40,22 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.block_pool import BlockPool, CacheEvent
+from engine.host_kv_tier import HostKVTier
 from engine.request import Request
 from protocol.block_hashes import block_hash
 
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
-    """Blocks already holding a prefix of some token sequence (no references taken)."""
+    """Blocks already holding a prefix of some token sequence (no references taken): on the
+    device (`block_ids`), then in the host tier (`host_block_hashes`, reloaded when taken).
+    num_cached_tokens covers both."""
 
     block_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # of block_ids
     num_cached_tokens: int
+    host_block_hashes: tuple[int, ...] = ()
+    num_missed_blocks: int = 0  # full blocks looked for past the device, held nowhere
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,9 +82,16 @@ class _BlockTable:
 class KVCacheManager:
     """Block tables for requests and reservations on one pool (one engine, one thread)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host_tier: HostKVTier | None = None) -> None:
+        """With `host_tier`, the pool's evictions go to it (this wires `pool.on_evict`, and
+        `pool.on_cached_free` where the tier copies ahead of eviction)."""
         self.pool = pool
         self.block_size = pool.block_size
+        self.host_tier = host_tier
+        if host_tier is not None:
+            pool.on_evict = host_tier.offer
+            if host_tier.copies_ahead:
+                pool.on_cached_free = host_tier.offer_ahead
         self._tables: dict[str, _BlockTable] = {}
 
     # ---- queries -------------------------------------------------------------------------
@@ -154,8 +174,9 @@ class KVCacheManager:
         if table is None:
             table = self._tables[request.request_id] = _BlockTable()
         if prefix is not None:
-            self._take_prefix(table, prefix)
-        table.block_ids.extend(self.pool.allocate(num_new_blocks))
+            self._take_prefix(table, prefix, num_new_blocks)
+        else:
+            table.block_ids.extend(self.pool.allocate(num_new_blocks))
         request.block_ids = tuple(table.block_ids)
         return True
 
@@ -199,8 +220,11 @@ class KVCacheManager:
         if self._blocks_to_take(prefix, num_total) > self.pool.num_available_blocks:
             raise ValueError(f"not enough free blocks to reserve {num_total} for {request_id}")
         table = self._tables[request_id] = _BlockTable()
-        self._take_prefix(table, prefix)
-        table.block_ids.extend(self.pool.allocate(num_total - len(prefix.block_ids)))
+        self._take_prefix(table, prefix, num_total - len(prefix.block_ids))
+        if self.host_tier is not None:
+            # A peer writes the uncached blocks from outside the engine's stream: the copies
+            # out of the blocks this allocation evicted must be done first.
+            self.host_tier.wait_for_copies()
         return Reservation(request_id=request_id, block_ids=tuple(table.block_ids),
                            num_cached_tokens=prefix.num_cached_tokens)
 
@@ -220,7 +244,11 @@ class KVCacheManager:
         self.pool.free(reversed(table.block_ids))
 
     def drain_events(self) -> list[CacheEvent]:
-        return self.pool.drain_events()
+        """The pool's cache events, then the host tier's (under their host-tier names)."""
+        events = self.pool.drain_events()
+        if self.host_tier is not None:
+            events += self.host_tier.drain_events()
+        return events
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -228,15 +256,25 @@ class KVCacheManager:
         block_ids: list[int] = []
         hashes: list[int] = []
         parent: int | None = None
-        bs = self.block_size
+        bs, tier = self.block_size, self.host_tier
+        on_device = True  # still in the device-cached run
         for i in range(max(0, max_blocks)):
             parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block_id = self.pool.lookup(parent)
-            if block_id is None:
+            if on_device:
+                block_id = self.pool.lookup(parent)
+                if block_id is not None:
+                    block_ids.append(block_id)
+                    hashes.append(parent)
+                    continue
+                on_device = False
+            if tier is None or not tier.holds(parent):
                 break
-            block_ids.append(block_id)
             hashes.append(parent)
-        return CachedPrefix(tuple(block_ids), tuple(hashes), len(block_ids) * bs)
+        num_device = len(block_ids)
+        return CachedPrefix(
+            tuple(block_ids), tuple(hashes[:num_device]), len(hashes) * bs,
+            host_block_hashes=tuple(hashes[num_device:]),
+            num_missed_blocks=max(0, max_blocks - len(hashes)) if tier is not None else 0)
 
     def _blocks_to_take(self, prefix: CachedPrefix, num_total_blocks: int) -> int:
         """Available blocks consumed: new ones plus unreferenced cached ones revived."""
@@ -261,18 +299,35 @@ class KVCacheManager:
             num_new = num_taken = max(0, self.blocks_needed(num_tokens) - num_held)
         return num_new if num_taken <= self.pool.num_available_blocks else None
 
-    def _take_prefix(self, table: _BlockTable, prefix: CachedPrefix) -> None:
-        # Acquire before any allocate: allocating first could evict these very blocks.
+    def _take_prefix(self, table: _BlockTable, prefix: CachedPrefix,
+                     num_new_blocks: int) -> None:
+        """Take the prefix's device blocks and `num_new_blocks` new ones, the first of which
+        are filled from the host tier with the prefix's host blocks and published."""
+        # Acquire (and pin) before any allocate: allocating first could evict these very
+        # blocks, and the evictions' offers could take the host slots about to be reloaded.
         self.pool.acquire(prefix.block_ids)
-        table.block_ids.extend(prefix.block_ids)
-        table.block_hashes.extend(prefix.block_hashes)
-        table.num_published_blocks = len(prefix.block_ids)
+        host_hashes, tier = prefix.host_block_hashes, self.host_tier
+        if host_hashes:
+            assert tier is not None  # only a tier's lookup finds host blocks
+            tier.pin(host_hashes)
+        new_block_ids = self.pool.allocate(num_new_blocks)
+        if tier is not None:
+            assert len(new_block_ids) >= len(host_hashes)  # they cover the cached tokens
+            for host_hash, block_id in zip(host_hashes, new_block_ids):
+                tier.reload(host_hash, block_id)
+                self.pool.cache_block(block_id, host_hash)
+            tier.record_lookup(len(host_hashes), prefix.num_missed_blocks)
+        table.block_ids.extend(prefix.block_ids + tuple(new_block_ids))
+        table.block_hashes.extend(prefix.block_hashes + host_hashes)
+        table.num_published_blocks = len(prefix.block_ids) + len(host_hashes)
         table.num_prefix_cached_tokens = prefix.num_cached_tokens
 
     # ---- invariants ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         held = Counter(b for t in self._tables.values() for b in t.block_ids)
         for block_id in range(self.pool.num_blocks):
             assert held[block_id] == self.pool.refcount(block_id), \

@@ -20,11 +20,15 @@ import mmap
 import os
 import secrets
 import weakref
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.host_kv_tier import HostKVTier
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -124,6 +128,12 @@ class KVStorage:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) views of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self.kv[layer, 0], self.kv[layer, 1]
+
+    def host_tier(self, num_bytes: int) -> "HostKVTier | None":
+        """A host KV tier of `num_bytes` for this pool (engine/host_kv_tier.py); None: off."""
+        from engine.host_copier import host_kv_tier
+
+        return host_kv_tier(self.kv, num_bytes)
 
     @property
     def num_bytes(self) -> int:

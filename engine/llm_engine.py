@@ -59,7 +59,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.kv_storage = kv_storage
-        self.kv_cache = KVCacheManager(BlockPool(config.num_kv_blocks, config.block_size))
+        self.kv_cache = KVCacheManager(BlockPool(config.num_kv_blocks, config.block_size),
+                                       kv_storage.host_tier(config.kv_host_cache_bytes))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -195,8 +196,7 @@ class LLMEngine:
         With `overlap` the step is overlapped (engine/inflight_step.py): it plans and
         queues the next step before this one's tokens reach the host, and returns the
         outputs of the step before (`on_outputs` is then not used). Needs a runner that
-        `reads_device_tokens`. A plain step after overlapped ones first finishes the last.
-        """
+        `reads_device_tokens`. A plain step after overlapped ones first finishes the last."""
         if overlap and not self.grammar_rows.any_live(self._tracked.keys()):
             return self._step_overlapped(on_kv_ready)
         if self._inflight is not None:

@@ -275,12 +275,15 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
     gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: whole
     experts per rank (engine/expert_parallel.py). Raises ValueError (TP size does not fit
-    the model) or ModelLoadError before any process is spawned."""
+    the model, or a host KV tier asked for) or ModelLoadError before any process is
+    spawned."""
     from engine.engine_builder import load_tokenizer
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.loader import read_model_config
 
     report = progress or (lambda message: None)
+    if config.kv_host_cache_bytes:  # rank 0 alone would offload: the followers' KV is theirs
+        raise ValueError("a host KV tier is not supported with tensor parallelism yet")
     full_config = read_model_config(model)
     check_shardable(full_config, tp_size, expert_parallel)
     dtype_name = str(config.dtype).removeprefix("torch.")

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
 
+from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, cpu_kv_cache_mb, host_kv_cache_gb,
+                                      mem_available_bytes)
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
@@ -97,6 +99,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--kv-cache-mb", help="KV cache per worker, MiB (default on CPU: "
                               f"{CPU_KV_MEMORY_SHARE * 100:.0f}%% of the memory available at start, split "
                               "among the workers, 256 to 4096 each; on CUDA: the worker's)")
+    opt("--kv-host-cache-gb", type=float,
+        help="host memory per worker for prefix blocks evicted from its KV cache, GiB; 0: "
+             "off (default on CUDA: 25%% of the memory available at start, split among the "
+             "workers, at most 64 each; on CPU: 0)")
     opt("--namespace", "pdserve", help="Redis key namespace")
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
@@ -158,9 +164,14 @@ def run(args: argparse.Namespace) -> int:
               args.log_level, "--log-format", args.log_format, "--threads", str(threads)]
     kv_cache_mb = args.kv_cache_mb
     if not kv_cache_mb and all(d == "cpu" for d in devices):
-        kv_cache_mb = cpu_kv_cache_mb(len(roles), _mem_available_bytes())
+        kv_cache_mb = cpu_kv_cache_mb(len(roles), mem_available_bytes())
     if kv_cache_mb:
         common += ["--kv-cache-mb", str(kv_cache_mb)]
+    host_gb = args.kv_host_cache_gb
+    if host_gb is None:
+        host_gb = host_kv_cache_gb(devices, mem_available_bytes())
+    if host_gb:
+        common += ["--kv-host-cache-gb", str(host_gb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
                     "--tokenizer-model", args.model, "--log-level", args.log_level,
                     "--log-format", args.log_format,
@@ -196,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             _say(line)
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
+        kv += f", host KV tier {host_gb:g} GiB each" if host_gb else ", no host KV tier"
         gateways = "the gateway" if args.gateways == 1 else f"{args.gateways} gateways"
         gateways += "" if args.no_agent else " and the operations agent"
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
@@ -360,28 +372,6 @@ def _count_gpus() -> int:
 def _device_summary(devices: list[str]) -> str:
     unique = sorted(set(devices))
     return ", ".join(unique)
-
-
-CPU_KV_MEMORY_SHARE = 0.15  # of MemAvailable at start, for all the workers' KV caches
-
-
-def cpu_kv_cache_mb(num_workers: int, mem_available_bytes: int | None) -> int:
-    """Each CPU worker's KV cache: a share of the memory available, 256..4096 MiB (pure)."""
-    if not mem_available_bytes:
-        return 256  # unknown: the worker's own default
-    share = int(mem_available_bytes * CPU_KV_MEMORY_SHARE / max(1, num_workers)) >> 20
-    return max(256, min(4096, share))
-
-
-def _mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _say(message: str) -> None:

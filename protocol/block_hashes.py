@@ -10,6 +10,10 @@ tokens. blake2b-64 over the msgpack encoding of (parent, tokens): stable across 
 hosts, unlike the salted builtin `hash()`. The engine's prefix cache (engine/kv_cache.py), the
 Redis prefix index and the gateway's router all use these names, so a hash computed at the
 gateway finds the blocks a worker cached.
+
+A block held in a worker's host KV tier (engine/host_kv_tier.py) rather than its KV cache is
+named in the index by `host_tier_hash(h)`: a fixed bijection of the 64-bit names, so both
+tiers share one index, one event stream and its epoch fence, and a router tells them apart.
 """
 
 from __future__ import annotations
@@ -40,3 +44,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
         parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+HOST_TIER_MASK = 0x9E3779B97F4A7C15  # any fixed 64-bit constant; this one is 2**64 / phi
+
+
+def host_tier_hash(block_hash_: int) -> int:
+    """The index name of the block `block_hash_` held in a worker's host KV tier (its own
+    inverse: host_tier_hash(host_tier_hash(h)) == h)."""
+    return block_hash_ ^ HOST_TIER_MASK

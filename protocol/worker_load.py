@@ -65,6 +65,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # the most used expert's assignments over the mean, and its id. Empty: a dense model.
     moe_imbalance: list[Annotated[float, msgspec.Meta(ge=1.0)]] = []
     moe_hottest: list[NonNegInt] = []
+    num_host_blocks_used: NonNegInt = 0  # blocks held by the host KV tier
+    num_host_blocks_total: NonNegInt = 0  # the host KV tier's size (0: the worker has none)
+    host_reload_bytes_per_s: NonNegFloat = 0.0  # its host-to-device copy rate (0: unknown)
 
     @property
     def kv_usage(self) -> float:

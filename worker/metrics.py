@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from engine.engine_thread import StepReport
+from engine.host_kv_tier import HostTierStats
 from protocol.agent_messages import HealthReport
 from protocol.worker_load import WorkerLoad
 from telemetry.metrics import MetricsRegistry
@@ -51,6 +52,23 @@ class WorkerMetrics:
         self.moe_hottest = registry.gauge(
             "pdserve_moe_hottest_expert", "the most used expert's id, per MoE layer, over the "
             "last window", ["layer"])
+        self.host_tier_blocks = registry.counter(
+            "pdserve_kv_host_tier_blocks_total", "prompt blocks past the device-cached prefix "
+            "at admission, by whether the host KV tier held them (hit: reloaded, not "
+            "recomputed; miss: computed)", ("outcome",))
+        self.host_tier_bytes = registry.counter(
+            "pdserve_kv_host_tier_bytes_total", "KV bytes copied to the host tier (offloaded: "
+            "evicted prefix blocks) and back to the device (reloaded)", ("direction",))
+        self.host_tier_dropped = registry.counter(
+            "pdserve_kv_host_tier_dropped_blocks_total", "evicted prefix blocks the host tier "
+            "could not keep (every slot busy with a copy or an admission)")
+        self.host_blocks_used = registry.gauge("pdserve_kv_host_blocks_used",
+                                               "blocks held by the host KV tier")
+        self.host_blocks_total = registry.gauge("pdserve_kv_host_blocks_total",
+                                                "the host KV tier's size in blocks (0: off)")
+        self._host_tier = HostTierStats(num_host_blocks=0, num_held_blocks=0, num_hit_blocks=0,
+                                        num_missed_blocks=0, num_dropped_blocks=0,
+                                        offloaded_bytes=0, reloaded_bytes=0)
         self.prefix_hit_tokens = registry.counter(
             "pdserve_prefix_cache_hit_tokens_total", "prompt tokens served from a prefix cache")
         self.prompt_tokens = registry.counter("pdserve_prompt_tokens_total",
@@ -122,6 +140,8 @@ class WorkerMetrics:
         for layer, (ratio, hottest) in enumerate(zip(load.moe_imbalance, load.moe_hottest)):
             self.moe_imbalance.set(ratio, layer=str(layer))
             self.moe_hottest.set(hottest, layer=str(layer))
+        if report.host_tier is not None:
+            self._on_host_tier(report.host_tier)
         if report.step_s <= 0.0:
             return  # a command, not a step
         for step in report.timed_steps():
@@ -146,6 +166,20 @@ class WorkerMetrics:
         self._window.append((now, prefill_tokens, decode_tokens))
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
             self._window.popleft()
+
+    def _on_host_tier(self, stats: HostTierStats) -> None:
+        """The tier's counters since start, as increments since the last report."""
+        last, self._host_tier = self._host_tier, stats
+        self.host_tier_blocks.inc(stats.num_hit_blocks - last.num_hit_blocks, outcome="hit")
+        self.host_tier_blocks.inc(stats.num_missed_blocks - last.num_missed_blocks,
+                                  outcome="miss")
+        self.host_tier_bytes.inc(stats.offloaded_bytes - last.offloaded_bytes,
+                                 direction="offloaded")
+        self.host_tier_bytes.inc(stats.reloaded_bytes - last.reloaded_bytes,
+                                 direction="reloaded")
+        self.host_tier_dropped.inc(stats.num_dropped_blocks - last.num_dropped_blocks)
+        self.host_blocks_used.set(stats.num_held_blocks)
+        self.host_blocks_total.set(stats.num_host_blocks)
 
     def health(self, epoch: int, load: WorkerLoad) -> HealthReport:
         """The operations agent's report (protocol/agent_messages.py), from these counters."""

@@ -55,6 +55,7 @@ class WorkerOptions:
     gil_switch_ms: float = 0.5  # the interpreter's thread switch interval (sys.setswitchinterval)
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     redis_insecure: bool = False  # accept a Redis that answers without a password
+    kv_host_cache_gb: float = 0.0  # host KV tier (engine/host_kv_tier.py); 0: off
 
     @property
     def warms_up(self) -> bool:
@@ -76,6 +77,8 @@ class WorkerOptions:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.drain_timeout_s < 0:
             raise ValueError("--drain-timeout-s must be >= 0")
+        if self.kv_host_cache_gb < 0:
+            raise ValueError(f"--kv-host-cache-gb must be >= 0, got {self.kv_host_cache_gb}")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError(f"--gil-switch-ms must be in [0.05, 100], got {self.gil_switch_ms}")
 
@@ -102,6 +105,9 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "at start-up (CPUs with AVX-512 BF16 or AMX), else float32", choices=DTYPES)
     add("--threads", max(1, (os.cpu_count() or 2) // 2), "torch CPU threads", type=int)
     add("--kv-cache-mb", 256, "memory for the paged KV cache in MiB", type=int)
+    add("--kv-host-cache-gb", 0.0, "host memory for prefix blocks evicted from the KV cache, "
+        "GiB (pinned on CUDA): a later prompt with that prefix gets them copied back instead "
+        "of recomputed; 0: off", type=float)
     add("--block-size", 16, "tokens per KV block", type=int)
     add("--max-num-seqs", 64, "most requests in one batch", type=int)
     add("--max-num-batched-tokens", 512, "most tokens in one step (prefill chunk budget)",
@@ -194,7 +200,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         step_budget=getattr(args, "step_budget", "auto"),
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
-        redis_insecure=bool(getattr(args, "redis_insecure", False)))
+        redis_insecure=bool(getattr(args, "redis_insecure", False)),
+        kv_host_cache_gb=float(getattr(args, "kv_host_cache_gb", 0.0)))
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

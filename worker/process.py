@@ -86,11 +86,16 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, dtype), device=options.device,
-                          hold_tpot=holds_tpot(options.step_budget, options.device))
+                          hold_tpot=holds_tpot(options.step_budget, options.device),
+                          kv_host_cache_bytes=int(options.kv_host_cache_gb * (1 << 30)))
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
         log = logging.getLogger(__name__)
+        tier = engine.kv_cache.host_tier
+        log.info("host KV tier: %s", f"{tier.num_host_blocks} blocks "
+                 f"({tier.num_host_blocks * tier.block_bytes / (1 << 30):.2f} GiB)"
+                 if tier is not None else "off")
         runner = engine.runner
         if isinstance(runner, ModelRunner) and (runner.graphs or runner.mixed_graphs):
             runtime.metrics.graph_capture_seconds.set(runner.capture_seconds)

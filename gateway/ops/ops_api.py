@@ -7,7 +7,9 @@
     /metrics         Prometheus text (gateway/api/metrics.py)
     /admin/workers   {"workers": [{"id", "role", "pid", "epoch", "control_url", "state",
                                    "load": {"num_running", "num_waiting", "kv_blocks_used",
-                                            "kv_blocks_total"}}]}
+                                            "kv_blocks_total", "host_blocks_used",
+                                            "host_blocks_total", ...}}]}
+                     (host_blocks_*: the worker's host KV tier; total 0: it has none)
                      state: "ready" | "draining" | "ejected" (the operations agent keeps
                      it out of routing: "ejection" says why) | "expired" (lease lapsed,
                      not yet purged)
@@ -86,6 +88,7 @@ class WorkerRow(msgspec.Struct):
     control_url: str | None
     state: str
     load: dict[str, float] | None  # num_running, num_waiting, kv_blocks_used, kv_blocks_total,
+    #                              host_blocks_used, host_blocks_total,
     #                              num_queued_prefill_tokens, num_decoding, prefill_tokens_per_s
     device: str | None = None
     sm_share_percent: int | None = None  # CUDA MPS share of the GPU's SMs (None: no MPS)
@@ -337,6 +340,8 @@ def _load_fields(load: WorkerLoad) -> dict[str, float]:
     return {"num_running": load.num_running, "num_waiting": load.num_waiting,
             "kv_blocks_used": load.num_kv_blocks_used,
             "kv_blocks_total": load.num_kv_blocks_total,
+            "host_blocks_used": load.num_host_blocks_used,
+            "host_blocks_total": load.num_host_blocks_total,
             "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
             "num_decoding": load.num_decoding,
             "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1)}

@@ -61,6 +61,11 @@ in seconds of latency the plan adds to the cluster:
          + B_P * a_P * (P - H_P)                     (P's running decodes, stalled by the prefill)
          + B_D * (b_D + c_D * P) * max_tokens        (D's running decodes, one more sequence)
 
+Cached tokens H count the worker's host KV tier too (docs/running.md "The host KV tier"):
+of H, the R it holds in host memory rather than its KV cache are copied back before the
+prompt's first step, which adds reload = R * kv_bytes_per_token / its measured host-to-device
+rate to the TTFT of the worker that prefills (`reload_s`).
+
 The router takes, among the plans that meet every target, the cheapest (so prefills
 gravitate to workers that decode little and decodes to workers that prefill little: the
 split a static 1P+1D cluster is built around, found from the load); when none meets
@@ -84,6 +89,8 @@ import msgspec
 from protocol.worker_load import StepModel, WorkerLoad
 
 DEFAULT_KV_BYTES_PER_S = 1e9  # before a worker has pushed anything: a slow TCP link
+# A worker that publishes no host-to-device rate (an older one): a slow PCIe link.
+DEFAULT_HOST_RELOAD_BYTES_PER_S = 4e9
 MAX_PREFILL_BUSY = 0.9  # the share of a worker's time prefill may be predicted to take
 # A worker's decode steps alone within this share of the strictest TPOT hold it: only then
 # does a plan answer for stretching them (module doc).
@@ -226,17 +233,30 @@ def _predict(ttft: float, tpot: float, running_tpot: float, has_running: bool,
     return Prediction(ttft, tpot, running_tpot, max(ratios), sum(ratios), cost)
 
 
+def reload_s(load: WorkerLoad, kv_bytes_per_token: int, tokens: int) -> float:
+    """Seconds to copy `tokens` tokens' KV back from the worker's host KV tier: bytes over
+    the host-to-device rate it measured (a host hit's price, between a device hit's 0 and
+    recomputing the tokens)."""
+    rate = load.host_reload_bytes_per_s or DEFAULT_HOST_RELOAD_BYTES_PER_S
+    return max(0, tokens) * kv_bytes_per_token / rate
+
+
 def predict_local(decode: WorkerSide, prompt_len: int, cached: int,
-                  targets: Targets) -> Prediction:
+                  targets: Targets, reloaded: int = 0) -> Prediction:
+    """`cached`: prompt tokens not computed, of which `reloaded` come back from the host
+    KV tier before the prompt's first step (they add their copy to the TTFT)."""
     ttft, mixed, stall = _prefill_time(decode, prompt_len - cached)
+    ttft += reload_s(decode.load, decode.kv_bytes_per_token, reloaded)
     tpot, added = _decoding(decode, prompt_len, targets.max_tokens)
     return _predict(ttft, tpot, mixed, _running_charged(decode, targets), stall + added,
                     targets)
 
 
 def predict_split(prefill: WorkerSide, decode: WorkerSide, prompt_len: int,
-                  cached_on_prefill: int, held_on_decode: int, targets: Targets) -> Prediction:
+                  cached_on_prefill: int, held_on_decode: int, targets: Targets,
+                  reloaded_on_prefill: int = 0) -> Prediction:
     ttft, mixed, stall = _prefill_time(prefill, prompt_len - cached_on_prefill)
+    ttft += reload_s(prefill.load, prefill.kv_bytes_per_token, reloaded_on_prefill)
     ttft = max(ttft, _current_step(decode))
     rate = prefill.load.kv_send_bytes_per_s or DEFAULT_KV_BYTES_PER_S
     transfer = (prompt_len - held_on_decode) * prefill.kv_bytes_per_token / rate

@@ -56,18 +56,29 @@ so a worker's usable prefix is the longest run of leading blocks it holds:
 
     block_hashes   h0  h1  h2  h3
     worker A        x   x   -   x     -> 2 blocks (h3 alone is useless without h2)
+
+and then the run its host KV tier holds right after (`snapshot.host_index`), which it copies
+back instead of computing:
+
+    worker B (KV cache)   x   -   -   -
+    worker B (host tier)  -   x   x   -   -> 1 block cached, 2 reloaded: 3 not computed
+
+A reloaded token is priced at its copy (plan_model's `reload_s`): in the prediction, added to
+the TTFT; in the token-cost rule, as the prefill tokens that take as long on that worker (by
+its step model; half a token each before it has one), never more than computing it. So a
+host hit ranks between a hit in the KV cache and a miss.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
 from gateway.routing.plan_model import (Prediction, Targets, WorkerSide, complete_models,
-                                        predict_local, predict_split, prefill_work)
+                                        predict_local, predict_split, prefill_work, reload_s)
 from protocol.messages import Role
 from protocol.worker_load import WorkerLoad
 
@@ -91,6 +102,8 @@ class ClusterSnapshot:
     workers: tuple[WorkerView, ...]
     prefix_index: Mapping[int, frozenset[str]]  # block hash -> ids of workers holding it
     block_size: int
+    # block hash -> ids of workers whose host KV tier holds it (empty: none has a tier)
+    host_index: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -162,21 +175,26 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     decoders = [w for w in decoders if has_room(w, request.prompt_len, snapshot.block_size)] \
         or decoders
     overlap = prefix_overlap_blocks(request.block_hashes, snapshot.prefix_index)
+    on_host = host_overlap_blocks(request.block_hashes, snapshot.host_index, overlap)
+    bs, prompt_len = snapshot.block_size, request.prompt_len
 
-    def cached(worker: WorkerView) -> int:
-        return min(request.prompt_len, overlap.get(worker.worker_id, 0) * snapshot.block_size)
+    def cached(worker: WorkerView) -> int:  # not computed: in its KV cache or host tier
+        wid = worker.worker_id
+        return min(prompt_len, (overlap.get(wid, 0) + on_host.get(wid, 0)) * bs)
+
+    def reloaded(worker: WorkerView) -> int:  # of those, copied back from its host tier
+        return cached(worker) - min(prompt_len, overlap.get(worker.worker_id, 0) * bs)
 
     def prefill_cost(worker: WorkerView) -> float:
         load = load_at_routing(worker)
-        work, _ = prefill_work(load, request.prompt_len - cached(worker),
-                               worker.max_batched_tokens)
-        return work + _load_cost(load, weights)
+        work, _ = prefill_work(load, prompt_len - cached(worker), worker.max_batched_tokens)
+        return work + reload_cost_tokens(worker, reloaded(worker)) + _load_cost(load, weights)
 
     prefillers = [w for w in snapshot.workers if w.role.prefills_for_others]
     receivers = [w for w in decoders if w.role.takes_reservations]
     if request.local_prefill is None and request.targets is not None:
-        plan = _predicted_plan(request, request.targets, snapshot, decoders, prefillers,
-                               receivers, cached, rng, weights)
+        plan = _predicted_plan(request, request.targets, decoders, prefillers, receivers,
+                               cached, reloaded, rng, weights)
         if plan is not None:
             return plan
 
@@ -209,9 +227,9 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
                      cached_tokens=cached(prefill))
 
 
-def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSnapshot,
-                    decoders: list[WorkerView], prefillers: list[WorkerView],
-                    receivers: list[WorkerView], cached: Callable[[WorkerView], int],
+def _predicted_plan(request: RouteRequest, targets: Targets, decoders: list[WorkerView],
+                    prefillers: list[WorkerView], receivers: list[WorkerView],
+                    cached: Callable[[WorkerView], int], reloaded: Callable[[WorkerView], int],
                     rng: random.Random, weights: RoutingWeights) -> RoutePlan | None:
     involved = {w.worker_id: w for w in (*decoders, *prefillers)}
     models = complete_models([w.load.step_model for w in involved.values()])
@@ -222,13 +240,13 @@ def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSn
     candidates: list[RoutePlan] = []
     for d in decoders:
         candidates.append(RoutePlan(d.worker_id, None, cached(d), predict_local(
-            sides[d.worker_id], request.prompt_len, cached(d), targets)))
+            sides[d.worker_id], request.prompt_len, cached(d), targets, reloaded(d))))
     for p in prefillers:
         for d in receivers:
             if d.worker_id != p.worker_id:
                 candidates.append(RoutePlan(d.worker_id, p.worker_id, cached(p), predict_split(
                     sides[p.worker_id], sides[d.worker_id], request.prompt_len, cached(p),
-                    cached(d), targets)))
+                    cached(d), targets, reloaded(p))))
     feasible = [c for c in candidates if _prediction(c).score < 1.0]
     if feasible:  # the cheapest plan that meets every target
         least_cost = min(_prediction(c).cost_s for c in feasible)
@@ -243,6 +261,33 @@ def _predicted_plan(request: RouteRequest, targets: Targets, snapshot: ClusterSn
     near = [c for c in near if c.prefill_worker_id is None] or near
     return near[0] if len(near) == 1 else min(
         rng.sample(near, 2), key=lambda c: (_prediction(c).score, _prediction(c).cost_s))
+
+
+def host_overlap_blocks(block_hashes: Sequence[int], host_index: Mapping[int, frozenset[str]],
+                        overlap: Mapping[str, int]) -> dict[str, int]:
+    """Blocks of the prompt each worker's host tier holds right after the leading blocks its
+    KV cache holds (`overlap`, prefix_overlap_blocks'); workers with none are absent."""
+    result: dict[str, int] = {}
+    for worker_id in set().union(*host_index.values()) if host_index else ():
+        start = end = overlap.get(worker_id, 0)
+        while end < len(block_hashes) and worker_id in host_index.get(block_hashes[end], ()):
+            end += 1
+        if end > start:
+            result[worker_id] = end - start
+    return result
+
+
+def reload_cost_tokens(worker: WorkerView, tokens: int) -> float:
+    """A host hit of `tokens` tokens in the token-cost rule: the prefill tokens that take as
+    long as its copy on this worker (by its step model), at most `tokens`; without a model,
+    half of them."""
+    model = worker.load.step_model
+    if tokens <= 0:
+        return 0.0
+    if model is None or model.prefill_token_s <= 0:
+        return tokens / 2
+    return min(float(tokens), reload_s(worker.load, worker.kv_bytes_per_token, tokens)
+               / model.prefill_token_s)
 
 
 def _prediction(plan: RoutePlan) -> Prediction:

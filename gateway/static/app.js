@@ -112,6 +112,7 @@ function renderWorkers(workers) {
   body.replaceChildren(...workers.map(w => {
     const load = w.load || {};
     const used = load.kv_blocks_used || 0, total = load.kv_blocks_total || 0;
+    const hostUsed = load.host_blocks_used || 0, hostTotal = load.host_blocks_total || 0;
     const bar = el("span", { class: "bar" }, el("span", { style: null }));
     bar.firstChild.style.width = total ? (100 * used / total).toFixed(1) + "%" : "0";
     return el("tr", { "data-worker-id": w.id },
@@ -120,7 +121,8 @@ function renderWorkers(workers) {
       el("td", { class: "num" }, load.num_running ?? "–"),
       el("td", { class: "num" }, load.num_waiting ?? "–"),
       el("td", { class: "num" }, load.num_queued_prefill_tokens ?? "–"),
-      el("td", {}, bar, total ? `${used} / ${total} blocks (${percent(used, total)})` : "–"));
+      el("td", {}, bar, total ? `${used} / ${total} blocks (${percent(used, total)})` : "–",
+        hostTotal ? ` · host ${hostUsed} / ${hostTotal} (${percent(hostUsed, hostTotal)})` : ""));
   }));
   if (!workers.length) body.append(el("tr", {}, el("td", { colspan: 8 }, "No worker registered.")));
 }

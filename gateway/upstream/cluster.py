@@ -61,6 +61,7 @@ from gateway.routing.plan_model import Targets
 from gateway.routing.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
                                     plan_route, with_assignment)
 from gateway.upstream.routed_prefills import RoutedPrefills
+from protocol.block_hashes import host_tier_hash
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.worker_load import WorkerLoad
 from state.agent_state import AgentState, Ejection, active_ejections, now_unix_ms
@@ -203,21 +204,25 @@ class ClusterView:
         holders = self.mirror.index.holders
         live = self._live_epochs
         # Only the request's own hashes are looked up: a snapshot of the whole index per
-        # request would cost O(index) instead of O(prompt blocks).
-        prefix_index = {}
+        # request would cost O(index) instead of O(prompt blocks). A block may be held in a
+        # worker's KV cache or in its host KV tier (under its host-tier name).
+        prefix_index, host_index = {}, {}
         for h in block_hashes:
-            row = holders.get(h)
-            if not row:
+            row, host_row = holders.get(h), holders.get(host_tier_hash(h))
+            if not row and not host_row:
                 break  # chained hashes: nothing after a miss can be a usable prefix
-            prefix_index[h] = frozenset(w for w, e in row.items() if live.get(w) == e)
+            if row:
+                prefix_index[h] = frozenset(w for w, e in row.items() if live.get(w) == e)
+            if host_row:
+                host_index[h] = frozenset(w for w, e in host_row.items() if live.get(w) == e)
         snapshot = self._snapshot
         request = RouteRequest(prompt_len=prompt_len, block_hashes=block_hashes,
                                local_prefill=local_prefill, targets=targets)
         workers = self._routable(exclude or {})
         if len(self.routed):
             workers = tuple(map(self._with_routed, workers))
-        plan = plan_route(request, ClusterSnapshot(workers, prefix_index, snapshot.block_size),
-                          self.rng)
+        plan = plan_route(request, ClusterSnapshot(workers, prefix_index, snapshot.block_size,
+                                                   host_index), self.rng)
         if isinstance(plan, RoutePlan):
             self._snapshot = with_assignment(snapshot, plan, prompt_len)
             if request_id is not None:

@@ -1,7 +1,8 @@
 """A decode worker whose KV pool holds fewer requests than arrive at once: every request
 waits for blocks and completes (no 503), in a real `pdserve up` cluster (default model, CPU)
 with two gateway replicas on one port, whose tier limit holds across both: the requests
-beyond it wait in the cluster's queue (in Redis) and complete too.
+beyond it wait in the cluster's queue (in Redis) and complete too. Each worker has a host
+KV tier beside its tiny pool, and the answers stay transformers' greedy ones.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def test_requests_beyond_the_kv_pool_wait_and_all_complete(tmp_path, hf_referenc
     tiers = tmp_path / "tiers.toml"
     tiers.write_text(TIERS)
     # 2 MiB of KV per worker: 2 blocks of 16 tokens on this model in fp32 (45 KiB a token),
-    # so one request of ~20 prompt + 8 generated tokens at a time on the decode worker.
+    # so one request of ~20 prompt + 8 generated tokens at a time on the decode worker;
+    # beside it a host KV tier of 10 MiB (14 blocks) for the prefix blocks it evicts.
     up = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
-                   "--kv-cache-mb", "2", "--gateways", "2",
+                   "--kv-cache-mb", "2", "--kv-host-cache-gb", "0.01", "--gateways", "2",
                    log_dir=tmp_path / "logs")
     try:
         # Both replicas answer on the one port (the kernel spreads new connections).
@@ -82,6 +84,9 @@ def test_requests_beyond_the_kv_pool_wait_and_all_complete(tmp_path, hf_referenc
         # Some of them did wait in line, and every wait ended with blocks.
         assert _metric_sum(metrics, 'pdserve_kv_waits_total{outcome="served"}') >= 1
         assert _metric_sum(metrics, 'pdserve_kv_waits_total{outcome="timed_out"}') == 0
+        for worker in up.workers():  # the option reached every worker's engine
+            assert _metric_sum(worker["control_url"] + "/metrics",
+                               "pdserve_kv_host_blocks_total") == 14
         state = up.internal_get(decode["control_url"] + "/admin/state")  # checks invariants
         assert not state["invariant_error"]
         assert state["num_waiting_for_blocks"] == 0 and state["num_reservations"] == 0

@@ -23,6 +23,7 @@ class ScriptedCache:
     """The KV cache's counters a worker's load reads: a table per scripted request."""
 
     num_used_blocks, num_blocks = 0, 8
+    host_tier = None
 
     def __init__(self, requests: dict[str, list[int]]) -> None:
         self._requests = requests

@@ -11,8 +11,11 @@ from gateway.admission.tiers import load_tier_config
 from gateway.ops import cluster_page
 from gateway.ops.admin_access import AdminAccess
 from gateway.ops.ops_api import ADMIN as ADMIN_ACCESS
-from gateway.ops.ops_api import CLUSTER, HISTORY
+from gateway.ops.ops_api import CLUSTER, HISTORY, worker_row
 from gateway.ops.request_history import RequestHistory
+from gateway.upstream.cluster import WorkerEntry
+from protocol.messages import LoadReport, Role, WorkerInfo
+from protocol.worker_load import WorkerLoad
 from tests.unit.gateway.gateway_harness import MODEL, Harness, ScriptedBackend
 
 ADMIN, USER = "sk-admin-key", "sk-user-key"
@@ -110,3 +113,15 @@ def test_a_request_span_takes_the_clients_traceparent_and_ignores_a_bad_one() ->
     finally:
         h.close()
         tracing._provider.shutdown()  # type: ignore[attr-defined]
+
+
+def test_a_worker_row_shows_its_kv_cache_and_host_tier_occupancy() -> None:
+    info = WorkerInfo(worker_id="decode-1", role=Role.DECODE, model=MODEL,
+                      control_url="http://127.0.0.1:1", num_kv_blocks=64, block_size=16)
+    load = WorkerLoad(num_kv_blocks_used=16, num_kv_blocks_total=64, num_host_blocks_used=300,
+                      num_host_blocks_total=1000)
+    row = worker_row(WorkerEntry(info, "decode-1", LoadReport(worker_id="decode-1", epoch=0,
+                                                              load=load)))
+    assert row.load is not None
+    assert (row.load["kv_blocks_used"], row.load["kv_blocks_total"]) == (16, 64)
+    assert (row.load["host_blocks_used"], row.load["host_blocks_total"]) == (300, 1000)

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.routing.router import NoWorkers, RoutePlan
 from gateway.upstream.cluster import ClusterView, lapsed_since, purgeable
+from protocol.block_hashes import host_tier_hash
 from protocol.messages import Role, WorkerInfo
 from state.redis_state import Registry
 
@@ -206,3 +207,23 @@ def test_a_prompt_counts_in_its_prefill_workers_queue_until_settled(view) -> Non
     short = cluster.plan(5, [], local_prefill=None, request_id="after")
     assert isinstance(short, RoutePlan) and short.kind == "split"
     cluster.check_invariants()
+
+
+def test_a_prefix_in_a_workers_host_tier_routes_the_prompt_there() -> None:
+    # The index holds d1's copies of the prompt's two blocks under their host-tier names
+    # (what its worker publishes when its host KV tier takes them), at d1's live epoch.
+    state = ScriptedState()
+    state.workers = {"d0": info("d0", Role.DECODE), "d1": info("d1", Role.DECODE)}
+
+    class HostIndex:
+        holders = {host_tier_hash(11): {"d1": 1}, host_tier_hash(12): {"d1": 1},
+                   13: {"d0": 1}}  # a later block alone is no usable prefix
+
+    class HostMirror:
+        index = HostIndex()
+
+    cluster = ClusterView(state, HostMirror(), random.Random(0))  # type: ignore[arg-type]
+    asyncio.run(cluster.poll())
+    routed = cluster.plan(40, [11, 12, 13], local_prefill=True)
+    assert isinstance(routed, RoutePlan)
+    assert routed.decode_worker_id == "d1" and routed.cached_tokens == 32

@@ -4,11 +4,14 @@ import dataclasses
 import random
 from collections import Counter
 
+import msgspec
+import pytest
+
 from gateway.routing.router import (ClusterSnapshot, NoWorkers, RoutePlan, RouteRequest, WorkerView,
-                                    load_at_routing, plan_route, prefix_overlap_blocks,
-                                    with_assignment)
+                                    host_overlap_blocks, load_at_routing, plan_route,
+                                    prefix_overlap_blocks, reload_cost_tokens, with_assignment)
 from protocol.messages import Role
-from protocol.worker_load import WorkerLoad
+from protocol.worker_load import StepModel, WorkerLoad
 
 BLOCK = 16
 IDLE = WorkerLoad(num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=1000)
@@ -221,3 +224,42 @@ def test_two_both_workers_keep_a_short_prompt_local_by_the_rule_and_never_decode
     forced = RouteRequest(prompt_len=5, block_hashes=(), local_prefill=False)
     for seed in range(10):
         assert plan_route(forced, snapshot(idle), random.Random(seed)).kind == "split"
+
+
+def test_a_host_tier_run_follows_the_kv_cache_run_of_the_same_worker():
+    device = {1: frozenset({"a", "b"}), 2: frozenset({"a"})}
+    host = {2: frozenset({"b"}), 3: frozenset({"a", "b"}), 4: frozenset({"c"})}
+    overlap = prefix_overlap_blocks([1, 2, 3, 4], device)
+    # a: 2 in its KV cache, then 3 on the host; b: 1, then 2 and 3; c: only h4, no prefix.
+    assert host_overlap_blocks([1, 2, 3, 4], host, overlap) == {"a": 1, "b": 2}
+    assert host_overlap_blocks([1, 2], {}, overlap) == {}
+
+
+def test_a_host_hit_ranks_between_a_kv_cache_hit_and_a_miss():
+    # Three idle decode workers, a 2048-token prompt of 128 blocks: `dev` holds it in its KV
+    # cache, `host` in its host tier, `cold` nowhere. Without step models a reloaded token
+    # counts half a computed one.
+    hashes = list(range(100, 228))
+    workers = [worker(w, Role.DECODE) for w in ("cold", "host", "dev")]
+    request = RouteRequest(prompt_len=2048, block_hashes=hashes, local_prefill=True)
+    device = {h: frozenset({"dev"}) for h in hashes}
+    host = {h: frozenset({"host"}) for h in hashes}
+    both = ClusterSnapshot(tuple(workers), device, BLOCK, host)
+    plan = plan_route(request, both, random.Random(0))
+    assert plan.decode_worker_id == "dev" and plan.cached_tokens == 2048
+    no_device = ClusterSnapshot(tuple(workers), {}, BLOCK, host)
+    plan = plan_route(request, no_device, random.Random(0))
+    assert plan.decode_worker_id == "host" and plan.cached_tokens == 2048
+    assert reload_cost_tokens(workers[1], 2048) == 1024
+
+
+def test_a_host_hit_is_priced_at_its_copy_by_the_workers_own_rate():
+    # 20 us per prefill token; 1000 bytes of KV a token at 1 GB/s: 1 us a token to reload.
+    model = StepModel(base_s=0.005, prefill_token_s=20e-6, decode_seq_s=1e-4,
+                      context_token_s=1e-6, num_samples=10, num_prefill_samples=5)
+    load = msgspec.structs.replace(IDLE, step_model=model, host_reload_bytes_per_s=1e9)
+    view = WorkerView("w", Role.DECODE, load, kv_bytes_per_token=1000)
+    assert reload_cost_tokens(view, 2000) == pytest.approx(100.0)  # 2 ms of copy = 100 tokens
+    slow = WorkerView("w", Role.DECODE, msgspec.structs.replace(
+        load, host_reload_bytes_per_s=1e6), kv_bytes_per_token=1000)
+    assert reload_cost_tokens(slow, 2000) == 2000  # never dearer than computing them

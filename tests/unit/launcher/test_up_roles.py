@@ -94,7 +94,7 @@ def test_workers_run_the_subcommand_of_their_role() -> None:
 
 
 def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():
-    from launcher.up_cli import cpu_kv_cache_mb
+    from launcher.memory_defaults import cpu_kv_cache_mb
 
     # 15% of 24 GiB over 2 workers = 1843 MiB each; bounded to 256..4096; unknown: 256.
     assert cpu_kv_cache_mb(2, 24 << 30) == 1843
@@ -106,3 +106,14 @@ def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():
 def test_up_refuses_zero_gateways_before_starting_anything(capsys) -> None:
     assert main(["up", "--gateways", "0"]) == 1
     assert "--gateways must be >= 1" in capsys.readouterr().err
+
+
+def test_host_kv_tier_is_a_share_of_available_memory_on_cuda_and_off_on_cpu():
+    from launcher.memory_defaults import host_kv_cache_gb
+
+    # 25% of 512 GiB over 4 GPU workers = 32 GiB each; capped at 64; CPU or unknown: off.
+    assert host_kv_cache_gb(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 512 << 30) == 32.0
+    assert host_kv_cache_gb(["cuda:0"], 2048 << 30) == 64.0
+    assert host_kv_cache_gb(["cuda:0"], 3 << 30) == 0.7
+    assert host_kv_cache_gb(["cpu", "cpu"], 512 << 30) == 0.0
+    assert host_kv_cache_gb(["cuda:0"], None) == 0.0

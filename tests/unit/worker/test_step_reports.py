@@ -4,6 +4,7 @@ metrics with its own shape."""
 from __future__ import annotations
 
 from engine.engine_thread import StepReport
+from engine.host_kv_tier import HostTierStats
 from engine.step_shape import StepShape
 from engine.step_timer import TimedStep
 from protocol.worker_load import WorkerLoad
@@ -41,3 +42,22 @@ def test_metrics_count_each_device_timed_step_with_its_shape():
     assert metrics.decode_step_seqs.value() == 16
     text = registry.render()
     assert "pdserve_decode_step_seconds_sum 0.009" in text, text
+
+
+def test_metrics_count_the_host_tier_from_its_counters_since_start():
+    def tier(hit: int, miss: int, offloaded: int, held: int) -> HostTierStats:
+        return HostTierStats(num_host_blocks=64, num_held_blocks=held, num_hit_blocks=hit,
+                             num_missed_blocks=miss, num_dropped_blocks=0,
+                             offloaded_bytes=offloaded, reloaded_bytes=hit * 1000)
+
+    registry = MetricsRegistry()
+    metrics = WorkerMetrics(registry)
+    for stats in (tier(0, 4, 0, 0), tier(3, 4, 8000, 8), tier(5, 6, 8000, 8)):
+        metrics.on_step(StepReport([], [], 0.01, WorkerLoad(), PREFILL, 0, None, stats))
+    metrics.on_step(report(0.01))  # a report without a tier changes nothing
+    assert metrics.host_tier_blocks.value(outcome="hit") == 5
+    assert metrics.host_tier_blocks.value(outcome="miss") == 6
+    assert metrics.host_tier_bytes.value(direction="reloaded") == 5000
+    assert metrics.host_tier_bytes.value(direction="offloaded") == 8000
+    text = registry.render()
+    assert "pdserve_kv_host_blocks_used 8" in text and "pdserve_kv_host_blocks_total 64" in text

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.step_mode import StepMode
-from protocol.messages import Role
 from launcher.cli import build_parser, main
+from protocol.messages import Role
 
 
 def options(*extra: str, kind: str = "decode"):

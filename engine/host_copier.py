@@ -1,0 +1,134 @@
+"""Copies of one KV block between the device pool and a host buffer, for the host KV tier.
+
+    device pool  kv[layer, K|V, block_id, slot, kv_head, head_dim]   (engine/kv_storage.py)
+    host buffer  host[host_slot, layer, K|V, slot, kv_head, head_dim]
+
+so one host slot holds every layer's K and V of one block, contiguous.
+
+Two copiers, one interface (`HostCopier`, engine/host_kv_tier.py):
+
+    SyncHostCopier   (CPU)   a plain tensor copy, done when the call returns (`None`).
+    StreamHostCopier (CUDA)  the copy is queued on a side stream after what the engine's
+                             stream has queued so far (a block may still be written by a step
+                             in flight) and an event recorded after it. Where the engine's
+                             next step may overwrite the block (a copy at eviction) or reads
+                             it (a reload), the engine's stream waits on that event, on the
+                             device; a copy ahead of eviction makes nothing wait. The host
+                             thread never waits: the call returns the event.
+
+Copies to the host and back run on two side streams, so that a step waiting for a reload
+does not wait for copies to the host queued ahead of it. Invariant: a reload from a host
+slot runs after the slot's copy in flight, if any (the tier passes it as `after`), so it
+reads what that copy wrote; a slot is not written again while a copy reads it (the tier
+never reuses a slot in flight).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from engine.host_kv_tier import CopyDone, HostKVTier
+
+
+def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]:
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+    return (num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+
+
+class SyncHostCopier:
+    """CPU: the device pool is host memory too; a copy is a memcpy done on the spot."""
+
+    asynchronous = False
+
+    def __init__(self, kv: torch.Tensor, num_host_blocks: int) -> None:
+        self.kv = kv
+        self.host = torch.empty(host_buffer_shape(kv, num_host_blocks), dtype=kv.dtype)
+
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
+        self.host[host_slot].copy_(self.kv[:, :, block_id])
+        return None
+
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
+        self.kv[:, :, block_id].copy_(self.host[host_slot])
+        return None
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        raise AssertionError("a synchronous copy is never in flight")
+
+
+class StreamHostCopier:
+    """CUDA: pinned host memory, copies on a side stream, events instead of waits."""
+
+    asynchronous = True
+
+    def __init__(self, kv: torch.Tensor, num_host_blocks: int) -> None:
+        self.kv = kv
+        self.host = torch.empty(host_buffer_shape(kv, num_host_blocks), dtype=kv.dtype,
+                                pin_memory=True)
+        self.to_host_stream = torch.cuda.Stream(kv.device)
+        self.to_device_stream = torch.cuda.Stream(kv.device)
+
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
+        return self._copy(self.to_host_stream, self.host[host_slot], self.kv[:, :, block_id],
+                          before_writes)
+
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
+        if after is not None:
+            assert isinstance(after, torch.cuda.Event)
+            self.to_device_stream.wait_event(after)
+        return self._copy(self.to_device_stream, self.kv[:, :, block_id],
+                          self.host[host_slot], True)
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        assert isinstance(done, torch.cuda.Event)
+        torch.cuda.current_stream(self.kv.device).wait_event(done)
+
+    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+              engine_waits: bool) -> CopyDone:
+        engine_stream = torch.cuda.current_stream(self.kv.device)
+        stream.wait_stream(engine_stream)  # after the steps already queued
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if engine_waits:
+            engine_stream.wait_event(done)  # the next step's kernels run after the copy
+        return done
+
+
+CALIBRATION_BYTES = 16 << 20  # what the start-up measure of the reload rate copies
+
+
+def measure_to_device_bytes_per_s(host: torch.Tensor, device: torch.device) -> float:
+    """The rate of one copy of (up to) CALIBRATION_BYTES of `host` to `device`: the median of
+    three after a warm-up, each synced (start-up only)."""
+    flat = host.view(-1)[:max(1, CALIBRATION_BYTES // host.element_size())]
+    dst = torch.empty_like(flat, device=device)
+    seconds = []
+    for i in range(4):
+        start = time.perf_counter()
+        dst.copy_(flat, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return flat.numel() * flat.element_size() / max(statistics.median(seconds), 1e-9)
+
+
+def host_kv_tier(kv: torch.Tensor, num_bytes: int) -> HostKVTier | None:
+    """A host tier of `num_bytes` beside the device pool `kv`, with the copier for its device
+    (streams and events on CUDA, plain copies elsewhere); None when that is less than one
+    block (the tier is off)."""
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    num_host_blocks = num_bytes // block_bytes
+    if num_host_blocks < 1:
+        return None
+    copier: SyncHostCopier | StreamHostCopier = (
+        StreamHostCopier if kv.is_cuda else SyncHostCopier)(kv, num_host_blocks)
+    return HostKVTier(num_host_blocks, copier, block_bytes,
+                      reload_bytes_per_s=measure_to_device_bytes_per_s(copier.host, kv.device))

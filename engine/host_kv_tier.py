@@ -1,0 +1,273 @@
+"""The host KV tier: prefix blocks evicted from the device pool, kept in host memory.
+
+A second-level prefix cache with a size of its own (`num_host_blocks`), an LRU keyed by
+chained block hash (protocol/block_hashes.py). The KV cache manager (engine/kv_cache.py)
+offers it every block the device pool evicts with a hash, and looks past the device-cached
+prefix into it at admission: blocks held here are copied back into fresh device blocks, and
+the request counts them as cached (they are not recomputed). The copies and the host
+tensors are a `HostCopier`'s (engine/host_copier.py): this module is torch-free,
+as the scheduler that drives it.
+
+Lifecycle of one host slot:
+
+    FREE --offer / offer_ahead (copy to host)--> HELD --evict (LRU, idle only)--> FREE
+                                                 |  ^
+                    pin (admission), reload (copy to device), offer again: most recent
+
+When copies are asynchronous (CUDA) a block is offered twice: when it becomes cached-free on
+the device (`offer_ahead`: copied then, nothing waits for it) and when the device evicts it
+(`offer`: already held, so no copy; the step that reuses the block waits, on the device,
+only for a copy still in flight). Synchronous copies (CPU) happen at eviction only.
+
+    in flight  a copy to or from the slot is queued and not done (CUDA only: on the CPU
+               copies are done when the call returns, engine/host_copier.py)
+    pinned     an admission will reload it (`pin` ... `reload`): the device allocation between
+               the two may evict device blocks, whose offers must not take this slot
+
+Invariants (`check_invariants`):
+    num_held_blocks + num_free_slots == num_host_blocks (capacity is never exceeded)
+    each hash is held at most once, each slot holds at most one hash
+    a slot in flight or pinned is held, and is never evicted (a block is never both in
+    flight and evictable)
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from engine.block_pool import CacheEvent, CacheEventKind
+from protocol.block_hashes import host_tier_hash
+
+
+class CopyDone(Protocol):
+    """A copy in flight: `torch.cuda.Event` is one."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class HostCopier(Protocol):
+    """Moves one block between the device pool and a host slot (engine/host_copier.py).
+
+    `asynchronous`: copies return before they are done (CUDA); the tier then copies blocks
+    ahead of their eviction, when they become cached-free, so the step that reuses one
+    seldom has a copy to wait for."""
+
+    asynchronous: bool
+
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
+        """Copy device block `block_id` into `host_slot`; None: done already. With
+        `before_writes`, work the engine queues next (a step that may overwrite the block)
+        runs after the copy."""
+        ...
+
+    def to_device(self, host_slot: int, block_id: int,
+                  after: CopyDone | None) -> CopyDone | None:
+        """Copy `host_slot` into device block `block_id`, after the copy `after` (the slot's
+        own, still in flight) and before the engine's next work (a step that reads it);
+        None: done already."""
+        ...
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        """Work the engine queues next runs after the copy `done`."""
+        ...
+
+
+class HostTierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The tier's counters since start (blocks and bytes), for a worker's /metrics."""
+
+    num_host_blocks: int
+    num_held_blocks: int
+    num_hit_blocks: int  # prompt blocks past the device-cached prefix served from here
+    num_missed_blocks: int  # prompt blocks past the device-cached prefix not held here
+    num_dropped_blocks: int  # evicted device blocks not kept (every idle slot was busy)
+    offloaded_bytes: int
+    reloaded_bytes: int
+
+
+class HostKVTier:
+    """An LRU of host copies of evicted prefix blocks (one engine thread uses it)."""
+
+    def __init__(self, num_host_blocks: int, copier: HostCopier, block_bytes: int,
+                 copies_ahead: bool | None = None, reload_bytes_per_s: float = 0.0) -> None:
+        """`block_bytes`: one block's K and V over all layers (what one copy moves);
+        `copies_ahead`: take `offer_ahead`s (default: when the copier is asynchronous);
+        `reload_bytes_per_s`: the host-to-device copy rate measured at start (0: unknown),
+        which the router prices a host hit with."""
+        if num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks must be at least 1, got {num_host_blocks}")
+        self.num_host_blocks = num_host_blocks
+        self.block_bytes = block_bytes
+        self.copies_ahead = copier.asynchronous if copies_ahead is None else copies_ahead
+        self.reload_bytes_per_s = reload_bytes_per_s
+        self._events: list[CacheEvent] = []  # under host_tier_hash names
+        self._copier = copier
+        # Insertion order is the LRU order: the first key was used longest ago.
+        self._slot_by_hash: OrderedDict[int, int] = OrderedDict()
+        self._hash_by_slot: dict[int, int] = {}
+        self._free_slots = list(range(num_host_blocks - 1, -1, -1))
+        self._in_flight: dict[int, CopyDone] = {}
+        self._pins: Counter[int] = Counter()
+        self._num_hit = self._num_missed = self._num_dropped = 0
+        self._num_offloaded = self._num_reloaded = 0
+
+    # ---- queries (side-effect free) -------------------------------------------------------
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._slot_by_hash)
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._slot_by_hash
+
+    def num_leading_held(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first, are held here."""
+        for i, block_hash in enumerate(block_hashes):
+            if block_hash not in self._slot_by_hash:
+                return i
+        return len(block_hashes)
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(
+            num_host_blocks=self.num_host_blocks, num_held_blocks=self.num_held_blocks,
+            num_hit_blocks=self._num_hit, num_missed_blocks=self._num_missed,
+            num_dropped_blocks=self._num_dropped,
+            offloaded_bytes=self._num_offloaded * self.block_bytes,
+            reloaded_bytes=self._num_reloaded * self.block_bytes)
+
+    # ---- commands ---------------------------------------------------------------------------
+
+    def offer(self, block_hash: int, block_id: int) -> bool:
+        """Keep a copy of device block `block_id`, which holds prefix `block_hash` and is about
+        to be handed out again (the copy is ordered before any later write to it). False: not
+        kept, every slot being in flight or pinned. Called by the device pool's eviction."""
+        slot = self._slot_by_hash.get(block_hash)
+        if slot is not None:  # the same prefix: the same KV (copied ahead, or earlier)
+            self._slot_by_hash.move_to_end(block_hash)
+            done = self._in_flight.get(slot)
+            if done is not None and not done.query():
+                self._copier.order_writes_after(done)
+            return True
+        if self._keep(block_hash, block_id, before_writes=True):
+            return True
+        self._num_dropped += 1
+        return False
+
+    def offer_ahead(self, block_hash: int, block_id: int) -> bool:
+        """Start a copy of a block that just became cached-free on the device (still
+        findable there; evicted later, if ever), with nothing waiting for it. False: not
+        kept now (the eviction offers it again)."""
+        if block_hash in self._slot_by_hash:
+            self._slot_by_hash.move_to_end(block_hash)
+            return True
+        return self._keep(block_hash, block_id, before_writes=False)
+
+    def pin(self, block_hashes: Sequence[int]) -> None:
+        """Keep these held blocks from eviction until each is `reload`ed (once per pin)."""
+        for block_hash in block_hashes:
+            self._pins[self._slot_by_hash[block_hash]] += 1  # KeyError: not held
+
+    def reload(self, block_hash: int, block_id: int) -> None:
+        """Copy a pinned block into device block `block_id` (freshly allocated, referenced by
+        the request that will read it) and drop the pin; it becomes the most recent."""
+        slot = self._slot_by_hash[block_hash]
+        if self._pins[slot] < 1:
+            raise ValueError(f"block {block_hash:#x} is reloaded without a pin")
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
+        self._slot_by_hash.move_to_end(block_hash)
+        # The reload ends after the slot's copy in flight, so it stands for both.
+        self._track(slot, self._copier.to_device(slot, block_id, self._in_flight.get(slot)))
+        self._num_reloaded += 1
+
+    def record_lookup(self, num_hit_blocks: int, num_missed_blocks: int) -> None:
+        """An admission's outcome past the device-cached prefix (the hit/miss counters)."""
+        self._num_hit += num_hit_blocks
+        self._num_missed += num_missed_blocks
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Hashes the tier took and dropped since the last call, oldest first, each under its
+        host-tier name (protocol/block_hashes.py): what the worker publishes to the global
+        prefix index beside its KV cache's own events."""
+        events, self._events = self._events, []
+        return events
+
+    def wait_for_copies(self) -> None:
+        """Block the calling thread until every queued copy is done: for blocks that
+        something outside the engine's stream writes next (a KV peer filling a reservation)."""
+        for done in self._in_flight.values():
+            done.synchronize()
+        self._in_flight.clear()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _keep(self, block_hash: int, block_id: int, before_writes: bool) -> bool:
+        """Copy a block not held into a slot; False when every slot is busy."""
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self._slot_by_hash[block_hash] = slot
+        self._hash_by_slot[slot] = block_hash
+        self._events.append(CacheEvent(CacheEventKind.INSERTED, host_tier_hash(block_hash)))
+        self._track(slot, self._copier.to_host(block_id, slot, before_writes))
+        self._num_offloaded += 1
+        return True
+
+    def _track(self, slot: int, done: CopyDone | None) -> None:
+        self._in_flight.pop(slot, None)  # a later copy of a slot ends after an earlier one
+        if done is None:
+            return
+        self._in_flight[slot] = done  # the newest last: the dict is in the order asked
+        # Forget copies done, oldest first, two per call: the map shrinks to the copies
+        # actually in flight (copies ahead of eviction make one per freed block).
+        for _ in range(2):
+            oldest = next(iter(self._in_flight), None)
+            if oldest is None or not self._in_flight[oldest].query():
+                return
+            del self._in_flight[oldest]
+
+    def _is_busy(self, slot: int) -> bool:
+        if slot in self._pins:
+            return True
+        done = self._in_flight.get(slot)
+        if done is None:
+            return False
+        if done.query():
+            del self._in_flight[slot]
+            return False
+        return True
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, slot in self._slot_by_hash.items():  # least recently used first
+            if not self._is_busy(slot):
+                del self._slot_by_hash[block_hash]
+                del self._hash_by_slot[slot]
+                self._events.append(CacheEvent(CacheEventKind.EVICTED,
+                                               host_tier_hash(block_hash)))
+                return slot
+        return None
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        held = set(self._hash_by_slot)
+        assert len(self._slot_by_hash) == len(self._hash_by_slot) == len(held), \
+            "a hash or a slot is held twice"
+        assert all(self._hash_by_slot[s] == h for h, s in self._slot_by_hash.items()), \
+            "the hash and slot maps disagree"
+        free = set(self._free_slots)
+        assert len(free) == len(self._free_slots), "a slot is on the free list twice"
+        assert not held & free, "a slot is both held and free"
+        assert len(held) + len(free) == self.num_host_blocks, \
+            "num_held_blocks + num_free_slots != num_host_blocks"
+        assert set(self._in_flight) <= held, "a copy is in flight for a slot not held"
+        assert set(self._pins) <= held and all(n > 0 for n in self._pins.values()), \
+            "a pin on a slot not held"

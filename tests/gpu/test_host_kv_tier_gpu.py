@@ -1,0 +1,108 @@
+"""The host KV tier on a CUDA device: pinned host memory, copies on a side stream ordered
+against the engine's stream by events (engine/host_copier.py).
+
+A block offloaded and then overwritten by work queued on the engine's stream right after
+(as the next step overwrites a block it reused) comes back intact; and an engine with a tiny
+pool, running overlapped steps, serves an evicted prefix from the host tier with the same
+tokens as an engine whose pool kept it. CUDA only: tests/integration/test_host_kv_tier_engine.py
+runs the same on the CPU on the real default model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.engine_gpu_model import build_random_model
+from engine.config import ModelConfig
+from engine.host_copier import StreamHostCopier
+from engine.kv_storage import KVLayout, KVStorage
+from engine.llm_engine import EngineConfig, LLMEngine
+from protocol.sampling_params import SamplingParams
+from text.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VOCAB = 512
+CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=256,
+                     intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def test_an_offload_completes_before_the_engine_stream_overwrites_the_block():
+    layout = KVLayout(dtype="bfloat16", num_layers=4, num_blocks=8, block_size=16,
+                      num_kv_heads=8, head_dim=128)
+    storage = KVStorage(layout, "cuda")
+    storage.kv.normal_()
+    tier = storage.host_tier(4 * 4 * 2 * 16 * 8 * 128 * 2)
+    assert tier is not None and isinstance(tier._copier, StreamHostCopier)
+    assert tier._copier.host.is_pinned()
+    original = storage.kv[:, :, 2].clone()
+    torch.cuda.synchronize()
+    # A long kernel queued before the copy: the copy must wait for it, not run beside it.
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64
+    storage.kv[:, :, 2].add_(big[0, 0] * 0 + 1)  # written by the "step" before the eviction
+    expected = original + 1
+    assert tier.offer(7, 2)
+    storage.kv[:, :, 2].fill_(-3)  # the next step overwrites the evicted block
+    tier.pin([7])
+    tier.reload(7, 5)
+    torch.cuda.synchronize()
+    assert torch.equal(storage.kv[:, :, 5], expected)
+    stats = tier.stats()
+    assert stats.offloaded_bytes == stats.reloaded_bytes == tier.block_bytes
+
+
+def word_tokenizer() -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(0,), add_bos_token=False,
+                     chat_template=None, special_token_strings={})
+
+
+def run(model, prompts: list[list[int]], num_kv_blocks: int,
+        host_bytes: int) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+        num_kv_blocks=num_kv_blocks, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+        dtype=torch.bfloat16, device="cuda", kv_host_cache_bytes=host_bytes))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results = []
+    for i, prompt in enumerate(prompts):  # one at a time: the same batches in both runs
+        engine.add_request(f"r{i}", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step(overlap=True):
+                tokens += out.new_token_ids
+            engine.check_invariants()
+        results.append(tokens)
+    return results, engine
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_with_the_same_tokens():
+    model = build_random_model(CONFIG, seed=3, device=torch.device("cuda"),
+                               dtype=torch.bfloat16)
+    rng = random.Random(0)
+    shared = [rng.randrange(1, VOCAB) for _ in range(80)]
+    fillers = [[rng.randrange(1, VOCAB) for _ in range(150)] for _ in range(2)]
+    prompts = [shared + [5, 6, 7], *fillers, shared + [9, 10]]
+    tiered, engine = run(model, prompts, 12, 64 << 20)
+    # The same prompts on a pool that evicts nothing: the last one finds the shared prefix
+    # on the device, so it computes the same two tokens over the same 80 cached ones; a
+    # reload is a bit-exact copy, so the tokens must be equal, not merely close.
+    kept, reference = run(model, prompts, 64, 0)
+    assert reference.kv_cache.find_cached_prefix(prompts[-1]).num_cached_tokens == 80
+    assert tiered == kept
+    tier = engine.kv_cache.host_tier
+    assert tier is not None and tier.stats().num_hit_blocks == 5  # shared's 80 tokens
+    assert engine.kv_cache.find_cached_prefix(prompts[-1]).block_ids  # back on the device
+    assert engine.kv_cache.num_used_blocks == 0

@@ -1,0 +1,241 @@
+"""HostKVTier: its LRU, capacity, in-flight and pinned slots; the CPU copier on real tensors;
+and the KV cache manager looking past the device pool into it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.block_pool import BlockPool, CacheEventKind
+from engine.host_copier import SyncHostCopier
+from engine.host_kv_tier import HostKVTier
+from engine.kv_cache import KVCacheManager
+from engine.kv_storage import KVLayout, KVStorage
+from engine.request import Request
+from protocol.block_hashes import block_hashes, host_tier_hash
+from protocol.sampling_params import SamplingParams
+
+BS = 4
+
+
+class Done:
+    """A copy in flight that the test completes by hand (as a CUDA event would)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class ManualCopier:
+    """Records which device block each host slot holds; copies stay in flight until done."""
+
+    def __init__(self, in_flight: bool = False) -> None:
+        self.in_flight = in_flight
+        self.asynchronous = in_flight
+        self.host: dict[int, int] = {}  # host slot -> device block it was copied from
+        self.reloads: list[tuple[int, int]] = []
+        self.pending: list[Done] = []
+        self.waited: list[Done] = []  # copies the engine's next writes were ordered after
+
+    def _done(self) -> Done | None:
+        if not self.in_flight:
+            return None
+        done = Done()
+        self.pending.append(done)
+        return done
+
+    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
+        self.host[host_slot] = block_id
+        return self._done()
+
+    def to_device(self, host_slot: int, block_id: int, after: Done | None) -> Done | None:
+        self.reloads.append((host_slot, block_id))
+        return self._done()
+
+    def order_writes_after(self, done: Done) -> None:
+        self.waited.append(done)
+
+
+def test_lru_keeps_the_most_recent_within_capacity() -> None:
+    tier = HostKVTier(2, ManualCopier(), block_bytes=10)
+    assert tier.offer(101, 0) and tier.offer(102, 1)
+    assert tier.offer(101, 5)  # already held: no copy, but it becomes the most recent
+    assert tier.offer(103, 2)  # evicts 102, the least recently used
+    assert [tier.holds(h) for h in (101, 102, 103)] == [True, False, True]
+    assert tier.num_held_blocks == 2
+    tier.check_invariants()
+    assert tier.stats().offloaded_bytes == 30  # three copies, not four
+
+
+def test_lookup_is_the_leading_run_held() -> None:
+    tier = HostKVTier(4, ManualCopier(), block_bytes=1)
+    for block_id, h in enumerate((1, 2, 4)):
+        tier.offer(h, block_id)
+    assert tier.num_leading_held([1, 2, 3, 4]) == 2
+    assert tier.num_leading_held([3, 1]) == 0
+    assert tier.num_leading_held([]) == 0
+
+
+def test_a_slot_in_flight_is_not_evicted() -> None:
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(1, copier, block_bytes=1)
+    assert tier.offer(1, 0)
+    assert not tier.offer(2, 1)  # the only slot's copy is in flight: 2 is dropped
+    assert tier.holds(1) and not tier.holds(2)
+    assert tier.stats().num_dropped_blocks == 1
+    copier.pending[0].done = True
+    assert tier.offer(2, 1)  # now idle: evicted for 2
+    assert tier.holds(2) and not tier.holds(1)
+    tier.check_invariants()
+
+
+def test_a_pinned_slot_is_not_evicted_until_reloaded() -> None:
+    copier = ManualCopier()
+    tier = HostKVTier(1, copier, block_bytes=1)
+    tier.offer(1, 0)
+    tier.pin([1])
+    assert not tier.offer(2, 1)
+    tier.reload(1, 7)
+    assert copier.reloads == [(0, 7)]
+    with pytest.raises(ValueError, match="without a pin"):
+        tier.reload(1, 8)
+    assert tier.offer(2, 1)
+    tier.check_invariants()
+
+
+def test_wait_for_copies_completes_every_copy() -> None:
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(2, copier, block_bytes=1)
+    tier.offer(1, 0)
+    tier.offer(2, 1)
+    tier.wait_for_copies()
+    assert all(d.done for d in copier.pending)
+    assert tier.offer(3, 2)  # every slot idle again: the LRU one goes
+
+
+def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
+    layout = KVLayout(dtype="float32", num_layers=3, num_blocks=4, block_size=BS,
+                      num_kv_heads=2, head_dim=8)
+    storage = KVStorage(layout)
+    storage.kv.copy_(torch.randn(storage.kv.shape))
+    tier = storage.host_tier(num_bytes=2 * 3 * 2 * BS * 2 * 8 * 4)
+    assert tier is not None and tier.num_host_blocks == 2
+    original = storage.kv[:, :, 1].clone()
+    tier.offer(42, 1)
+    storage.kv[:, :, 1] = 0.0  # the device block is reused
+    tier.pin([42])
+    tier.reload(42, 3)
+    assert torch.equal(storage.kv[:, :, 3], original)
+    assert storage.host_tier(num_bytes=100) is None  # under one block: off
+
+
+def test_sync_copier_is_done_on_return() -> None:
+    kv = torch.zeros(1, 2, 2, BS, 1, 2)
+    assert SyncHostCopier(kv, 1).to_host(0, 0, before_writes=True) is None
+
+
+def _request(request_id: str, prompt: list[int]) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=tuple(prompt),
+                   sampling_params=SamplingParams(max_tokens=4))
+
+
+def _compute(kv: KVCacheManager, request: Request) -> None:
+    prefix = kv.find_cached_prefix(request.prompt_token_ids)
+    assert kv.allocate_for(request, request.num_prompt_tokens - prefix.num_cached_tokens,
+                           prefix)
+    request.num_computed_tokens = request.num_prompt_tokens
+    kv.cache_full_blocks(request)
+
+
+def test_evicted_prefix_is_found_in_the_host_tier_and_reloaded() -> None:
+    copier = ManualCopier()
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    a = _request("a", list(range(13)))  # 3 full blocks + 1 token
+    _compute(kv, a)
+    a_blocks = a.block_ids
+    kv.free(a)
+    _compute(kv, b := _request("b", list(range(100, 113))))  # evicts a's three blocks
+    assert kv.host_tier is not None and kv.host_tier.num_held_blocks == 3
+    assert set(copier.host.values()) == set(a_blocks[:3])
+    kv.free(b)
+    c = _request("c", list(range(12)) + [99, 98])
+    prefix = kv.find_cached_prefix(c.prompt_token_ids)
+    assert prefix.block_ids == () and prefix.num_cached_tokens == 12
+    assert prefix.host_block_hashes == tuple(block_hashes(list(range(12)), BS))
+    assert kv.allocate_for(c, 2, prefix)
+    assert [block for _, block in copier.reloads] == list(c.block_ids[:3])
+    # Reloaded blocks are published: a later request finds them on the device.
+    assert kv.find_cached_prefix(list(range(13))).block_ids == c.block_ids[:3]
+    stats = kv.host_tier.stats()
+    # a's and b's three blocks each were computed (missed), c's three came from the host.
+    assert (stats.num_hit_blocks, stats.num_missed_blocks) == (3, 6)
+    kv.check_invariants()
+    kv.free(c)
+    assert kv.num_used_blocks == 0
+
+
+def test_a_reservation_takes_host_blocks_and_waits_for_the_copies_out() -> None:
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    _compute(kv, a := _request("a", list(range(9))))
+    kv.free(a)
+    reservation = kv.reserve("d", list(range(50, 62)))  # evicts a's two blocks
+    assert reservation.num_cached_tokens == 0
+    assert all(d.done for d in copier.pending)  # done before a peer writes the blocks
+    kv.release("d")
+    reservation = kv.reserve("e", list(range(8)) + [5])
+    assert reservation.num_cached_tokens == 8  # both from the host tier
+    kv.check_invariants()
+    kv.release("e")
+
+
+def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in_flight():
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    assert kv.host_tier is not None and kv.host_tier.copies_ahead
+    _compute(kv, a := _request("a", list(range(9))))
+    kv.free(a)  # two full blocks become cached-free: copied now, nobody waits
+    assert kv.host_tier.num_held_blocks == 2 and len(copier.pending) == 2
+    assert copier.waited == []
+    copier.pending[0].done = True
+    _compute(kv, _request("b", list(range(50, 63))))  # evicts both: no second copy
+    assert len(copier.pending) == 2
+    assert copier.waited == [copier.pending[1]]  # the reuse waits for the one in flight
+    kv.check_invariants()
+
+
+def test_copies_done_are_forgotten_as_new_ones_start():
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(64, copier, block_bytes=1)
+    for h in range(10):
+        tier.offer_ahead(h, h)
+    for done in copier.pending:
+        done.done = True
+    for h in range(10, 16):
+        tier.offer_ahead(h, h)
+    # 16 asked, 10 done: each new copy forgets up to two done ones, oldest first.
+    assert len(tier._in_flight) == 16 - 10
+    tier.check_invariants()
+
+
+def test_the_tier_reports_what_it_takes_and_drops_under_host_tier_names():
+    assert host_tier_hash(host_tier_hash(12345)) == 12345 != host_tier_hash(12345)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(2, ManualCopier(), 1))
+    _compute(kv, a := _request("a", list(range(13))))  # 3 full blocks
+    kv.free(a)
+    [h0, h1, h2] = block_hashes(list(range(13)), BS)
+    kv.drain_events()
+    _compute(kv, _request("b", list(range(50, 63))))  # evicts a's 3: the tier keeps 2
+    events = [(e.kind, e.block_hash) for e in kv.drain_events()]
+    host_events = [e for e in events if e[1] in {host_tier_hash(h) for h in (h0, h1, h2)}]
+    # Evicted tail first (h2, h1, h0): the tier takes h2 and h1, then drops h2 for h0.
+    assert host_events == [(CacheEventKind.INSERTED, host_tier_hash(h2)),
+                           (CacheEventKind.INSERTED, host_tier_hash(h1)),
+                           (CacheEventKind.EVICTED, host_tier_hash(h2)),
+                           (CacheEventKind.INSERTED, host_tier_hash(h0))]
+    assert (CacheEventKind.EVICTED, h0) in events  # the KV cache's own, under its own name
