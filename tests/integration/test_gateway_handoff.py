@@ -319,7 +319,9 @@ def test_admin_workers_and_metrics(cluster: GatewayCluster) -> None:
         assert worker["state"] == "ready" and worker["control_url"].startswith("http://127.0.0.1:")
         assert set(worker["load"]) == {"num_running", "num_waiting", "kv_blocks_used",
                                        "kv_blocks_total", "num_queued_prefill_tokens",
-                                       "num_decoding", "prefill_tokens_per_s"}
+                                       "num_decoding", "prefill_tokens_per_s",
+                                       "host_blocks_used", "host_blocks_total"}
+        assert worker["load"]["host_blocks_total"] == 0  # no host KV tier asked for
         assert worker["step_model"] is None or worker["step_model"]["base_s"] >= 0
         assert worker["sm_share_percent"] is None  # no MPS on the CPU
     # The per-request counters moved by exactly the two requests (the plan when it is made,
