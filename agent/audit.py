@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
@@ -80,17 +81,7 @@ class Audit:
         level = logging.WARNING if acted else logging.INFO
         log.log(level, "%s %s (epoch %d): %s -> %s: %s", event.rule, event.worker_id,
                 event.epoch, event.evidence, event.action, event.outcome)
-        line = msgspec.json.encode(event)
-        if self._file is not None:
-            self._file.write(line + b"\n")
-            self._file.flush()
-        if self.echo is not None:
-            print(line.decode(), file=self.echo, flush=True)
-        try:
-            await self.agent_state.record(event)
-        except REDIS_FAILURES as exc:
-            raise_if_cancelling(exc)
-            self.num_redis_failures += 1
+        await self._write(msgspec.json.encode(event), lambda: self.agent_state.record(event))
         return True
 
     async def report(self, report: RootCauseReport) -> None:
@@ -100,14 +91,19 @@ class Audit:
         log.warning("root cause, tier %s: %s -> %s", report.tier, report.trigger,
                     f"{cause.kind.value} ({cause.stage.value}): {cause.evidence}" if cause
                     else "nothing observed explains it")
-        line = msgspec.json.encode(report)
+        await self._write(msgspec.json.encode(report),
+                          lambda: self.agent_state.record_report(report))
+
+    async def _write(self, line: bytes, store: Callable[[], Awaitable[object]]) -> None:
+        """One JSON line to the file and the echo, then `store()` into Redis (a failure
+        there is counted, not raised: the file keeps the record)."""
         if self._file is not None:
             self._file.write(line + b"\n")
             self._file.flush()
         if self.echo is not None:
             print(line.decode(), file=self.echo, flush=True)
         try:
-            await self.agent_state.record_report(report)
+            await store()
         except REDIS_FAILURES as exc:
             raise_if_cancelling(exc)
             self.num_redis_failures += 1

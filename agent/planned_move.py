@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 
 from agent.capacity_plan import PoolSizes
-from agent.rebalance import RebalanceConfig, RoleMove, RoleView
+from agent.rebalance import RebalanceConfig, RoleMove, RoleView, least_loaded
 from protocol.messages import Role
 
 
@@ -51,7 +51,7 @@ def plan_ahead(desired: PoolSizes | None, views: Sequence[RoleView], last_move_s
                           else (Role.PREFILL, Role.DECODE, prefill))
     if len(pool) - 1 < cfg.min_per_role:
         return None
-    pick = min(pool, key=lambda v: (v.load.num_running + v.load.num_waiting, v.worker_id))
+    pick = least_loaded(pool)
     return RoleMove(pick.worker_id, pick.epoch, donor, taker,
                     f"capacity plan: {desired.prefill} prefill and {desired.decode} decode "
                     f"workers for the forecast ({desired.reason}); of the {len(routable)} here "

@@ -221,10 +221,14 @@ def plan_rebalance(history: Sequence[PoolSignals], views: Sequence[RoleView],
         routable = [v for v in views if v.role == donor and not v.ejected]
         if len(routable) - 1 < cfg.min_per_role:
             return None
-        pick = min(routable, key=lambda v: (v.load.num_running + v.load.num_waiting,
-                                              v.worker_id))
+        pick = least_loaded(routable)
         return RoleMove(pick.worker_id, pick.epoch, donor, taker,
                         f"{evidence(span, cfg)}; {pick.worker_id} is the least loaded "
                         f"{donor.value} worker ({pick.load.num_running} running, "
                         f"{pick.load.num_waiting} waiting)")
     return None
+
+
+def least_loaded(views: Sequence[RoleView]) -> RoleView:
+    """The worker a role move takes: the fewest running + waiting requests, ties by id."""
+    return min(views, key=lambda v: (v.load.num_running + v.load.num_waiting, v.worker_id))

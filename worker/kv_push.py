@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from kv_transfer.errors import KVTransferError, TransferCancelled
 from kv_transfer.interface import KVSender, SendHandle, TransferSpec
-from kv_transfer.layout import KVLayout, plan_runs, transfer_bytes
+from kv_transfer.layout import KVLayout, TransferPlan, transfer_bytes
 from protocol.messages import DecodeDestination, TransferResult, TransferStatus
 from worker.faults import Faults
 from worker.handoff import EarlyPush
@@ -106,8 +106,7 @@ class KVPusher:
         self.metrics.kv_transfers.inc(direction="sent",
                                       path="mapped" if handle.mapped else "carrier")
         self.metrics.kv_pushes.inc(start=start)
-        num_descriptors = len(plan_runs(spec.src_block_ids, spec.dst_block_ids)) * 2 * len(
-            spec.layers)
+        num_descriptors = TransferPlan(self.kv_layout, spec).num_messages
         self.metrics.record_push_cost(num_bytes, num_descriptors, post_s, wire_s)
         return transfer_result(spec.request_id, destination, TransferStatus.DONE,
                                num_blocks_sent=num_blocks, num_bytes_sent=num_bytes,

@@ -41,7 +41,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -75,6 +76,7 @@ ADMIN = web.AppKey("admin_access", AdminAccess)
 FINISHED = frozenset({SloOutcome.MET, SloOutcome.MISSED_TTFT, SloOutcome.MISSED_TPOT,
                       SloOutcome.MISSED_BOTH})
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_AGENT_EVENTS = 1000
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -238,12 +240,7 @@ class AgentEvents(msgspec.Struct):
 async def handle_agent_events(request: web.Request) -> web.Response:
     require_admin(request, AdminCall.READ)
     count = _limit(request, 100)
-    agent_state = _agent_state(request)
-    try:
-        events = await agent_state.recent_events(count)
-    except REDIS_FAILURES as exc:
-        raise_if_cancelling(exc)
-        raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None
+    events = await _from_redis(_agent_state(request).recent_events(count))
     return web.Response(body=msgspec.json.encode(AgentEvents(events=events)),
                         content_type="application/json")
 
@@ -255,14 +252,18 @@ class AgentReports(msgspec.Struct):
 async def handle_agent_reports(request: web.Request) -> web.Response:
     require_admin(request, AdminCall.READ)
     count = _limit(request, 20)
-    agent_state = _agent_state(request)
+    reports = await _from_redis(_agent_state(request).recent_reports(count))
+    return web.Response(body=msgspec.json.encode(AgentReports(reports=reports)),
+                        content_type="application/json")
+
+
+async def _from_redis(read: Awaitable[T]) -> T:
+    """What `read` returns; Redis unreachable: a 503 the client can retry."""
     try:
-        reports = await agent_state.recent_reports(count)
+        return await read
     except REDIS_FAILURES as exc:
         raise_if_cancelling(exc)
         raise ApiError(503, f"Redis is unreachable: {exc}", code="redis_unavailable") from None
-    return web.Response(body=msgspec.json.encode(AgentReports(reports=reports)),
-                        content_type="application/json")
 
 
 def _limit(request: web.Request, default: int) -> int:

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from test_tensor_parallel import BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch
+from test_tensor_parallel import BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch, run_group
 
-from engine.expert_parallel import moe_blocks
+from engine.expert_parallel import ExpertRebalancer, moe_blocks
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.tensor_parallel_group import DrivingRunner, Followers, connect, load_shard
 
 
 def _skewed(tiny: Path, directory: Path) -> Path:
@@ -39,28 +37,12 @@ def _skewed(tiny: Path, directory: Path) -> Path:
     return directory
 
 
-def _run_ep(path: Path, rebalance_every: int) -> tuple[list[list[int]], torch.Tensor, object,
-                                                       torch.nn.Module]:
-    followers = Followers(2, str(path), "float32", "cpu", threads=1, timeout_s=60.0,
-                          expert_parallel=True)
-    connected = False
-    try:
-        group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
-                        expert_parallel=True)
-        connected = True
-        shard = load_shard(str(path), group, torch.float32, "cpu").model
-        kv = KVStorage.for_model(shard.config, len(PROMPTS) * BLOCKS_PER_SEQ, BLOCK_SIZE,
-                                 torch.float32)
-        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group, rebalance_every)
-        tokens, logits = _greedy_batch(runner)
-        runner.close()
-        codes = followers.stop(timeout_s=30.0)
-    finally:
-        followers.stop(timeout_s=0.0)
-        if connected:
-            dist.destroy_process_group()
-    assert codes == [0]
-    return tokens, logits, runner.rebalancer, shard
+def _run_ep(path: Path, rebalance_every: int) -> tuple[list[list[int]], torch.Tensor,
+                                                       ExpertRebalancer, torch.nn.Module]:
+    tokens, logits, runner = run_group(path, 2, expert_parallel=True,
+                                       rebalance_every=rebalance_every)
+    assert runner.rebalancer is not None
+    return tokens, logits, runner.rebalancer, runner.runner.model
 
 
 def _reference(path: Path) -> tuple[list[list[int]], torch.Tensor]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.expert_parallel import REBALANCE_INTERVAL_STEPS
 from engine.kv_storage import KVStorage
 from engine.loader import load_model, read_model_config
 from engine.model_runner import ModelRunner
@@ -75,16 +76,31 @@ def test_sharded_greedy_matches_unsharded(variant, tp_size, tmp_path, tiny_model
                                        BLOCK_SIZE, torch.float32)
     expected_tokens, expected_logits = _greedy_batch(ModelRunner(full, reference_kv, BLOCK_SIZE))
 
-    followers = Followers(tp_size, str(path), "float32", "cpu", threads=1, timeout_s=60.0)
+    tokens, logits, runner = run_group(path, tp_size)
+    assert runner.runner.model.config.num_kv_heads == full.config.num_kv_heads // tp_size
+    assert tokens == expected_tokens
+    rel_err = (logits - expected_logits).norm() / expected_logits.norm()
+    assert rel_err < 1e-4, f"relative error {rel_err:.2e}"
+    # Each rank's pool holds only its own KV heads.
+    assert runner.runner.kv.kv.shape[4] == reference_kv.kv.shape[4] // tp_size
+
+
+def run_group(path: Path, tp_size: int, expert_parallel: bool = False,
+              rebalance_every: int = REBALANCE_INTERVAL_STEPS
+              ) -> tuple[list[list[int]], torch.Tensor, DrivingRunner]:
+    """`_greedy_batch` over a group of `tp_size` ranks (this process rank 0, the followers
+    spawned, every follower checked to exit 0): (tokens, prefill logits, rank 0's runner)."""
+    followers = Followers(tp_size, str(path), "float32", "cpu", threads=1, timeout_s=60.0,
+                          expert_parallel=expert_parallel)
     connected = False
     try:
-        group = connect(0, tp_size, followers.store, torch.device("cpu"), timeout_s=60.0)
+        group = connect(0, tp_size, followers.store, torch.device("cpu"), timeout_s=60.0,
+                        expert_parallel=expert_parallel)
         connected = True
         shard = load_shard(str(path), group, torch.float32, "cpu").model
-        assert shard.config.num_kv_heads == full.config.num_kv_heads // tp_size
         kv = KVStorage.for_model(shard.config, len(PROMPTS) * BLOCKS_PER_SEQ, BLOCK_SIZE,
                                  torch.float32)
-        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group)
+        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group, rebalance_every)
         tokens, logits = _greedy_batch(runner)
         runner.close()
         codes = followers.stop(timeout_s=30.0)
@@ -93,11 +109,7 @@ def test_sharded_greedy_matches_unsharded(variant, tp_size, tmp_path, tiny_model
         if connected:
             dist.destroy_process_group()
     assert codes == [0] * (tp_size - 1)
-    assert tokens == expected_tokens
-    rel_err = (logits - expected_logits).norm() / expected_logits.norm()
-    assert rel_err < 1e-4, f"relative error {rel_err:.2e}"
-    # Each rank's pool holds only its own KV heads.
-    assert kv.kv.shape[4] == reference_kv.kv.shape[4] // tp_size
+    return tokens, logits, runner
 
 
 def test_shards_reassemble_the_full_weights(tiny_model):
