@@ -116,7 +116,7 @@ class EngineThread:
         self.load = engine_load(engine)
         # A MoE model's expert load (a tensor-parallel group's driver holds no model).
         runner_model = getattr(getattr(engine, "runner", None), "model", None)
-        self._experts = ExpertLoadWindow(runner_model) if runner_model is not None else None
+        self._experts = ExpertLoadWindow.of(runner_model) if runner_model is not None else None
         self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)

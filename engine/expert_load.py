@@ -32,20 +32,28 @@ def imbalance(counts: Sequence[int]) -> float:
 
 class ExpertLoadWindow:
     """Engine thread only. `refresh()` after a step; `imbalance` and `hottest` hold the last
-    complete window's figures (empty for a dense model or before the first window ends)."""
+    complete window's figures (empty before the first window ends). Only for a model with
+    MoE blocks (`of` gives None for a dense one, so its steps pay nothing)."""
 
     def __init__(self, model: nn.Module, window_s: float = WINDOW_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.blocks = moe_blocks(model)
+        if not self.blocks:
+            raise ValueError("an expert load window needs a mixture-of-experts model")
         self.window_s = window_s
         self.clock = clock
         self.started_s = clock()
         self.imbalance: list[float] = []
         self.hottest: list[int] = []
 
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertLoadWindow | None:
+        """The window of `model`'s experts; None for a dense model."""
+        return cls(model) if moe_blocks(model) else None
+
     def refresh(self) -> None:
         now = self.clock()
-        if not self.blocks or now - self.started_s < self.window_s:
+        if now - self.started_s < self.window_s:
             return
         counts = [block.take_expert_tokens() for block in self.blocks]
         self.imbalance = [imbalance(c) for c in counts]
