@@ -42,8 +42,10 @@ def build_engine(model: str, config: EngineConfig,
         graph_sizes = config.cuda_graph_batch_sizes
         if graph_sizes is None:
             graph_sizes = DEFAULT_BATCH_SIZES
+        # A prefill lane's step runs beside the engine's own: two steps' activations at once.
+        step_tokens = config.max_num_batched_tokens * (2 if config.prefill_lane_sms else 1)
         plan = plan_for_model(loaded.model, config.block_size, config.dtype,
-                              config.gpu_memory_fraction, config.max_num_batched_tokens,
+                              config.gpu_memory_fraction, step_tokens,
                               max(graph_sizes, default=0),
                               logits_rows(config.max_num_batched_tokens)
                               if config.mixed_cuda_graphs else 0)

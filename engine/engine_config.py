@@ -36,12 +36,19 @@ class EngineConfig:
     # Host memory for prefix blocks evicted from the KV pool (engine/host_kv_tier.py);
     # 0: off.
     kv_host_cache_bytes: int = 0
+    # Prompts computed beside the decode steps, by a scheduler and runner of their own over
+    # this engine's KV pool (engine/prefill_lane.py): on CUDA on this many SMs, the decode
+    # steps on the rest (green contexts); on the CPU any positive value runs the lane's steps
+    # in turn with the decode steps. 0: no lane, prompts are computed in the decode steps.
+    prefill_lane_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.prefill_lane_sms < 0:
+            raise ValueError(f"prefill_lane_sms must be >= 0, got {self.prefill_lane_sms}")
         if self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -17,7 +17,7 @@ def engine_load(engine: LLMEngine, queued: QueueShape | None = None,
     `queued`: the queue's shape if known (else read from every live request now);
     `experts`: the expert load window's last figures, for a MoE model."""
     if queued is None:
-        queued = queue_shape(engine.scheduler.live_requests())
+        queued = queue_shape(engine.live_requests())
     tier = engine.kv_cache.host_tier
     return WorkerLoad(num_waiting=engine.num_waiting, num_running=engine.num_running,
                       num_kv_blocks_used=engine.kv_cache.num_used_blocks,

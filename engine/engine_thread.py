@@ -344,7 +344,7 @@ class EngineThread:
             shape = step_shape(self._engine.last_schedule)
         now = time.monotonic()
         if step_s <= 0 or now >= self._queued_until or not self._engine.has_unfinished():
-            self._queued = queue_shape(self._engine.scheduler.live_requests())
+            self._queued = queue_shape(self._engine.live_requests())
             self._queued_until = now + QUEUE_SHAPE_PERIOD_S
         if self._experts is not None and step_s > 0:
             self._experts.refresh()

@@ -24,9 +24,12 @@ read blocks that later steps rewrite, so its transfer must be cancelled, not com
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.schedule_output import ScheduledChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +61,17 @@ class LayerEventRecorder:
         event = torch.cuda.Event()
         event.record()  # on the current stream: the one the layer's kernels ran on
         self.events.append(event)
+
+
+def announce_kv_ready(chunks: Sequence[ScheduledChunk], num_prompt_tokens: Callable[[str], int],
+                      events: tuple[torch.cuda.Event, ...] | None,
+                      on_kv_ready: Callable[[KVReady], None], block_size: int,
+                      num_layers: int) -> None:
+    """Hand `on_kv_ready` the KVReady of each final prompt chunk in `chunks` (one per
+    request, `num_prompt_tokens` giving its prompt's length), with the step's layer events."""
+    for chunk in chunks:
+        ready = KVReady(chunk.request_id, chunk.block_ids, num_prompt_tokens(chunk.request_id),
+                        events)
+        if __debug__:
+            ready.check_invariants(block_size, num_layers)
+        on_kv_ready(ready)

@@ -3,15 +3,16 @@
 Lifecycle of a request inside one engine:
 
     add_request ----------> WAITING -> RUNNING (chunked prefill, then decode) -> finished
+                    (with a prefill lane: WAITING -> RUNNING there, then handed over)
     add_request(PREFILL_ONLY)  ...  -> PREFILLED (first token out, blocks held)
                                         -> release_prefilled() once its KV has been sent
     reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
 Every step returns one `RequestOutput` per request that produced a token or finished in it
-(a pipelined step hands some of them out during the next step: engine/output_processor.py).
-Text streams through the incremental detokenizer, held back while it may start a stop string.
-Invariants: ids tracked here = ids the scheduler knows (live or PREFILLED); a finished
-request produces exactly one output with `finish_reason` set. Outputs count engine steps.
+(a pipelined step hands some of them out during the next step: engine/output_processor.py);
+text streams through the incremental detokenizer, held back while it may start a stop string.
+Invariants: engine/engine_invariants.py. A finished request produces exactly one output with
+`finish_reason` set. Outputs count engine steps.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.generation_result import GenerationResult
+from engine.engine_invariants import check_engine
+from engine.generation_result import GenerationResult, run_to_completion
 from engine.grammar_rows import GrammarRows
 from engine.inflight_step import InFlightStep
 from engine.kv_cache import KVCacheManager, Reservation
-from engine.kv_ready import KVReady, LayerEventRecorder
+from engine.kv_ready import KVReady, LayerEventRecorder, announce_kv_ready
 from engine.kv_storage import KVStorage
 from engine.model_runner import DeviceTokens, ModelRunner, StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
-from engine.request import Request, RequestMode, RequestStatus
+from engine.prefill_lane import land_outputs, prefill_lane
+from engine.request import Request, RequestMode, RequestStatus, check_prompt_tokens
 from engine.sampler import Sampler, SamplingState, TokenLogprobs
 from engine.schedule_output import ScheduledChunk, ScheduleOutput
 from engine.scheduler import Scheduler
@@ -48,10 +51,10 @@ class LLMEngine:
 
     def __init__(self, runner: StepRunner, kv_storage: KVStorage, model_config: ModelConfig,
                  tokenizer: Tokenizer, config: EngineConfig,
-                 sampler_seed: int | None = None) -> None:
+                 sampler_seed: int | None = None, lane_runner: StepRunner | None = None) -> None:
         """`runner` executes each step's schedule and writes the KV into `kv_storage`;
-        `for_model` builds both for one process, engine/tensor_parallel_group.py for rank 0
-        of a group (a shard's storage, a runner that drives the followers)."""
+        `for_model` builds both for one process (and `lane_runner`, the prefill lane's),
+        engine/tensor_parallel_group.py for rank 0 of a group."""
         if kv_storage.layout.block_size != config.block_size:
             raise ValueError(f"KV storage block size {kv_storage.layout.block_size} != "
                              f"{config.block_size}")
@@ -77,6 +80,9 @@ class LLMEngine:
         self.last_schedule: ScheduleOutput | None = None  # what the last step computed
         self._inflight: InFlightStep | None = None  # an overlapped step's, tokens pending
         self.step_timer: StepTimer | None = None  # set: each step timed on the device (CUDA)
+        # Prompts computed beside the decode steps (engine/prefill_lane.py); None: in them
+        self.lane = None if lane_runner is None else prefill_lane(
+            config, self.kv_cache, lane_runner, self.sampler)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
@@ -88,7 +94,10 @@ class LLMEngine:
                              cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
                              mixed_graph_tokens=(config.max_num_batched_tokens
                                                  if config.mixed_cuda_graphs else 0))
-        return cls(runner, kv_storage, model_config, tokenizer, config, sampler_seed)
+        lane_runner = ModelRunner(model, kv_storage, config.block_size, cuda_graph_batch_sizes=(),
+                                  mixed_graph_tokens=0) if config.prefill_lane_sms else None
+        return cls(runner, kv_storage, model_config, tokenizer, config, sampler_seed,
+                   lane_runner)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -112,7 +121,11 @@ class LLMEngine:
                           tpot_s=tpot_s, mode=mode)
         tracked = self._track(request, notify_kv_ready, resumed_token_ids)
         if not resumed_token_ids:
-            self.scheduler.add_request(request)
+            lane = self.lane
+            if lane is not None and mode is RequestMode.PREFILL_AND_DECODE:
+                lane.add(request)
+            else:
+                self.scheduler.add_request(request)
             return
         try:
             self.outputs.replay(tracked, resumed_token_ids, self.model_config.vocab_size)
@@ -160,6 +173,8 @@ class LLMEngine:
         tracked = self.outputs.untrack(request_id)
         if self.scheduler.get_request(request_id) is not None:
             self.scheduler.abort_request(request_id)
+        elif self.lane is not None and self.lane.holds(request_id):
+            self.lane.abort(request_id)
         elif tracked is not None and tracked.request.status is RequestStatus.PREFILLED:
             self.scheduler.release_prefilled(request_id)
         return tracked is not None
@@ -167,15 +182,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Work left for `step()`: requests to compute, or deferred outputs to make."""
         return (self.scheduler.num_waiting + self.scheduler.num_running > 0
-                or self.outputs.num_deferred > 0 or self._inflight is not None)
+                or self.outputs.num_deferred > 0 or self._inflight is not None
+                or self.lane is not None and self.lane.has_work())
 
     @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+    def num_waiting(self) -> int:  # the lane's included, as num_running
+        return self.scheduler.num_waiting + (self.lane.num_waiting if self.lane else 0)
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        return self.scheduler.num_running + (self.lane.num_running if self.lane else 0)
+
+    def live_requests(self) -> Iterable[Request]:
+        """Every live request: the scheduler's, then the prefill lane's."""
+        yield from self.scheduler.live_requests()
+        if self.lane is not None:
+            yield from self.lane.live_requests()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -183,20 +205,35 @@ class LLMEngine:
              on_outputs: Callable[[list[RequestOutput]], None] | None = None,
              overlap: bool = False) -> list[RequestOutput]:
         """One engine iteration. Returns the outputs of this step (possibly none).
-
         `on_kv_ready` gets the KVReady of every request that asked for one and whose final
         prompt chunk this step computes, before the step waits for the model (kv_ready.py).
-
         With `on_outputs` the step is pipelined (engine/output_processor.py): the text of
         this step's tokens that cannot end a request is made during the next step, while
         the device computes it, and handed to `on_outputs` before that step waits; the
         rest is returned. Use it where the device computes asynchronously (CUDA): on the
         CPU the model runs inside `execute`, so nothing would overlap.
-
         With `overlap` the step is overlapped (engine/inflight_step.py): it plans and
         queues the next step before this one's tokens reach the host, and returns the
         outputs of the step before (`on_outputs` is then not used). Needs a runner that
-        `reads_device_tokens`. A plain step after overlapped ones first finishes the last."""
+        `reads_device_tokens`. A plain step after overlapped ones first finishes the last.
+        With a prefill lane its step lands first, where the device is done with it, its
+        next is queued, and this step runs beside it (engine/prefill_lane.py)."""
+        lane = self.lane
+        if lane is None:
+            return self._step(on_kv_ready, on_outputs, overlap)
+        with lane.decode_scope():
+            outputs = land_outputs(lane.land(wait=False), lane, self.scheduler, self.outputs)
+            lane.launch(self._tracked)
+            outputs += self._step(on_kv_ready, on_outputs, overlap)
+            idle = not (self._inflight or self.scheduler.num_running + self.scheduler.num_waiting)
+            if lane.flying and idle:  # nothing to do beside it: wait for it
+                outputs += land_outputs(lane.land(True), lane, self.scheduler, self.outputs)
+        return outputs
+
+    def _step(self, on_kv_ready: Callable[[KVReady], None] | None,
+              on_outputs: Callable[[list[RequestOutput]], None] | None,
+              overlap: bool) -> list[RequestOutput]:
+        """One iteration of the engine's own scheduler (`step` without the lane)."""
         if overlap and not self.grammar_rows.any_live(self._tracked.keys()):
             return self._step_overlapped(on_kv_ready)
         if self._inflight is not None:
@@ -211,9 +248,8 @@ class LLMEngine:
             if self.outputs.num_deferred and on_outputs is not None:
                 on_outputs(self.outputs.flush_deferred())  # while the device computes
             if logits.is_cuda:
-                # Wait for the model without the GIL (an event wait releases it; the
-                # sampler's copies to the host may not), so the worker's event loop runs
-                # while the GPU computes: streams, HTTP, and a KVReady's push.
+                # Wait for the model without the GIL (an event wait releases it; the sampler's
+                # copies may not), so the worker's loop runs: streams, HTTP, a KVReady's push.
                 done = torch.cuda.Event()
                 done.record()
                 done.synchronize()
@@ -327,22 +363,8 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
         """Run prompts to completion together (continuous batching); results in input order."""
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        results = {rid: GenerationResult(rid, [], "") for rid in ids}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
-        while any(r.finish_reason is None for r in results.values()):
-            for out in self.step():
-                result = results.get(out.request_id)
-                if result is None:
-                    continue
-                result.token_ids.extend(out.new_token_ids)
-                result.text += out.new_text
-                result.logprobs.extend(out.logprobs)
-                if out.finish_reason is not None:
-                    result.finish_reason = out.finish_reason
-        return [results[rid] for rid in ids]
+        return run_to_completion(self, prompts, params, [f"generate-{next(self._ids)}"
+                                                         for _ in prompts])
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -351,23 +373,15 @@ class LLMEngine:
                            on_kv_ready: Callable[[KVReady], None] | None) -> None:
         assert on_kv_ready is not None  # only called when chunks were collected for it
         for chunk in chunks:
-            tracked = self._tracked[chunk.request_id]
             self.outputs.kv_ready_sent(chunk.request_id)  # once
-            ready = KVReady(chunk.request_id, chunk.block_ids,
-                            tracked.request.num_prompt_tokens, events)
-            if __debug__:
-                ready.check_invariants(self.config.block_size, self.model_config.num_layers)
-            on_kv_ready(ready)
+        announce_kv_ready(chunks, lambda rid: self._tracked[rid].request.num_prompt_tokens,
+                          events, on_kv_ready, self.config.block_size,
+                          self.model_config.num_layers)
 
     def _check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt has no tokens")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        check_prompt_tokens(prompt_token_ids, self.model_config.vocab_size)
 
     def _track(self, request: Request, notify_kv_ready: bool = False,
                replayed: Sequence[int] = ()) -> Tracked:
@@ -383,18 +397,4 @@ class LLMEngine:
         self.runner.close()
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
-        self.outputs.check_invariants()
-        for tracked in self._tracked.values():
-            tracked.sampling.check_invariants(tracked.request.sampling_params)
-        if self._inflight is not None:
-            self._inflight.check_invariants()
-        for request in self.scheduler.live_requests():  # a PLACEHOLDER only while in flight
-            if request.token_pending and not (
-                    self._inflight is not None and self._inflight.holds(request.request_id)):
-                raise AssertionError(f"{request.request_id} has a PLACEHOLDER, not in flight")
-        for rid in self._tracked:
-            if self.scheduler.get_request(rid) is None and \
-                    self._tracked[rid].request.status is not RequestStatus.PREFILLED \
-                    and not (self._inflight is not None and self._inflight.holds(rid)):
-                raise AssertionError(f"{rid} tracked by the engine but unknown to the scheduler")
+        check_engine(self.scheduler, self.outputs, self._inflight, self.lane)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocol.finish_reason import FinishReason
@@ -141,3 +142,12 @@ class Request:
         if not output or output[-1] != PLACEHOLDER:
             raise AssertionError(f"{self.request_id} has no token pending")
         output[-1] = token_id
+
+
+def check_prompt_tokens(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError unless the prompt has tokens, each in [0, vocab_size)."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt has no tokens")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")

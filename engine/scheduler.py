@@ -14,26 +14,26 @@ Overlapped steps: `update_from_output(out, None)` records PLACEHOLDER for each s
 the next `schedule()` may come before `Request.resolve_placeholder`. A PLACEHOLDER is only a
 request's last output token, alone in its decode chunk (the runner reads it on the device);
 never hashed (blocks publish up to num_computed_tokens) nor recomputed (no admission then).
-
 Stop rules: max_tokens (FINISHED_LENGTH) and pool-capacity limits are this module's; EOS,
 stop ids and stop strings the engine's (`finish_request`). It counts each request's steps.
 
 One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunks:
-  1. seats: the max_num_seqs best-ranked RUNNING requests (more can be running only after
-     `add_decode_request` joined requests beyond the limit; they wait for a seat);
-  2. seated decodes (one token each) - max_num_batched_tokens >= max_num_seqs, so a decode is
-     never stalled by a long prompt;
+  1. seats: the max_num_seqs best-ranked RUNNING requests (more only after joins beyond it);
+  2. seated decodes, one token each (max_num_batched_tokens >= max_num_seqs: a decode is
+     never stalled by a long prompt);
   3. prefills, shortest remaining first within a tier, with aging: seated partial prefills
      and (while nothing was preempted this step) WAITING/PREEMPTED requests, merged in prefill
-     order, each a chunk of min(tokens left, budget left, prefill_chunk_tokens): a prompt that
-     arrives while a longer one is mid-prefill computes first in the next step, the long one
-     takes what is left (with `hold_tpot`, of what the decodes' tightest TPOT target leaves:
-     engine/step_budget.py). Admission (prefix-cache hits skip their compute) never preempts
-     and stops at the first waiting request without a seat or blocks: nobody overtakes it.
+     order, each a chunk of min(tokens left, budget left, prefill_chunk_tokens), the budget
+     being with `hold_tpot` what the decodes' tightest TPOT leaves (engine/step_budget.py).
+     Admission (prefix-cache hits skip their compute) never preempts and stops at the first
+     waiting request without a seat or blocks: nobody overtakes it.
   When a running request needs a block and none is free, the worst-ranked running request
   (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
-  full blocks stay in the prefix cache), num_computed_tokens goes back to 0, it re-enters the
-  waiting queue, and a chunk already scheduled for it this step is withdrawn.
+  full blocks stay cached), it computes nothing more and re-enters the waiting queue, and a
+  chunk already scheduled for it this step is withdrawn.
+Two schedulers may share one KV cache (the prefill lane, engine/prefill_lane.py): one with
+`parks_prefilled` parks each prompt after its first token; `hand_over` gives it, blocks held,
+to the other, which `adopt`s it and decodes it.
 
 Rank, prefill order, starvation: `engine/request_rank.py`; lifecycle: `engine/request.py`.
 No deadlock: a prompt needing more blocks than the whole pool is rejected at `add_request`
@@ -56,6 +56,7 @@ from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.request_rank import RequestOrder
 from engine.schedule_output import ScheduledChunk, ScheduleDraft, ScheduleOutput
 from engine.scheduler_config import SchedulerConfig
+from engine.scheduler_invariants import check_scheduler
 from engine.step_budget import budget_beside
 from engine.waiting_queue import WAITING_STATES, WaitingQueue
 from protocol.worker_load import StepModel
@@ -75,6 +76,7 @@ class Scheduler:
         self._scheduled: dict[str, Request] = {}
         self._num_steps = 0
         self.step_model: StepModel | None = None  # the worker's, for hold_tpot (None: unfitted)
+        self._parks = config.parks_prefilled
 
     @property
     def num_waiting(self) -> int:
@@ -172,6 +174,22 @@ class Scheduler:
         self._remove(request)
         return request
 
+    def hand_over(self, request_id: str) -> Request:
+        """A PREFILLED request leaves, its blocks still allocated, for another's `adopt`."""
+        request = self._prefilled.pop(request_id)  # KeyError: not PREFILLED here
+        del self._requests[request_id]
+        self._order.remove(request_id)
+        return request
+
+    def adopt(self, request: Request) -> None:
+        """Decode a request handed over by a scheduler sharing this KV cache (`hand_over`)."""
+        if request.request_id in self._requests or request.status is not \
+                RequestStatus.PREFILLED or not self.kv_cache.holds_blocks(request.request_id):
+            raise ValueError(f"{request.request_id} is not a handed-over prefilled request")
+        self._register(request)
+        request.status = RequestStatus.RUNNING
+        self._running.add(request, self._order.rank_key(request))
+
     def drain_finished(self) -> list[Request]:
         """Requests the scheduler itself ended or parked since the last call, in order:
         FINISHED_LENGTH, FINISHED_ERROR, and PREFILLED (still holding blocks)."""
@@ -252,7 +270,7 @@ class Scheduler:
                 output = request.output_token_ids
                 output.append(PLACEHOLDER if sampled_token_ids is None
                               else int(sampled_token_ids[chunk.request_id]))
-                if request.mode is RequestMode.PREFILL_ONLY or \
+                if request.mode is RequestMode.PREFILL_ONLY or self._parks or \
                         len(output) >= request.sampling_params.max_tokens:
                     self._after_sample(request)
 
@@ -316,7 +334,8 @@ class Scheduler:
         self._waiting.push(self._order.prefill_key(victim), victim)
 
     def _after_sample(self, request: Request) -> None:
-        if request.mode is RequestMode.PREFILL_ONLY:
+        if request.mode is RequestMode.PREFILL_ONLY or self._parks and \
+                request.num_output_tokens < request.sampling_params.max_tokens:
             self._running.remove(request)
             request.status = RequestStatus.PREFILLED
             self._prefilled[request.request_id] = request
@@ -374,27 +393,5 @@ class Scheduler:
     # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.kv_cache.check_invariants()
-        bs = self.kv_cache.block_size
-        self._waiting.check_invariants(self._order.prefill_key)
-        self._running.check_invariants()
-        waiting = self._waiting.waiting()
-        assert all(self._requests.get(r.request_id) is r for r in waiting)
-        assert len(waiting) + len(self._running) + len(self._prefilled) == len(self._requests)
-        assert self._order.request_ids() == set(self._requests)
-        assert not any(self.kv_cache.holds_blocks(r.request_id) for r in waiting), \
-            "a waiting request holds blocks"
-        for request in self._running.values():
-            assert request.status is RequestStatus.RUNNING
-            assert 1 <= request.num_tokens - request.num_computed_tokens
-            if request.mode is not RequestMode.PREFILL_ONLY:
-                assert request.num_output_tokens < request.sampling_params.max_tokens
-        for request in self._prefilled.values():
-            assert request.status is RequestStatus.PREFILLED
-            assert request.num_computed_tokens == request.num_prompt_tokens
-            assert request.num_output_tokens == 1
-        for request in [*self._running.values(), *self._prefilled.values()]:
-            assert self._requests[request.request_id] is request
-            assert self.kv_cache.holds_blocks(request.request_id), "live request lost its table"
-            assert request.block_ids == self.kv_cache.block_table(request.request_id)
-            assert len(request.block_ids) * bs >= request.num_computed_tokens
+        check_scheduler(self.kv_cache, self._waiting, self._running, self._prefilled,
+                        self._requests, self._order)

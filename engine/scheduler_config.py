@@ -17,6 +17,10 @@ class SchedulerConfig:
     # A step's prompt tokens are what the tightest TPOT target among its decoding requests
     # leaves, by the worker's step model (engine/step_budget.py); False: the fixed budget.
     hold_tpot: bool = False
+    # Every PREFILL_AND_DECODE request is parked after its first token (PREFILLED, table
+    # held), as a PREFILL_ONLY one, for another scheduler over the same KV cache to adopt:
+    # the prefill lane's scheduler (engine/prefill_lane.py).
+    parks_prefilled: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -3,6 +3,10 @@ reading /proc/meminfo).
 
     --kv-cache-mb        CPU workers: a share of the memory available at start, split among
                          the workers (on CUDA the worker sizes its pool from the GPU's memory)
+    --gpu-memory-fraction  CUDA workers, when no --kv-cache-mb is given: GPU_MEMORY_SHARE of
+                         the device split among the workers on it; each sizes its KV pool
+                         from that budget after its weights and measured activations
+                         (engine/memory_plan.py)
     --kv-host-cache-gb   CUDA workers: a share of the memory available at start for the host
                          KV tier (engine/host_kv_tier.py), split among them; CPU workers: 0
                          (their device pool is host memory already: memory spent on a tier
@@ -11,6 +15,7 @@ reading /proc/meminfo).
 
 from __future__ import annotations
 
+GPU_MEMORY_SHARE = 0.9  # of each GPU, for all the workers on it (weights, activations, KV)
 CPU_KV_MEMORY_SHARE = 0.15  # of MemAvailable at start, for all the workers' KV caches
 HOST_TIER_MEMORY_SHARE = 0.25  # of MemAvailable at start, for all the CUDA workers' host tiers
 MAX_HOST_TIER_GB = 64.0  # per worker: a larger tier rarely pays for its pinned memory
@@ -22,6 +27,16 @@ def cpu_kv_cache_mb(num_workers: int, mem_available_bytes: int | None) -> int:
         return 256  # unknown: the worker's own default
     share = int(mem_available_bytes * CPU_KV_MEMORY_SHARE / max(1, num_workers)) >> 20
     return max(256, min(4096, share))
+
+
+def gpu_memory_fractions(devices: list[str]) -> list[float | None]:
+    """Each worker's share of its GPU (pure): GPU_MEMORY_SHARE split evenly among the workers
+    on that device; None for a CPU worker."""
+    counts: dict[str, int] = {}
+    for device in devices:
+        counts[device] = counts.get(device, 0) + 1
+    return [None if device == "cpu" else round(GPU_MEMORY_SHARE / counts[device], 4)
+            for device in devices]
 
 
 def host_kv_cache_gb(devices: list[str], mem_available_bytes: int | None) -> float:

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
 
-from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, cpu_kv_cache_mb, host_kv_cache_gb,
-                                      mem_available_bytes)
+from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
+                                     gpu_memory_fractions, host_kv_cache_gb,
+                                     mem_available_bytes)
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
@@ -98,7 +99,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                               "(default: cores / workers, at least 1)")
     opt("--kv-cache-mb", help="KV cache per worker, MiB (default on CPU: "
                               f"{CPU_KV_MEMORY_SHARE * 100:.0f}%% of the memory available at start, split "
-                              "among the workers, 256 to 4096 each; on CUDA: the worker's)")
+                              "among the workers, 256 to 4096 each; on CUDA: "
+                              f"{GPU_MEMORY_SHARE * 100:.0f}%% of each GPU split among "
+                              "the workers on it, each sizing its pool from its share "
+                              "after weights and activations)")
     opt("--kv-host-cache-gb", type=float,
         help="host memory per worker for prefix blocks evicted from its KV cache, GiB; 0: "
              "off (default on CUDA: 25%% of the memory available at start, split among the "
@@ -154,9 +158,14 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
     tag = secrets.token_hex(3)
+    # Without --kv-cache-mb a CUDA worker sizes its pool from its share of the GPU.
+    fractions = gpu_memory_fractions(devices) if not args.kv_cache_mb else [None] * len(roles)
     specs = [WorkerSpec(role, device, f"{name}-{tag}",
-                        env={} if mps is None else mps.worker_envs[i])
-             for i, (role, device, name) in enumerate(zip(roles, devices, names))]
+                        env={**({} if mps is None else mps.worker_envs[i]),
+                             **({} if fraction is None
+                                else {"PDSERVE_GPU_MEMORY_FRACTION": str(fraction)})})
+             for i, (role, device, name, fraction) in enumerate(
+                 zip(roles, devices, names, fractions))]
     counts: dict[str, int] = {}
     for role in roles:
         counts[role.value] = counts.get(role.value, 0) + 1

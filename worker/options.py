@@ -56,6 +56,8 @@ class WorkerOptions:
     kv_mapping: bool = True  # map KV peers' pools on this host (kv_transfer/pool_mapping.py)
     redis_insecure: bool = False  # accept a Redis that answers without a password
     kv_host_cache_gb: float = 0.0  # host KV tier (engine/host_kv_tier.py); 0: off
+    prefill_lane: str = "off"  # off | auto | SMs (engine/prefill_lane.py, lane_streams.py)
+    gpu_memory_fraction: float = 0.0  # CUDA: KV pool from this share of the GPU; 0: kv_cache_mb
 
     @property
     def warms_up(self) -> bool:
@@ -79,6 +81,10 @@ class WorkerOptions:
             raise ValueError("--drain-timeout-s must be >= 0")
         if self.kv_host_cache_gb < 0:
             raise ValueError(f"--kv-host-cache-gb must be >= 0, got {self.kv_host_cache_gb}")
+        parse_lane_option(self.prefill_lane)
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"--gpu-memory-fraction must be in [0, 1], "
+                             f"got {self.gpu_memory_fraction}")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError(f"--gil-switch-ms must be in [0.05, 100], got {self.gil_switch_ms}")
 
@@ -105,6 +111,10 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "at start-up (CPUs with AVX-512 BF16 or AMX), else float32", choices=DTYPES)
     add("--threads", max(1, (os.cpu_count() or 2) // 2), "torch CPU threads", type=int)
     add("--kv-cache-mb", 256, "memory for the paged KV cache in MiB", type=int)
+    add("--gpu-memory-fraction", 0.0, "CUDA: this share of the GPU's memory is the worker's "
+        "budget, and its KV pool is what is left of it after the weights, the measured "
+        "activations and the CUDA graphs (pdserve up gives each worker 0.9 / the workers on "
+        "its GPU); 0: the pool is --kv-cache-mb", type=float)
     add("--kv-host-cache-gb", 0.0, "host memory for prefix blocks evicted from the KV cache, "
         "GiB (pinned on CUDA): a later prompt with that prefix gets them copied back instead "
         "of recomputed; 0: off", type=float)
@@ -142,6 +152,13 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "may take --max-num-batched-tokens; auto: fixed (tpot is not yet measured against it "
         "on a GPU)",
         choices=STEP_BUDGET_CHOICES)
+    add("--prefill-lane", "off", "compute prompts beside the decode steps rather than in "
+        "them: a second scheduler and runner over this worker's one KV pool and one copy of "
+        "the weights, on CUDA on a share of the SMs (a green context; the decode steps on the "
+        "rest), so a decode step never waits for a prompt chunk; a prompt's blocks become "
+        "its decode's in place. N: that many SMs for prompts; auto: half the GPU's SMs on "
+        "CUDA, off elsewhere (on the CPU a lane only takes turns with the decode steps); "
+        "off: prompts are computed in the decode steps (chunked prefill)")
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
@@ -201,7 +218,23 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         gil_switch_ms=float(getattr(args, "gil_switch_ms", 0.5)),
         kv_mapping=getattr(args, "kv_mapping", "on") == "on",
         redis_insecure=bool(getattr(args, "redis_insecure", False)),
-        kv_host_cache_gb=float(getattr(args, "kv_host_cache_gb", 0.0)))
+        kv_host_cache_gb=float(getattr(args, "kv_host_cache_gb", 0.0)),
+        prefill_lane=str(getattr(args, "prefill_lane", "off")),
+        gpu_memory_fraction=float(getattr(args, "gpu_memory_fraction", 0.0)))
+
+
+def parse_lane_option(value: str) -> int | None:
+    """--prefill-lane as SMs: 0 for off, None for auto, else N >= 1; ValueError otherwise."""
+    if value in ("off", "auto"):
+        return 0 if value == "off" else None
+    try:
+        sms = int(value)
+    except ValueError:
+        sms = 0
+    if sms < 1:
+        raise ValueError(f"--prefill-lane must be off, auto or a number of SMs >= 1, "
+                         f"got {value!r}")
+    return sms
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

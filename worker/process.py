@@ -68,11 +68,13 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
 
     from engine.dtype_choice import resolve_dtype
     from engine.engine_builder import build_engine
+    from engine.lane_streams import lane_sms
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_runner import ModelRunner
     from engine.step_budget import holds_tpot
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
+    from worker.options import parse_lane_option
     from worker.runtime import WorkerRuntime
 
     tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
@@ -87,7 +89,11 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, dtype), device=options.device,
                           hold_tpot=holds_tpot(options.step_budget, options.device),
-                          kv_host_cache_bytes=int(options.kv_host_cache_gb * (1 << 30)))
+                          kv_host_cache_bytes=int(options.kv_host_cache_gb * (1 << 30)),
+                          prefill_lane_sms=lane_sms(parse_lane_option(options.prefill_lane),
+                                                    options.device),
+                          gpu_memory_fraction=(options.gpu_memory_fraction or None
+                                               if options.device.startswith("cuda") else None))
 
     def load() -> LLMEngine:
         engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)

@@ -46,6 +46,7 @@ class ScriptedEngine:
         self.kv_cache = ScriptedCache(self.requests)
         self.config = SimpleNamespace(block_size=16, max_num_batched_tokens=64, device="cpu")
         self.scheduler = SimpleNamespace(live_requests=lambda: ())
+        self.live_requests = lambda: ()
         self.last_schedule = None
         self.step_timer = None  # a CPU engine: its steps' wall time is their cost
         self.kv_storage = SimpleNamespace(layout=SimpleNamespace(num_blocks=8, num_layers=2))
@@ -147,8 +148,7 @@ def test_the_queue_shape_is_read_once_a_period_while_steps_run_and_at_the_end() 
     left reads it again: an idle worker's load is exact."""
     async def run() -> None:
         engine, reads, reports = ScriptedEngine(), [], []
-        engine.scheduler = SimpleNamespace(
-            live_requests=lambda: reads.append(len(engine.requests)) or ())
+        engine.live_requests = lambda: reads.append(len(engine.requests)) or ()
         thread = EngineThread(engine, asyncio.get_running_loop(), reports.append)
         thread.start()
         stream = thread.open_stream("a")

@@ -117,3 +117,12 @@ def test_host_kv_tier_is_a_share_of_available_memory_on_cuda_and_off_on_cpu():
     assert host_kv_cache_gb(["cuda:0"], 3 << 30) == 0.7
     assert host_kv_cache_gb(["cpu", "cpu"], 512 << 30) == 0.0
     assert host_kv_cache_gb(["cuda:0"], None) == 0.0
+
+
+def test_each_cuda_worker_gets_an_even_share_of_its_gpu_and_cpu_workers_none():
+    from launcher.memory_defaults import GPU_MEMORY_SHARE, gpu_memory_fractions
+
+    assert gpu_memory_fractions(["cuda:0"]) == [GPU_MEMORY_SHARE]
+    assert gpu_memory_fractions(["cuda:0", "cuda:0", "cuda:1"]) == [0.45, 0.45, 0.9]
+    assert gpu_memory_fractions(["cpu", "cpu"]) == [None, None]
+    assert sum(gpu_memory_fractions(["cuda:0"] * 4)) <= GPU_MEMORY_SHARE

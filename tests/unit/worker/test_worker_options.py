@@ -72,3 +72,21 @@ def test_each_subcommand_starts_in_its_role_unless_role_says_else() -> None:
     assert options().role is Role.DECODE
     assert options("--role", "both").role is Role.BOTH
     assert options("--role", "decode", kind="prefill").role is Role.DECODE
+
+
+def test_the_prefill_lane_is_off_auto_or_a_number_of_sms() -> None:
+    from worker.options import parse_lane_option
+
+    assert options().prefill_lane == "off" and parse_lane_option("off") == 0
+    assert parse_lane_option("auto") is None
+    assert options("--prefill-lane", "66").prefill_lane == "66" and parse_lane_option("66") == 66
+    for bad in ("0", "-4", "half", ""):
+        with pytest.raises(ValueError, match="--prefill-lane"):
+            options("--prefill-lane", bad)
+
+
+def test_the_gpu_memory_fraction_is_a_share_in_bounds() -> None:
+    assert options().gpu_memory_fraction == 0.0
+    assert options("--gpu-memory-fraction", "0.45").gpu_memory_fraction == 0.45
+    with pytest.raises(ValueError, match="--gpu-memory-fraction"):
+        options("--gpu-memory-fraction", "1.5")
