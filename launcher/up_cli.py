@@ -38,8 +38,7 @@ if TYPE_CHECKING:
     from launcher.local_cluster import LocalCluster
 
 from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
-                                     gpu_memory_fractions, host_kv_cache_gb,
-                                     mem_available_bytes)
+                                      gpu_memory_fractions, host_kv_cache_gb, mem_available_bytes)
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
