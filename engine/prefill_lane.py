@@ -32,6 +32,7 @@ deferred aborts; deferred aborts name only requests of the flying step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from engine.sampler import Sampler, TokenLogprobs
 from engine.schedule_output import ScheduleOutput
 from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -206,6 +209,8 @@ def prefill_lane(config: EngineConfig, kv_cache: KVCacheManager, runner: StepRun
         streams = lane_streams(torch.device(config.device), config.prefill_lane_sms)
         if streams is None:
             return None
+    else:
+        log.info("prefill lane: on the CPU its steps take turns with the decode steps")
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         prefill_chunk_tokens=config.prefill_chunk_tokens, parks_prefilled=True), kv_cache)

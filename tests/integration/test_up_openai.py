@@ -4,7 +4,9 @@ be handed off P -> D, a client that hangs up, and Ctrl-C leaving no process behi
 workers run overlapped steps (`--pipelined-steps overlap`, the default on CUDA), so every
 answer also checks that steps planned before the last one's tokens reached the host (a
 prefill's first token, a stop found one step late, an abort in flight) change nothing the
-client sees.
+client sees. The workers also compute prompts in a prefill lane (`--prefill-lane`, on the CPU
+taking turns with the decode steps): the short prompts the decode worker prefills itself go
+through the lane's scheduler and are handed over, blocks and all, to its decode scheduler.
 
 Every greedy answer is compared with transformers' greedy output for the same weights and
 chat template (tests/hf_reference.py): text, finish reason and token counts exactly.
@@ -29,7 +31,7 @@ def up(tmp_path_factory):
     tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
     process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
                         log_dir=tmp_path_factory.mktemp("up-logs"),
-                        env={"PDSERVE_PIPELINED_STEPS": "overlap"})
+                        env={"PDSERVE_PIPELINED_STEPS": "overlap", "PDSERVE_PREFILL_LANE": "1"})
     yield process
     process.stop()
 
@@ -47,6 +49,9 @@ def model(client: openai.OpenAI) -> str:
 def test_up_prints_a_curl_example_and_registers_both_workers(up: UpProcess) -> None:
     assert f"curl -N {up.url}/v1/chat/completions" in up.output
     assert sorted(w["role"] for w in up.workers()) == ["decode", "prefill"]
+    for worker in up.workers():  # the lane is asked of both (the prefill worker's stays idle)
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        assert b"PDSERVE_PREFILL_LANE=1" in environ
     # The admin token is in a file only this user reads, named in the banner, never printed.
     token_file = up.log_dir / "admin-token"
     assert str(token_file) in up.output and up.admin_token not in up.output
