@@ -223,7 +223,7 @@ class LLMEngine:
             return self._step(on_kv_ready, on_outputs, overlap)
         with lane.decode_scope():
             outputs = land_outputs(lane.land(wait=False), lane, self.scheduler, self.outputs)
-            lane.launch(self._tracked)
+            lane.launch(self._tracked, self.scheduler.free_seats)
             outputs += self._step(on_kv_ready, on_outputs, overlap)
             idle = not (self._inflight or self.scheduler.num_running + self.scheduler.num_waiting)
             if lane.flying and idle:  # nothing to do beside it: wait for it

@@ -12,6 +12,10 @@ schedulers over its one KV cache and its one copy of the weights:
                                                prompts prefilled for another worker's
                                                decode, resumed requests)
 
+The lane admits a prompt only into a free seat of the decode batch (the engine's scheduler's
+`free_seats`): a request parked with no seat would wait between its first and second token,
+which its TPOT target counts, instead of before its first, which the tier's TTFT allows for.
+
 On CUDA the lane's steps are queued on one green-context stream and the engine's steps on
 another (engine/lane_streams.py), so the two run at once. The lane has at most one step in
 flight; the engine lands it (`land`) at the start of each of its own steps once the device is
@@ -128,9 +132,12 @@ class PrefillLane:
         else:
             self.scheduler.abort_request(request_id)
 
-    def launch(self, tracked: Mapping[str, Tracked]) -> bool:
+    def launch(self, tracked: Mapping[str, Tracked], seats: int) -> bool:
         """Queue the lane's next step, if none is in flight and it has prompts to compute and
-        blocks for them. `tracked`: the engine's postprocessing state, by request id."""
+        blocks for them. `tracked`: the engine's postprocessing state, by request id;
+        `seats`: how many requests the decode batch can still take: the lane admits no more
+        than that (a request it parked with no seat to decode in would wait between its first
+        and second token, where its TPOT target is, instead of before its first)."""
         if self._flight is not None or not self.scheduler.num_waiting + \
                 self.scheduler.num_running:
             return False
@@ -138,7 +145,7 @@ class PrefillLane:
         with torch.cuda.stream(streams.lane) if streams else nullcontext():
             if streams is not None:
                 streams.lane.wait_stream(streams.decode)  # the first ordering rule
-            schedule = self.scheduler.schedule()
+            schedule = self.scheduler.schedule(seats)
             if schedule.is_empty:
                 return False
             logits = self.runner.execute(schedule, None, None)

@@ -77,6 +77,7 @@ class Scheduler:
         self._num_steps = 0
         self.step_model: StepModel | None = None  # the worker's, for hold_tpot (None: unfitted)
         self._parks = config.parks_prefilled
+        self._seats = config.max_num_seqs  # this step's admission limit (schedule's seats)
 
     @property
     def num_waiting(self) -> int:
@@ -85,6 +86,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def free_seats(self) -> int:
+        """Requests the batch could still take: max_num_seqs less the running and waiting."""
+        return max(0, self.config.max_num_seqs - len(self._running) - len(self._waiting))
 
     @property
     def num_prefilled(self) -> int:  # PREFILL_ONLY done, blocks held until released
@@ -104,11 +110,8 @@ class Scheduler:
     # ---- adding and ending requests ---------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a fresh PREFILL_AND_DECODE or PREFILL_ONLY request.
-
-        A prompt that needs more blocks than the whole pool ends at once as FINISHED_ERROR
-        and is reported by `drain_finished`.
-        """
+        """Queue a fresh PREFILL_AND_DECODE or PREFILL_ONLY request. A prompt that needs
+        more blocks than the whole pool ends at once as FINISHED_ERROR (`drain_finished`)."""
         if request.mode is RequestMode.DECODE_ONLY:
             raise ValueError(f"{request.request_id}: DECODE_ONLY requests join through "
                              "add_decode_request")
@@ -129,12 +132,10 @@ class Scheduler:
 
     def add_decode_request(self, request: Request, first_token_id: int) -> None:
         """Join a DECODE_ONLY request whose prompt KV now fills its reservation.
-
         Precondition: `kv_cache.reserve(request.request_id, request.prompt_token_ids)` was
         made and the peer finished writing. The reservation becomes the request's table;
         `first_token_id` (sampled by the prefill side) is its first output token and the next
-        step decodes it. With max_tokens == 1 the request ends at once (FINISHED_LENGTH).
-        """
+        step decodes it. With max_tokens == 1 the request ends at once (FINISHED_LENGTH)."""
         if request.mode is not RequestMode.DECODE_ONLY:
             raise ValueError(f"{request.request_id}: add_decode_request needs DECODE_ONLY")
         self._check_fresh(request)
@@ -155,10 +156,8 @@ class Scheduler:
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a live request for a reason the engine decided (EOS, stop string, abort).
-
         Returns the request, or None when it is no longer live (already finished, or
-        released). Not reported again by `drain_finished`.
-        """
+        released). Not reported again by `drain_finished`."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         request = self._requests.get(request_id)
@@ -198,10 +197,14 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self, seats: int | None = None) -> ScheduleOutput:
+        """The next step. `seats`: admit only while fewer run (at most max_num_seqs, the
+        default); the prefill lane passes the decode batch's `free_seats`."""
         if self._outstanding is not None:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
+        self._seats = min(self.config.max_num_seqs, self.config.max_num_seqs if seats is None
+                          else max(0, seats))
         step = ScheduleDraft(self.config.max_num_batched_tokens, self.config.prefill_chunk_tokens)
         seated = self._running.best(self.config.max_num_seqs)
         running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
@@ -308,7 +311,7 @@ class Scheduler:
 
     def _try_admit(self, request: Request, step: ScheduleDraft) -> bool:
         """Admit the waiting head; False when it finds no seat or blocks (nobody overtakes it)."""
-        if max(len(self._running), len(step.chunks)) >= self.config.max_num_seqs:
+        if max(len(self._running), len(step.chunks)) >= self._seats:
             return False
         if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
             self._end_unfittable(request)

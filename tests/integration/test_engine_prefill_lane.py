@@ -17,6 +17,7 @@ from engine_runs import GREEDY, StopCases, run
 
 from engine.lane_streams import MIN_SMS, split_sms
 from engine.request import RequestStatus
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -141,3 +142,26 @@ def test_parked_requests_hand_over_with_their_blocks(loaded):
     while engine.has_unfinished():
         engine.step()
     assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_the_lane_admits_no_prompt_the_decode_batch_has_no_seat_for(loaded):
+    """A prompt prefilled with no seat to decode in would wait between its first and second
+    token, where its TPOT target is: the lane admits only into the decode batch's free seats,
+    so the waiting stays before the first token."""
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = make_engine(loaded, **{**LANE, "max_num_seqs": 2})
+    requests = {f"r{i}": (engine.tokenizer.encode(p), short) for i, p in enumerate(PROMPTS[:6])}
+    full_while_queued = 0
+
+    def seats_held(engine, step: int) -> None:
+        nonlocal full_while_queued
+        main, lane = engine.scheduler, engine.lane.scheduler
+        assert main.num_running + main.num_waiting + lane.num_running <= 2, step
+        full_while_queued += main.num_running == 2 and lane.num_waiting > 0
+
+    seen, _ = run(engine, requests, "plain", seats_held)
+    assert full_while_queued > 0, "the decode batch was never full with prompts queued"
+    without, _ = run(make_engine(loaded, max_num_batched_tokens=16, max_num_seqs=2), requests,
+                     "plain")
+    assert {rid: s.tokens for rid, s in seen.items()} == \
+        {rid: s.tokens for rid, s in without.items()}
