@@ -43,18 +43,24 @@ class MoEConfig:
     gated MLPs of width `intermediate_size` each, of which a router picks `top_k` per token;
     `renormalize`: the picked experts' softmax weights are rescaled to sum to one (Mixtral;
     Qwen3-MoE's `norm_topk_prob`). `layers`: the decoder layers whose feed-forward is this
-    block; the others keep the dense MLP of `ModelConfig.intermediate_size`."""
+    block; the others keep the dense MLP of `ModelConfig.intermediate_size`.
+    `shared_intermediate_size`: the width of a shared expert every token goes through,
+    scaled by a sigmoid gate of its own (Qwen2-MoE); 0: none."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     renormalize: bool
     layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.intermediate_size <= 0:
             raise ValueError(f"model config: moe intermediate_size must be positive, "
                              f"got {self.intermediate_size}")
+        if self.shared_intermediate_size < 0:
+            raise ValueError(f"model config: shared expert size must not be negative, "
+                             f"got {self.shared_intermediate_size}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"model config: experts per token ({self.top_k}) must be "
                              f"between 1 and the number of experts ({self.num_experts})")

@@ -75,7 +75,8 @@ def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positi
     """The window and the layers it applies to, as transformers reads them: Mistral slides
     on every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     on the layers from `max_window_layers` on; Gemma 2 on every even layer; Mixtral as
-    Mistral; Qwen3-MoE on every layer with `use_sliding_window`. A `layer_types` list,
+    Mistral; Qwen3-MoE on every layer with `use_sliding_window`; Qwen2-MoE on the even
+    layers below `max_window_layers` with `use_sliding_window`. A `layer_types` list,
     where the config has one, names the sliding layers instead."""
     window = cfg.get("sliding_window")
     if architecture == "Gemma2ForCausalLM":
@@ -86,6 +87,9 @@ def _sliding(cfg: dict[str, Any], architecture: str, num_layers: int, max_positi
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers", 28))  # transformers' default
         default = [n >= first for n in range(num_layers)]
+    elif architecture == "Qwen2MoeForCausalLM" and cfg.get("use_sliding_window"):
+        below = int(cfg.get("max_window_layers", 28))
+        default = [n % 2 == 0 and n < below for n in range(num_layers)]
     else:
         return {}
     layer_types = cfg.get("layer_types")
@@ -114,7 +118,8 @@ def _moe(cfg: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig |
     """The mixture-of-experts fields as transformers reads them. Mixtral: every layer, the
     experts `intermediate_size` wide, weights renormalised. Qwen3-MoE: layer n is sparse
     unless listed in `mlp_only_layers`, and only where (n + 1) % decoder_sparse_step == 0;
-    experts `moe_intermediate_size` wide; renormalised where `norm_topk_prob`. Hub
+    experts `moe_intermediate_size` wide; renormalised where `norm_topk_prob`. Qwen2-MoE:
+    as Qwen3-MoE, with a shared expert `shared_expert_intermediate_size` wide. Hub
     configs name the expert count `num_experts`, transformers 5 writes
     `num_local_experts`."""
     if architecture == "MixtralForCausalLM":
@@ -122,7 +127,7 @@ def _moe(cfg: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig |
                          top_k=int(cfg.get("num_experts_per_tok", 2)),
                          intermediate_size=int(cfg["intermediate_size"]), renormalize=True,
                          layers=tuple(range(num_layers)))
-    if architecture != "Qwen3MoeForCausalLM":
+    if architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return None
     num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -133,7 +138,9 @@ def _moe(cfg: dict[str, Any], architecture: str, num_layers: int) -> MoEConfig |
         return None
     return MoEConfig(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
                      intermediate_size=int(cfg["moe_intermediate_size"]),
-                     renormalize=bool(cfg.get("norm_topk_prob", False)), layers=layers)
+                     renormalize=bool(cfg.get("norm_topk_prob", False)), layers=layers,
+                     shared_intermediate_size=int(cfg["shared_expert_intermediate_size"])
+                     if architecture == "Qwen2MoeForCausalLM" else 0)
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -179,7 +186,8 @@ def read_config(directory: Path) -> ModelConfig:
             max_position_embeddings=max_positions,
             # Gemma ties its head to the embedding unless the config says otherwise.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma2)),
-            attention_bias=architecture == "Qwen2ForCausalLM",
+            attention_bias=architecture == "Qwen2ForCausalLM" or (
+                architecture == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,

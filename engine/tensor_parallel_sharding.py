@@ -57,7 +57,10 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
         if config.moe.num_experts % tp_size:
             raise ValueError(f"expert parallel size {tp_size} does not divide the model's "
                              f"{config.moe.num_experts} experts")
-    elif config.moe is not None and config.moe.intermediate_size % tp_size:
+    if config.moe is not None and config.moe.shared_intermediate_size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the shared "
+                         f"expert's intermediate size {config.moe.shared_intermediate_size}")
+    if not expert_parallel and config.moe is not None and config.moe.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"expert intermediate size {config.moe.intermediate_size}")
 
@@ -68,8 +71,10 @@ def shard_config(config: ModelConfig, tp_size: int, expert_parallel: bool = Fals
     `expert_parallel`) divided by `tp_size`."""
     check_shardable(config, tp_size, expert_parallel)
     moe = config.moe
-    if moe is not None and not expert_parallel:
-        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp_size)
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe, shared_intermediate_size=moe.shared_intermediate_size // tp_size,
+            intermediate_size=moe.intermediate_size // (1 if expert_parallel else tp_size))
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
                                num_kv_heads=config.num_kv_heads // tp_size,
                                intermediate_size=config.intermediate_size // tp_size, moe=moe)

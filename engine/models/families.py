@@ -5,6 +5,7 @@
     Qwen3ForCausalLM                                     engine/models/qwen3.py
     Gemma2ForCausalLM                                    engine/models/gemma2.py
     Qwen3MoeForCausalLM                                  engine/models/qwen3_moe.py
+    Qwen2MoeForCausalLM                                  engine/models/qwen2_moe.py
     MixtralForCausalLM                                   engine/models/mixtral.py
 
 Readers (engine/hf_reader.py, engine/gguf_reader.py) refuse anything else with
@@ -17,6 +18,7 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -27,6 +29,7 @@ _MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASSES)

@@ -5,6 +5,7 @@ its routing probability.
     probs   = softmax(gate(x))                   float32, [T, num_experts]
     w, ids  = topk(probs, top_k)                 [T, top_k]; w /= sum(w) when renormalize
     out[t]  = sum_j w[t, j] * expert[ids[t, j]](x[t])
+            (+ sigmoid(shared_expert_gate(x[t])) * shared_expert(x[t])   Qwen2-MoE)
 
 The tokens are grouped by expert rather than looped over: the T * top_k (token, expert)
 assignments are sorted by expert id, the tokens gathered once in that order, each expert
@@ -23,7 +24,8 @@ not built yet.
 
 Tensor parallel: each rank holds a slice of every expert's width and the whole router
 (engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
-partial sums that the decoder layer's all-reduce adds up. Expert parallel (`shares` set,
+partial sums that the decoder layer's all-reduce adds up. A shared expert is sliced as a
+dense MLP (with expert parallelism too), its one-output gate whole on every rank. Expert parallel (`shares` set,
 engine/expert_parallel.py): each rank holds whole experts instead, computes only the rows of
 the experts it holds (of an expert with k copies, every k-th row from its copy's index), and
 returns those partial sums to the same all-reduce.
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import Activation, MoEConfig
+from engine.config import Activation, ModelConfig, MoEConfig
 from engine.kernels.gemv import GemvWorkspace
 
 
@@ -66,6 +68,9 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size)
                                      for _ in range(moe.num_experts))
+        shared = moe.shared_intermediate_size
+        self.shared_expert = Expert(hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
@@ -99,6 +104,11 @@ class MoEBlock(nn.Module):
             return F.gelu(gate, approximate="tanh")
         return F.silu(gate)
 
+    def _expert(self, expert: Expert, rows: torch.Tensor) -> torch.Tensor:
+        hidden = self._act(F.linear(rows, expert.gate_proj.weight)) * F.linear(
+            rows, expert.up_proj.weight)
+        return F.linear(hidden, expert.down_proj.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
         flat_ids = expert_ids.reshape(-1)
@@ -122,13 +132,14 @@ class MoEBlock(nn.Module):
             if count and share is not None:
                 # This copy's rows of the expert's slice: every copies-th from its index.
                 rows_of = slice(start + share[0], start + count, share[1])
-                rows = grouped[rows_of]
-                hidden = self._act(F.linear(rows, expert.gate_proj.weight)) * F.linear(
-                    rows, expert.up_proj.weight)
-                outputs[rows_of] = F.linear(hidden, expert.down_proj.weight)
+                outputs[rows_of] = self._expert(expert, grouped[rows_of])
             start += count
         weighted = (outputs * sorted_weights[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_rows, weighted)
+        routed = torch.zeros_like(x).index_add_(0, token_rows, weighted)
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return routed
+        gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+        return routed + gate * self._expert(self.shared_expert, x)
 
     def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
         """The kernel path's call: the same torch ops (no fused MoE kernel yet)."""
@@ -156,4 +167,22 @@ def moe_shapes(prefix: str, hidden_size: int, moe: MoEConfig,
         shapes[f"{prefix}experts.{e}.{gate}.weight"] = (i, hidden_size)
         shapes[f"{prefix}experts.{e}.{up}.weight"] = (i, hidden_size)
         shapes[f"{prefix}experts.{e}.{down}.weight"] = (hidden_size, i)
+    if (shared := moe.shared_intermediate_size):
+        shapes[prefix + "shared_expert_gate.weight"] = (1, hidden_size)
+        shapes[prefix + "shared_expert.gate_proj.weight"] = (shared, hidden_size)
+        shapes[prefix + "shared_expert.up_proj.weight"] = (shared, hidden_size)
+        shapes[prefix + "shared_expert.down_proj.weight"] = (hidden_size, shared)
+    return shapes
+
+
+def with_moe_shapes(config: ModelConfig, prefix: str, shapes: dict[str, tuple[int, ...]]
+                    ) -> dict[str, tuple[int, ...]]:
+    """A dense layer's `shapes` with, where the layer at `prefix` is sparse, its MLP's
+    tensors replaced by the block's (Qwen-style names: `mlp.gate`, `mlp.experts.E.*`)."""
+    n = int(prefix.rstrip(".").rsplit(".", 1)[1])
+    if config.moe is None or not config.is_moe_layer(n):
+        return shapes
+    for name in [name for name in shapes if name.startswith(prefix + "mlp.")]:
+        del shapes[name]
+    shapes.update(moe_shapes(prefix + "mlp.", config.hidden_size, config.moe))
     return shapes

@@ -19,7 +19,7 @@ from __future__ import annotations
 from engine.config import ModelConfig
 from engine.models.decoder import DecoderLayer
 from engine.models.llama import LlamaDecoderLayer
-from engine.models.moe import MoEBlock, moe_shapes
+from engine.models.moe import MoEBlock, with_moe_shapes
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -34,11 +34,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @classmethod
     def layer_shapes(cls, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-        shapes = super().layer_shapes(config, prefix)
-        n = int(prefix.rstrip(".").rsplit(".", 1)[1])
-        if config.moe is None or not config.is_moe_layer(n):
-            return shapes
-        for name in [name for name in shapes if name.startswith(prefix + "mlp.")]:
-            del shapes[name]
-        shapes.update(moe_shapes(prefix + "mlp.", config.hidden_size, config.moe))
-        return shapes
+        return with_moe_shapes(config, prefix, super().layer_shapes(config, prefix))

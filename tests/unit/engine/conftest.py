@@ -52,8 +52,13 @@ VARIANTS: dict[str, dict] = {
                                   norm_topk_prob=True, decoder_sparse_step=2),
     "mixtral": dict(arch="mixtral", tie_word_embeddings=False, num_local_experts=4,
                     num_experts_per_tok=2, rope_theta=1000000.0, sliding_window=5),
+    # Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones, layer 0 dense.
+    "qwen2_moe": dict(arch="qwen2_moe", tie_word_embeddings=False, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False,
+                      mlp_only_layers=[0], rope_theta=1000000.0),
 }
-MOE_VARIANTS = ("qwen3_moe", "qwen3_moe_sparse_step", "mixtral")
+MOE_VARIANTS = ("qwen3_moe", "qwen3_moe_sparse_step", "mixtral", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ def write_tiny_model(directory: Path, variant: str, seed: int = 0) -> TinyModel:
     if "rope_theta" in spec:
         spec["rope_parameters"] = dict(rope_type="default", rope_theta=spec.pop("rope_theta"))
     name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-            "gemma2": "Gemma2", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[arch]
+            "gemma2": "Gemma2", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+            "qwen2_moe": "Qwen2Moe"}[arch]
     config_cls = getattr(transformers, name + "Config")
     model_cls = getattr(transformers, name + "ForCausalLM")
     torch.manual_seed(seed)

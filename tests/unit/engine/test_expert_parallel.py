@@ -53,7 +53,7 @@ def _reference(path: Path) -> tuple[list[list[int]], torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_whole_experts_per_rank_give_the_unsharded_tokens(variant, tiny_model, single_thread):
     path = tiny_model(variant).path
     expected_tokens, expected_logits = _reference(path)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 VARIANTS = ["llama3_rope", "llama_head_dim", "llama_tied", "llama_untied", "qwen2_bias",
             "sharded", "qwen3", "gemma2", "mistral_window",
             "qwen3_window", "qwen3_moe", "qwen3_moe_sparse_step",
-            "mixtral"]  # the checkpoints conftest.write_tiny_model knows
+            "mixtral", "qwen2_moe"]  # the checkpoints conftest.write_tiny_model knows
 
 PROMPTS = [[5], [17, 3, 99, 250, 42, 8, 311], [(7 * i + 3) % 320 for i in range(19)]]
 NUM_GREEDY = 32

@@ -93,6 +93,10 @@ def test_moe_fields_read_from_the_config(tiny_model, tmp_path):
     assert mixtral.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=112,
                                     renormalize=True, layers=(0, 1))
     assert (mixtral.sliding_window, mixtral.sliding_layers) == (5, (0, 1))
+    qwen2 = read_config(tiny_model("qwen2_moe").path)
+    assert qwen2.moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=32,
+                                  renormalize=False, layers=(1,), shared_intermediate_size=64)
+    assert qwen2.attention_bias
     # A Hub-style Qwen3-MoE config: `num_experts`, a layer listed as dense.
     target = tmp_path / "hub_style"
     shutil.copytree(tiny_model("qwen3_moe").path, target)
