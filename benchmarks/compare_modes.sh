@@ -2,8 +2,9 @@
 # Goodput of several `pdserve up` configurations on the same machine, model and workload,
 # side by side in one run, each under both admission settings: the colocated baselines a
 # user would try (1, 2 and, on a GPU, 4 workers, under CUDA MPS where several share it),
-# static disaggregation (1 prefill + 1 decode worker; 1 + 3 on a GPU) and adaptive (2 and,
-# on a GPU, 4 workers of role `both`, the router predicting each request's plan). The ratio
+# static disaggregation (1 prefill + 1 decode worker; 1 + 3 on a GPU), adaptive (2 and,
+# on a GPU, 4 workers of role `both`, the router predicting each request's plan) and, on a
+# GPU, one worker with a prefill lane (prompts on their own SMs beside the decode steps). The ratio
 # it reports divides by the best colocated goodput over every N and both admissions.
 #
 # The clusters run one after the other, never at once: they would otherwise share the
@@ -53,6 +54,7 @@ if [[ "$UP_ARGS" == *"--device cuda"* ]]; then
     DEFAULT_MODES+=";colocated-4=--colocated --workers 4;static=--prefill 1 --decode 1"
     DEFAULT_MODES+=";static-1p3d=--prefill 1 --decode 3;adaptive=--workers 2 --roles both"
     DEFAULT_MODES+=";adaptive-4=--workers 4 --roles both"
+    DEFAULT_MODES+=";lane=PDSERVE_PREFILL_LANE=auto --colocated --workers 1"
 else
     DEFAULT_MODES="colocated-1=--colocated --workers 1;colocated-2=--colocated --workers 2"
     DEFAULT_MODES+=";static=--prefill 1 --decode 1;adaptive=--workers 2 --roles both"

@@ -2,7 +2,8 @@
 
     inject(...)  picks the victim (the last worker of the target's role group by id, the
                  agent, Redis, the last gateway replica) and hits it: SIGKILL, SIGSTOP or
-                 a FaultRequest (worker/faults.py)
+                 a FaultRequest (worker/faults.py: slow steps, stalled pushes, failing
+                 steps)
     lift(...)    clears a FaultRequest the drill set (on the same process, if it still
                  runs) and sends SIGCONT to a process the drill stopped, if it is still
                  there: called once per scenario, whatever happened, so nothing is left
@@ -64,6 +65,8 @@ async def inject(cluster: TargetCluster, scenario: Scenario, workers: list[Worke
         processes.stop(worker.pid or 0)
     elif scenario.fault is FaultKind.SLOW:
         await cluster.set_fault(worker, FaultRequest(step_delay_ms=settings.slow_step_ms))
+    elif scenario.fault is FaultKind.FAIL:
+        await cluster.set_fault(worker, FaultRequest(fail_steps=True))
     else:
         await cluster.set_fault(worker, FaultRequest(
             transfer_layer_delay_ms=settings.stall_layer_ms))

@@ -52,12 +52,13 @@ def others_ejected(victim: Victim, events: list[AgentEventRow], since_unix_ms: i
 
 def workers_whole(scenario: Scenario, victim: Victim, expected_ids: set[str],
                   workers: list[WorkerRow]) -> bool:
-    """Every worker listed before the fault is routable again; a killed or stopped victim
-    as a new process (a newer epoch)."""
+    """Every worker listed before the fault is routable again; a killed, stopped or failed
+    victim as a new process (a newer epoch)."""
     ready = {w.id: w.epoch for w in workers if w.state == "ready"}
     if not expected_ids <= set(ready):
         return False
-    if victim.worker_id is not None and scenario.fault in (FaultKind.KILL, FaultKind.STOP):
+    if victim.worker_id is not None and scenario.fault in (FaultKind.KILL, FaultKind.STOP,
+                                                            FaultKind.FAIL):
         return ready[victim.worker_id] > victim.epoch
     return True
 

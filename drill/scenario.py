@@ -8,6 +8,9 @@
                                 more (a FaultRequest), until the agent ejects it
     stall-transfer              every layer a prefill worker pushes waits --stall-layer-ms
                                 (a FaultRequest) for --fault-s: transfers stall mid-way
+    fail-decode, fail-prefill   the next engine step of one worker raises (a FaultRequest; a
+                                stand-in for a device error): its streams end with the error,
+                                the worker exits and `pdserve up` starts it again
     kill-agent, kill-redis      SIGKILL of the operations agent or of Redis: the supervisor
                                 starts them again
     kill-gateway                SIGKILL of one of several gateway replicas (--gateways 2)
@@ -31,6 +34,7 @@ class FaultKind(enum.StrEnum):
     STOP = "stop"
     SLOW = "slow"
     STALL = "stall"
+    FAIL = "fail"
 
 
 class Target(enum.StrEnum):
@@ -64,6 +68,8 @@ SCENARIOS = (
     Scenario("stop-prefill", FaultKind.STOP, Target.PREFILL, True),
     Scenario("slow-decode", FaultKind.SLOW, Target.DECODE, True),
     Scenario("stall-transfer", FaultKind.STALL, Target.PREFILL, False),
+    Scenario("fail-decode", FaultKind.FAIL, Target.DECODE, False),
+    Scenario("fail-prefill", FaultKind.FAIL, Target.PREFILL, False),
     Scenario("kill-agent", FaultKind.KILL, Target.AGENT, False),
     Scenario("kill-redis", FaultKind.KILL, Target.REDIS, False),
     Scenario("kill-gateway", FaultKind.KILL, Target.GATEWAY, False),
@@ -93,7 +99,8 @@ def why_not(scenario: Scenario, layout: Layout) -> str | None:
         return f"no {target.value} worker"
     if scenario.fault in (FaultKind.KILL, FaultKind.STOP) and not layout.has_local_processes:
         return "its processes are not children of a `pdserve up` on this host"
-    if scenario.fault in (FaultKind.SLOW, FaultKind.STALL) and not layout.can_set_faults:
+    if scenario.fault in (FaultKind.SLOW, FaultKind.STALL, FaultKind.FAIL) and \
+            not layout.can_set_faults:
         return "faults cannot be set (fault injection off, or the cluster's token unknown)"
     if scenario.fault is FaultKind.SLOW and num_in_group(layout, target) < 2:
         return "the agent finds a worker slow only against a peer of its role"

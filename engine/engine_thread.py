@@ -16,7 +16,8 @@ The engine is single-threaded (engine/llm_engine.py), so every call into it happ
 Lifecycle: start() -> RUNNING (steps while there is work, otherwise sleeps on a wake-up
 event that every command sets) -> stop() -> STOPPED (pending commands fail with
 EngineStopped, open streams end). A step that raises is fatal: every stream ends with the
-error and the thread stops (`failure` is set), because the scheduler state may be torn.
+error and the thread stops (`failure` is set), because the scheduler state may be torn;
+then `on_failure` (the worker exits to be restarted: worker/runtime.py).
 
 Invariants:
   * only the engine thread touches the engine; only the loop thread touches streams; the
@@ -54,6 +55,10 @@ from protocol.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class InjectedEngineFault(RuntimeError):
+    """What a step raises under the `fault_fail_steps` fault (drills: a device error)."""
 
 
 class EngineStopped(RuntimeError):
@@ -121,6 +126,9 @@ class EngineThread:
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)
         self.fault_step_delay_s = 0.0  # fault injection only (worker/faults.py): a slow worker
+        self.fault_fail_steps = False  # fault injection only: every step raises (a GPU fault)
+        # Called on the loop thread once the engine failed, after every stream ended.
+        self.on_failure: Callable[[BaseException], None] | None = None
         # Fixed at construction, so the loop may read them without a command.
         self._block_size = engine.config.block_size
         self._max_num_batched_tokens = engine.config.max_num_batched_tokens
@@ -280,6 +288,8 @@ class EngineThread:
         self.failure = error
         for stream in list(self._streams.values()):
             stream.end("engine failed", error)
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     # ---------------------------------------------------------------- engine thread
 
@@ -290,6 +300,9 @@ class EngineThread:
                 ran_commands = self._run_commands()
                 if engine.has_unfinished():
                     started = time.perf_counter()
+                    if self.fault_fail_steps:
+                        raise InjectedEngineFault("injected fault: the engine step failed, "
+                                                  "as on a device error")
                     early: list[RequestOutput] = []
                     mode = self.step_mode
                     outputs = engine.step(

@@ -35,6 +35,7 @@ from protocol.messages import Message, WorkerId
 from protocol.worker_load import WorkerLoad
 
 EXIT_CODE_RESTART = 75  # EX_TEMPFAIL: "restart me", not a crash of the worker's own
+EXIT_CODE_ENGINE_FAILED = 70  # EX_SOFTWARE: its engine failed a step; the process cannot serve
 FAULT_INJECTION_ENV = "PDSERVE_FAULT_INJECTION"
 MAX_FAULT_DELAY_MS = 10_000
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -102,11 +103,13 @@ class FaultRequest(Message, tag="fault_request", frozen=True, kw_only=True):
     step_delay_ms: FaultDelayMs = 0
     transfer_layer_delay_ms: FaultDelayMs = 0
     request_prefix: Reason = ""  # the pushes `transfer_layer_delay_ms` delays
+    fail_steps: bool = False  # the next engine step raises (a device error): the worker exits
 
 
 class FaultResponse(Message, tag="fault_response", frozen=True, kw_only=True):
     step_delay_ms: int
     transfer_layer_delay_ms: int = 0
+    fail_steps: bool = False
 
 
 class RestartStatus(enum.StrEnum):

@@ -10,6 +10,8 @@ command line: production never configures them.
     transfer_layer_delay_s  a KV push of a request whose id starts with `request_prefix`
     request_prefix          sleeps this long before each layer (worker/kv_push.py): a
                             transfer stalled past its deadline, or cut mid-way
+    fail_steps              the next engine step raises, as on a device error: every stream
+                            ends with the error and the worker exits to be restarted
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Faults:
     step_delay_s: float = 0.0
     transfer_layer_delay_s: float = 0.0
     request_prefix: str = ""
+    fail_steps: bool = False
 
     def delays_push(self, request_id: str) -> bool:
         return self.transfer_layer_delay_s > 0 and request_id.startswith(self.request_prefix)

@@ -37,8 +37,9 @@ from engine.engine_thread import EngineThread, StepReport
 from engine.llm_engine import LLMEngine
 from engine.step_mode import StepMode
 from kv_transfer.layout import transfer_bytes
-from protocol.agent_messages import (EXIT_CODE_RESTART, FAULT_INJECTION_ENV, ExitRequest,
-                                     ExitResponse, FaultRequest, FaultResponse, HealthRequest)
+from protocol.agent_messages import (EXIT_CODE_ENGINE_FAILED, EXIT_CODE_RESTART,
+                                     FAULT_INJECTION_ENV, ExitRequest, ExitResponse,
+                                     FaultRequest, FaultResponse, HealthRequest)
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import ErrorCode, Message, Role, WorkerInfo
 from protocol.worker_load import StepModel, WorkerLoad
@@ -54,6 +55,7 @@ from worker.step_fit import StepFit
 log = logging.getLogger(__name__)
 
 STEP_MODEL_HAND_S = 0.5  # how often, at most, the engine's scheduler gets a refitted model
+ENGINE_FAILED_EXIT_DELAY_S = 0.5  # for the streams' error frames to reach the gateway
 
 
 def exit_refusal(request: ExitRequest, own_epochs: set[int]) -> str | None:
@@ -162,6 +164,7 @@ class WorkerRuntime:
             self.engine_thread = EngineThread(engine, loop, self._on_step,
                                               step_mode=self.step_mode)
             self.engine_thread.fault_step_delay_s = self.faults.step_delay_s
+            self.engine_thread.on_failure = self._engine_failed
             self.engine_thread.start()
             await worker.attach(self.engine_thread)
             await self._register(self.engine_thread, url, worker.kv_address)
@@ -269,6 +272,11 @@ class WorkerRuntime:
     # ---------------------------------------------------------------- HTTP
 
     async def _health(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process can serve again; 503 once its engine failed (it
+        is about to exit: `_engine_failed`)."""
+        if self.engine_thread is not None and self.engine_thread.failure is not None:
+            return web.json_response({"status": "engine failed", "worker_id": self.worker_id},
+                                     status=503)
         return web.json_response({"status": "alive", "worker_id": self.worker_id})
 
     async def _ready(self, request: web.Request) -> web.Response:
@@ -305,19 +313,33 @@ class WorkerRuntime:
         asyncio.get_running_loop().call_later(0.1, os._exit, EXIT_CODE_RESTART)
         return ExitResponse(pid=os.getpid())
 
+    def _engine_failed(self, error: BaseException) -> None:
+        """The engine thread stopped on a failed step (its streams ended with the error, so
+        the gateway retries or migrates them): this process cannot serve again, so it
+        exits, once the error frames are out, for its supervisor or orchestrator to start a
+        fresh one, rather than stay up answering /health while refusing requests."""
+        self.ready = False
+        log.critical("%s: the engine failed (%s); exiting with code %d to be restarted",
+                     self.worker_id, error, EXIT_CODE_ENGINE_FAILED)
+        asyncio.get_running_loop().call_later(ENGINE_FAILED_EXIT_DELAY_S, os._exit,
+                                              EXIT_CODE_ENGINE_FAILED)
+
     async def _fault(self, request: FaultRequest) -> Message:
         faults = self.faults
         faults.step_delay_s = request.step_delay_ms / 1000
         faults.transfer_layer_delay_s = request.transfer_layer_delay_ms / 1000
         faults.request_prefix = request.request_prefix
+        faults.fail_steps = request.fail_steps
         if self.engine_thread is not None:
             self.engine_thread.fault_step_delay_s = faults.step_delay_s
+            self.engine_thread.fault_fail_steps = faults.fail_steps
         log.warning("%s: fault injection: every engine step sleeps %d ms more; pushes of "
-                    "requests %r* sleep %d ms before each layer", self.worker_id,
-                    request.step_delay_ms, request.request_prefix,
-                    request.transfer_layer_delay_ms)
+                    "requests %r* sleep %d ms before each layer; steps fail: %s",
+                    self.worker_id, request.step_delay_ms, request.request_prefix,
+                    request.transfer_layer_delay_ms, request.fail_steps)
         return FaultResponse(step_delay_ms=request.step_delay_ms,
-                             transfer_layer_delay_ms=request.transfer_layer_delay_ms)
+                             transfer_layer_delay_ms=request.transfer_layer_delay_ms,
+                             fail_steps=request.fail_steps)
 
     async def _check_invariants(self) -> str | None:
         assert self.engine_thread is not None and self._worker is not None

@@ -1,6 +1,8 @@
 """`pdserve drill` end to end: its own `pdserve up` (1 prefill + 2 decode workers, the
-default model on CPU), a decode worker killed under load and the agent killed, and the
-table's figures as an operator reads them.
+default model on CPU), a decode worker whose engine step fails under load (the stand-in for
+a device error: its streams migrate, it exits and is started again; a killed worker is
+drilled by the reliability tests) and the agent killed, and the table's figures as an
+operator reads them.
 
 The agent's probation is shortened (PDSERVE_PROBATION_S, inherited by the agent `pdserve up`
 starts) so the restarted decode worker is routable again within the test's time.
@@ -20,7 +22,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_drill_kills_a_decode_worker_and_the_agent_and_the_cluster_recovers(tmp_path) -> None:
+def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recovers(
+        tmp_path) -> None:
     output = tmp_path / "drill.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("PDSERVE_ADMIN_TOKEN", "PDSERVE_INTERNAL_TOKEN")}
@@ -28,14 +31,14 @@ def test_drill_kills_a_decode_worker_and_the_agent_and_the_cluster_recovers(tmp_
     done = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "drill",
          "--up-args", "--prefill 1 --decode 2 --threads-per-worker 1 --log-level warning",
-         "--scenarios", "kill-decode,kill-agent", "--before-s", "2", "--after-s", "2",
+         "--scenarios", "fail-decode,kill-agent", "--before-s", "2", "--after-s", "2",
          "--rate", "1", "--check-tokens", "8", "--recovery-timeout-s", "60",
          "--output", str(output)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     report = json.loads(output.read_text())
     rows = {row["scenario"]: row for row in report["rows"]}
-    assert list(rows) == ["kill-decode", "kill-agent"]
+    assert list(rows) == ["fail-decode", "kill-agent"]
     for row in rows.values():
         assert row["ok"] > 0 and row["failed_by_kind"] == {}, row
         assert row["answers_checked"] > 0 and row["answers_broken"] == 0, row
@@ -43,9 +46,9 @@ def test_drill_kills_a_decode_worker_and_the_agent_and_the_cluster_recovers(tmp_
             == (0, 0, 0), row
         assert row["recovered_after_s"] is not None and row["recovered_after_s"] < 60, row
         assert row["health_lies"] == [] and row["problems"] == [], row
-    assert rows["kill-decode"]["ejected_after_s"] is not None
+    assert rows["fail-decode"]["ejected_after_s"] is not None
     # The table on stdout says the same.
     table = done.stdout.splitlines()
     assert table[0].startswith("| scenario |")
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["kill-decode", "kill-agent"]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["fail-decode", "kill-agent"]
     assert all(line.rstrip().endswith("| pass |") for line in table[2:])

@@ -39,10 +39,12 @@ def test_the_default_selection_follows_the_layout() -> None:
     assert len(chosen) == len(BY_NAME)
     # One decode worker: nobody to compare its steps with; no fault injection: no faults.
     chosen, _ = select(None, layout(["prefill", "decode"], faults=False))
-    assert {"slow-decode", "stall-transfer"}.isdisjoint(s.name for s in chosen)
+    assert {"slow-decode", "stall-transfer", "fail-decode", "fail-prefill"}.isdisjoint(
+        s.name for s in chosen)
     # A cluster on another host: no process of it is signalled from here.
     chosen, _ = select(None, layout(["prefill", "decode", "decode"], local=False))
-    assert [s.name for s in chosen] == ["slow-decode", "stall-transfer"]
+    assert [s.name for s in chosen] == ["slow-decode", "stall-transfer", "fail-decode",
+                                        "fail-prefill"]
 
 
 def test_a_named_scenario_the_layout_cannot_run_is_refused() -> None:
@@ -85,6 +87,10 @@ def test_whole_needs_every_worker_and_a_killed_one_at_a_new_epoch() -> None:
     assert not workers_whole(kill, victim, ids, [worker("decode-0"),
                                                  worker("decode-1", epoch=2, state="ejected")])
     assert workers_whole(slow, victim, ids, [worker("decode-0"), worker("decode-1")])
+    # A worker whose engine failed exits: whole again only as a new process.
+    fail = BY_NAME["fail-decode"]
+    assert not workers_whole(fail, victim, ids, [worker("decode-0"), worker("decode-1")])
+    assert workers_whole(fail, victim, ids, [worker("decode-0"), worker("decode-1", epoch=2)])
     agent = Victim("agent", 7)
     assert not replaced(agent, [], 1) and not replaced(agent, [7], 1) and replaced(agent, [8], 1)
 

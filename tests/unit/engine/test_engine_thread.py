@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.engine_thread import EngineStopped, EngineThread
+from engine.engine_thread import EngineStopped, EngineThread, InjectedEngineFault
 from engine.kv_ready import KVReady
 from engine.llm_engine import RequestOutput
 from engine.request_stream import RequestStream, StreamEnd
@@ -235,6 +235,25 @@ def test_a_failing_step_ends_every_stream_with_the_error() -> None:
         thread.open_stream("b", late)
         assert len(late.put_log) == 1 and isinstance(late.put_log[0], StreamEnd)
         assert "exploded" in str(late.put_log[0].error)
+        await thread.stop()
+
+    asyncio.run(run())
+
+
+def test_the_failing_steps_fault_ends_the_streams_and_tells_the_owner_once() -> None:
+    async def run() -> None:
+        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
+        failures: list[BaseException] = []
+        thread.on_failure = failures.append
+        thread.start()
+        stream = thread.open_stream("a")
+        thread.fault_fail_steps = True
+        await thread.call(lambda e: e.add("a", 10))
+        items = await collect(stream)
+        assert isinstance(items[-1], StreamEnd)
+        assert isinstance(items[-1].error, InjectedEngineFault)
+        assert not thread.is_alive
+        assert len(failures) == 1 and isinstance(failures[0], InjectedEngineFault)
         await thread.stop()
 
     asyncio.run(run())
