@@ -57,6 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     flag("--once", "observe for a few periods, print what would be done now (JSON lines "
                    "on stdout), act on nothing, and exit")
     opt("--audit-log", help="append every decision to this JSON-lines file")
+    opt("--heartbeat-file", help="touch this file every second while the event loop turns "
+        "(how `pdserve up` finds a frozen agent and restarts it)")
     opt("--period-s", "1.0", type=float, help="control loop period (default 1.0)")
     opt("--control-timeout-s", "1.5", type=float,
         help="deadline of each worker's health report: a worker missing it is not "

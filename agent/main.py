@@ -48,6 +48,7 @@ from rpc.channel_client import ChannelPool
 from state.agent_state import AgentState
 from state.redis_state import REDIS_FAILURES, RedisState, connect, raise_if_cancelling
 from state.tier_tallies import TallyStream
+from telemetry.heartbeat import Heartbeat
 from telemetry.metrics import MetricsRegistry
 from telemetry.options import INTERNAL_TOKEN_ENV
 
@@ -131,6 +132,7 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
     audit = Audit(agent_state, metrics, Path(args.audit_log) if args.audit_log else None,
                   echo=sys.stdout if args.once else None)
     runner: web.AppRunner | None = None
+    heartbeat: Heartbeat | None = None
     loop_ = None
     try:
         audit.open()
@@ -144,9 +146,14 @@ async def serve(args: argparse.Namespace, config: AgentConfig) -> int:
         if args.once:
             return await _once(loop_, config)
         runner = await _start_http(metrics, args.host, args.port)
+        if args.heartbeat_file:
+            heartbeat = Heartbeat(Path(args.heartbeat_file))
+            heartbeat.start()
         await _run(loop_, config)
         return 0
     finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
         if loop_ is not None:
             await loop_.stop()
             if loop_.is_leader and not config.dry_run:

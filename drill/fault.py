@@ -52,7 +52,10 @@ async def inject(cluster: TargetCluster, scenario: Scenario, workers: list[Worke
         if not pids:
             raise RuntimeError(f"{scenario.name}: no {scenario.target.value} process found")
         pid = pids[-1]
-        processes.kill(pid)
+        if scenario.fault is FaultKind.STOP:
+            processes.stop(pid)
+        else:
+            processes.kill(pid)
         return Victim(f"{scenario.target.value} (pid {pid})", pid)
     worker = pick_worker(scenario, workers)
     if scenario.fault in (FaultKind.KILL, FaultKind.STOP) and not processes.runs_worker(

@@ -27,7 +27,9 @@ class DrillRow(msgspec.Struct):
     ok: int
     refused_429: int
     failed_by_kind: dict[str, int]  # load and answer checks, by error kind
-    failed_in_flight: int  # of those, requests in flight at the fault (sent before it)
+    # Of those, requests in flight at the fault (sent before it; a frozen gateway replica:
+    # from the fault until it was gone, the requests its socket may have held).
+    failed_in_flight: int
     answers_checked: int
     answers_broken: int
     ejected_after_s: float | None  # fault → the victim first seen out of routing

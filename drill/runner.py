@@ -133,7 +133,8 @@ class Drill:
         out = False  # ejected, or (slow-decode) routed around
         idle_since: list[float] = []
         lifted = scenario.fault not in (FaultKind.SLOW, FaultKind.STALL)
-        num_before = len(process_pids(scenario.target, supervisor_pid)) + 1 \
+        num_before = len([p for p in process_pids(scenario.target, supervisor_pid)
+                          if p != victim.pid]) + 1 \
             if not scenario.target.is_worker and supervisor_pid else 0
         deadline = fault_at + self.options.recovery_timeout_s
         while time.monotonic() < deadline:
@@ -149,6 +150,11 @@ class Drill:
                 if ejected_s is not None:
                     out = True
                     say(f"{scenario.name}: {victim.worker_id} out after {ejected_s:.1f} s")
+            if ejected_s is None and victim.worker_id is None and supervisor_pid is not None \
+                    and scenario.fault is FaultKind.STOP and victim.pid not in \
+                    process_pids(scenario.target, supervisor_pid):
+                ejected_s = now - fault_at  # the frozen process is gone: killed by `pdserve up`
+                say(f"{scenario.name}: pid {victim.pid} gone after {ejected_s:.1f} s")
             if scenario.fault is FaultKind.SLOW and not out and \
                     await self._routed_around(victim, workers, now, idle_since):
                 out = True
@@ -241,11 +247,14 @@ class Drill:
              lies: Counter[str], notes: list[str]) -> DrillRow:
         failed: Counter[str] = Counter()
         in_flight = 0
+        # A frozen gateway replica holds what the kernel gave its socket until it is killed.
+        gone_at = fault_at + ejected_s if ejected_s is not None and victim is not None \
+            and victim.worker_id is None else fault_at
         for timed in records:
             error = timed.record.error
             if error is not None and error != "http_429":
                 failed[error] += 1
-                in_flight += timed.start_s < fault_at <= timed.end_s
+                in_flight += timed.start_s < gone_at and fault_at <= timed.end_s
         summary = summarize_checks(checks)
         for check in checks:
             if check.outcome == "failed":

@@ -14,6 +14,9 @@
     kill-agent, kill-redis      SIGKILL of the operations agent or of Redis: the supervisor
                                 starts them again
     kill-gateway                SIGKILL of one of several gateway replicas (--gateways 2)
+    stop-agent, stop-redis,     SIGSTOP of the agent, of Redis or of one gateway replica:
+    stop-gateway                `pdserve up` finds it frozen (no heartbeat; no PONG), kills it
+                                and starts it again (launcher/liveness.py)
 
 A worker target is a role group: "decode" is any worker that decodes (decode, both,
 colocated), "prefill" any that prefills (prefill, both). A scenario is allowed when its
@@ -73,6 +76,9 @@ SCENARIOS = (
     Scenario("kill-agent", FaultKind.KILL, Target.AGENT, False),
     Scenario("kill-redis", FaultKind.KILL, Target.REDIS, False),
     Scenario("kill-gateway", FaultKind.KILL, Target.GATEWAY, False),
+    Scenario("stop-agent", FaultKind.STOP, Target.AGENT, False),
+    Scenario("stop-redis", FaultKind.STOP, Target.REDIS, False),
+    Scenario("stop-gateway", FaultKind.STOP, Target.GATEWAY, False),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -111,7 +117,7 @@ def why_not(scenario: Scenario, layout: Layout) -> str | None:
     if target is Target.REDIS and not layout.has_redis:
         return "Redis was not started by this `pdserve up`"
     if target is Target.GATEWAY and layout.num_gateways < 2:
-        return "one gateway: killing it is an outage, not a drill (--gateways 2)"
+        return "one gateway: losing it is an outage, not a drill (--gateways 2)"
     return None
 
 

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from telemetry.log_format import LOG_FORMATS, configure_logging
 from telemetry.options import (ADMIN_TOKEN_ENV, INTERNAL_TOKEN_ENV, REDIS_INSECURE_HELP,
@@ -76,6 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.flag("--reuse-port",
                  help="listen with SO_REUSEPORT, so several replicas share --port and the "
                       "kernel spreads connections among them (`pdserve up --gateways N`)")
+    opt("--heartbeat-file", None,
+        help="touch this file every second while the event loop turns (how `pdserve up` "
+             "finds a frozen gateway and restarts it)")
     opt("--namespace", "pdserve", help="Redis key namespace (default pdserve)")
     opt("--log-level", "info", help="debug | info | warning | error")
     opt("--log-format", "text", choices=LOG_FORMATS,
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         internal_token=args.internal_token or None, admin_token=args.admin_token or None,
         otlp_endpoint=args.otlp_endpoint or None,
         shared_limits=args.shared_limits == "on", replicas_hint=args.replicas,
-        reuse_port=args.reuse_port)
+        reuse_port=args.reuse_port,
+        heartbeat_file=Path(args.heartbeat_file) if args.heartbeat_file else None)
     try:
         run_gateway(config)
     except (ModelFileError, TierConfigError, OSError) as exc:

@@ -27,6 +27,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 from redis.asyncio import Redis
@@ -62,6 +63,7 @@ from state.agent_state import AgentState
 from state.prefix_index_mirror import PrefixIndexMirror
 from state.redis_state import RedisState, connect
 from state.tier_tallies import TallyStream
+from telemetry.heartbeat import Heartbeat
 from telemetry.start_up_heap import freeze_start_up_heap
 from telemetry.tracing import Tracing, start_tracing
 from text.grammar import GrammarCompiler
@@ -96,6 +98,7 @@ class GatewayConfig:
     shared_limits: bool = True
     replicas_hint: int = 1
     reuse_port: bool = False  # SO_REUSEPORT: several replicas listen on one port
+    heartbeat_file: Path | None = None  # touched every second (telemetry/heartbeat.py)
 
 
 async def make_app(config: GatewayConfig) -> web.Application:
@@ -211,7 +214,10 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    heartbeat = None if config.heartbeat_file is None else Heartbeat(config.heartbeat_file)
     try:
+        if heartbeat is not None:
+            heartbeat.start()
         site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
@@ -223,6 +229,8 @@ async def serve(config: GatewayConfig, on_listening: Callable[[str], None] = pri
         num_cut = await app[DRAIN].drain(config.drain_timeout_s)
         log.info("drained (%d stream(s) ended early)", num_cut)
     finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await runner.cleanup()

@@ -11,7 +11,8 @@
               N gateway replicas: until N distinct replicas answered /ready with 200)
     supervise(): called periodically; answers the agent's restart requests, restarts what
               exited (launcher/restart_policy.py): a worker with a new process (new epoch),
-              the gateway and Redis on their ports
+              the gateway and Redis on their ports; kills a gateway replica, the agent or
+              Redis that is alive but frozen, for that restart (launcher/liveness.py)
     stop():   the agent first (so nothing restarts what is stopping), then the gateway
               (SIGTERM: it stops accepting, lets streams finish within its drain timeout,
               ends the rest with an error event and [DONE]), then the workers (they drain and deregister), then the MPS daemon, then Redis
@@ -54,6 +55,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.liveness import (PROBE_PERIOD_S, heartbeat_silence_s, is_frozen,
+                               unanswered_since)
 from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_line import RestartLine
@@ -122,6 +125,8 @@ class LocalCluster:
         self._redis_failures = 0
         self._redis_started_at = 0.0
         self._redis_restart_at: float | None = None
+        self._redis_silent_since: float | None = None  # its first unanswered PING
+        self._probed_at = 0.0  # the last liveness round (launcher/liveness.py)
         self._env = {**os.environ, INTERNAL_TOKEN_ENV: self.token}
         self._env.pop(ADMIN_TOKEN_ENV, None)  # the gateways' alone (below)
 
@@ -167,13 +172,13 @@ class LocalCluster:
             self.gateways.append(self.supervisor.start(
                 name, gateway,
                 env={**self._redis_env(GATEWAY_USER), ADMIN_TOKEN_ENV: self.admin_token},
-                essential=True))
+                essential=True, heartbeat=True))
         if self.agent_args is not None:
             line = self.restart_line = RestartLine()
             self.agent = self.supervisor.start(
                 "agent", [*base, "agent", *self.agent_args,
                           "--supervisor-fd", str(line.agent_fd)],
-                env=self._redis_env(AGENT_USER), pass_fds=(line.agent_fd,))
+                env=self._redis_env(AGENT_USER), pass_fds=(line.agent_fd,), heartbeat=True)
 
     def _redis_env(self, username: str) -> dict[str, str]:
         """A child's environment: the cluster's, and its way into Redis."""
@@ -278,7 +283,37 @@ class LocalCluster:
             elif now >= child.restart_at:
                 self.supervisor.restart(child)
                 self.say(f"{child.name} restarted (pid {child.pid})")
+        if now - self._probed_at >= PROBE_PERIOD_S:
+            self._probed_at = now
+            self._kill_frozen(now)
         self._supervise_redis(now)
+
+    def _kill_frozen(self, now: float) -> None:
+        """SIGKILL a gateway replica or agent whose heartbeat stopped, or a Redis that
+        stopped answering, for the restart that follows (launcher/liveness.py)."""
+        wall = time.time()
+        for child in [*self.gateways, *([self.agent] if self.agent else [])]:
+            if child.heartbeat is None or child.returncode() is not None:
+                continue
+            try:
+                beat_at: float | None = child.heartbeat.stat().st_mtime
+            except OSError:
+                beat_at = None
+            silence = heartbeat_silence_s(wall, beat_at)
+            if is_frozen(silence) and self.supervisor.kill(child):
+                self.say(f"{child.name} (pid {child.pid}) gave no sign of life for "
+                         f"{silence:.1f} s: killed, to be restarted")
+        redis = self.redis
+        if redis is None or not redis.is_running or self._redis_restart_at is not None:
+            return
+        self._redis_silent_since = unanswered_since(
+            self._redis_silent_since, redis.answers(PROBE_PERIOD_S), now)
+        if self._redis_silent_since is not None and \
+                is_frozen(now - self._redis_silent_since):
+            self.say(f"redis did not answer a PING for {now - self._redis_silent_since:.1f} s: "
+                     "killed, to be restarted")
+            self._redis_silent_since = None
+            redis.kill()
 
     def _supervise_redis(self, now: float) -> None:
         redis = self.redis

