@@ -20,6 +20,9 @@ A workload is a small TOML file (presets ship in `bench/presets/`):
     shared_prefix_fraction = 0.0       # share of this class's requests that open with a
     prefix_len = 0                     #   shared prefix of prefix_len tokens, drawn from
     num_prefixes = 1                   #   num_prefixes distinct documents
+    turns = 1                          # > 1: requests are turns of conversations, each
+    num_conversations = 1              #   resending its history (bench/planner.py); this
+                                       #   many run at once, each `turns` turns long
 
 Lengths are in tokens. `input_len = 128` is short for `{ kind = "fixed", value = 128 }`.
 A lognormal is given by the mean and standard deviation of the length itself (not of its
@@ -89,6 +92,8 @@ class RequestClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_prefix_fraction: float = 0.0
     prefix_len: int = 0
     num_prefixes: int = 1
+    turns: int = 1
+    num_conversations: int = 1
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
@@ -99,6 +104,11 @@ class RequestClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"class {self.name}: a shared prefix needs prefix_len >= 1")
         if self.num_prefixes < 1:
             raise ValueError(f"class {self.name}: num_prefixes must be >= 1")
+        if self.turns < 1 or self.num_conversations < 1:
+            raise ValueError(f"class {self.name}: turns and num_conversations must be >= 1")
+        if self.turns > 1 and self.shared_prefix_fraction > 0:
+            raise ValueError(f"class {self.name}: a conversation opens with its own history, "
+                             "not a shared prefix (turns > 1 with shared_prefix_fraction)")
 
 
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -145,7 +155,8 @@ def preset_names() -> list[str]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A preset name (`chat`, `rag`, `mixed`, `steady`) or a path to a TOML file."""
+    """A preset name (`chat`, `rag`, `mixed`, `steady`, `multi_turn`, `shared_corpus`) or
+    a path to a TOML file."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         return parse_workload(path.read_text(encoding="utf-8"), str(path))

@@ -19,7 +19,8 @@ answered) since it was started: a process still starting is never frozen.
 from __future__ import annotations
 
 PROBE_PERIOD_S = 1.0  # how often the supervisor looks
-FROZEN_AFTER_S = 5.0  # silence longer than this: frozen (beats are 1 s apart)
+FROZEN_AFTER_S = 10.0  # silence longer than this: frozen (beats are 1 s apart; a loop on
+# an oversubscribed machine may lag seconds, and a gateway killed wrongly cuts its streams)
 
 
 def heartbeat_silence_s(now_s: float, beat_at_s: float | None) -> float | None:

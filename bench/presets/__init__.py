@@ -1,1 +1,2 @@
-"""Workload presets shipped as package data (chat, rag, mixed, steady)."""
+"""Workload presets shipped as package data (chat, rag, mixed, steady, multi_turn,
+shared_corpus)."""

@@ -32,7 +32,10 @@ num_prefixes = 2
 
 
 def test_presets_ship_with_the_package():
-    assert {"chat", "rag", "mixed"} <= set(preset_names())
+    assert {"chat", "rag", "mixed", "steady", "multi_turn", "shared_corpus"} <= \
+        set(preset_names())
+    for name in preset_names():
+        assert load_workload(name).classes
     mixed = load_workload("mixed")
     assert mixed.tiers == ["batch", "interactive"]
     rag = load_workload("rag")
@@ -97,6 +100,48 @@ def test_class_mix_prefixes_and_tiers_follow_the_spec():
     assert by_prefix[0][0] != by_prefix[1][0]
     short = [r for r in requests if r.class_name == "short"]
     assert all(10 <= r.max_tokens <= 20 and r.prefix_id is None for r in short)
+
+
+CONVERSATIONS = """
+name = "talk"
+[[classes]]
+name = "turn"
+input_len = { kind = "uniform", low = 20, high = 60 }
+output_len = { kind = "uniform", low = 10, high = 30 }
+turns = 3
+num_conversations = 4
+"""
+
+
+def test_each_turn_resends_its_conversations_history():
+    planner = RequestPlanner(parse_workload(CONVERSATIONS), Corpus.load(), 5)
+    requests = [planner.next_request() for _ in range(200)]
+    by_conversation: dict[int, list] = {}
+    for r in requests:
+        assert r.conversation_id is not None and r.prefix_id is None
+        by_conversation.setdefault(r.conversation_id, []).append(r)
+    assert len(by_conversation) > 4  # finished conversations gave their slots to new ones
+    finished = [turns for turns in by_conversation.values() if len(turns) == 3]
+    assert finished and all(len(turns) <= 3 for turns in by_conversation.values())
+    for turns in finished:
+        first, second, third = turns
+        # A turn opens with the whole previous turn, then its stood-in answer, then new text.
+        assert second.prompt.startswith(first.prompt + "\n\n")
+        assert third.prompt.startswith(second.prompt + "\n\n")
+        answer = second.prompt[len(first.prompt) + 2:].split("\n\n[")[0]
+        assert 10 <= len(answer.split()) * 1.3 <= 30 * 1.3 + 2
+        assert first.input_len < second.input_len < third.input_len
+        assert second.input_len > first.input_len + first.max_tokens
+    # Two conversations share nothing but what every prompt starts with.
+    firsts = [turns[0].prompt for turns in by_conversation.values()]
+    assert len({p.split("] ", 1)[1][:40] for p in firsts}) == len(firsts)
+    again = RequestPlanner(parse_workload(CONVERSATIONS), Corpus.load(), 5)
+    assert [again.next_request() for _ in range(200)] == requests
+
+
+def test_a_conversation_with_a_shared_prefix_is_refused():
+    with pytest.raises(ValueError, match="turns"):
+        parse_workload(CONVERSATIONS + "shared_prefix_fraction = 0.5\nprefix_len = 8\n")
 
 
 def test_prompt_length_tracks_the_word_ratio():
