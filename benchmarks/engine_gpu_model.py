@@ -48,9 +48,9 @@ class ModelResults:
 def build_random_model(config: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype):
     """Our model with random weights drawn on the device; the same seed gives the same
     weights on the same device (the compiled child rebuilds them this way)."""
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.families import model_class
 
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config.architecture)(config, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -8,16 +8,21 @@ normally; the vocabulary size is the tokenizer's.
     python -m testing.random_model OUT_DIR --shape llama3-1b          # on the GPU host
     python -m testing.random_model OUT_DIR --tokenizer-only            # export tokenizer files
     python -m testing.random_model OUT_DIR --shape llama3-8b --tokenizer-from DIR
+    python -m testing.random_model OUT_DIR --shape qwen3-30b-a3b      # 61 GB on disk
+
+Shapes: testing/shapes.py (Llama, Qwen3 and Qwen3-MoE families).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
 
+from engine.config import ModelConfig
 from testing.shapes import SHAPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -44,47 +49,60 @@ def export_tokenizer(out: Path) -> int:
     return tokenizer.vocab_size
 
 
+def hf_config(config: ModelConfig, dtype_name: str) -> dict[str, object]:
+    """The config.json transformers (and engine/hf_reader.py) read for `config`: Llama,
+    Qwen3 and Qwen3-MoE shapes."""
+    model_types = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                   "Qwen3MoeForCausalLM": "qwen3_moe"}
+    if config.architecture not in model_types:
+        raise ValueError(f"no random checkpoints of {config.architecture}")
+    out: dict[str, object] = {
+        "architectures": [config.architecture], "model_type": model_types[config.architecture],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "torch_dtype": dtype_name,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    if (scaling := config.rope_scaling) is not None:
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    if (moe := config.moe) is not None:
+        dense = [n for n in range(config.num_layers) if n not in moe.layers]
+        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   moe_intermediate_size=moe.intermediate_size,
+                   norm_topk_prob=moe.renormalize, decoder_sparse_step=1,
+                   mlp_only_layers=dense)
+    return out
+
+
 def write_weights(out: Path, shape: str, vocab_size: int, dtype_name: str, seed: int) -> None:
+    """config.json and model.safetensors of the shape (its vocabulary: `vocab_size`): every
+    tensor the model class expects (engine/models/), norms at one, the rest N(0, 0.02)."""
     import torch
     from safetensors.torch import save_file
 
-    shape_config = SHAPES[shape]
-    hidden, inter = shape_config.hidden_size, shape_config.intermediate_size
-    layers, heads = shape_config.num_layers, shape_config.num_heads
-    kv_heads, head_dim = shape_config.num_kv_heads, shape_config.head_dim
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "rms_norm_eps": shape_config.rms_norm_eps, "rope_theta": shape_config.rope_theta,
-        "max_position_embeddings": shape_config.max_position_embeddings,
-        "tie_word_embeddings": False, "torch_dtype": dtype_name,
-        "bos_token_id": 1, "eos_token_id": 2,
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    from engine.models.families import model_class
+
+    config = dataclasses.replace(SHAPES[shape], vocab_size=vocab_size)
+    (out / "config.json").write_text(json.dumps(hf_config(config, dtype_name), indent=1))
     dtype = getattr(torch, dtype_name)
     generator = torch.Generator().manual_seed(seed)
-
-    def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=generator) * 0.02).to(dtype)
-
-    tensors = {"model.embed_tokens.weight": rand(vocab_size, hidden),
-               "model.norm.weight": torch.ones(hidden, dtype=dtype),
-               "lm_head.weight": rand(vocab_size, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-        })
-        print(f"layer {i + 1}/{layers}", file=sys.stderr, flush=True)
+    tensors = {}
+    shapes = model_class(config.architecture).expected_shapes(config)
+    for i, (name, size) in enumerate(shapes.items()):
+        if "norm" in name.rsplit(".", 2)[-2]:
+            tensors[name] = torch.ones(size, dtype=dtype)
+        else:
+            tensors[name] = (torch.randn(size, generator=generator) * 0.02).to(dtype)
+        if (i + 1) % 100 == 0 or i + 1 == len(shapes):
+            print(f"tensor {i + 1}/{len(shapes)}", file=sys.stderr, flush=True)
     save_file(tensors, str(out / "model.safetensors"))
 
 
