@@ -37,7 +37,8 @@ at least 1 is a cause; the highest first):
                        `transfer_ratio` (stage: KV transfer)
     expert_imbalance   a MoE worker's busiest expert over the mean (agent/expert_cause.py)
 
-Not seen, so never named: the relay (the gateway's decode gap includes it).
+The prefill workers' queue (`PrefillResult.queue_ms`, split prompts) is a stage row of its
+own. Not seen, so never named: the relay (the gateway's decode gap includes it).
 Nothing here reads a clock or does I/O.
 """
 
@@ -164,8 +165,7 @@ def windows(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot],
 
 
 def dropped(baseline: Window, recent: Window, config: RootCauseConfig) -> str | None:
-    """The trigger of a report (the figures that fell), or None: no drop, or too few
-    requests to tell."""
+    """The trigger of a report (the figures that fell); None: no drop, or too few requests."""
     now = recent.attainment
     if now is None or recent.tally.num_requests < config.min_requests:
         return None
@@ -215,6 +215,8 @@ def stage_changes(before: Window, now: Window) -> list[StageChange]:
         StageChange(stage=StageName.PREFILL, baseline_ms=_ms(b.prefill.mean_ms),
                     recent_ms=_ms(n.prefill.mean_ms),
                     worker_ids=_grew(n.prefill_by_worker)),
+        StageChange(stage=StageName.PREFILL_QUEUE, baseline_ms=_ms(b.prefill_queue.mean_ms),
+                    recent_ms=_ms(n.prefill_queue.mean_ms)),
         StageChange(stage=StageName.KV_TRANSFER, baseline_ms=_ms(transfer_ms(before)),
                     recent_ms=_ms(transfer_ms(now))),
         StageChange(stage=StageName.DECODE_STEP, baseline_ms=_ms(b.decode.mean_ms),

@@ -53,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int
     prefilled: bool = False  # PREFILL_ONLY request parked with its KV (see release_prefilled)
     num_steps: int = 0  # Request.num_steps
+    queued_s: float | None = None  # on a `prefilled` output: Request.queued_s; else None
 
     @property
     def finished(self) -> bool:
@@ -277,7 +278,8 @@ class OutputProcessor:
         if not request.sampling_params.stop:  # streamed text is never read again
             tracked.text = tracked.text[tracked.num_emitted_chars:]
             tracked.num_emitted_chars = 0
+        prefilled = request.status is RequestStatus.PREFILLED
         return RequestOutput(
             request.request_id, token_ids, text, logprobs, None, len(request.prompt_token_ids),
-            len(request.output_token_ids), request.num_cached_tokens,
-            request.status is RequestStatus.PREFILLED, request.num_steps)
+            len(request.output_token_ids), request.num_cached_tokens, prefilled,
+            request.num_steps, request.queued_s if prefilled else None)

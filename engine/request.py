@@ -85,6 +85,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # seconds; orders equal ranks
     mode: RequestMode = RequestMode.PREFILL_AND_DECODE
     # ---- state below is written by the scheduler and the KV cache manager only ----
+    queued_s: float | None = None  # arrival -> first admitted into a step; None: not yet
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission

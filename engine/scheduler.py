@@ -1,7 +1,8 @@
 """Continuous batching: every step, decide which tokens of which requests the model computes.
 
-Pure state machine (no tensors, no clock): `schedule()` turns the request set and the free
-blocks into one `ScheduleOutput`; `update_from_output()` applies what the model sampled.
+Pure state machine (no tensors; no clock in a decision): `schedule()` turns the request set
+and the free blocks into one `ScheduleOutput`; `update_from_output()` applies what the model
+sampled. `clock` only stamps each request's wait for admission (`Request.queued_s`).
 Called by one engine loop, in this order, every step:
 
     out = scheduler.schedule()              # never while a non-empty `out` is outstanding
@@ -48,7 +49,8 @@ Invariants (`check_invariants`, plus the KV cache manager's):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
 from engine.ranked_requests import RankedRequests
@@ -78,6 +80,7 @@ class Scheduler:
         self.step_model: StepModel | None = None  # the worker's, for hold_tpot (None: unfitted)
         self._parks = config.parks_prefilled
         self._seats = config.max_num_seqs  # this step's admission limit (schedule's seats)
+        self.clock: Callable[[], float] = time.monotonic  # stamps Request.queued_s only
 
     @property
     def num_waiting(self) -> int:
@@ -97,8 +100,7 @@ class Scheduler:
         return len(self._prefilled)
 
     @property
-    def num_unfinished(self) -> int:
-        """Live requests: waiting, running or prefilled (awaiting release)."""
+    def num_unfinished(self) -> int:  # live: waiting, running or prefilled (to be released)
         return len(self._requests)
 
     def get_request(self, request_id: str) -> Request | None:
@@ -167,8 +169,7 @@ class Scheduler:
         return request
 
     def release_prefilled(self, request_id: str) -> Request:
-        """Free a PREFILLED request's blocks once its KV has been sent (full blocks stay
-        cached). The request leaves the scheduler with status PREFILLED."""
+        """Free a PREFILLED request's blocks (full ones stay cached) once its KV was sent."""
         request = self._prefilled[request_id]  # KeyError: not PREFILLED (or already released)
         self._remove(request)
         return request
@@ -321,6 +322,8 @@ class Scheduler:
         if not self.kv_cache.allocate_for(request, num_new, prefix):
             return False
         self._waiting.pop()
+        if request.queued_s is None:  # its first admission (not a preempted one's return)
+            request.queued_s = self.clock() - request.arrival_time
         request.num_computed_tokens = request.num_cached_tokens = prefix.num_cached_tokens
         request.status = RequestStatus.RUNNING
         self._running.add(request, self._order.rank_key(request))
@@ -346,11 +349,9 @@ class Scheduler:
         elif request.num_output_tokens >= request.sampling_params.max_tokens:
             self._end(request, RequestStatus.FINISHED_LENGTH, report=True)
 
-    def _end_unfittable(self, request: Request) -> None:
-        # With output already streamed the client sees a length cut, as at a context limit.
-        status = RequestStatus.FINISHED_LENGTH if request.output_token_ids \
-            else RequestStatus.FINISHED_ERROR
-        self._end(request, status, report=True)
+    def _end_unfittable(self, request: Request) -> None:  # streamed output: a length cut
+        self._end(request, RequestStatus.FINISHED_LENGTH if request.output_token_ids
+                  else RequestStatus.FINISHED_ERROR, report=True)
 
     def _end(self, request: Request, status: RequestStatus, report: bool) -> None:
         self._remove(request)
@@ -384,8 +385,7 @@ class Scheduler:
         self._requests[request.request_id] = request
 
     def _queue(self, request: Request, status_if_unfittable: RequestStatus) -> None:
-        """Register a fresh WAITING or PREEMPTED request and queue it, or end it at once when
-        it needs more blocks than the whole pool (reported by `drain_finished`)."""
+        """Register and queue a fresh WAITING or PREEMPTED request; end one the pool cannot fit."""
         if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
             request.status = status_if_unfittable
             self._finished.append(request)

@@ -235,6 +235,9 @@ class PrefillResult(Message, tag="prefill_result", frozen=True, kw_only=True):
     transfer_status: TransferStatus
     finish_reason: FinishReason | None = None  # set when the first token already ends it
     num_steps: NonNegInt = 0  # engine steps of the prefill (its chunks)
+    # How long it waited in the worker's queue before its first chunk was scheduled (the
+    # rest of the prefill stage is compute); None: not reported.
+    queue_ms: NonNegFloat | None = None
 
 
 class TransferResult(Message, tag="transfer_result", frozen=True, kw_only=True):

@@ -11,6 +11,9 @@ Stages, as the gateway times them (gateway/api/request_trace.py), all in ms:
     admission_queue  arrival -> admitted
     prefill          admitted -> first token: the prefill worker's queue and compute and
                      the KV transfer to the decode worker (the workers' own reports split it)
+    prefill_queue    of that, the time the prompt waited in a prefill worker's queue before
+                     its first chunk (its PrefillResult says; prompts a decode worker
+                     prefills itself do not report it)
     decode           the mean gap between later tokens (TPOT): the decode worker's steps
                      and the relay to the client
 
@@ -61,6 +64,7 @@ class TierTally(msgspec.Struct, kw_only=True):
     admission_queue: StageSum = msgspec.field(default_factory=StageSum)
     prefill: StageSum = msgspec.field(default_factory=StageSum)
     decode: StageSum = msgspec.field(default_factory=StageSum)
+    prefill_queue: StageSum = msgspec.field(default_factory=StageSum)
     prefill_by_worker: dict[str, StageSum] = msgspec.field(default_factory=dict)
     decode_by_worker: dict[str, StageSum] = msgspec.field(default_factory=dict)
 
@@ -78,6 +82,7 @@ class TierTally(msgspec.Struct, kw_only=True):
         self.num_transfer_retries += other.num_transfer_retries
         self.admission_queue.merge(other.admission_queue)
         self.prefill.merge(other.prefill)
+        self.prefill_queue.merge(other.prefill_queue)
         self.decode.merge(other.decode)
         for mine, theirs in ((self.prefill_by_worker, other.prefill_by_worker),
                              (self.decode_by_worker, other.decode_by_worker)):

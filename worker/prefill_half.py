@@ -251,7 +251,8 @@ class PrefillWorker:
             first_logprob=to_token_logprob(out.logprobs[0]) if out.logprobs else None,
             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
             transfer_status=TransferStatus.PENDING if pushing else TransferStatus.SKIPPED,
-            finish_reason=out.finish_reason, num_steps=out.num_steps)
+            finish_reason=out.finish_reason, num_steps=out.num_steps,
+            queue_ms=None if out.queued_s is None else round(out.queued_s * 1000, 3))
         destination = request.destination
         if not pushing:
             if destination is not None:  # (a destination that follows is never needed)

@@ -110,6 +110,8 @@ class RouteObserver(Protocol):
 
     def failed(self, failure: LegFailed, now_s: float) -> None: ...
 
+    def prefill_queue(self, worker_id: str, queue_ms: float, now_s: float) -> None: ...
+
 
 class CompletionBackend(Protocol):
     """Whatever generates the tokens (see the module docstring for the contract)."""

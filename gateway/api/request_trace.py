@@ -36,7 +36,7 @@ OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 
 
 class Stage(msgspec.Struct, frozen=True, array_like=True):
-    name: str  # queued, route, prefill (admitted -> token 1), decode, retry
+    name: str  # queued, route, prefill (admitted -> token 1), prefill_queue, decode, retry
     start_ms: float  # since arrival
     end_ms: float
     detail: str = ""
@@ -118,6 +118,16 @@ class RequestTrace:
         self.span.set({"pdserve.route": plan.kind})
         self.stages.append(Stage("route", self._ms(now_s), self._ms(now_s),
                                  f"attempt {attempt}: {plan.kind} via {' -> '.join(self.workers)}"))
+
+    def prefill_queue(self, worker_id: str, queue_ms: float, now_s: float) -> None:
+        """The prefill worker's report, with its first token at `now_s`: the prompt waited
+        `queue_ms` in its queue before its first chunk, from the attempt's plan on (the
+        message's way there is in it, on the gateway's clock); no longer than the attempt."""
+        start = next((s.start_ms for s in reversed(self.stages) if s.name == "route"),
+                     self._ms(self._admitted_s if self._admitted_s is not None
+                              else self.arrived_s))
+        end = min(self._ms(now_s), start + queue_ms)
+        self.stages.append(Stage("prefill_queue", start, end, f"on {worker_id}"))
 
     def failed(self, failure: LegFailed, now_s: float) -> None:
         self.span.event("attempt_failed", {"pdserve.worker": failure.worker_id,

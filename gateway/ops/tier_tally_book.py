@@ -53,6 +53,9 @@ def add_request(tally: TierTally, record: RequestRecord) -> None:
         ms = prefill.end_ms - prefill.start_ms
         tally.prefill.add(ms)
         tally.prefill_by_worker.setdefault(record.workers[0], StageSum()).add(ms)
+    queue = stages.get("prefill_queue")  # the last attempt's, as `prefill` is
+    if queue is not None and prefill is not None and record.route == "split":
+        tally.prefill_queue.add(queue.end_ms - queue.start_ms)
     if record.tpot_ms is not None and record.workers:
         tally.decode.add(record.tpot_ms)
         tally.decode_by_worker.setdefault(record.workers[-1], StageSum()).add(record.tpot_ms)

@@ -113,6 +113,12 @@ class Generation:
         if self.request.trace is not None:
             self.request.trace.failed(failure, time.monotonic())
 
+    def prefilled(self, worker_id: str, queue_ms: float | None) -> None:
+        """A prefill worker's first token arrived, saying how long the prompt waited in its
+        queue (None: it did not say)."""
+        if self.request.trace is not None and queue_ms is not None:
+            self.request.trace.prefill_queue(worker_id, queue_ms, time.monotonic())
+
 
 async def prepend(first: asyncio.Task[list[TokenFrame]], rest: FrameBatches[TokenFrame]
                   ) -> AsyncGenerator[list[TokenFrame], None]:

@@ -287,6 +287,7 @@ class WorkerBackend:
             # Token 1 is the client's from here (the relay counts it, and a retry resumes
             # after it): it goes out before any failure of D below is raised.
             first_delta, delivered = relay.first_token(first), False
+            generation.prefilled(prefill_id, first.queue_ms)
             if relay.finished:
                 # Nothing to decode: free the reservation on D now rather than at its timeout.
                 self._abort_legs(attempt)

@@ -321,6 +321,9 @@ def test_handoff_is_token_identical_to_one_engine(cluster: Cluster, backend: str
             assert result.prefill_error is None and result.decode_error is None, result
             assert result.transfer.status is TransferStatus.DONE
             assert result.tokens == cluster.reference[name], name
+            # Its wait in the prefill worker's queue, less than the whole prefill took.
+            assert result.prefill is not None and result.prefill.queue_ms is not None
+            assert 0 <= result.prefill.queue_ms < result.elapsed_s * 1000
         path = "mapped" if backend == "ucx" else "carrier"  # see the cluster fixture
         samples = await metrics(p)
         assert samples.get(f'pdserve_kv_transfers_total{{direction="sent",path="{path}"}}', 0) >= 2

@@ -85,6 +85,21 @@ def test_a_mix_shift_toward_long_prompts_is_named_first() -> None:
     assert report.attainment_recent == 0.5 and report.attainment_baseline == 1.0
     prefill = next(s for s in report.stages if s.stage is StageName.PREFILL)
     assert prefill.baseline_ms == 80.0 and prefill.recent_ms == 900.0
+    # No prefill worker reported its queue in this recording: the row says so (None).
+    queue = next(s for s in report.stages if s.stage is StageName.PREFILL_QUEUE)
+    assert queue.baseline_ms is None and queue.recent_ms is None
+
+
+def test_the_prefill_workers_queue_is_a_stage_row_where_they_report_it() -> None:
+    snapshots = recording((1, 1, 210, 6.0, 700.0, 32.0, 33.0, 0))
+    for n, snapshot in enumerate(snapshots):
+        tier = snapshot.tiers["standard"]
+        count = tier.prefill.count
+        tier.prefill_queue = StageSum((5.0 if n < 60 else 600.0) * count, count)
+    report = report_of(snapshots)
+    assert report is not None
+    queue = next(s for s in report.stages if s.stage is StageName.PREFILL_QUEUE)
+    assert (queue.baseline_ms, queue.recent_ms) == (5.0, 600.0)
 
 
 def test_an_arrival_rate_surge_is_named_first() -> None:

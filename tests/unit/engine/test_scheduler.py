@@ -575,3 +575,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40,
                                               deadline=None)
 test_random_traffic_keeps_invariants_and_always_drains = SchedulerMachine.TestCase
+
+
+def test_the_wait_for_admission_is_stamped_once_and_kept_through_preemption() -> None:
+    scheduler, checker = make(num_blocks=4, aging_steps=None, max_num_seqs=3)
+    now = [5.0]
+    scheduler.clock = lambda: now[0]
+    scheduler.add_request(request("old_low", range(4), max_tokens=6, arrival_time=1.0))
+    scheduler.add_request(request("new_low", range(10, 14), max_tokens=6, arrival_time=2.0))
+    scheduler.add_request(request("high", range(20, 24), max_tokens=6, priority=1,
+                                  arrival_time=3.0))
+    waiting = request("later", range(30, 34), arrival_time=4.0)
+    scheduler.add_request(waiting)
+    step(scheduler, checker)  # the first three admitted at 5.0; no seat left for `later`
+    assert waiting.queued_s is None
+    assert [scheduler.get_request(r).queued_s for r in ("old_low", "new_low", "high")] == \
+        [4.0, 3.0, 2.0]
+    now[0] = 9.0
+    out = step(scheduler, checker)
+    assert out.preempted_request_ids == ("new_low",)
+    run_until_idle(scheduler, checker)
+    finished = {r.request_id: r for r in scheduler.drain_finished()}
+    assert finished["new_low"].num_preemptions >= 1
+    assert finished["new_low"].queued_s == 3.0  # its first admission, not its return
+    assert finished["later"].queued_s == 5.0

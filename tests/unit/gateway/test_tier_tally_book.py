@@ -46,3 +46,19 @@ def test_stages_are_summed_per_tier_and_per_worker_and_taken_once() -> None:
     again = msgspec.json.decode(msgspec.json.encode(taken), type=GatewayTally)
     total = merged([again.tiers["standard"], standard])
     assert total.num_requests == 6 and total.decode_by_worker["d0"].count == 2
+
+
+def test_the_prefill_workers_queue_is_its_own_stage_for_split_prompts_only() -> None:
+    book = TierTallyBook(stream=None)
+    queued = [*SPLIT, Stage("prefill_queue", 4.0, 34.0, "on p0")]
+    book.observe(record("met", ["p0", "d0"], queued))
+    book.observe(record("met", ["p0", "d0"], SPLIT))  # a worker that did not say
+    local = RequestRecord(request_id="l", tier="standard", outcome="met", arrived_unix_ms=0,
+                          ttft_ms=None, tpot_ms=20.0, num_tokens=8, route="local",
+                          workers=["d0"], stages=queued, error=None, trace_id=None)
+    book.observe(local)  # the last attempt prefilled locally: an earlier queue is not its
+    taken = book.take(now_unix_ms=1000)
+    assert taken is not None
+    standard = taken.tiers["standard"]
+    assert (standard.prefill_queue.count, standard.prefill_queue.mean_ms) == (1, 30.0)
+    assert standard.prefill.count == 3
