@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from drill.scenario import SCENARIOS
+
 DEFAULT_UP_ARGS = "--prefill 1 --decode 2 --threads-per-worker 1"
 
 
@@ -31,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                             f'on, and stop it at the end (the default, with "{DEFAULT_UP_ARGS}")')
     where.add_argument("--log-dir", default=None, type=Path,
                        help="drill a running `pdserve up` instead: its --log-dir, where it "
-                            "wrote the admin token (with --url). The slow and stall scenarios "
+                            "wrote the admin token (with --url). The slow, stall and fail scenarios "
                             "also need it started with PDSERVE_FAULT_INJECTION=1 and the "
                             "cluster's token in $PDSERVE_INTERNAL_TOKEN here")
     where.add_argument("--url", default=None,
@@ -40,9 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="how long its own cluster may take to start (default 600)")
     what = p.add_argument_group("scenarios")
     what.add_argument("--scenarios", default=None, metavar="NAME[,NAME...]",
-                      help="which to run, in the table's order: kill-decode, kill-prefill, "
-                           "stop-decode, stop-prefill, slow-decode, stall-transfer, "
-                           "kill-agent, kill-redis, kill-gateway (default: every one the "
+                      help="which to run, in the table's order: "
+                           f"{', '.join(s.name for s in SCENARIOS)} (default: every one the "
                            "cluster's layout allows)")
     what.add_argument("--before-s", type=float, default=5.0,
                       help="seconds of load before each fault (default 5)")

@@ -288,8 +288,7 @@ class WorkerBackend:
             # after it): it goes out before any failure of D below is raised.
             first_delta, delivered = relay.first_token(first), False
             generation.prefilled(prefill_id, first.queue_ms)
-            if relay.finished:
-                # Nothing to decode: free the reservation on D now rather than at its timeout.
+            if relay.finished:  # nothing to decode: free D's reservation now, not at its timeout
                 self._abort_legs(attempt)
                 yield [first_delta]
                 return
