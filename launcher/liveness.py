@@ -18,18 +18,30 @@ answered) since it was started: a process still starting is never frozen.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 PROBE_PERIOD_S = 1.0  # how often the supervisor looks
 FROZEN_AFTER_S = 10.0  # silence longer than this: frozen (beats are 1 s apart; a loop on
 # an oversubscribed machine may lag seconds, and a gateway killed wrongly cuts its streams)
 
 
-def heartbeat_silence_s(now_s: float, beat_at_s: float | None) -> float | None:
-    """How long a child has been silent, by its heartbeat file's time `beat_at_s` (None: no
-    file yet: it is starting, or was just restarted), both on the wall clock; None when
-    there is nothing to judge."""
-    if beat_at_s is None:
-        return None
-    return max(0.0, now_s - beat_at_s)
+@dataclass(slots=True)
+class BeatWatch:
+    """One child's heartbeat as the supervisor saw it: the file's last time, and when (on
+    the supervisor's monotonic clock) it was first seen. Silence is counted on that clock,
+    from the last change of the file's time, never by comparing the file's wall-clock time
+    with now: a wall clock stepped forward, or a laptop waking from sleep, is no silence."""
+
+    beat_at: float | None = None  # the file's modification time (None: no file yet)
+    seen_at: float = 0.0  # monotonic time that `beat_at` was first seen
+
+    def observe(self, beat_at: float | None, now: float) -> float | None:
+        """The silence so far, given the file's time now (None: no file: the child is
+        starting, or was just restarted, and there is nothing to judge)."""
+        if beat_at is None or beat_at != self.beat_at:
+            self.beat_at, self.seen_at = beat_at, now
+            return None if beat_at is None else 0.0
+        return now - self.seen_at
 
 
 def is_frozen(silence_s: float | None) -> bool:

@@ -55,8 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.liveness import (PROBE_PERIOD_S, heartbeat_silence_s, is_frozen,
-                               unanswered_since)
+from launcher.liveness import PROBE_PERIOD_S, BeatWatch, is_frozen, unanswered_since
 from launcher.mps import MpsDaemon, MpsError
 from launcher.redis_server import RedisServer, RedisServerError
 from launcher.restart_line import RestartLine
@@ -127,6 +126,7 @@ class LocalCluster:
         self._redis_restart_at: float | None = None
         self._redis_silent_since: float | None = None  # its first unanswered PING
         self._probed_at = 0.0  # the last liveness round (launcher/liveness.py)
+        self._beats: dict[str, BeatWatch] = {}  # by child name: the gateways', the agent's
         self._env = {**os.environ, INTERNAL_TOKEN_ENV: self.token}
         self._env.pop(ADMIN_TOKEN_ENV, None)  # the gateways' alone (below)
 
@@ -291,7 +291,6 @@ class LocalCluster:
     def _kill_frozen(self, now: float) -> None:
         """SIGKILL a gateway replica or agent whose heartbeat stopped, or a Redis that
         stopped answering, for the restart that follows (launcher/liveness.py)."""
-        wall = time.time()
         for child in [*self.gateways, *([self.agent] if self.agent else [])]:
             if child.heartbeat is None or child.returncode() is not None:
                 continue
@@ -299,7 +298,7 @@ class LocalCluster:
                 beat_at: float | None = child.heartbeat.stat().st_mtime
             except OSError:
                 beat_at = None
-            silence = heartbeat_silence_s(wall, beat_at)
+            silence = self._beats.setdefault(child.name, BeatWatch()).observe(beat_at, now)
             if is_frozen(silence) and self.supervisor.kill(child):
                 self.say(f"{child.name} (pid {child.pid}) gave no sign of life for "
                          f"{silence:.1f} s: killed, to be restarted")

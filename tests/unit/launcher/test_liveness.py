@@ -11,17 +11,22 @@ import time
 
 import pytest
 
-from launcher.liveness import (FROZEN_AFTER_S, heartbeat_silence_s, is_frozen,
-                               unanswered_since)
+from launcher.liveness import FROZEN_AFTER_S, BeatWatch, is_frozen, unanswered_since
 from launcher.redis_server import RedisServer
 from telemetry.heartbeat import Heartbeat
 
 
-def test_a_child_is_judged_only_once_it_has_beaten() -> None:
-    assert heartbeat_silence_s(100.0, None) is None and not is_frozen(None)
-    assert heartbeat_silence_s(100.0, 99.0) == 1.0 and not is_frozen(1.0)
-    assert is_frozen(heartbeat_silence_s(100.0, 100.0 - FROZEN_AFTER_S - 0.1))
-    assert heartbeat_silence_s(100.0, 101.0) == 0.0  # a clock step back is not silence
+def test_silence_counts_on_the_supervisors_clock_from_the_last_change() -> None:
+    watch = BeatWatch()
+    assert watch.observe(None, now=0.0) is None and not is_frozen(None)  # starting: no file
+    assert watch.observe(1000.0, now=1.0) == 0.0
+    assert watch.observe(1001.0, now=2.0) == 0.0  # it beat: silence starts again
+    assert watch.observe(1001.0, now=2.0 + FROZEN_AFTER_S) == FROZEN_AFTER_S
+    assert is_frozen(watch.observe(1001.0, now=2.5 + FROZEN_AFTER_S))
+    # A wall clock stepped by hours (or a laptop that slept) is no silence: only the
+    # supervisor's monotonic clock counts, and the file kept changing.
+    assert watch.observe(1001.0 + 7200, now=3.0 + FROZEN_AFTER_S) == 0.0
+    assert watch.observe(None, now=100.0) is None  # restarted: its file is gone
 
 
 def test_silence_is_counted_from_the_first_unanswered_probe() -> None:
