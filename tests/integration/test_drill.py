@@ -31,7 +31,7 @@ def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recover
     done = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "drill",
          "--up-args", "--prefill 1 --decode 2 --threads-per-worker 1 --log-level warning",
-         "--scenarios", "fail-decode,kill-agent", "--before-s", "2", "--after-s", "2",
+         "--scenarios", "fail-decode,kill-agent", "--before-s", "2", "--after-s", "1",
          "--rate", "1", "--check-tokens", "8", "--recovery-timeout-s", "60",
          "--output", str(output)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=220)

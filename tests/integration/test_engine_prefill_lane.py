@@ -24,14 +24,11 @@ pytestmark = pytest.mark.timeout(600)
 LANE = {"prefill_lane_sms": 1, "max_num_batched_tokens": 16, "max_num_seqs": 8}
 
 
-def test_lane_greedy_batch_matches_transformers_and_no_lane(loaded, hf_reference):
+def test_lane_greedy_batch_matches_transformers(loaded, hf_reference):
     engine = make_engine(loaded, **LANE)
     assert engine.lane is not None
     requests = {f"r{i}": (engine.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)}
-    seen, _ = run(engine, requests, "plain")
-    without, _ = run(make_engine(loaded, max_num_batched_tokens=16, max_num_seqs=8), requests,
-                     "plain")
-    assert_same_but_rounding(seen, without)
+    seen, _ = run(engine, requests, "plain")  # (against no lane: the stop cases' test)
     for rid, (prompt, _) in requests.items():
         expected = hf_reference.greedy(prompt, GREEDY.max_tokens, ignore_eos=True).token_ids
         assert seen[rid].tokens == expected

@@ -67,8 +67,7 @@ def _write_kv3_model(directory: Path) -> Path:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant,tp_size", [("qwen2_bias", 2), ("llama_untied", 2),
                                              ("qwen3", 2), ("gemma2", 2), ("kv3", 3),
-                                             ("qwen3_moe_sparse_step", 2), ("mixtral", 2),
-                                             ("qwen2_moe", 2)])
+                                             ("qwen3_moe_sparse_step", 2), ("mixtral", 2)])
 def test_sharded_greedy_matches_unsharded(variant, tp_size, tmp_path, tiny_model,
                                           single_thread):
     path = _write_kv3_model(tmp_path) if variant == "kv3" else tiny_model(variant).path
