@@ -1,8 +1,8 @@
-"""`pdserve drill` end to end: its own `pdserve up` (1 prefill + 2 decode workers, the
-default model on CPU), a decode worker whose engine step fails under load (the stand-in for
-a device error: its streams migrate, it exits and is started again; a killed worker is
-drilled by the reliability tests) and the agent killed, and the table's figures as an
-operator reads them.
+"""`pdserve drill` end to end: its own `pdserve up` (2 workers of role `both`, the default
+layout on a CPU; the default model), a worker whose engine step fails under load (the
+stand-in for a device error: its streams migrate, it exits and is started again; a killed
+worker is drilled by the reliability tests) and the agent killed, and the table's figures
+as an operator reads them.
 
 The agent's probation is shortened (PDSERVE_PROBATION_S, inherited by the agent `pdserve up`
 starts) so the restarted decode worker is routable again within the test's time.
@@ -30,7 +30,7 @@ def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recover
     env.update({"PYTHONUNBUFFERED": "1", "PDSERVE_PROBATION_S": "2", "TMPDIR": str(tmp_path)})
     done = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "drill",
-         "--up-args", "--prefill 1 --decode 2 --threads-per-worker 1 --log-level warning",
+         "--up-args", "--workers 2 --roles both --threads-per-worker 1 --log-level warning",
          "--scenarios", "fail-decode,kill-agent", "--before-s", "2", "--after-s", "1",
          "--rate", "1", "--check-tokens", "8", "--recovery-timeout-s", "60",
          "--output", str(output)],
