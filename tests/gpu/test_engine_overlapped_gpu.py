@@ -15,12 +15,12 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import word_tokenizer
 
 from benchmarks.engine_gpu_model import build_random_model
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.sampling_params import SamplingParams
-from text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -32,24 +32,13 @@ CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_s
                      max_position_embeddings=512, tie_word_embeddings=False)
 
 
-def word_tokenizer() -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
-
-    backend = Backend(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(0,), add_bos_token=False,
-                     chat_template=None, special_token_strings={})
-
-
 @pytest.fixture(scope="module")
 def model():
     return build_random_model(CONFIG, seed=3, device=torch.device("cuda"), dtype=torch.bfloat16)
 
 
 def run(model, overlap: bool, mixed_graphs: bool) -> dict[str, tuple]:
-    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(
         num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
         dtype=torch.bfloat16, device="cuda", mixed_cuda_graphs=mixed_graphs))
     rng = random.Random(0)
@@ -101,7 +90,7 @@ def test_overlapped_steps_are_timed_on_the_device_with_their_own_shapes(model):
     from engine.step_shape import step_shape
     from engine.step_timer import StepTimer
 
-    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(
         num_kv_blocks=128, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
         dtype=torch.bfloat16, device="cuda"))
     engine.step_timer = StepTimer()

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import word_tokenizer
 
 from benchmarks.engine_gpu_model import build_random_model
 from engine.config import ModelConfig
@@ -21,7 +22,6 @@ from engine.host_copier import StreamHostCopier
 from engine.kv_storage import KVLayout, KVStorage
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.sampling_params import SamplingParams
-from text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -61,20 +61,9 @@ def test_an_offload_completes_before_the_engine_stream_overwrites_the_block():
     assert stats.offloaded_bytes == stats.reloaded_bytes == tier.block_bytes
 
 
-def word_tokenizer() -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
-
-    backend = Backend(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(0,), add_bos_token=False,
-                     chat_template=None, special_token_strings={})
-
-
 def run(model, prompts: list[list[int]], num_kv_blocks: int,
         host_bytes: int) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+    engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(
         num_kv_blocks=num_kv_blocks, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
         dtype=torch.bfloat16, device="cuda", kv_host_cache_bytes=host_bytes))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -17,13 +17,13 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import word_tokenizer
 
 from benchmarks.engine_gpu_model import build_random_model
 from engine.config import ModelConfig
 from engine.lane_streams import lane_streams
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.sampling_params import SamplingParams
-from text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -37,24 +37,13 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprob
 NEAR_TIE = 0.05  # nats between the reference's two best tokens
 
 
-def word_tokenizer() -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
-
-    backend = Backend(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(0,), add_bos_token=False,
-                     chat_template=None, special_token_strings={})
-
-
 @pytest.fixture(scope="module")
 def model():
     return build_random_model(CONFIG, seed=5, device=torch.device("cuda"), dtype=torch.bfloat16)
 
 
 def engine_for(model, lane_sms: int) -> LLMEngine:
-    return LLMEngine.for_model(model, CONFIG, word_tokenizer(), EngineConfig(
+    return LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(
         num_kv_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=128,
         dtype=torch.bfloat16, device="cuda", prefill_lane_sms=lane_sms))
 
