@@ -175,6 +175,14 @@ def moe_shapes(prefix: str, hidden_size: int, moe: MoEConfig,
     return shapes
 
 
+def sparse_mlp(config: ModelConfig, n: int) -> MoEBlock | None:
+    """Layer n's expert block in a Qwen-style MoE family (Qwen3-MoE, Qwen2-MoE: the routing
+    weights rounded to the model dtype), or None where the layer keeps its dense MLP."""
+    if config.moe is None or not config.is_moe_layer(n):
+        return None
+    return MoEBlock(config.hidden_size, config.moe, config.hidden_act, round_weights=True)
+
+
 def with_moe_shapes(config: ModelConfig, prefix: str, shapes: dict[str, tuple[int, ...]]
                     ) -> dict[str, tuple[int, ...]]:
     """A dense layer's `shapes` with, where the layer at `prefix` is sparse, its MLP's

@@ -15,17 +15,13 @@ from __future__ import annotations
 from engine.config import ModelConfig
 from engine.models.decoder import DecoderLayer
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.models.moe import MoEBlock, with_moe_shapes
+from engine.models.moe import sparse_mlp, with_moe_shapes
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     @classmethod
     def make_layer(cls, config: ModelConfig, n: int) -> DecoderLayer:
-        mlp = None
-        if config.moe is not None and config.is_moe_layer(n):
-            mlp = MoEBlock(config.hidden_size, config.moe, config.hidden_act,
-                           round_weights=True)
-        return LlamaDecoderLayer(config, config.window_of(n), mlp=mlp)
+        return LlamaDecoderLayer(config, config.window_of(n), mlp=sparse_mlp(config, n))
 
     @classmethod
     def layer_shapes(cls, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
