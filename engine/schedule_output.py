@@ -89,10 +89,11 @@ class ScheduleDraft:
     preempted request's chunk is withdrawn), the token budget left, the preempted ids.
     The budget left is the step's budget less the tokens of the chunks."""
 
-    __slots__ = ("budget", "chunks", "preempted", "prefill_chunk_tokens")
+    __slots__ = ("budget", "chunks", "preempted", "prefill_chunk_tokens", "seats")
 
-    def __init__(self, budget: int, prefill_chunk_tokens: int | None = None) -> None:
+    def __init__(self, budget: int, seats: int, prefill_chunk_tokens: int | None = None) -> None:
         self.budget = budget
+        self.seats = seats  # admission stops once this many requests run
         self.prefill_chunk_tokens = prefill_chunk_tokens  # a request's most tokens per step
         self.chunks: dict[str, ScheduledChunk] = {}
         self.preempted: list[str] = []

@@ -79,7 +79,6 @@ class Scheduler:
         self._num_steps = 0
         self.step_model: StepModel | None = None  # the worker's, for hold_tpot (None: unfitted)
         self._parks = config.parks_prefilled
-        self._seats = config.max_num_seqs  # this step's admission limit (schedule's seats)
         self.clock: Callable[[], float] = time.monotonic  # stamps Request.queued_s only
 
     @property
@@ -204,9 +203,10 @@ class Scheduler:
         if self._outstanding is not None:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
-        self._seats = min(self.config.max_num_seqs, self.config.max_num_seqs if seats is None
-                          else max(0, seats))
-        step = ScheduleDraft(self.config.max_num_batched_tokens, self.config.prefill_chunk_tokens)
+        limit = self.config.max_num_seqs
+        step = ScheduleDraft(self.config.max_num_batched_tokens,
+                             limit if seats is None else max(0, min(limit, seats)),
+                             self.config.prefill_chunk_tokens)
         seated = self._running.best(self.config.max_num_seqs)
         running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
         # Decodes first, in rank order, then prefills (either may preempt worse-ranked ones).
@@ -312,7 +312,7 @@ class Scheduler:
 
     def _try_admit(self, request: Request, step: ScheduleDraft) -> bool:
         """Admit the waiting head; False when it finds no seat or blocks (nobody overtakes it)."""
-        if max(len(self._running), len(step.chunks)) >= self._seats:
+        if max(len(self._running), len(step.chunks)) >= step.seats:
             return False
         if self.kv_cache.blocks_needed(request.num_tokens) > self.kv_cache.num_blocks:
             self._end_unfittable(request)
