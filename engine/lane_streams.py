@@ -7,7 +7,8 @@ other, so a decode step does not wait behind a chunk's kernels and the chunk tak
 the decodes do not. Measured on one H100 (132 SMs) with a 2048-token GEMM beside a batch-64
 decode GEMV: a 66 + 66 split slowed the decode pass 1.07x and the GEMM 1.61x against each
 alone on the whole GPU; the same GEMM confined to 66 SMs beside a decode on the whole GPU
-slowed the decode 1.55x, and two plain streams let the GEMM slow it the most.
+slowed the decode 1.55x; on two plain streams the decode pass kept its speed (1.00x) and
+the GEMM took 1.14x (one probe, not kept in the repository).
 
 Without green contexts (an older driver or torch, or no CUDA) `lane_streams` returns None and
 says why in one log line: the engine then computes prompts in its decode steps (chunked
