@@ -41,6 +41,9 @@ class EngineConfig:
     # steps on the rest (green contexts); on the CPU any positive value runs the lane's steps
     # in turn with the decode steps. 0: no lane, prompts are computed in the decode steps.
     prefill_lane_sms: int = 0
+    # With a lane on CUDA: no SM partition; the lane's stream and the decode steps' share
+    # every SM, the decode steps' stream at the higher priority (engine/lane_streams.py).
+    prefill_lane_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1:

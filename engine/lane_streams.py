@@ -10,6 +10,10 @@ alone on the whole GPU; the same GEMM confined to 66 SMs beside a decode on the 
 slowed the decode 1.55x; on two plain streams the decode pass kept its speed (1.00x) and
 the GEMM took 1.14x (one probe, not kept in the repository).
 
+`shared_lane_streams` makes the other arrangement the probe points to: two plain streams over
+every SM, the decode steps' at the higher priority, so the block scheduler hands a freed SM to
+a waiting decode kernel before the lane's next block (`--prefill-lane shared`).
+
 Without green contexts (an older driver or torch, or no CUDA) `lane_streams` returns None and
 says why in one log line: the engine then computes prompts in its decode steps (chunked
 prefill, time-sliced) as a worker without a lane does.
@@ -54,6 +58,20 @@ def lane_sms(asked: int | None, device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count // 2
+
+
+def shared_lane_streams(device: torch.device) -> LaneStreams:
+    """Two plain streams on `device` (CUDA) sharing all of its SMs: the decode steps' at the
+    device's highest stream priority, the lane's at the default (lowest) one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    # A lower number is a higher priority; torch maps one past the device's range to its end.
+    streams = LaneStreams(decode=torch.cuda.Stream(device=index, priority=-100),
+                          lane=torch.cuda.Stream(device=index, priority=0),
+                          lane_sms=total, decode_sms=total, contexts=())
+    log.info("prefill lane: shares all %d SMs with the decode steps, which run at the higher "
+             "stream priority", total)
+    return streams
 
 
 def lane_streams(device: torch.device, lane_sms: int) -> LaneStreams | None:

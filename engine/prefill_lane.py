@@ -17,7 +17,8 @@ The lane admits a prompt only into a free seat of the decode batch (the engine's
 which its TPOT target counts, instead of before its first, which the tier's TTFT allows for.
 
 On CUDA the lane's steps are queued on one green-context stream and the engine's steps on
-another (engine/lane_streams.py), so the two run at once. The lane has at most one step in
+another (engine/lane_streams.py), so the two run at once; or, shared, on two plain streams
+over every SM, the engine's at the higher priority. The lane has at most one step in
 flight; the engine lands it (`land`) at the start of each of its own steps once the device is
 done with it, and waits for it only when it has nothing else to do. On the CPU a lane step
 runs inside `launch`, so it lands at the next engine step: the same schedule, no overlap.
@@ -46,7 +47,7 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.lane_streams import LaneStreams, lane_streams
+from engine.lane_streams import LaneStreams, lane_streams, shared_lane_streams
 from engine.model_runner import StepRunner
 from engine.output_processor import OutputProcessor, RequestOutput, Tracked
 from engine.pending_sample import PendingSample
@@ -209,11 +210,14 @@ def prefill_lane(config: EngineConfig, kv_cache: KVCacheManager, runner: StepRun
                  sampler: Sampler) -> PrefillLane | None:
     """The lane of an engine whose `config.prefill_lane_sms` asks for one: its own scheduler
     over the engine's KV cache, `runner` (over the engine's model and KV storage), and on CUDA
-    its two green-context streams. None on a CUDA device without green contexts (logged):
-    prompts are then computed in the decode steps."""
+    its two green-context streams (or, `config.prefill_lane_shared`, two plain streams of two
+    priorities). None on a CUDA device without green contexts (logged): prompts are then
+    computed in the decode steps."""
     streams = None
     if str(config.device).startswith("cuda"):
-        streams = lane_streams(torch.device(config.device), config.prefill_lane_sms)
+        device = torch.device(config.device)
+        streams = shared_lane_streams(device) if config.prefill_lane_shared else \
+            lane_streams(device, config.prefill_lane_sms)
         if streams is None:
             return None
     else:

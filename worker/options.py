@@ -158,7 +158,8 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "rest), so a decode step never waits for a prompt chunk; a prompt's blocks become "
         "its decode's in place. N: that many SMs for prompts; auto: half the GPU's SMs on "
         "CUDA, off elsewhere (on the CPU a lane only takes turns with the decode steps); "
-        "off: prompts are computed in the decode steps (chunked prefill)")
+        "shared: on CUDA, no SM split: the lane and the decode steps share every SM, the "
+        "decode steps' stream at the higher priority (off elsewhere); off: prompts are computed in the decode steps (chunked prefill)")
     add("--gil-switch-ms", 0.5, "how long the event loop (streams, KV transfers) may wait "
         "for the interpreter lock while the engine thread holds it: Python's thread switch "
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
@@ -224,17 +225,23 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
 
 def parse_lane_option(value: str) -> int | None:
-    """--prefill-lane as SMs: 0 for off, None for auto, else N >= 1; ValueError otherwise."""
-    if value in ("off", "auto"):
+    """--prefill-lane as SMs: 0 for off, None for auto or shared (where a lane runs, every
+    SM is shared: `lane_is_shared`), else N >= 1; ValueError otherwise."""
+    if value in ("off", "auto", "shared"):
         return 0 if value == "off" else None
     try:
         sms = int(value)
     except ValueError:
         sms = 0
     if sms < 1:
-        raise ValueError(f"--prefill-lane must be off, auto or a number of SMs >= 1, "
+        raise ValueError(f"--prefill-lane must be off, auto, shared or a number of SMs >= 1, "
                          f"got {value!r}")
     return sms
+
+
+def lane_is_shared(value: str) -> bool:
+    """--prefill-lane shared: the lane's stream shares every SM with the decode steps'."""
+    return value == "shared"
 
 
 def _mps_share(environ: Mapping[str, str]) -> int:

@@ -74,7 +74,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.step_budget import holds_tpot
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
-    from worker.options import parse_lane_option
+    from worker.options import lane_is_shared, parse_lane_option
     from worker.runtime import WorkerRuntime
 
     tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
@@ -92,6 +92,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                           kv_host_cache_bytes=int(options.kv_host_cache_gb * (1 << 30)),
                           prefill_lane_sms=lane_sms(parse_lane_option(options.prefill_lane),
                                                     options.device),
+                          prefill_lane_shared=lane_is_shared(options.prefill_lane),
                           gpu_memory_fraction=(options.gpu_memory_fraction or None
                                                if options.device.startswith("cuda") else None))
 

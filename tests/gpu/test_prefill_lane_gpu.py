@@ -21,7 +21,7 @@ from word_tokenizer import word_tokenizer
 
 from benchmarks.engine_gpu_model import build_random_model
 from engine.config import ModelConfig
-from engine.lane_streams import lane_streams
+from engine.lane_streams import lane_streams, shared_lane_streams
 from engine.llm_engine import EngineConfig, LLMEngine
 from protocol.sampling_params import SamplingParams
 
@@ -42,10 +42,11 @@ def model():
     return build_random_model(CONFIG, seed=5, device=torch.device("cuda"), dtype=torch.bfloat16)
 
 
-def engine_for(model, lane_sms: int) -> LLMEngine:
+def engine_for(model, lane_sms: int, shared: bool = False) -> LLMEngine:
     return LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(
         num_kv_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=128,
-        dtype=torch.bfloat16, device="cuda", prefill_lane_sms=lane_sms))
+        dtype=torch.bfloat16, device="cuda", prefill_lane_sms=lane_sms,
+        prefill_lane_shared=shared))
 
 
 def test_green_contexts_split_the_device():
@@ -55,11 +56,17 @@ def test_green_contexts_split_the_device():
     assert streams.lane_sms + streams.decode_sms == total and streams.lane_sms == 40
 
 
-def test_lane_tokens_are_the_models_greedy_choices(model):
+def test_a_shared_lane_runs_on_plain_streams_of_two_priorities():
+    streams = shared_lane_streams(torch.device("cuda"))
+    assert not streams.contexts and streams.decode.priority < streams.lane.priority
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["green", "shared"])
+def test_lane_tokens_are_the_models_greedy_choices(model, shared):
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(1, VOCAB) for _ in range(rng.randrange(20, 600))]
                for i in range(24)}
-    engine = engine_for(model, 40)
+    engine = engine_for(model, 40, shared)
     assert engine.lane is not None and engine.lane.streams is not None
     seen: dict[str, list] = {rid: [] for rid in prompts}
     pending = list(prompts.items())

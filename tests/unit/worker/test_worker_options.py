@@ -74,11 +74,14 @@ def test_each_subcommand_starts_in_its_role_unless_role_says_else() -> None:
     assert options("--role", "decode", kind="prefill").role is Role.DECODE
 
 
-def test_the_prefill_lane_is_off_auto_or_a_number_of_sms() -> None:
-    from worker.options import parse_lane_option
+def test_the_prefill_lane_is_off_auto_shared_or_a_number_of_sms() -> None:
+    from worker.options import lane_is_shared, parse_lane_option
 
     assert options().prefill_lane == "off" and parse_lane_option("off") == 0
-    assert parse_lane_option("auto") is None
+    assert parse_lane_option("auto") is None and not lane_is_shared("auto")
+    assert options("--prefill-lane", "shared").prefill_lane == "shared"
+    assert parse_lane_option("shared") is None and lane_is_shared("shared")
+    assert not lane_is_shared("66") and not lane_is_shared("off")
     assert options("--prefill-lane", "66").prefill_lane == "66" and parse_lane_option("66") == 66
     for bad in ("0", "-4", "half", ""):
         with pytest.raises(ValueError, match="--prefill-lane"):
