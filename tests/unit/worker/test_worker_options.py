@@ -36,6 +36,18 @@ def test_steps_are_pipelined_on_cuda_unless_told(extra, mode) -> None:
     assert options(*extra).step_mode is mode
 
 
+@pytest.mark.parametrize("extra, seats", [
+    ((), 64), (("--device", "cuda"), 256), (("--device", "cuda:1"), 256),
+    (("--device", "cuda", "--max-num-seqs", "32"), 32), (("--max-num-seqs", "100"), 100)])
+def test_the_batch_holds_more_requests_on_cuda_unless_told(extra, seats) -> None:
+    assert options(*extra).max_num_seqs == seats
+
+
+def test_a_negative_batch_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        options("--max-num-seqs", "-1")
+
+
 def test_a_prefill_worker_overlaps_its_steps_on_cuda_unless_told() -> None:
     assert options("--device", "cuda", kind="prefill").step_mode is StepMode.OVERLAPPED
     assert options("--device", "cuda", "--pipelined-steps", "on",
