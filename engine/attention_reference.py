@@ -12,6 +12,10 @@ Two options some families need (Gemma 2): a sliding `window` (a query at positio
 the keys at positions (p - window, p] only) and a logit `softcap` (scores squashed by
 cap * tanh(s / cap) before the mask and the softmax, which SDPA cannot do, so those
 layers attend by explicit matmuls, with the softmax in float32 as transformers does).
+
+An FP8 pool's layer (`QuantizedCache`, engine/kv_quant.py) is written quantized, with each
+token's per-head scale, and read back dequantized to the query's dtype; a chunk's own K/V
+are rounded the same way, so it sees what a later step reading the cache would.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata, CausalChunk
+from engine.kv_quant import CacheView, QuantizedCache, dequantize, quantize, round_trip
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -45,14 +50,22 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype | None, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """x rounded as the cache stores it (None: an FP8 pool), in `dtype`."""
+    if cache_dtype is None:
+        return round_trip(x).to(dtype)
+    return x.to(cache_dtype).to(dtype)
+
+
 def _attend_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                   chunk: CausalChunk, cache_dtype: torch.dtype, scale: float,
+                   chunk: CausalChunk, cache_dtype: torch.dtype | None, scale: float,
                    softcap: float | None, window: int | None, out: torch.Tensor) -> None:
     """A chunk from position 0: its own K/V (rounded as the cache stores them), causal."""
     a, b = chunk.row_start, chunk.row_end
     qg = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-    kg = k_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    vg = v_new[a:b].to(cache_dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    kg = _as_cached(k_new[a:b], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)
+    vg = _as_cached(v_new[a:b], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)
     mask = None
     if window is not None and b - a > window:
         pos = torch.arange(b - a, device=q.device)
@@ -62,26 +75,56 @@ def _attend_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     out[a:b] = og[0].transpose(0, 1)
 
 
+class _FlatCache:
+    """One layer's K (or V) addressed by flat slot id: write a step's rows, gather keys."""
+
+    def __init__(self, cache: CacheView) -> None:
+        self.cache = cache
+        self.block_size = cache[0].shape[1] if isinstance(cache, QuantizedCache) else \
+            cache.shape[1]
+        self.flat = None if isinstance(cache, QuantizedCache) else \
+            cache.view(-1, cache.shape[2], cache.shape[3])
+
+    @property
+    def dtype(self) -> torch.dtype | None:  # None: FP8 values with scales
+        return None if self.flat is None else self.flat.dtype
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.flat is not None:
+            # index_copy_ over flat slot ids: far less per-call overhead on CPU than
+            # advanced-index assignment, which matters with 16+ sequences per decode step.
+            self.flat.index_copy_(0, slots, x.to(self.flat.dtype))
+            return
+        values, scales = self.cache
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        values[blocks, offsets], scales[blocks, offsets] = quantize(x)
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat.index_select(0, slots).to(dtype)
+        values, scales = self.cache
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        return dequantize(values[blocks, offsets], scales[blocks, offsets], dtype)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
+                    kv_layer_k: CacheView, kv_layer_v: CacheView,
                     meta: AttentionMetadata, scale: float, softcap: float | None = None,
                     window: int | None = None) -> torch.Tensor:
     """Writes the step's K/V into the paged cache, then attends through the block tables.
 
     Shapes: q [T, num_heads, head_dim]; k_new, v_new [T, num_kv_heads, head_dim];
     kv_layer_k, kv_layer_v [num_blocks, block_size, num_kv_heads, head_dim] (one layer of
-    `KVStorage`, written in place at `meta.slot_mapping` only). Returns [T, num_heads,
+    `KVStorage`, written in place at `meta.slot_mapping` only; or an FP8 layer's values and
+    scales, `QuantizedCache`). Returns [T, num_heads,
     head_dim]. num_heads must be a multiple of num_kv_heads (grouped-query attention).
     `softcap` and `window`: see the module docstring (None: neither).
     This is the reference every faster kernel is tested against.
     """
-    num_kv_heads, head_dim = kv_layer_k.shape[2], kv_layer_k.shape[3]
-    cache_k = kv_layer_k.view(-1, num_kv_heads, head_dim)
-    cache_v = kv_layer_v.view(-1, num_kv_heads, head_dim)
-    # index_copy_/index_select over flat slot ids: far less per-call overhead on CPU than
-    # advanced-index assignment, which matters with 16+ sequences per decode step.
-    cache_k.index_copy_(0, meta.slot_mapping, k_new.to(cache_k.dtype))
-    cache_v.index_copy_(0, meta.slot_mapping, v_new.to(cache_v.dtype))
+    num_kv_heads, head_dim = k_new.shape[1], k_new.shape[2]
+    cache_k, cache_v = _FlatCache(kv_layer_k), _FlatCache(kv_layer_v)
+    cache_k.write(meta.slot_mapping, k_new)
+    cache_v.write(meta.slot_mapping, v_new)
     out = torch.empty_like(q)
     for group in meta.groups:
         if isinstance(group, CausalChunk):
@@ -92,9 +135,9 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         # [C, Q, H, D] -> [C, H, Q, D]; keys [C, L, KVH, D] -> [C, KVH, L, D]
         qg = q.index_select(0, group.query_rows.reshape(-1))
         qg = qg.view(num_chunks, -1, *q.shape[1:]).transpose(1, 2)
-        kg = cache_k.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        vg = cache_v.index_select(0, keys).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)
+        kg = cache_k.gather(keys, q.dtype).view(num_chunks, num_keys, num_kv_heads, head_dim)
+        vg = cache_v.gather(keys, q.dtype).view(num_chunks, num_keys, num_kv_heads, head_dim)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
         mask = group.mask
         if window is not None:
             # [C, 1, Q, L]: keys at positions (p - window, p] of the query at position p.

@@ -44,7 +44,7 @@ def build_engine(model: str, config: EngineConfig,
             graph_sizes = DEFAULT_BATCH_SIZES
         # A prefill lane's step runs beside the engine's own: two steps' activations at once.
         step_tokens = config.max_num_batched_tokens * (2 if config.prefill_lane_sms else 1)
-        plan = plan_for_model(loaded.model, config.block_size, config.dtype,
+        plan = plan_for_model(loaded.model, config.block_size, config.kv_cache_dtype,
                               config.gpu_memory_fraction, step_tokens,
                               max(graph_sizes, default=0),
                               logits_rows(config.max_num_batched_tokens)
@@ -54,6 +54,6 @@ def build_engine(model: str, config: EngineConfig,
         config = dataclasses.replace(config, num_kv_blocks=plan.num_kv_blocks)
     elif kv_cache_bytes is not None:
         config = dataclasses.replace(config, num_kv_blocks=EngineConfig.blocks_for_bytes(
-            loaded.config, kv_cache_bytes, config.block_size, config.dtype))
+            loaded.config, kv_cache_bytes, config.block_size, config.kv_cache_dtype))
     return LLMEngine.for_model(loaded.model, loaded.config,
                               load_tokenizer(loaded.tokenizer_source), config)

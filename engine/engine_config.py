@@ -9,6 +9,9 @@ import torch
 from engine.config import ModelConfig
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of the engine's KV pool and batches (model shape comes from ModelConfig)."""
@@ -20,6 +23,9 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # The KV pool's dtype; None: the model's `dtype`. torch.float8_e4m3fn: FP8 values with a
+    # scale per token and KV head (engine/kv_quant.py), attention computed in `dtype`.
+    kv_dtype: torch.dtype | None = None
     # Decode batch sizes captured as CUDA graphs; None: the runner's default set on CUDA,
     # none on CPU (see engine/cuda_graphs.py).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -50,6 +56,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_dtype == torch.float8_e4m3fn and self.device.startswith("cuda"):
+            raise ValueError("an FP8 KV cache (fp8_e4m3) runs on the CPU only so far: the "
+                             "CUDA attention kernels do not read FP8 blocks yet; use "
+                             "--kv-cache-dtype auto or bf16 on CUDA")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype}")
         if self.prefill_lane_sms < 0:
             raise ValueError(f"prefill_lane_sms must be >= 0, got {self.prefill_lane_sms}")
         if self.kv_host_cache_bytes < 0:
@@ -62,11 +74,16 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_batch_sizes must be positive, "
                              f"got {self.cuda_graph_batch_sizes}")
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's dtype."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
     @staticmethod
     def blocks_for_bytes(config: ModelConfig, kv_cache_bytes: int, block_size: int,
-                         dtype: torch.dtype) -> int:
-        """How many blocks fit in `kv_cache_bytes` for this model (K and V, all layers)."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        block_bytes = (2 * config.num_layers * block_size * config.num_kv_heads
-                       * config.head_dim * element_size)
-        return max(1, kv_cache_bytes // block_bytes)
+                         kv_dtype: torch.dtype) -> int:
+        """How many blocks fit in `kv_cache_bytes` for this model (K and V, all layers) in
+        a pool of `kv_dtype`."""
+        from engine.memory_plan import kv_block_bytes
+
+        return max(1, kv_cache_bytes // kv_block_bytes(config, block_size, kv_dtype))

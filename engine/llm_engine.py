@@ -89,7 +89,7 @@ class LLMEngine:
                   config: EngineConfig, sampler_seed: int | None = None) -> "LLMEngine":
         """An engine running `model` in this process: its own KV pool and model runner."""
         kv_storage = KVStorage.for_model(model_config, config.num_kv_blocks, config.block_size,
-                                         config.dtype, config.device)
+                                         config.kv_cache_dtype, config.device)
         runner = ModelRunner(model, kv_storage, config.block_size,
                              cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
                              mixed_graph_tokens=(config.max_num_batched_tokens

@@ -50,10 +50,15 @@ class MemoryPlan:
                 f"= {self.kv_cache_bytes / gib:.2f} GiB (limited by {self.limited_by})")
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V (the unit the pool is counted in)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+def kv_block_bytes(config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V (the unit the pool is counted in), in
+    a pool of `kv_dtype` (an FP8 block's scales included)."""
+    from engine.kv_storage import DTYPE_NAMES, KVLayout
+
+    layout = KVLayout(dtype=DTYPE_NAMES[kv_dtype], num_layers=config.num_layers, num_blocks=1,
+                      block_size=block_size, num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim)
+    return 2 * config.num_layers * layout.block_bytes
 
 
 def plan_kv_pool(total_bytes: int, free_bytes: int, in_use_bytes: int, activation_bytes: int,
@@ -84,7 +89,7 @@ def plan_kv_pool(total_bytes: int, free_bytes: int, in_use_bytes: int, activatio
                       num_kv_blocks=num_blocks, limited_by=limited_by)
 
 
-def profile_step_memory(model, block_size: int, dtype: torch.dtype, num_tokens: int,
+def profile_step_memory(model, block_size: int, kv_dtype: torch.dtype, num_tokens: int,
                         decode_batch: int) -> tuple[int, int]:
     """(peak activation bytes of an eager `num_tokens` prefill, of a `decode_batch` decode
     step), measured on the model's CUDA device over a one-block pool: every token writes to
@@ -94,7 +99,7 @@ def profile_step_memory(model, block_size: int, dtype: torch.dtype, num_tokens: 
 
     device = model.model.embed_tokens.weight.device
     model.prepare_kernels()
-    kv = KVStorage.for_model(model.config, 1, block_size, dtype, device)
+    kv = KVStorage.for_model(model.config, 1, block_size, kv_dtype, device)
     peaks = []
     for num_seqs, q_len in ((1, num_tokens), (decode_batch, 1)):
         tokens = num_seqs * q_len
@@ -136,13 +141,13 @@ def graph_reserve_bytes(decode_step_bytes: int, activation_bytes: int,
     return decode_step_bytes + activation_bytes + mixed_logits_rows * vocab_size * 4
 
 
-def plan_for_model(model, block_size: int, dtype: torch.dtype, gpu_memory_fraction: float,
+def plan_for_model(model, block_size: int, kv_dtype: torch.dtype, gpu_memory_fraction: float,
                    max_num_batched_tokens: int, max_graph_batch: int,
                    mixed_logits_rows: int = 0) -> MemoryPlan:
     """Measure, then plan: call after loading weights and before allocating the pool.
     `mixed_logits_rows`: the mixed graphs' logits rows (engine/mixed_graphs.py), 0: none."""
     device = model.model.embed_tokens.weight.device
-    activation, decode_step = profile_step_memory(model, block_size, dtype,
+    activation, decode_step = profile_step_memory(model, block_size, kv_dtype,
                                                   max_num_batched_tokens, max_graph_batch)
     free, total = torch.cuda.mem_get_info(device)
     return plan_kv_pool(total_bytes=total, free_bytes=free,
@@ -152,4 +157,4 @@ def plan_for_model(model, block_size: int, dtype: torch.dtype, gpu_memory_fracti
                             decode_step if max_graph_batch else 0, activation,
                             mixed_logits_rows, model.config.vocab_size),
                         gpu_memory_fraction=gpu_memory_fraction,
-                        block_bytes=kv_block_bytes(model.config, block_size, dtype))
+                        block_bytes=kv_block_bytes(model.config, block_size, kv_dtype))

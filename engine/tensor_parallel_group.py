@@ -299,7 +299,7 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
         num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size,
                                                                 expert_parallel),
                                                    kv_cache_bytes, config.block_size,
-                                                   config.dtype)
+                                                   config.kv_cache_dtype)
         engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
                                             device=str(device), cuda_graph_batch_sizes=())
         from engine.model_runner import ModelRunner
@@ -307,7 +307,7 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
         # This rank's KV heads only; the runner sends every step to the followers first.
         storage = KVStorage.for_model(shard_config(loaded.config, tp_size, expert_parallel),
                                       num_blocks,
-                                      engine_config.block_size, engine_config.dtype,
+                                      engine_config.block_size, engine_config.kv_cache_dtype,
                                       engine_config.device)
         runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
                                            cuda_graph_batch_sizes=()), group)

@@ -58,8 +58,10 @@ def copies_inline(num_bytes: int) -> bool:
 
 
 def _as_numpy(pool: torch.Tensor) -> np.ndarray:
-    """The pool's elements as same-sized integers in numpy (no copy; bf16 has no numpy type)."""
-    return pool.view({2: torch.int16, 4: torch.int32}[pool.element_size()]).numpy()
+    """The pool's elements as same-sized integers in numpy (no copy; bf16 has no numpy type;
+    an FP8 pool is bytes already)."""
+    return pool.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[pool.element_size()]
+                     ).numpy()
 
 
 def copy_runs_inline(src: np.ndarray, dst: np.ndarray, runs: list[BlockRun],

@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 import torch
 
-from engine.kv_storage import DTYPE_NAMES, KVLayout, KVStorage
+from engine.kv_storage import KVLayout, KVStorage
 
 
 class MappingUnavailable(Exception):
@@ -121,9 +121,7 @@ def open_pool(export: PoolExport, remote: KVLayout, local_kv: torch.Tensor) -> M
     """Map the receiver's pool for copies from `local_kv`; raises MappingUnavailable."""
     if export.host_id == "" or export.host_id != host_id():
         raise MappingUnavailable("the receiver runs on another host")
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[remote.dtype]
-    shape = (remote.num_layers, 2, remote.num_blocks, remote.block_size,
-             remote.num_kv_heads, remote.head_dim)
+    dtype, shape = remote.tensor_form
     expected = remote.num_layers * 2 * remote.layer_kv_bytes
     if export.num_bytes != expected:
         raise MappingUnavailable(f"exported {export.num_bytes} bytes, the layout says "

@@ -59,7 +59,7 @@ class ProofSide(enum.StrEnum):
 # The WorkerInfo fields the binding covers, in the order they are MACed: all but `binding`.
 ENTRY_FIELDS = ("worker_id", "epoch", "role", "model", "control_url", "kv_address", "device",
                 "num_kv_blocks", "block_size", "max_num_batched_tokens", "started_unix_ms",
-                "pid", "kv_bytes_per_token", "sm_share_percent", "draining")
+                "pid", "kv_bytes_per_token", "sm_share_percent", "draining", "kv_dtype")
 
 
 def derive_key(token: str, purpose: KeyPurpose) -> bytes:

@@ -17,8 +17,7 @@ Who sends what (one HTTP call per arrow; see rpc/control_server.py for the trans
     workers ──WorkerInfo, LoadReport, PrefixIndexEvent──▶ Redis (state/redis_state.py)
 
 Any response or stream may end with an `ErrorFrame` instead. Time budgets travel as
-`timeout_ms` (the time left when the message was sent); each receiver starts its own clock on
-receipt, so no two hosts need agreeing clocks.
+`timeout_ms` (the time left when sent); each receiver starts its own clock on receipt.
 """
 
 from __future__ import annotations
@@ -359,6 +358,7 @@ class WorkerInfo(Message, tag="worker_info", frozen=True, kw_only=True):
     started_unix_ms: NonNegInt = 0
     pid: NonNegInt = 0  # the worker's process id on its host (0: not told)
     kv_bytes_per_token: NonNegInt = 0  # KV of one token over all layers (0: not told)
+    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""  # KV pool's; a handoff needs one
     sm_share_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0  # CUDA MPS share; 0: none
     draining: bool = False  # still serving what it has; route nothing new here
     # A MAC of every other field with the cluster's registry key (protocol/cluster_secret.py):

@@ -74,7 +74,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.step_budget import holds_tpot
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
-    from worker.options import lane_is_shared, parse_lane_option
+    from worker.options import kv_cache_dtype, lane_is_shared, parse_lane_option
     from worker.runtime import WorkerRuntime
 
     tracing = start_tracing(f"pdserve-{options.role.value}", options.otlp_endpoint,
@@ -88,6 +88,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, dtype), device=options.device,
+                          kv_dtype=kv_cache_dtype(options.kv_cache_dtype),
                           hold_tpot=holds_tpot(options.step_budget, options.device),
                           kv_host_cache_bytes=int(options.kv_host_cache_gb * (1 << 30)),
                           prefill_lane_sms=lane_sms(parse_lane_option(options.prefill_lane),

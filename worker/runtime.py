@@ -189,7 +189,7 @@ class WorkerRuntime:
                           max_num_batched_tokens=engine.max_num_batched_tokens,
                           pid=os.getpid(), sm_share_percent=self.sm_share_percent,
                           kv_bytes_per_token=transfer_bytes(layout, 1, layout.num_layers)
-                          // engine.block_size)
+                          // engine.block_size, kv_dtype=layout.dtype)
         state = RedisState(connect(self.redis_url), self.namespace, entry_key=self.entry_key)
         self.publisher = WorkerPublisher(state, info, self._load)
         # Redis may be starting too: registration retries until this deadline.

@@ -90,6 +90,7 @@ class WorkerView:
     load: WorkerLoad
     max_batched_tokens: int = 2048  # the engine's step budget
     kv_bytes_per_token: int = 0  # KV of one token, all layers (what a handoff moves)
+    kv_dtype: str = ""  # its KV pool's dtype: a handoff pairs only workers of one
     # Prompts this gateway routed here to prefill whose first token it has not seen yet,
     # and their uncached tokens: in the worker's queue, whether or not its last load
     # report shows them (`load_at_routing`).
@@ -213,7 +214,8 @@ def plan_route(request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Ran
     if request.local_prefill is None and min(map(prefill_cost, decoders)) \
             + weights.tie_margin_tokens < prefill_cost(prefill):
         return local(decoders)  # the prefill pool is busier than a local prefill costs
-    others = [w for w in receivers if w.worker_id != prefill.worker_id]
+    others = [w for w in receivers
+              if w.worker_id != prefill.worker_id and kv_compatible(prefill, w)]
     if prefill.role is Role.COLOCATED:
         return local([prefill])
     if not others:  # a BOTH worker alone: it may as well decode what it prefills
@@ -243,7 +245,7 @@ def _predicted_plan(request: RouteRequest, targets: Targets, decoders: list[Work
             sides[d.worker_id], request.prompt_len, cached(d), targets, reloaded(d))))
     for p in prefillers:
         for d in receivers:
-            if d.worker_id != p.worker_id:
+            if d.worker_id != p.worker_id and kv_compatible(p, d):
                 candidates.append(RoutePlan(d.worker_id, p.worker_id, cached(p), predict_split(
                     sides[p.worker_id], sides[d.worker_id], request.prompt_len, cached(p),
                     cached(d), targets, reloaded(p))))
@@ -261,6 +263,12 @@ def _predicted_plan(request: RouteRequest, targets: Targets, decoders: list[Work
     near = [c for c in near if c.prefill_worker_id is None] or near
     return near[0] if len(near) == 1 else min(
         rng.sample(near, 2), key=lambda c: (_prediction(c).score, _prediction(c).cost_s))
+
+
+def kv_compatible(prefill: WorkerView, decode: WorkerView) -> bool:
+    """Can `prefill` hand a prompt's KV to `decode`? Only between pools of one KV dtype (a
+    worker that did not say counts as any: an older entry)."""
+    return not prefill.kv_dtype or not decode.kv_dtype or prefill.kv_dtype == decode.kv_dtype
 
 
 def host_overlap_blocks(block_hashes: Sequence[int], host_index: Mapping[int, frozenset[str]],

@@ -385,7 +385,8 @@ def build_snapshot(workers: dict[str, WorkerInfo], loads: dict[str, LoadReport],
             load = msgspec.structs.replace(load, num_kv_blocks_total=info.num_kv_blocks)
         views.append(WorkerView(worker_id=worker_id, role=info.role, load=load,
                                 max_batched_tokens=info.max_num_batched_tokens or 2048,
-                                kv_bytes_per_token=info.kv_bytes_per_token))
+                                kv_bytes_per_token=info.kv_bytes_per_token,
+                                kv_dtype=info.kv_dtype))
         block_sizes.add(info.block_size)
     if len(block_sizes) > 1:
         log.warning("workers disagree on block size %s: prefix routing uses the smallest",

@@ -51,8 +51,8 @@ def _pool(layout_fields: dict, seed: int | None):
     storage = KVStorage(KVLayout(**layout_fields), DEVICE)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
-        storage.kv.view(torch.int16).copy_(
-            torch.randint(-2**15, 2**15, storage.kv.shape, dtype=torch.int16, generator=g))
+        words = storage.kv.view(torch.int16)
+        words.copy_(torch.randint(-2**15, 2**15, words.shape, dtype=torch.int16, generator=g))
     return storage
 
 
@@ -221,10 +221,10 @@ async def _run_sender(cfg: dict) -> None:
                 if handle.state.is_terminal:
                     break  # a prefill worker stops sending once the transfer failed
             await handle.finish()
-            outcome = "ok"
+            outcome, error = "ok", ""
         except Exception as exc:
-            outcome = type(exc).__name__
-        _emit(event="done", request_id=t["request_id"], outcome=outcome,
+            outcome, error = type(exc).__name__, str(exc)
+        _emit(event="done", request_id=t["request_id"], outcome=outcome, error=error,
               elapsed_s=time.monotonic() - started, mapped=sender.num_mapped)
     await _gate(cfg)
     await asyncio.gather(*(one(t) for t in cfg["transfers"]))
@@ -400,6 +400,33 @@ def test_layout_mismatch_is_a_clear_error_before_any_data_moves(backend):
     assert sender.next_event("done")["outcome"] == "LayoutMismatch"
     done = receiver.next_event("done")
     assert done["outcome"] == "TransferTimeout" and done["pool_nonzero"] == 0
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+FP8_LAYOUT = dict(LAYOUT, dtype="fp8_e4m3")  # each block: values, then per-token scales
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_fp8_pools_blocks_land_with_their_scales(backend):
+    t = transfer("a", [5, 6, 41], [0, 30, 9], seed=11)
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t], layout=FP8_LAYOUT),
+                                     [dict(seed=11, transfers=[t], layout=FP8_LAYOUT)])
+    assert sender.next_event("done")["outcome"] == "ok"
+    done = receiver.next_event("done")
+    assert done["outcome"] == "ok" and done["bitwise"]
+    assert sender.finish() == 0 and receiver.finish() == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_fp8_pool_and_a_bf16_pool_refuse_each_other_naming_both():
+    t = transfer("a", [1, 2], [3, 4], timeout_s=1.0)
+    receiver, (sender,) = start_pair("tcp", dict(transfers=[t], layout=FP8_LAYOUT),
+                                     [dict(seed=3, transfers=[t])])
+    sent = sender.next_event("done")
+    assert sent["outcome"] == "LayoutMismatch"
+    assert "dtype fp8_e4m3 here, bfloat16 at the peer" in sent["error"], sent["error"]
+    assert receiver.next_event("done")["pool_nonzero"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0
 
 

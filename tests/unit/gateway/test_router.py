@@ -263,3 +263,16 @@ def test_a_host_hit_is_priced_at_its_copy_by_the_workers_own_rate():
     slow = WorkerView("w", Role.DECODE, msgspec.structs.replace(
         load, host_reload_bytes_per_s=1e6), kv_bytes_per_token=1000)
     assert reload_cost_tokens(slow, 2000) == 2000  # never dearer than computing them
+
+
+def test_a_handoff_pairs_only_workers_of_one_kv_dtype():
+    fp8 = [dataclasses.replace(worker(f"p{i}", Role.PREFILL), kv_dtype="fp8_e4m3")
+           for i in range(2)]
+    bf16 = dataclasses.replace(worker("d0", Role.DECODE), kv_dtype="bfloat16")
+    same = dataclasses.replace(worker("d1", Role.DECODE), kv_dtype="fp8_e4m3")
+    for seed in range(20):
+        plan = plan_route(long_request(), snapshot([*fp8, bf16, same]), random.Random(seed))
+        assert plan.prefill_worker_id in ("p0", "p1") and plan.decode_worker_id == "d1"
+    # No decode worker of the prefill pool's dtype: the decode worker prefills itself.
+    plan = plan_route(long_request(), snapshot([*fp8, bf16]), random.Random(0))
+    assert plan == RoutePlan(decode_worker_id="d0", prefill_worker_id=None, cached_tokens=0)

@@ -21,7 +21,8 @@ CHANGED = {"worker_id": "decode-9", "epoch": 8, "role": Role.PREFILL, "model": "
            "control_url": "http://127.0.0.1:1", "kv_address": "tcp://127.0.0.1:2",
            "device": "cuda:0", "num_kv_blocks": 4096, "block_size": 32,
            "max_num_batched_tokens": 1, "started_unix_ms": 2, "pid": 1,
-           "kv_bytes_per_token": 3, "sm_share_percent": 50, "draining": True}
+           "kv_bytes_per_token": 3, "sm_share_percent": 50, "draining": True,
+           "kv_dtype": "fp8_e4m3"}
 
 
 def test_every_field_but_the_binding_is_bound() -> None:
