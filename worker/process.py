@@ -84,7 +84,9 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                             options.redis_url, options.namespace, options.drain_timeout_s,
                             options.sm_share_percent, tracing, options.step_mode)
     dtype, why = resolve_dtype(options.dtype, options.device)
-    logging.getLogger(__name__).info("dtype %s (%s)", dtype, why)
+    logging.getLogger(__name__).info("dtype %s (%s); KV cache %s", dtype, why,
+                                     dtype if options.kv_cache_dtype == "auto"
+                                     else options.kv_cache_dtype)
     config = EngineConfig(block_size=options.block_size, max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=options.max_num_batched_tokens,
                           dtype=getattr(torch, dtype), device=options.device,

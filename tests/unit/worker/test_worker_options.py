@@ -105,3 +105,16 @@ def test_the_gpu_memory_fraction_is_a_share_in_bounds() -> None:
     assert options("--gpu-memory-fraction", "0.45").gpu_memory_fraction == 0.45
     with pytest.raises(ValueError, match="--gpu-memory-fraction"):
         options("--gpu-memory-fraction", "1.5")
+
+
+def test_the_kv_cache_dtype_is_the_models_unless_told() -> None:
+    import torch
+
+    from worker.options import kv_cache_dtype
+
+    assert options().kv_cache_dtype == "auto" and kv_cache_dtype("auto") is None
+    assert options("--kv-cache-dtype", "fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    assert kv_cache_dtype("fp8_e4m3") == torch.float8_e4m3fn
+    assert kv_cache_dtype("bf16") == torch.bfloat16
+    with pytest.raises(SystemExit):
+        options("--kv-cache-dtype", "int4")
