@@ -318,7 +318,7 @@ def test_an_fp8_kv_cache_keeps_transformers_greedy_tokens(loaded, hf_reference, 
     """FP8 KV (values with a scale per token and head, engine/kv_quant.py) against
     transformers' float32 KV: every greedy token is transformers' until the first that is
     not, and that one is where transformers' two best were close (FP8 moves logits by a few
-    hundredths here; a bf16 KV flips near-ties too). After it the texts differ and are not
+    hundredths here, enough to flip a near-tie). After it the texts differ and are not
     compared."""
     engine = make_engine(loaded, kv_dtype=torch.float8_e4m3fn)
     assert engine.kv_storage.quantized
