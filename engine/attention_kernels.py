@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import KernelAttentionMetadata
+from engine.kv_quant import CacheView
 
 
 def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                            kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
+                            kv_layer_k: CacheView, kv_layer_v: CacheView,
                             meta: KernelAttentionMetadata, scale: float,
                             softcap: float | None = None,
                             window: int | None = None) -> torch.Tensor:
@@ -36,7 +37,7 @@ def paged_attention_kernels(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
     return attend_cached_kernels(q, kv_layer_k, kv_layer_v, meta, scale, softcap, window)
 
 
-def attend_cached_kernels(q: torch.Tensor, kv_layer_k: torch.Tensor, kv_layer_v: torch.Tensor,
+def attend_cached_kernels(q: torch.Tensor, kv_layer_k: CacheView, kv_layer_v: CacheView,
                           meta: KernelAttentionMetadata, scale: float,
                           softcap: float | None = None,
                           window: int | None = None) -> torch.Tensor:

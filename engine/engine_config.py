@@ -56,10 +56,6 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.kv_dtype == torch.float8_e4m3fn and self.device.startswith("cuda"):
-            raise ValueError("an FP8 KV cache (fp8_e4m3) runs on the CPU only so far: the "
-                             "CUDA attention kernels do not read FP8 blocks yet; use "
-                             "--kv-cache-dtype auto or bf16 on CUDA")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype}")
         if self.prefill_lane_sms < 0:

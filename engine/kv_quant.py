@@ -48,6 +48,42 @@ class QuantizedCache(NamedTuple):
 CacheView = torch.Tensor | QuantizedCache
 
 
+def check_device(device: torch.device | str) -> None:
+    """Refuse, clearly, an FP8 pool on a GPU whose Triton has no e4m3 (compute capability
+    below 8.9: before Ada and Hopper)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"an FP8 KV cache (fp8_e4m3) needs a GPU of compute capability 8.9 "
+                         f"or later (Ada, Hopper); {name} is {capability[0]}.{capability[1]}: "
+                         f"use --kv-cache-dtype auto or bf16")
+
+
+def cache_parts(cache: CacheView) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales) of one layer's K or V; scales None for a plain cache."""
+    if isinstance(cache, QuantizedCache):
+        return cache.values, cache.scales
+    return cache, None
+
+
+def scale_args(k_cache: CacheView, v_cache: CacheView) -> tuple[torch.Tensor, torch.Tensor,
+                                                                  int, int, bool]:
+    """(k scales, v scales, block stride, slot stride, quantized) for a kernel launch: an
+    FP8 layer's scales, or for a plain cache its values again (never read) and 0, 0."""
+    k_values, k_scales = cache_parts(k_cache)
+    v_values, v_scales = cache_parts(v_cache)
+    if k_scales is None or v_scales is None:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("one of K and V is FP8 and the other is not")
+        return k_values, v_values, 0, 0, False
+    if k_scales.stride() != v_scales.stride() or k_scales.stride(-1) != 1:
+        raise ValueError("K and V scales must share one layout with unit head stride")
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1), True
+
+
 def fp8_block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one block of one layer's K (or V) in an FP8 pool: values, then scales."""
     return block_size * num_kv_heads * (head_dim + SCALE_BYTES)

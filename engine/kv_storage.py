@@ -28,7 +28,8 @@ import msgspec
 import torch
 
 from engine.config import ModelConfig
-from engine.kv_quant import FP8_DTYPE, CacheView, QuantizedCache, fp8_block_bytes, fp8_views
+from engine.kv_quant import (FP8_DTYPE, CacheView, QuantizedCache, check_device, fp8_block_bytes,
+                             fp8_views)
 
 if TYPE_CHECKING:
     from engine.host_kv_tier import HostKVTier
@@ -123,6 +124,8 @@ class KVStorage:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         dtype, shape = layout.tensor_form  # FP8: bytes; values and scales are views of them
+        if layout.dtype == FP8:
+            check_device(device)
         self.host_file: HostPoolFile | None = None
         if torch.device(device).type == "cpu":
             num_bytes = layout.num_layers * 2 * layout.layer_kv_bytes

@@ -198,7 +198,8 @@ class ModelRunner:
             k_cache, v_cache = kv.layer(0)
             windows = tuple({config.window_of(n) for n in range(config.num_layers)})
             compile_split_variants(torch.empty(1, config.num_heads, config.head_dim,
-                                               dtype=kv.kv.dtype, device=self.device),
+                                               dtype=model.model.embed_tokens.weight.dtype,
+                                               device=self.device),
                                    k_cache, v_cache, config.attn_logit_softcap, windows)
 
     @property

@@ -23,6 +23,10 @@ Gemma 2's options, compile-time switches of the kernel (a model without them run
 kernel it always ran): a sliding `window` (the query, at position n - 1, sees positions
 [max(0, n - window), n), and the splits cut that range instead of [0, n)), and a `softcap`
 (scores s = scale * q.k become softcap * tanh(s / softcap) before the softmax).
+
+An FP8 cache (`QuantizedCache`, engine/kv_quant.py): each key and value is read as its
+FP8 values times its token's scale, in registers, in the query's dtype; nothing else
+changes (QUANT, a compile-time switch).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import math
 import torch
 
 from engine.kernels.backend import import_triton, next_power_of_2, require_triton, use_triton
+from engine.kv_quant import CacheView, QuantizedCache, cache_parts, dequantize, scale_args
 
 triton, tl, _ = import_triton()
 
@@ -41,17 +46,22 @@ MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 32
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def gather_context(cache: CacheView, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_seqs, max_blocks * block_size, num_kv_heads, head_dim]: every sequence's keys
-    (or values) in position order; positions past a context hold whatever the table names."""
+    (or values) in position order (an FP8 cache's dequantized to float32); positions past a
+    context hold whatever the table names."""
     num_seqs, max_blocks = block_tables.shape
+    if isinstance(cache, QuantizedCache):
+        safe_ids = block_tables.long().clamp(0, cache.values.shape[0] - 1)
+        cache = dequantize(cache.values[safe_ids], cache.scales[safe_ids], torch.float32)
+        return cache.reshape(num_seqs, -1, *cache.shape[3:])
     safe_ids = block_tables.long().clamp(0, cache.shape[0] - 1)
     gathered = cache[safe_ids]  # [num_seqs, max_blocks, block_size, kv_heads, head_dim]
     return gathered.reshape(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:])
 
 
-def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
-                                     v_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_decode_attention_reference(q: torch.Tensor, k_cache: CacheView,
+                                     v_cache: CacheView, block_tables: torch.Tensor,
                                      context_lens: torch.Tensor, scale: float,
                                      softcap: float | None = None,
                                      window: int | None = None) -> torch.Tensor:
@@ -59,8 +69,8 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
     block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int;
     context_lens [num_seqs] int. Returns [num_seqs, num_heads, head_dim] in q's dtype."""
     num_seqs, num_heads, _ = q.shape
-    group = num_heads // k_cache.shape[2]
     keys = gather_context(k_cache, block_tables).to(torch.float32)
+    group = num_heads // keys.shape[2]
     values = gather_context(v_cache, block_tables).to(torch.float32)
     keys = keys.repeat_interleave(group, dim=2)  # [seqs, positions, heads, dim]
     values = values.repeat_interleave(group, dim=2)
@@ -93,8 +103,8 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
 SPLIT_COUNTS = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))  # 1, 2, 4, ... MAX
 
 
-def compile_split_variants(q_like: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, softcap: float | None = None,
+def compile_split_variants(q_like: torch.Tensor, k_cache: CacheView,
+                           v_cache: CacheView, softcap: float | None = None,
                            windows: tuple[int | None, ...] = (None,)) -> None:
     """Run the kernel once per split count on a one-sequence decode over block 0 (its
     output discarded), so that no variant compiles while a worker serves. `q_like`:
@@ -122,16 +132,18 @@ def soft_cap_log2(s, cap_log2):
 # table_stride (the step's widest block table) changes from step to step: specialized
 # on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
 @triton.jit(do_not_specialize=["table_stride", "window"])
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                         block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, scale_log2, softcap_log2, window,
                          q_seq_stride, q_head_stride,
                          cache_block_stride, cache_slot_stride, cache_head_stride,
+                         scale_block_stride, scale_slot_stride,
                          table_stride, out_seq_stride, out_head_stride, num_heads,
                          QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr):
+                         HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,6 +175,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                       + kv_head * cache_head_stride)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:  # FP8 values times their token's scale, in the query's dtype
+            scale_at = (block_ids * scale_block_stride + (n % PAGE_SIZE) * scale_slot_stride
+                        + kv_head)
+            k_scales = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scales[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N], log2 domain
         if HAS_SOFTCAP:
             s = soft_cap_log2(s, softcap_log2)
@@ -173,6 +190,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            v_scales = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
@@ -213,7 +233,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_seq_stride, ou
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: CacheView, v_cache: CacheView,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int = 1,
                                   out: torch.Tensor | None = None, softcap: float | None = None,
@@ -221,6 +241,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """The Triton op; shapes as the reference. `num_splits` is a host int (see
     `num_decode_splits`) so a captured graph never syncs to choose it."""
     require_triton()
+    k_scales, v_scales, scale_block, scale_slot, quant = scale_args(k_cache, v_cache)
+    k_cache, v_cache = cache_parts(k_cache)[0], cache_parts(v_cache)[0]
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -251,13 +273,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     else:
         part_out = part_lse = out  # never touched when NUM_SPLITS == 1
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * _LOG2E, (softcap or 1.0) * _LOG2E, window or 0, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_out,
+        part_lse, scale * _LOG2E, (softcap or 1.0) * _LOG2E, window or 0, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale_block,
+        scale_slot, block_tables.stride(0), out.stride(0), out.stride(1), num_heads,
         QUERIES_PER_KV=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None)
+        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None, QUANT=quant)
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
@@ -266,17 +288,18 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_decode_attention(q: torch.Tensor, k_cache: CacheView, v_cache: CacheView,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, num_splits: int | None = None) -> torch.Tensor:
     """Triton on CUDA (splits chosen from the table's capacity when not given), the torch
     reference elsewhere."""
-    if not use_triton(q, k_cache, v_cache, block_tables, context_lens):
+    k_values = cache_parts(k_cache)[0]
+    if not use_triton(q, k_values, cache_parts(v_cache)[0], block_tables, context_lens):
         return paged_decode_attention_reference(q, k_cache, v_cache, block_tables,
                                                 context_lens, scale)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = num_decode_splits(q.shape[0], k_cache.shape[2],
-                                       block_tables.shape[1] * k_cache.shape[1], num_sms)
+        num_splits = num_decode_splits(q.shape[0], k_values.shape[2],
+                                       block_tables.shape[1] * k_values.shape[1], num_sms)
     return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                          scale, num_splits)

@@ -21,6 +21,9 @@ code path for prefix and chunk, and costs little next to the matmuls.
     a program takes BLOCK_M queries of one head and walks keys up to its last query's
     position (from its first query's window start, with a window); programs past the end
     of a short chunk exit at once.
+
+An FP8 cache is read as in the decode kernel: values times their token's scale, in
+registers (engine/kernels/paged_decode_attention.py).
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ import torch
 
 from engine.kernels.backend import import_triton, next_power_of_2, require_triton, use_triton
 from engine.kernels.paged_decode_attention import gather_context, soft_cap_log2
+from engine.kv_quant import CacheView, cache_parts, scale_args
 
 triton, tl, _ = import_triton()
 
 _LOG2E = 1.4426950408889634
 
 
-def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def prefill_attention_reference(q: torch.Tensor, k_cache: CacheView, v_cache: CacheView,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float,
                                 softcap: float | None = None,
@@ -45,8 +49,8 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     max_blocks]; cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs]. Returns
     [num_tokens, num_heads, head_dim] in q's dtype."""
     out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
     keys_all = gather_context(k_cache, block_tables)
+    group = q.shape[1] // keys_all.shape[2]
     values_all = gather_context(v_cache, block_tables)
     bounds = cu_seqlens_q.tolist()
     for i, context_len in enumerate(context_lens.tolist()):
@@ -73,15 +77,18 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # table_stride (the step's widest block table) changes from step to step: specialized
 # on being 1 or a multiple of 16 it would compile a variant per class mid-traffic.
 @triton.jit(do_not_specialize=["table_stride", "window"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    block_tables_ptr, cu_seqlens_q_ptr,
                     context_lens_ptr, out_ptr, scale_log2, softcap_log2, window,
                     q_token_stride, q_head_stride,
                     cache_block_stride, cache_slot_stride, cache_head_stride,
+                    scale_block_stride, scale_slot_stride,
                     table_stride, out_token_stride, out_head_stride,
                     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    QUANT: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -120,6 +127,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                       + kv_head * cache_head_stride)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:  # FP8 values times their token's scale, in the query's dtype
+            scale_at = (block_ids * scale_block_stride + (n % PAGE_SIZE) * scale_slot_stride
+                        + kv_head)
+            k_scales = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scales[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2  # log2 domain
         if HAS_SOFTCAP:
             s = soft_cap_log2(s, softcap_log2)
@@ -139,6 +151,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            v_scales = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
@@ -162,7 +177,7 @@ def prefill_tiles(max_query_len: int, on_cuda: bool) -> tuple[int, int, int]:
     return 64, 64, 4
 
 
-def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def prefill_attention_triton(q: torch.Tensor, k_cache: CacheView, v_cache: CacheView,
                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              context_lens: torch.Tensor, scale: float, max_query_len: int,
                              out: torch.Tensor | None = None, softcap: float | None = None,
@@ -170,6 +185,8 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """The Triton op; shapes as the reference. `max_query_len` (longest chunk, a host int
     the scheduler knows) sizes the grid without a device sync."""
     require_triton()
+    k_scales, v_scales, scale_block, scale_slot, quant = scale_args(k_cache, v_cache)
+    k_cache, v_cache = cache_parts(k_cache)[0], cache_parts(v_cache)[0]
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -189,23 +206,24 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_m, block_n, num_warps = prefill_tiles(max_query_len, q.is_cuda)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * _LOG2E,
-        (softcap or 1.0) * _LOG2E, window or 0,
+        q, k_cache, v_cache, k_scales, v_scales, block_tables, cu_seqlens_q, context_lens, out,
+        scale * _LOG2E, (softcap or 1.0) * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale_block, scale_slot, block_tables.stride(0), out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None, num_warps=num_warps)
+        HAS_WINDOW=window is not None, QUANT=quant, num_warps=num_warps)
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k_cache: CacheView, v_cache: CacheView,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, scale: float,
                       max_query_len: int) -> torch.Tensor:
     """Triton on CUDA, the torch reference elsewhere (which ignores `max_query_len`)."""
-    if use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+    if use_triton(q, cache_parts(k_cache)[0], cache_parts(v_cache)[0], block_tables,
+                  cu_seqlens_q, context_lens):
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                         context_lens, scale, max_query_len)
     return prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q,

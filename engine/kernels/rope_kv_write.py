@@ -9,7 +9,8 @@ small costs its launch and one memory round trip (~2 us in a CUDA graph on an H2
 this saves about one such cost per layer. A negative slot is a padding token: its q and k
 are still rotated (harmless, never read), nothing is written to the cache. The contract
 and the rounding are exactly those of the two ops it replaces (see rope.py and
-kv_cache_write.py), which are its reference.
+kv_cache_write.py), which are its reference, FP8 caches included (engine/kernels/fp8_rows.py:
+one scale per head over both halves of the rotated vector).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.backend import import_triton, next_power_of_2, require_triton, use_triton
+from engine.kernels.fp8_rows import fp8_scales, fp8_values
 from engine.kernels.kv_cache_write import write_kv_cache_reference_
 from engine.kernels.rope import apply_rope_reference_
+from engine.kv_quant import FP8_MAX, CacheView, cache_parts, scale_args
 
 triton, tl, _ = import_triton()
 
 
 def rope_write_kv_reference_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k_cache: CacheView, v_cache: CacheView,
                              slot_mapping: torch.Tensor) -> None:
     """The torch path: `apply_rope_reference_` then `write_kv_cache_reference_`."""
     apply_rope_reference_(q, k, positions, cos, sin)
@@ -34,14 +37,15 @@ def rope_write_kv_reference_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr,
-                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                          k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                           q_token_stride, q_head_stride, k_token_stride, k_head_stride,
                           v_token_stride, v_head_stride, table_stride,
                           cache_block_stride, cache_slot_stride, cache_head_stride,
-                          num_heads, num_kv_heads,
+                          scale_block_stride, scale_slot_stride, num_heads, num_kv_heads,
                           PAGE_SIZE: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr,
                           BLOCK_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_HALF: tl.constexpr):
+                          BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+                          FP8_LIMIT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -72,23 +76,49 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr,
     if slot >= 0:
         cache = ((slot // PAGE_SIZE) * cache_block_stride + (slot % PAGE_SIZE) * cache_slot_stride
                  + heads * cache_head_stride + dims)
-        tl.store(k_cache_ptr + cache, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache_ptr + cache + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         v_ptrs = v_ptr + token * v_token_stride + heads * v_head_stride + dims
         v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         v2 = tl.load(v_ptrs + HALF, mask=kv_mask, other=0.0)
-        tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        if QUANT:  # one scale per head over both halves; masked lanes are 0
+            row = tl.arange(0, BLOCK_K_HEADS)
+            scale_at = ((slot // PAGE_SIZE) * scale_block_stride
+                        + (slot % PAGE_SIZE) * scale_slot_stride + row)
+            a1, a2 = r1.to(tl.float32), r2.to(tl.float32)
+            ks = fp8_scales(tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1)),
+                            FP8_LIMIT)
+            tl.store(k_cache_ptr + cache, fp8_values(a1, ks, FP8_LIMIT).to(
+                k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_cache_ptr + cache + HALF, fp8_values(a2, ks, FP8_LIMIT).to(
+                k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_scale_ptr + scale_at, ks, mask=row < num_kv_heads)
+            b1, b2 = v1.to(tl.float32), v2.to(tl.float32)
+            vs = fp8_scales(tl.maximum(tl.max(tl.abs(b1), axis=1), tl.max(tl.abs(b2), axis=1)),
+                            FP8_LIMIT)
+            tl.store(v_cache_ptr + cache, fp8_values(b1, vs, FP8_LIMIT).to(
+                v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache + HALF, fp8_values(b2, vs, FP8_LIMIT).to(
+                v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_scale_ptr + scale_at, vs, mask=row < num_kv_heads)
+        else:
+            tl.store(k_cache_ptr + cache, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_cache_ptr + cache + HALF, r2.to(k_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
+            tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty),
+                     mask=kv_mask)
 
 
 def rope_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          k_cache: CacheView, v_cache: CacheView,
                           slot_mapping: torch.Tensor) -> None:
     """The Triton op. q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim] (strided
     views of a fused projection are fine); cos/sin fp32 [max_positions, head_dim / 2];
-    caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping [T]."""
+    caches [num_blocks, block_size, num_kv_heads, head_dim] (or FP8 values and scales);
+    slot_mapping [T]."""
     require_triton()
+    k_scales, v_scales, scale_block, scale_slot, quant = scale_args(k_cache, v_cache)
+    k_cache, v_cache = cache_parts(k_cache)[0], cache_parts(v_cache)[0]
     num_tokens, num_heads, head_dim = q.shape
     if (k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim
             or positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,)):
@@ -108,19 +138,20 @@ def rope_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_tokens == 0:
         return
     _rope_write_kv_kernel[(num_tokens,)](
-        q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        q, k, v, positions, cos, sin, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, k.shape[1], PAGE_SIZE=k_cache.shape[1],
+        scale_block, scale_slot, num_heads, k.shape[1], PAGE_SIZE=k_cache.shape[1],
         BLOCK_Q_HEADS=next_power_of_2(num_heads), BLOCK_K_HEADS=next_power_of_2(k.shape[1]),
-        HALF=half, BLOCK_HALF=next_power_of_2(half))
+        HALF=half, BLOCK_HALF=next_power_of_2(half), QUANT=quant, FP8_LIMIT=FP8_MAX)
 
 
 def rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: CacheView,
+                   v_cache: CacheView, slot_mapping: torch.Tensor) -> None:
     """Rotate q, k in place and write k, v to the cache: Triton on CUDA, else the reference."""
-    if use_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    if use_triton(q, k, v, positions, cos, sin, cache_parts(k_cache)[0],
+                  cache_parts(v_cache)[0], slot_mapping):
         rope_write_kv_triton_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     else:
         rope_write_kv_reference_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)

@@ -34,6 +34,7 @@ from engine.attention_metadata import AttentionMetadata, KernelAttentionMetadata
 from engine.attention_reference import paged_attention
 from engine.config import Activation, Llama3RopeScaling, ModelConfig
 from engine.kernels.gemv import GemvWorkspace, linear
+from engine.kv_quant import CacheView
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         self.window = window
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_k: torch.Tensor, kv_v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+                kv_k: CacheView, kv_v: CacheView, attn: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -137,8 +138,8 @@ class Attention(nn.Module):
                 proj.bias = nn.Parameter(bias, requires_grad=False)
 
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor,
-                        rope_tables: tuple[torch.Tensor, torch.Tensor], kv_k: torch.Tensor,
-                        kv_v: torch.Tensor, meta: KernelAttentionMetadata,
+                        rope_tables: tuple[torch.Tensor, torch.Tensor], kv_k: CacheView,
+                        kv_v: CacheView, meta: KernelAttentionMetadata,
                         workspace: GemvWorkspace | None) -> torch.Tensor:
         from engine.kernels.rmsnorm import rms_norm_triton
         from engine.kernels.rope_kv_write import rope_write_kv_triton_

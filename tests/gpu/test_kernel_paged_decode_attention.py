@@ -52,6 +52,33 @@ def test_triton_matches_reference(target, num_heads, num_kv_heads, head_dim, num
     assert torch.equal(out[CONTEXTS.index(0)], torch.zeros_like(out[0]))  # padding row
 
 
+def fp8_caches(k_cache, v_cache):
+    """The same keys and values stored as an FP8 pool would (engine/kv_quant.py)."""
+    from engine.kv_quant import QuantizedCache, quantize
+
+    return QuantizedCache(*quantize(k_cache)), QuantizedCache(*quantize(v_cache))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_an_fp8_cache_is_read_as_the_reference_reads_it(target, num_heads, num_kv_heads,
+                                                        head_dim, num_splits):
+    q, k_cache, v_cache, tables, lens = _paged_batch(
+        target.device, target.dtype, num_heads, num_kv_heads, head_dim, CONTEXTS)
+    k8, v8 = fp8_caches(k_cache, v_cache)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_triton(q, k8, v8, tables, lens, scale, num_splits=num_splits,
+                                  out=out)
+    expected = paged_decode_attention_reference(q, k8, v8, tables, lens, scale)
+    torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
+    # And the FP8 answer is near the unquantized one: one stored value is off by up to 1/16
+    # of its vector's largest (~3 here), and the output is a weighted mean of values.
+    exact = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    assert float((out.float() - exact.float()).abs().max()) < 0.25
+    assert torch.equal(out[CONTEXTS.index(0)], torch.zeros_like(out[0]))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_softcap_and_window_match_reference(target, num_splits):
     """Gemma 2's options: scores squashed by 2 * tanh(s / 2) (a cap that bites on these

@@ -85,6 +85,23 @@ def test_triton_matches_reference(target, num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+def test_an_fp8_cache_is_read_as_the_reference_reads_it(target, num_heads, num_kv_heads,
+                                                        head_dim):
+    from engine.kv_quant import QuantizedCache, quantize
+
+    batch = ChunkedBatch(target.device, target.dtype, num_heads, num_kv_heads, head_dim, CHUNKS)
+    k8, v8 = QuantizedCache(*quantize(batch.k_cache)), QuantizedCache(*quantize(batch.v_cache))
+    args = (batch.q, k8, v8, *batch.args()[3:])
+    scale = head_dim ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    prefill_attention_triton(*args, scale, batch.max_query_len, out=out)
+    torch.testing.assert_close(out, prefill_attention_reference(*args, scale),
+                               atol=target.atol, rtol=target.rtol)
+    exact = prefill_attention_reference(*batch.args(), scale)
+    assert float((out.float() - exact.float()).abs().max()) < 0.25  # see the decode test
+
+
 def test_softcap_and_window_match_reference(target):
     """Gemma 2's options: a cap that bites on these random scores, and a window of 20,
     shorter than most chunks and prefixes here (and not a multiple of any tile)."""

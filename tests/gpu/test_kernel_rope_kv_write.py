@@ -43,6 +43,40 @@ def test_triton_matches_rope_then_cache_write(target, num_heads, num_kv_heads, h
     assert torch.equal(qkv[:, q_width + kv_width:], expected_qkv[:, q_width + kv_width:])
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_an_fp8_cache_holds_the_rotated_k_and_v_within_one_fp8_step(target, num_heads,
+                                                                     num_kv_heads, head_dim):
+    from engine.kv_quant import dequantize
+    from engine.kv_storage import KVLayout, KVStorage
+
+    torch.manual_seed(0)
+    q = target.randn(5, num_heads, head_dim)
+    k, v = target.randn(5, num_kv_heads, head_dim) * 20, target.randn(5, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 7, 300, 5000, 2], device=target.device)
+    slots = torch.tensor([7 * 16 + 3, 2 * 16, -1, 11 * 16 + 15, 7 * 16 + 4],
+                         device=target.device)
+    cos, sin = rope_cos_sin(head_dim, 8192, 500000.0, SCALING, target.device)
+    layout = KVLayout(dtype="fp8_e4m3", num_layers=1, num_blocks=12, block_size=16,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    ours, theirs = KVStorage(layout, target.device), KVStorage(layout, target.device)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    rope_write_kv_triton_(q, k, v, positions, cos, sin, *ours.layer(0), slots)
+    rope_write_kv_reference_(q2, k2, v2, positions, cos, sin, *theirs.layer(0), slots)
+    torch.testing.assert_close(k, k2, atol=target.atol, rtol=target.rtol)
+    live = slots >= 0
+    blocks, offsets = slots[live] // 16, slots[live] % 16
+    for index, rotated in ((0, k2), (1, v2)):
+        mine, ref = ours.layer(0)[index], theirs.layer(0)[index]
+        got = dequantize(mine.values[blocks, offsets], mine.scales[blocks, offsets],
+                         torch.float32)
+        want = dequantize(ref.values[blocks, offsets], ref.scales[blocks, offsets],
+                          torch.float32)
+        step = rotated[live].float().abs().amax(dim=-1, keepdim=True) / 8  # one e4m3 step
+        assert bool(((got - want).abs() <= step + 1e-6).all())
+        assert bool(((got - rotated[live].float()).abs() <= step / 2 + 1e-2).all())
+    assert int((ours.kv != 0).view(1, 2, 12, -1).any(dim=-1).sum()) == 2 * 3  # blocks 7, 2, 11
+
+
 def test_only_live_slots_change(target):
     torch.manual_seed(1)
     num_heads, num_kv_heads, head_dim = 4, 2, 32

@@ -296,6 +296,27 @@ def test_kernel_path_greedy_matches_torch_path(pair):
     assert len({t for seq in tokens for t in seq}) > 3
 
 
+def test_an_fp8_pool_decodes_alike_on_the_kernel_and_torch_paths(pair):
+    """An FP8 KV pool (engine/kv_quant.py): the Triton kernels write and read it as the
+    torch path does (values, per-token scales), through chunked prefill and decode steps;
+    and its answers stay near the bf16/fp32 pool's."""
+    _, model = pair
+
+    def fp8_runner(use_kernels: bool) -> ModelRunner:
+        kv = KVStorage.for_model(model.config, 40, BLOCK_SIZE, torch.float8_e4m3fn, DEVICE)
+        assert kv.quantized
+        return ModelRunner(model, kv, BLOCK_SIZE, use_kernels=use_kernels,
+                           cuda_graph_batch_sizes=())
+
+    tokens, expected = greedy_batch(fp8_runner(False), 6, chunked=False)
+    kernel_runner = fp8_runner(True)
+    _, got = greedy_batch(kernel_runner, 6, chunked=True, forced=tokens)
+    assert_same_decoding(got, expected, tokens)
+    _, plain = greedy_batch(make_runner(model, False), 6, chunked=False, forced=tokens)
+    assert max(rel_error(a, b) for a, b in zip(got, plain)) < 0.1  # FP8's rounding only
+    assert not kernel_runner.kv.kv[:, :, unused_blocks(*TABLES)].any()
+
+
 def test_padded_decode_steps_match_unpadded_steps(pair):
     """Batches of 3 run as a padded 4 (graph sizes 2 and 4); a batch of 1 as size 2."""
     _, model = pair
