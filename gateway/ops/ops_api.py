@@ -94,6 +94,7 @@ class WorkerRow(msgspec.Struct):
     #                              num_queued_prefill_tokens, num_decoding, prefill_tokens_per_s
     device: str | None = None
     sm_share_percent: int | None = None  # CUDA MPS share of the GPU's SMs (None: no MPS)
+    kv_dtype: str | None = None  # its KV pool's dtype (None: not told)
     step_model: StepModel | None = None  # the fitted step time the router predicts with
     kv_send_bytes_per_s: float | None = None
     ejection: Ejection | None = None
@@ -332,6 +333,7 @@ def worker_row(entry: WorkerEntry) -> WorkerRow:
         load=_load_fields(load.load) if load else None,
         device=info.device if info else None,
         sm_share_percent=(info.sm_share_percent or None) if info else None,
+        kv_dtype=(info.kv_dtype or None) if info else None,
         step_model=load.load.step_model if load else None,
         kv_send_bytes_per_s=(load.load.kv_send_bytes_per_s or None) if load else None,
         ejection=entry.ejection)

@@ -407,7 +407,7 @@ FP8_LAYOUT = dict(LAYOUT, dtype="fp8_e4m3")  # each block: values, then per-toke
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "tcp"])  # ucx, mapped
 def test_an_fp8_pools_blocks_land_with_their_scales(backend):
     t = transfer("a", [5, 6, 41], [0, 30, 9], seed=11)
     receiver, (sender,) = start_pair(backend, dict(transfers=[t], layout=FP8_LAYOUT),
