@@ -83,10 +83,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         """Byte offset of (layer, K|V, block) from the start of the pool."""
         return ((layer * 2 + kv_index) * self.num_blocks + block_id) * self.block_bytes
 
-    def compatible_with(self, other: "KVLayout") -> str | None:
-        """None when blocks can move between the two pools, else what differs."""
+    def compatible_with(self, other: "KVLayout", mine: str = "here",
+                        theirs: str = "at the peer") -> str | None:
+        """None when blocks can move between the two pools, else what differs, each field
+        named with this pool's value (`mine`) and the other's (`theirs`)."""
         fields = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
-        diffs = [f"{f} {getattr(self, f)} here, {getattr(other, f)} at the peer"
+        diffs = [f"{f} {getattr(self, f)} {mine}, {getattr(other, f)} {theirs}"
                  for f in fields if getattr(self, f) != getattr(other, f)]
         return "; ".join(diffs) or None
 

@@ -153,6 +153,6 @@ def pool_bytes(kv: torch.Tensor) -> PoolBytes:
 
 def check_layouts(local: KVLayout, remote: KVLayout, remote_name: str) -> None:
     """Raise LayoutMismatch when blocks cannot move between the two pools."""
-    diff = local.compatible_with(remote)
+    diff = local.compatible_with(remote, "here", f"at {remote_name}")
     if diff is not None:
         raise LayoutMismatch(f"KV layout of {remote_name} differs from ours: {diff}")

@@ -219,7 +219,8 @@ class TransferReceiver:
                                      f"{PROTOCOL_VERSION}")
         elif not hmac.compare_digest(message.token.encode(), self._token.encode()):
             refusal = Refused(reason="bad internal token")
-        elif (diff := self.layout.compatible_with(message.layout)) is not None:
+        elif (diff := self.layout.compatible_with(message.layout, "at this receiver",
+                                                  "at the sender")) is not None:
             refusal = Refused(reason=f"KV layout differs: {diff}", layout_mismatch=True)
         if refusal is not None:
             log.warning("refusing KV sender: %s", refusal.reason)

@@ -425,7 +425,8 @@ def test_an_fp8_pool_and_a_bf16_pool_refuse_each_other_naming_both():
                                      [dict(seed=3, transfers=[t])])
     sent = sender.next_event("done")
     assert sent["outcome"] == "LayoutMismatch"
-    assert "dtype fp8_e4m3 here, bfloat16 at the peer" in sent["error"], sent["error"]
+    assert "dtype fp8_e4m3 at this receiver, bfloat16 at the sender" in sent["error"], \
+        sent["error"]
     assert receiver.next_event("done")["pool_nonzero"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0
 

@@ -14,12 +14,24 @@ parting at a gap under 0.3, a mean under 0.08 nats and no token over 0.4.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
+import time
 import urllib.request
 
 import openai
 import pytest
 import torch
-from up_process import HANDOFF_TIER, UpProcess
+from up_process import HANDOFF_TIER, REPO, UpProcess
+
+from protocol.messages import (AbortRequest, AbortResponse, PrefillRequest,
+                               PrefillResponseFrame, PrefillResult, ReserveRequest,
+                               ReserveResponse, TransferResult, TransferStatus)
+from protocol.sampling_params import SamplingParams
+from rpc.channel_client import ChannelPool
+from rpc.control_client import ControlClient
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -97,3 +109,86 @@ def split_plans(up: UpProcess) -> float:
     metrics = urllib.request.urlopen(f"{up.url}/metrics", timeout=5).read().decode()
     return next((float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                  if line.startswith(series)), 0.0)
+
+
+@pytest.fixture(scope="module")
+def float32_decode_worker(up: UpProcess):
+    """A decode worker whose KV pool is float32 (the tests' dtype), joined to the FP8
+    cluster through its Redis and token."""
+    redis_url = (up.log_dir / "redis-url").read_text().strip()
+    log = open(up.log_dir / "float32-decode.log", "ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "decode-worker", "--worker-id", "decode-f32",
+         "--threads", "1", "--kv-cache-mb", "48", "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=log,
+        env={**os.environ, "PDSERVE_REDIS_URL": redis_url, "PDSERVE_INTERNAL_TOKEN": up.token,
+             "PDSERVE_KV_CACHE_DTYPE": "auto"})
+    try:
+        deadline = time.monotonic() + 120
+        while not any(w["id"] == "decode-f32" and w["state"] == "ready" for w in up.workers()):
+            assert process.poll() is None, (up.log_dir / "float32-decode.log").read_text()
+            assert time.monotonic() < deadline, "the float32 decode worker did not register"
+            time.sleep(0.5)
+        yield next(w for w in up.workers() if w["id"] == "decode-f32")
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def test_a_float32_decode_worker_is_never_paired_with_fp8_and_refuses_its_kv(
+        up: UpProcess, float32_decode_worker: dict) -> None:
+    assert float32_decode_worker["kv_dtype"] == "float32"
+    client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    before = split_plans(up)
+    for prompt in PROMPTS[:4]:  # handed off: always to the FP8 decode worker
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_headers={"x-pdserve-tier": "handoff"})
+    assert split_plans(up) == before + 4
+    fp8_decode = next(w for w in up.workers() if w["role"] == "decode" and w["id"] != "decode-f32")
+    assert decode_worker_tokens(up, fp8_decode) > 0 == decode_worker_tokens(
+        up, float32_decode_worker)
+    # Forced past the router: the FP8 prefill worker pushes to the float32 one's
+    # reservation. The receiver refuses the sender's layout before any byte moves.
+    prefill = next(w for w in up.workers() if w["role"] == "prefill")
+    result = asyncio.run(push_to(up, prefill, float32_decode_worker, list(range(1, 40))))
+    assert result.status is TransferStatus.FAILED and result.num_bytes_sent == 0, result
+    assert "dtype float32 at this receiver, fp8_e4m3 at the sender" in result.error, \
+        result.error
+    state = up.internal_get(float32_decode_worker["control_url"] + "/admin/state")
+    assert state["num_kv_blocks_used"] == 0 and state["invariant_error"] is None, state
+
+
+async def push_to(up: UpProcess, prefill: dict, decode: dict, prompt: list[int]
+                  ) -> TransferResult:
+    """Reserve on `decode`, prefill on `prefill` with that destination: the transfer's end."""
+    pool = ChannelPool(up.token)
+    pc = ControlClient(prefill["control_url"], pool)
+    dc = ControlClient(decode["control_url"], pool)
+    try:
+        reserve = await dc.call(ReserveRequest(request_id="forced-f32", prompt_token_ids=prompt,
+                                               timeout_ms=20_000), ReserveResponse, 5.0)
+        transfer = None
+        async for frame in pc.stream(PrefillRequest(
+                request_id="forced-f32", prompt_token_ids=prompt, timeout_ms=20_000,
+                sampling=SamplingParams(max_tokens=2, temperature=0.0),
+                destination=reserve.destination), PrefillResponseFrame, 30.0, 30.0):
+            assert isinstance(frame, (PrefillResult, TransferResult)), frame
+            if isinstance(frame, TransferResult):
+                transfer = frame
+        await dc.call(AbortRequest(request_id="forced-f32"), AbortResponse, 5.0)
+        assert transfer is not None
+        return transfer
+    finally:
+        await pool.aclose()
+
+
+def decode_worker_tokens(up: UpProcess, worker: dict) -> float:
+    """The tokens a worker generated, from its /metrics."""
+    request = urllib.request.Request(worker["control_url"] + "/metrics",
+                                     headers={"Authorization": f"Bearer {up.token}"})
+    metrics = urllib.request.urlopen(request, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("pdserve_generated_tokens_total"))
