@@ -60,12 +60,6 @@ class HFReference:
     def prompt_ids(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
-    def top_two_gap(self, ids: list[int]) -> float:
-        """How far the best next token's logit leads the second's after `ids`."""
-        with torch.no_grad():
-            top = self.model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
-        return float(top[0] - top[1])
-
     def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> Greedy:
         """Argmax decoding through transformers' KV cache, up to `max_tokens` tokens (on one
         thread: the suite shares two cores with the servers under test)."""

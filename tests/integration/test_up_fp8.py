@@ -3,13 +3,14 @@
 cross the transfer), serving the default model through the official `openai` client. The
 reference is transformers' greedy answer with a float32 KV cache.
 
-What FP8 costs here, measured on these eight prompts when this test was written (16 tokens
-each, EOS ignored, float32 compute; AVX-512 BF16 host): 4 of 8 answers identical; in the
-other four the first token that differs came where transformers' two best logits were
-0.028-0.144 apart (near-ties); over the 93 tokens before any difference the mean
-|logprob(FP8) - logprob(float32)| of the chosen token was 0.040 nats (largest 0.159). The
-thresholds leave room for another CPU's rounding: at least 3 of 8 identical, every
-parting at a gap under 0.3, a mean under 0.08 nats and no token over 0.4.
+What FP8 costs here, measured on these six prompts when this test was written (12 tokens
+each, EOS ignored, float32 compute; AVX-512 BF16 host): 3 of 6 answers identical; in the
+other three the first token that differs came where transformers' two best logits were
+0.038-0.144 apart (near-ties); over the 51 tokens before any difference the mean
+|logprob(FP8) - logprob(float32)| of the chosen token was 0.036 nats (largest 0.155). (With
+8 prompts x 16 tokens: 4 of 8 identical, gaps 0.028-0.144, mean 0.040, largest 0.159.) The
+thresholds leave room for another CPU's rounding: at least 2 of 6 identical, every parting
+at a gap under 0.3, a mean under 0.08 nats and no token over 0.4.
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
     "List three colours: red,",
     "In 1969, the first person to walk on the Moon was",
-    "The quick brown fox",
     "Water boils at a temperature of",
-    "My favourite book is",
 )
-NUM_TOKENS = 16
+NUM_TOKENS = 12
 GAP = 0.3  # transformers' best logit over its second where an FP8 answer may part from it
 
 
@@ -60,13 +59,17 @@ def up(tmp_path_factory):
     process.stop()
 
 
-def reference_logprobs(hf_reference, prompt_ids: list[int], tokens: list[int]) -> list[float]:
-    """transformers' (float32 KV) log-probability of each of `tokens` after the prompt and
-    the tokens before it."""
+def reference_stats(hf_reference, prompt_ids: list[int], tokens: list[int]
+                    ) -> tuple[list[float], list[float]]:
+    """For each of transformers' greedy `tokens` (float32 KV), in one forward pass: its
+    log-probability, and how far the best logit led the second there."""
     with torch.no_grad():
         logits = hf_reference.model(torch.tensor([prompt_ids + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
-    return [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+    logits = logits[len(prompt_ids) - 1:-1]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = logits.topk(2).values
+    return ([float(logprobs[i, t]) for i, t in enumerate(tokens)],
+            (top[:, 0] - top[:, 1]).tolist())
 
 
 def test_fp8_kv_answers_stay_transformers_greedy_answers(up: UpProcess, hf_reference) -> None:
@@ -88,16 +91,16 @@ def test_fp8_kv_answers_stay_transformers_greedy_answers(up: UpProcess, hf_refer
         want = [hf_reference.tokenizer.decode([t]) for t in expected.token_ids]
         same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), NUM_TOKENS)
         identical += same == NUM_TOKENS
+        theirs, gap = reference_stats(hf_reference, ids, expected.token_ids)
         if same < NUM_TOKENS:  # where FP8 chose otherwise, transformers' two best were close
-            gaps.append(hf_reference.top_two_gap(ids + expected.token_ids[:same]))
-        theirs = reference_logprobs(hf_reference, ids, expected.token_ids[:same])
+            gaps.append(gap[same])
         deltas += [abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[:same], theirs)]
         print(f"{prompt!r}: {same} of {NUM_TOKENS} tokens as transformers")
     mean = sum(deltas) / len(deltas)
     print(f"identical {identical} of {len(PROMPTS)}; mean |dlogprob| {mean:.4f} nats, "
           f"largest {max(deltas):.4f} over {len(deltas)} tokens; top-two gaps where they "
           f"part: {[round(g, 3) for g in gaps]}")
-    assert identical >= 3, f"only {identical} of {len(PROMPTS)} answers kept"
+    assert identical >= 2, f"only {identical} of {len(PROMPTS)} answers kept"
     assert mean < 0.08 and max(deltas) < 0.4, (mean, max(deltas))
     assert all(gap < GAP for gap in gaps), gaps
     assert split_plans(up) == len(PROMPTS)  # every answer was handed off P -> D
