@@ -59,7 +59,8 @@ def fp8_caches(k_cache, v_cache):
     return QuantizedCache(*quantize(k_cache)), QuantizedCache(*quantize(v_cache))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         SHAPES if torch.cuda.is_available() else SHAPES[:1])  # interpreter: CI time
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_an_fp8_cache_is_read_as_the_reference_reads_it(target, num_heads, num_kv_heads,
                                                         head_dim, num_splits):

@@ -85,7 +85,8 @@ def test_triton_matches_reference(target, num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out, expected, atol=target.atol, rtol=target.rtol)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         SHAPES if torch.cuda.is_available() else SHAPES[:1])  # interpreter: CI time
 def test_an_fp8_cache_is_read_as_the_reference_reads_it(target, num_heads, num_kv_heads,
                                                         head_dim):
     from engine.kv_quant import QuantizedCache, quantize

@@ -3,13 +3,13 @@
 cross the transfer), serving the default model through the official `openai` client. The
 reference is transformers' greedy answer with a float32 KV cache.
 
-What FP8 costs here, measured on these six prompts when this test was written (12 tokens
-each, EOS ignored, float32 compute; AVX-512 BF16 host): 3 of 6 answers identical; in the
-other three the first token that differs came where transformers' two best logits were
-0.038-0.144 apart (near-ties); over the 51 tokens before any difference the mean
-|logprob(FP8) - logprob(float32)| of the chosen token was 0.036 nats (largest 0.155). (With
+What FP8 costs here, measured on these four prompts when this test was written (12 tokens
+each, EOS ignored, float32 compute; AVX-512 BF16 host): 2 of 4 answers identical; in the
+other two the first token that differs came where transformers' two best logits were 0.038
+and 0.144 apart (near-ties); over the 30 tokens before any difference the mean
+|logprob(FP8) - logprob(float32)| of the chosen token was 0.044 nats (largest 0.155). (With
 8 prompts x 16 tokens: 4 of 8 identical, gaps 0.028-0.144, mean 0.040, largest 0.159.) The
-thresholds leave room for another CPU's rounding: at least 2 of 6 identical, every parting
+thresholds leave room for another CPU's rounding: at least 1 of 4 identical, every parting
 at a gap under 0.3, a mean under 0.08 nats and no token over 0.4.
 """
 
@@ -41,8 +41,6 @@ PROMPTS = (
     "Write a haiku about the sea.",
     "def fibonacci(n):\n    ",
     "List three colours: red,",
-    "In 1969, the first person to walk on the Moon was",
-    "Water boils at a temperature of",
 )
 NUM_TOKENS = 12
 GAP = 0.3  # transformers' best logit over its second where an FP8 answer may part from it
@@ -100,7 +98,7 @@ def test_fp8_kv_answers_stay_transformers_greedy_answers(up: UpProcess, hf_refer
     print(f"identical {identical} of {len(PROMPTS)}; mean |dlogprob| {mean:.4f} nats, "
           f"largest {max(deltas):.4f} over {len(deltas)} tokens; top-two gaps where they "
           f"part: {[round(g, 3) for g in gaps]}")
-    assert identical >= 2, f"only {identical} of {len(PROMPTS)} answers kept"
+    assert identical >= 1, f"only {identical} of {len(PROMPTS)} answers kept"
     assert mean < 0.08 and max(deltas) < 0.4, (mean, max(deltas))
     assert all(gap < GAP for gap in gaps), gaps
     assert split_plans(up) == len(PROMPTS)  # every answer was handed off P -> D
