@@ -41,6 +41,21 @@ def fp8_values(x, scales, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_halves(x1, x2, values_ptr, offsets, HALF: tl.constexpr, mask, scales_ptr,
+                     scale_offsets, scale_mask, FP8_LIMIT: tl.constexpr):
+    """`store_fp8_rows` for rows held as two halves [R, D/2] (a rotated vector's): one
+    scale per row over both, the halves at `offsets` and `offsets + HALF`."""
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    scales = fp8_scales(tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1)),
+                        FP8_LIMIT)
+    tl.store(values_ptr + offsets, fp8_values(a1, scales, FP8_LIMIT).to(
+        values_ptr.dtype.element_ty), mask=mask)
+    tl.store(values_ptr + offsets + HALF, fp8_values(a2, scales, FP8_LIMIT).to(
+        values_ptr.dtype.element_ty), mask=mask)
+    tl.store(scales_ptr + scale_offsets, scales, mask=scale_mask)
+
+
+@triton.jit
 def store_fp8_rows(x, values_ptr, offsets, mask, scales_ptr, scale_offsets, scale_mask,
                    FP8_LIMIT: tl.constexpr):
     """Store rows x [R, D] (zeros where masked) as FP8 values with one scale per row,

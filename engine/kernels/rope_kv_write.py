@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.backend import import_triton, next_power_of_2, require_triton, use_triton
-from engine.kernels.fp8_rows import fp8_scales, fp8_values
+from engine.kernels.fp8_rows import store_fp8_halves
 from engine.kernels.kv_cache_write import write_kv_cache_reference_
 from engine.kernels.rope import apply_rope_reference_
 from engine.kv_quant import FP8_MAX, CacheView, cache_parts, scale_args
@@ -83,22 +83,10 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr,
             row = tl.arange(0, BLOCK_K_HEADS)
             scale_at = ((slot // PAGE_SIZE) * scale_block_stride
                         + (slot % PAGE_SIZE) * scale_slot_stride + row)
-            a1, a2 = r1.to(tl.float32), r2.to(tl.float32)
-            ks = fp8_scales(tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1)),
-                            FP8_LIMIT)
-            tl.store(k_cache_ptr + cache, fp8_values(a1, ks, FP8_LIMIT).to(
-                k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(k_cache_ptr + cache + HALF, fp8_values(a2, ks, FP8_LIMIT).to(
-                k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(k_scale_ptr + scale_at, ks, mask=row < num_kv_heads)
-            b1, b2 = v1.to(tl.float32), v2.to(tl.float32)
-            vs = fp8_scales(tl.maximum(tl.max(tl.abs(b1), axis=1), tl.max(tl.abs(b2), axis=1)),
-                            FP8_LIMIT)
-            tl.store(v_cache_ptr + cache, fp8_values(b1, vs, FP8_LIMIT).to(
-                v_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_cache_ptr + cache + HALF, fp8_values(b2, vs, FP8_LIMIT).to(
-                v_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_scale_ptr + scale_at, vs, mask=row < num_kv_heads)
+            store_fp8_halves(r1, r2, k_cache_ptr, cache, HALF, kv_mask, k_scale_ptr, scale_at,
+                             row < num_kv_heads, FP8_LIMIT)
+            store_fp8_halves(v1, v2, v_cache_ptr, cache, HALF, kv_mask, v_scale_ptr, scale_at,
+                             row < num_kv_heads, FP8_LIMIT)
         else:
             tl.store(k_cache_ptr + cache, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(k_cache_ptr + cache + HALF, r2.to(k_cache_ptr.dtype.element_ty),
