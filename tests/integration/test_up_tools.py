@@ -18,7 +18,7 @@ import urllib.request
 
 import jsonschema
 import pytest
-from up_process import HANDOFF_TIER, UpProcess
+from up_process import UpProcess, with_handoff_tier
 
 import openai
 from testing.random_schemas import SchemaGenerator, body_with
@@ -47,10 +47,7 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
-    tiers.write_text(HANDOFF_TIER)
-    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
-                        log_dir=tmp_path_factory.mktemp("up-logs"))
+    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1")
     yield process
     process.stop()
 
