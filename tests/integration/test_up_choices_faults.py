@@ -24,7 +24,7 @@ import urllib.request
 import jsonschema
 import pytest
 from test_reliability import Stream, assert_nothing_held, wait_restarted, worker_holding, workers
-from up_process import LONG_PROMPT, UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, LONG_PROMPT, UpProcess
 
 from protocol.agent_messages import FAULT_INJECTION_ENV, FaultRequest, FaultResponse
 
@@ -49,8 +49,11 @@ QUESTION = "List the five people of a team as JSON."
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "2",
-                                env={FAULT_INJECTION_ENV: "1"}, logs="choices-logs")
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)
+    process = UpProcess("--prefill", "1", "--decode", "2", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("choices-logs"),
+                        env={FAULT_INJECTION_ENV: "1"})
     yield process
     process.stop()
 

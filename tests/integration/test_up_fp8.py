@@ -25,7 +25,7 @@ import urllib.request
 import openai
 import pytest
 import torch
-from up_process import REPO, UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, REPO, UpProcess
 
 from protocol.messages import (AbortRequest, AbortResponse, PrefillRequest,
                                PrefillResponseFrame, PrefillResult, ReserveRequest,
@@ -48,8 +48,11 @@ GAP = 0.3  # transformers' best logit over its second where an FP8 answer may pa
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1",
-                                env={"PDSERVE_KV_CACHE_DTYPE": "fp8_e4m3"})
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_KV_CACHE_DTYPE": "fp8_e4m3"})
     yield process
     process.stop()
 

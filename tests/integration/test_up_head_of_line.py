@@ -40,7 +40,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from up_process import UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, UpProcess
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -57,8 +57,11 @@ LAYOUTS = {"1 prefill + 1 decode": ("--prefill", "1", "--decode", "1"), "default
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def up(request, tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, *LAYOUTS[request.param],
-                                env={"PDSERVE_HUNG_AFTER_S": "60"})
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus one that hands every prompt off
+    process = UpProcess(*LAYOUTS[request.param], "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_HUNG_AFTER_S": "60"})
     yield process
     process.stop()
 

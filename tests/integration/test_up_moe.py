@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 import torch
-from up_process import UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, UpProcess
 
 from testing.random_model import export_tokenizer
 
@@ -65,9 +65,12 @@ def _greedy(model, prompt: list[int]) -> tuple[list[int], float]:
 @pytest.fixture(scope="module")
 def up(moe, tmp_path_factory):
     directory, _ = moe
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1",
-                                "--no-agent", "--model", str(directory),
-                                env={"PDSERVE_DTYPE": "float32"})
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)
+    process = UpProcess("--prefill", "1", "--decode", "1", "--no-agent", "--model",
+                        str(directory), "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_DTYPE": "float32"})
     yield process
     process.stop()
 

@@ -20,16 +20,18 @@ from pathlib import Path
 
 import openai
 import pytest
-from up_process import LONG_PROMPT, UpProcess, child_pids, wait_gone, with_handoff_tier
+from up_process import HANDOFF_TIER, LONG_PROMPT, UpProcess, child_pids, wait_gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1",
-                                env={"PDSERVE_PIPELINED_STEPS": "overlap",
-                                     "PDSERVE_PREFILL_LANE": "1"})
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)  # the shipped tiers, plus handoff
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_PIPELINED_STEPS": "overlap", "PDSERVE_PREFILL_LANE": "1"})
     yield process
     process.stop()
 

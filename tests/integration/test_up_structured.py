@@ -21,7 +21,7 @@ import urllib.request
 
 import jsonschema
 import pytest
-from up_process import UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, UpProcess
 
 import openai
 
@@ -48,8 +48,11 @@ QUESTIONS = ["Describe a person as JSON.", "Who lives next door? Answer in JSON.
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1",
-                                env={"PDSERVE_PIPELINED_STEPS": "overlap"})
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"),
+                        env={"PDSERVE_PIPELINED_STEPS": "overlap"})
     yield process
     process.stop()
 

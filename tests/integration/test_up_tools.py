@@ -18,7 +18,7 @@ import urllib.request
 
 import jsonschema
 import pytest
-from up_process import UpProcess, with_handoff_tier
+from up_process import HANDOFF_TIER, UpProcess
 
 import openai
 from testing.random_schemas import SchemaGenerator, body_with
@@ -47,7 +47,10 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = with_handoff_tier(tmp_path_factory, "--prefill", "1", "--decode", "1")
+    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
+    tiers.write_text(HANDOFF_TIER)
+    process = UpProcess("--prefill", "1", "--decode", "1", "--tiers", str(tiers),
+                        log_dir=tmp_path_factory.mktemp("up-logs"))
     yield process
     process.stop()
 

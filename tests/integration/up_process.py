@@ -30,16 +30,6 @@ local_prefill_max_tokens = 0
 """
 
 
-def with_handoff_tier(tmp_path_factory, *args: str, env: dict[str, str] | None = None,
-                      logs: str = "up-logs") -> "UpProcess":
-    """`pdserve up ARGS` with the shipped tiers plus HANDOFF_TIER (a tiers file of its own)
-    and a log folder of its own."""
-    tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
-    tiers.write_text(HANDOFF_TIER)
-    return UpProcess(*args, "--tiers", str(tiers), log_dir=tmp_path_factory.mktemp(logs),
-                     env=env)
-
-
 class UpProcess:
     def __init__(self, *args: str, log_dir: Path, start_timeout_s: float = 240.0,
                  env: dict[str, str] | None = None) -> None:
