@@ -103,14 +103,17 @@ def prefill_flops(model, config: ModelConfig, num_seqs: int, length: int) -> flo
     return 2 * body * num_seqs * length + 2 * head * num_seqs + attention
 
 
-def decode_schedule(batch: int, context: int, blocks_per_seq: int):
+def decode_schedule(batch: int, context: int, blocks_per_seq: int, num_blocks: int = 0):
     from engine.schedule_output import ScheduledChunk, ScheduleOutput
 
-    # Sequence i owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq); its newest
-    # token sits at position context - 1, so the step attends to `context` positions.
+    # Sequence i owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq), taken round a
+    # pool of `num_blocks` where it is smaller (0: large enough); its newest token sits at
+    # position context - 1, so the step attends to `context` positions.
+    wrap = num_blocks or batch * blocks_per_seq
     return ScheduleOutput(tuple(
         ScheduledChunk(f"d{i}", (1 + i % 1000,), context - 1,
-                       tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True)
+                       tuple((i * blocks_per_seq + j) % wrap for j in range(blocks_per_seq)),
+                       True)
         for i in range(batch)))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -51,9 +52,10 @@ class SyncHostCopier:
         self.host[host_slot].copy_(self.kv[:, :, block_id])
         return None
 
-    def to_device(self, host_slot: int, block_id: int,
-                  after: CopyDone | None) -> CopyDone | None:
-        self.kv[:, :, block_id].copy_(self.host[host_slot])
+    def to_device(self, copies: Sequence[tuple[int, int]],
+                  after: Sequence[CopyDone]) -> CopyDone | None:
+        for host_slot, block_id in copies:
+            self.kv[:, :, block_id].copy_(self.host[host_slot])
         return None
 
     def order_writes_after(self, done: CopyDone) -> None:
@@ -73,27 +75,30 @@ class StreamHostCopier:
         self.to_device_stream = torch.cuda.Stream(kv.device)
 
     def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
-        return self._copy(self.to_host_stream, self.host[host_slot], self.kv[:, :, block_id],
+        return self._copy(self.to_host_stream, [(self.host[host_slot], self.kv[:, :, block_id])],
                           before_writes)
 
-    def to_device(self, host_slot: int, block_id: int,
-                  after: CopyDone | None) -> CopyDone | None:
-        if after is not None:
-            assert isinstance(after, torch.cuda.Event)
-            self.to_device_stream.wait_event(after)
-        return self._copy(self.to_device_stream, self.kv[:, :, block_id],
-                          self.host[host_slot], True)
+    def to_device(self, copies: Sequence[tuple[int, int]],
+                  after: Sequence[CopyDone]) -> CopyDone | None:
+        for done in after:
+            assert isinstance(done, torch.cuda.Event)
+            self.to_device_stream.wait_event(done)
+        return self._copy(self.to_device_stream,
+                          [(self.kv[:, :, block_id], self.host[host_slot])
+                           for host_slot, block_id in copies], True)
 
     def order_writes_after(self, done: CopyDone) -> None:
         assert isinstance(done, torch.cuda.Event)
         torch.cuda.current_stream(self.kv.device).wait_event(done)
 
-    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+    def _copy(self, stream: torch.cuda.Stream, pairs: list[tuple[torch.Tensor, torch.Tensor]],
               engine_waits: bool) -> CopyDone:
+        """Each (dst, src) of `pairs` copied on `stream`, back to back, then one event."""
         engine_stream = torch.cuda.current_stream(self.kv.device)
         stream.wait_stream(engine_stream)  # after the steps already queued
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         if engine_waits:

@@ -66,11 +66,12 @@ class HostCopier(Protocol):
         runs after the copy."""
         ...
 
-    def to_device(self, host_slot: int, block_id: int,
-                  after: CopyDone | None) -> CopyDone | None:
-        """Copy `host_slot` into device block `block_id`, after the copy `after` (the slot's
-        own, still in flight) and before the engine's next work (a step that reads it);
-        None: done already."""
+    def to_device(self, copies: Sequence[tuple[int, int]],
+                  after: Sequence[CopyDone]) -> CopyDone | None:
+        """Copy each `(host_slot, block_id)` of `copies` into its device block, after the
+        copies `after` (the slots' own, still in flight) and before the engine's next work (a
+        step that reads them); one CopyDone for them all, None: done already. One call for
+        a whole prefix, so that the copies queue back to back."""
         ...
 
     def order_writes_after(self, done: CopyDone) -> None:
@@ -172,19 +173,29 @@ class HostKVTier:
         for block_hash in block_hashes:
             self._pins[self._slot_by_hash[block_hash]] += 1  # KeyError: not held
 
-    def reload(self, block_hash: int, block_id: int) -> None:
-        """Copy a pinned block into device block `block_id` (freshly allocated, referenced by
-        the request that will read it) and drop the pin; it becomes the most recent."""
-        slot = self._slot_by_hash[block_hash]
-        if self._pins[slot] < 1:
-            raise ValueError(f"block {block_hash:#x} is reloaded without a pin")
-        self._pins[slot] -= 1
-        if not self._pins[slot]:
-            del self._pins[slot]
-        self._slot_by_hash.move_to_end(block_hash)
-        # The reload ends after the slot's copy in flight, so it stands for both.
-        self._track(slot, self._copier.to_device(slot, block_id, self._in_flight.get(slot)))
-        self._num_reloaded += 1
+    def reload(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Copy pinned blocks into device blocks `block_ids` (freshly allocated, referenced
+        by the request that will read them), in one copier call, and drop one pin of each;
+        they become the most recent."""
+        if len(block_hashes) != len(block_ids):
+            raise ValueError(f"{len(block_hashes)} blocks reloaded into {len(block_ids)}")
+        slots = [self._slot_by_hash[block_hash] for block_hash in block_hashes]
+        for block_hash, slot in zip(block_hashes, slots):
+            if self._pins[slot] < 1:
+                raise ValueError(f"block {block_hash:#x} is reloaded without a pin")
+        for block_hash, slot in zip(block_hashes, slots):
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                del self._pins[slot]
+            self._slot_by_hash.move_to_end(block_hash)
+        if not slots:
+            return
+        after = [done for slot in slots if (done := self._in_flight.get(slot)) is not None]
+        done = self._copier.to_device(list(zip(slots, block_ids)), after)
+        # The reload ends after each slot's copy in flight, so it stands for both.
+        for slot in slots:
+            self._track(slot, done)
+        self._num_reloaded += len(slots)
 
     def record_lookup(self, num_hit_blocks: int, num_missed_blocks: int) -> None:
         """An admission's outcome past the device-cached prefix (the hit/miss counters)."""

@@ -313,8 +313,9 @@ class KVCacheManager:
         new_block_ids = self.pool.allocate(num_new_blocks)
         if tier is not None:
             assert len(new_block_ids) >= len(host_hashes)  # they cover the cached tokens
-            for host_hash, block_id in zip(host_hashes, new_block_ids):
-                tier.reload(host_hash, block_id)
+            reloaded = new_block_ids[:len(host_hashes)]
+            tier.reload(host_hashes, reloaded)
+            for host_hash, block_id in zip(host_hashes, reloaded):
                 self.pool.cache_block(block_id, host_hash)
             tier.record_lookup(len(host_hashes), prefix.num_missed_blocks)
         table.block_ids.extend(prefix.block_ids + tuple(new_block_ids))

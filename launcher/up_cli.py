@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
                                       gpu_memory_fractions, host_kv_cache_gb, mem_available_bytes)
 from protocol.messages import Role
+from worker.options import KV_CACHE_DTYPES
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
 
@@ -102,6 +103,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               f"{GPU_MEMORY_SHARE * 100:.0f}%% of each GPU split among "
                               "the workers on it, each sizing its pool from its share "
                               "after weights and activations)")
+    opt("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="every worker's KV cache dtype; fp8_e4m3 holds about twice the tokens of bf16 "
+             "(default: each worker's $PDSERVE_KV_CACHE_DTYPE, else auto: the model's dtype)")
     opt("--kv-host-cache-gb", type=float,
         help="host memory per worker for prefix blocks evicted from its KV cache, GiB; 0: "
              "off (default on CUDA: 25%% of the memory available at start, split among the "
@@ -175,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_mb = cpu_kv_cache_mb(len(roles), mem_available_bytes())
     if kv_cache_mb:
         common += ["--kv-cache-mb", str(kv_cache_mb)]
+    if args.kv_cache_dtype:
+        common += ["--kv-cache-dtype", args.kv_cache_dtype]
     host_gb = args.kv_host_cache_gb
     if host_gb is None:
         host_gb = host_kv_cache_gb(devices, mem_available_bytes())

@@ -54,7 +54,7 @@ def test_an_offload_completes_before_the_engine_stream_overwrites_the_block():
     assert tier.offer(7, 2)
     storage.kv[:, :, 2].fill_(-3)  # the next step overwrites the evicted block
     tier.pin([7])
-    tier.reload(7, 5)
+    tier.reload([7], [5])
     torch.cuda.synchronize()
     assert torch.equal(storage.kv[:, :, 5], expected)
     stats = tier.stats()

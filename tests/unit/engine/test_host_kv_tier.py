@@ -3,6 +3,8 @@ and the KV cache manager looking past the device pool into it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -53,8 +55,9 @@ class ManualCopier:
         self.host[host_slot] = block_id
         return self._done()
 
-    def to_device(self, host_slot: int, block_id: int, after: Done | None) -> Done | None:
-        self.reloads.append((host_slot, block_id))
+    def to_device(self, copies: Sequence[tuple[int, int]],
+                  after: Sequence[Done]) -> Done | None:
+        self.reloads.extend(copies)
         return self._done()
 
     def order_writes_after(self, done: Done) -> None:
@@ -100,11 +103,26 @@ def test_a_pinned_slot_is_not_evicted_until_reloaded() -> None:
     tier.offer(1, 0)
     tier.pin([1])
     assert not tier.offer(2, 1)
-    tier.reload(1, 7)
+    tier.reload([1], [7])
     assert copier.reloads == [(0, 7)]
     with pytest.raises(ValueError, match="without a pin"):
-        tier.reload(1, 8)
+        tier.reload([1], [8])
     assert tier.offer(2, 1)
+    tier.check_invariants()
+
+
+def test_a_prefix_reloads_in_one_copier_call_or_not_at_all() -> None:
+    copier = ManualCopier()
+    tier = HostKVTier(3, copier, block_bytes=1)
+    for block_hash, block_id in ((1, 0), (2, 1), (3, 2)):
+        tier.offer(block_hash, block_id)
+    tier.pin([1, 2])
+    with pytest.raises(ValueError, match="without a pin"):
+        tier.reload([1, 2, 3], [7, 8, 9])  # 3 is not pinned: nothing is copied or unpinned
+    assert copier.reloads == []
+    tier.reload([1, 2], [7, 8])
+    assert copier.reloads == [(0, 7), (1, 8)]  # the slots the offers took, in one call
+    assert tier.stats().reloaded_bytes == 2
     tier.check_invariants()
 
 
@@ -129,7 +147,7 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
     tier.offer(42, 1)
     storage.kv[:, :, 1] = 0.0  # the device block is reused
     tier.pin([42])
-    tier.reload(42, 3)
+    tier.reload([42], [3])
     assert torch.equal(storage.kv[:, :, 3], original)
     assert storage.host_tier(num_bytes=100) is None  # under one block: off
 

@@ -11,6 +11,8 @@ then blocks are copied ahead of eviction, when they become cached-free (as on CU
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
@@ -56,12 +58,14 @@ class CheckerCopier:
         self.host[host_slot] = {s: self.slots.get((block_id, s)) for s in range(BS)}
         return self._done()
 
-    def to_device(self, host_slot: int, block_id: int, after: Done | None) -> Done | None:
-        for s, held in self.host[host_slot].items():
-            if held is None:
-                self.slots.pop((block_id, s), None)
-            else:
-                self.slots[(block_id, s)] = held
+    def to_device(self, copies: Sequence[tuple[int, int]],
+                  after: Sequence[Done]) -> Done | None:
+        for host_slot, block_id in copies:
+            for s, held in self.host[host_slot].items():
+                if held is None:
+                    self.slots.pop((block_id, s), None)
+                else:
+                    self.slots[(block_id, s)] = held
         return self._done()
 
     def order_writes_after(self, done: Done) -> None:
