@@ -60,8 +60,13 @@ test-tools:
 	    echo "make: the tests need$$missing; install them (Debian: apt-get install$$missing) or run make as root" >&2; \
 	fi
 
-test: typecheck test-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+# mypy runs beside the tests (its verdict is waited for and counted), not before them.
+test: setup test-tools
+	@$(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	wait $$mypy; typed=$$?; cat $(VENV)/mypy.log; \
+	if [ $$typed != 0 ]; then echo "make: mypy found errors (above)" >&2; exit $$typed; fi; \
+	exit $$rc
 	@for cap in $(CPU_VARIANTS); do \
 	    echo ">> $(CPU_VARIANT_TESTS) as a CPU with ATEN_CPU_CAPABILITY=$$cap" >&2; \
 	    ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -p no:cacheprovider $(CPU_VARIANT_TESTS) || exit 1; \

@@ -391,19 +391,26 @@ def test_receiver_deadline_aborts_a_slow_sender_on_both_sides(backend):
     assert sender.finish() == 0 and receiver.finish() == 0
 
 
+FP8_LAYOUT = dict(LAYOUT, dtype="fp8_e4m3")  # each block: values, then per-token scales
+# One mismatch per backend: the receiver's layout, and what the sender's error must say.
+MISMATCHES = {"tcp": (FP8_LAYOUT, "dtype fp8_e4m3 at this receiver, bfloat16 at the sender"),
+              "ucx": (dict(LAYOUT, head_dim=64), "head_dim 64 at this receiver, 32 at the sender"),
+              "mapped": (dict(LAYOUT, num_kv_heads=4),
+                         "num_kv_heads 4 at this receiver, 2 at the sender")}
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layout_mismatch_is_a_clear_error_before_any_data_moves(backend):
+def test_layout_mismatch_is_a_clear_error_naming_both_before_any_data_moves(backend):
+    layout, words = MISMATCHES[backend]
     t = transfer("a", [1, 2], [3, 4], timeout_s=1.0)
-    receiver, (sender,) = start_pair(backend, dict(transfers=[t], layout=dict(LAYOUT, head_dim=64)),
+    receiver, (sender,) = start_pair(backend, dict(transfers=[t], layout=layout),
                                      [dict(seed=3, transfers=[t])])
-    assert sender.next_event("done")["outcome"] == "LayoutMismatch"
+    sent = sender.next_event("done")
+    assert sent["outcome"] == "LayoutMismatch" and words in sent["error"], sent
     done = receiver.next_event("done")
     assert done["outcome"] == "TransferTimeout" and done["pool_nonzero"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0
-
-
-FP8_LAYOUT = dict(LAYOUT, dtype="fp8_e4m3")  # each block: values, then per-token scales
 
 
 @pytest.mark.timeout(60)
@@ -415,19 +422,6 @@ def test_an_fp8_pools_blocks_land_with_their_scales(backend):
     assert sender.next_event("done")["outcome"] == "ok"
     done = receiver.next_event("done")
     assert done["outcome"] == "ok" and done["bitwise"]
-    assert sender.finish() == 0 and receiver.finish() == 0
-
-
-@pytest.mark.timeout(60)
-def test_an_fp8_pool_and_a_bf16_pool_refuse_each_other_naming_both():
-    t = transfer("a", [1, 2], [3, 4], timeout_s=1.0)
-    receiver, (sender,) = start_pair("tcp", dict(transfers=[t], layout=FP8_LAYOUT),
-                                     [dict(seed=3, transfers=[t])])
-    sent = sender.next_event("done")
-    assert sent["outcome"] == "LayoutMismatch"
-    assert "dtype fp8_e4m3 at this receiver, bfloat16 at the sender" in sent["error"], \
-        sent["error"]
-    assert receiver.next_event("done")["pool_nonzero"] == 0
     assert sender.finish() == 0 and receiver.finish() == 0
 
 
