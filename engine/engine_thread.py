@@ -79,6 +79,7 @@ class StepReport:
     # device finished since the last report; None where the wall time above is the step's.
     device_steps: tuple[TimedStep, ...] | None = None
     host_tier: HostTierStats | None = None  # the host KV tier's counters (None: no tier)
+    host_reload_seconds: tuple[float, ...] = ()  # the tier's reloads done since the last report
 
     def timed_steps(self) -> tuple[TimedStep, ...]:
         """What each step cost, with its own shape: the device-timed steps where the engine
@@ -364,7 +365,8 @@ class EngineThread:
         tier = self._engine.kv_cache.host_tier
         report = StepReport(outputs, self._engine.kv_cache.drain_events(), step_s,
                             engine_load(self._engine, self._queued, self._experts), shape,
-                            num_delivered, device_steps, tier.stats() if tier is not None else None)
+                            num_delivered, device_steps, tier.stats() if tier is not None else None,
+                            tier.drain_reload_seconds() if tier is not None else ())
         self.loop.call_soon_threadsafe(self._deliver, report)
 
     def _drain_commands(self, error: BaseException) -> None:

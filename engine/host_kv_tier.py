@@ -33,7 +33,8 @@ Invariants (`check_invariants`):
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -116,6 +117,10 @@ class HostKVTier:
         self._pins: Counter[int] = Counter()
         self._num_hit = self._num_missed = self._num_dropped = 0
         self._num_offloaded = self._num_reloaded = 0
+        # Reloads queued and not yet seen done (oldest first, with when each was queued), and
+        # the latencies of those seen done since the last drain_reload_seconds().
+        self._reloads: deque[tuple[float, CopyDone]] = deque()
+        self._reload_seconds: list[float] = []
 
     # ---- queries (side-effect free) -------------------------------------------------------
 
@@ -191,7 +196,12 @@ class HostKVTier:
         if not slots:
             return
         after = [done for slot in slots if (done := self._in_flight.get(slot)) is not None]
+        start = time.perf_counter()
         done = self._copier.to_device(list(zip(slots, block_ids)), after)
+        if done is None:
+            self._reload_seconds.append(time.perf_counter() - start)
+        else:
+            self._reloads.append((start, done))
         # The reload ends after each slot's copy in flight, so it stands for both.
         for slot in slots:
             self._track(slot, done)
@@ -201,6 +211,18 @@ class HostKVTier:
         """An admission's outcome past the device-cached prefix (the hit/miss counters)."""
         self._num_hit += num_hit_blocks
         self._num_missed += num_missed_blocks
+
+    def drain_reload_seconds(self) -> tuple[float, ...]:
+        """The latencies of the reloads (one per admission) done since the last call: from the
+        copy being queued to it being done where copies are synchronous (CPU), else to the
+        first call that finds it done (the engine calls once a step: an upper bound by up to
+        one step, which is also when the step reading the blocks can start)."""
+        now = time.perf_counter()
+        while self._reloads and self._reloads[0][1].query():
+            start, _ = self._reloads.popleft()
+            self._reload_seconds.append(now - start)
+        seconds, self._reload_seconds = tuple(self._reload_seconds), []
+        return seconds
 
     def drain_events(self) -> list[CacheEvent]:
         """Hashes the tier took and dropped since the last call, oldest first, each under its

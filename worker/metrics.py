@@ -62,6 +62,10 @@ class WorkerMetrics:
         self.host_tier_dropped = registry.counter(
             "pdserve_kv_host_tier_dropped_blocks_total", "evicted prefix blocks the host tier "
             "could not keep (every slot busy with a copy or an admission)")
+        self.host_reload_seconds = registry.histogram(
+            "pdserve_kv_host_tier_reload_seconds", "an admission's copy of its prefix blocks "
+            "from the host tier back to the device, queued to done (CUDA: to the first step "
+            "that finds it done)")
         self.host_blocks_used = registry.gauge("pdserve_kv_host_blocks_used",
                                                "blocks held by the host KV tier")
         self.host_blocks_total = registry.gauge("pdserve_kv_host_blocks_total",
@@ -142,6 +146,8 @@ class WorkerMetrics:
             self.moe_hottest.set(hottest, layer=str(layer))
         if report.host_tier is not None:
             self._on_host_tier(report.host_tier)
+        for seconds in report.host_reload_seconds:
+            self.host_reload_seconds.observe(seconds)
         if report.step_s <= 0.0:
             return  # a command, not a step
         for step in report.timed_steps():

@@ -126,6 +126,28 @@ def test_a_prefix_reloads_in_one_copier_call_or_not_at_all() -> None:
     tier.check_invariants()
 
 
+def test_reload_latencies_are_drained_once_each_copy_is_done() -> None:
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(2, copier, block_bytes=1)
+    tier.offer(1, 0)
+    tier.offer(2, 1)
+    tier.pin([1, 2])
+    tier.reload([1], [5])
+    tier.reload([2], [6])
+    assert tier.drain_reload_seconds() == ()  # both copies still in flight
+    reload_1, reload_2 = copier.pending[-2:]
+    reload_2.synchronize()
+    assert tier.drain_reload_seconds() == ()  # in queue order: the first is not done yet
+    reload_1.synchronize()
+    assert len(seconds := tier.drain_reload_seconds()) == 2 and min(seconds) >= 0
+    assert tier.drain_reload_seconds() == ()  # each once
+    done_at_once = HostKVTier(1, ManualCopier(), block_bytes=1)  # copies done in the call
+    done_at_once.offer(1, 0)
+    done_at_once.pin([1])
+    done_at_once.reload([1], [3])
+    assert len(done_at_once.drain_reload_seconds()) == 1
+
+
 def test_wait_for_copies_completes_every_copy() -> None:
     copier = ManualCopier(in_flight=True)
     tier = HostKVTier(2, copier, block_bytes=1)

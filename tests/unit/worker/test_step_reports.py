@@ -52,8 +52,9 @@ def test_metrics_count_the_host_tier_from_its_counters_since_start():
 
     registry = MetricsRegistry()
     metrics = WorkerMetrics(registry)
-    for stats in (tier(0, 4, 0, 0), tier(3, 4, 8000, 8), tier(5, 6, 8000, 8)):
-        metrics.on_step(StepReport([], [], 0.01, WorkerLoad(), PREFILL, 0, None, stats))
+    for stats, reloads in ((tier(0, 4, 0, 0), ()), (tier(3, 4, 8000, 8), (0.002, 0.004)),
+                           (tier(5, 6, 8000, 8), (0.003,))):
+        metrics.on_step(StepReport([], [], 0.01, WorkerLoad(), PREFILL, 0, None, stats, reloads))
     metrics.on_step(report(0.01))  # a report without a tier changes nothing
     assert metrics.host_tier_blocks.value(outcome="hit") == 5
     assert metrics.host_tier_blocks.value(outcome="miss") == 6
@@ -61,3 +62,5 @@ def test_metrics_count_the_host_tier_from_its_counters_since_start():
     assert metrics.host_tier_bytes.value(direction="offloaded") == 8000
     text = registry.render()
     assert "pdserve_kv_host_blocks_used 8" in text and "pdserve_kv_host_blocks_total 64" in text
+    assert metrics.host_reload_seconds.count() == 3
+    assert "pdserve_kv_host_tier_reload_seconds_sum 0.009" in text, text
