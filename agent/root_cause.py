@@ -16,7 +16,9 @@ their attainment (met / finished) is below `attainment_target`, or below the bas
 by `attainment_margin` (a baseline of at least `min_requests`).
 
 The causes, each scored as its measure over the threshold at which it counts (a score of
-at least 1 is a cause; the highest first):
+at least 1 is a cause; the highest first, except that a slow worker the agent ejected in
+the window comes before the rest: its own rule fired on it, and what it makes grow on
+other workers follows from it):
 
     rate_surge         requests/s recent over baseline, against `surge_ratio`
                        (stage: the admission queue when it grew, else the prefill queue)
@@ -191,7 +193,11 @@ def attribute(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot
                           *slow_workers(now, config), kv_pressure(now, config),
                           transfer_fallback(before, now, config),
                           expert_imbalance(before, now)) if c is not None]
-    causes.sort(key=lambda c: -c.score)
+    # A worker the agent ejected in the window is a fault seen on that worker itself (its own
+    # rule fired); what it makes grow elsewhere (slower KV pushes into it, queues behind it)
+    # ranks after it, whatever the scores.
+    causes.sort(key=lambda c: (not (c.kind is CauseKind.SLOW_WORKER
+                                    and _ejected_for(now, c.worker_ids[0])), -c.score))
     return RootCauseReport(
         at_unix_ms=at_unix_ms, tier=tier, trigger=trigger, baseline_s=config.baseline_s,
         recent_s=config.recent_s, attainment_baseline=before.attainment,
@@ -276,6 +282,11 @@ def mix_shift(before: Window, now: Window, config: RootCauseConfig) -> Cause | N
                "a lower max prompt for the tier")
 
 
+def _ejected_for(now: Window, worker_id: str) -> str | None:
+    """Why the agent ejected the worker in the window (its latest ejection), else None."""
+    return next((t.ejected_for for t in reversed(now.ticks(worker_id)) if t.ejected_for), None)
+
+
 def slow_workers(now: Window, config: RootCauseConfig) -> list[Cause]:
     """One cause per worker slower than its peers (module doc); none when more than half
     of a role is "slow" (then the peers are not the measure: the load is)."""
@@ -291,7 +302,7 @@ def slow_workers(now: Window, config: RootCauseConfig) -> list[Cause]:
         steps = [t.step_s / t.peer_step_s for t in ticks
                  if t.step_s is not None and t.peer_step_s]
         step_ratio = statistics.median(steps) if steps else None
-        ejected = next((t.ejected_for for t in reversed(ticks) if t.ejected_for), None)
+        ejected = _ejected_for(now, worker_id)
         measures = [(r, text, stage) for r, text, stage in (
             (step_ratio, f"its decode step x{step_ratio or 0:.1f} what its peers' step models "
                          f"predict for the same batch (median of {len(steps)} ticks)",

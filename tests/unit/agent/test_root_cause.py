@@ -134,6 +134,19 @@ def test_an_ejected_worker_is_named_as_what_the_agent_did() -> None:
                                   "after its probation"
 
 
+def test_an_ejected_slow_worker_comes_before_the_slower_pushes_it_causes() -> None:
+    # d1 was ejected for slowness and is back at a normal step; meanwhile pushes into it
+    # took 10x longer and some were retried, which scores higher than the ejection alone.
+    ejected = {"d1": (0.031, 0.031, 0.45, 0, 0, 0, 0.0, 0, "slow"),
+               "p0": (None, None, 0.30, 0, 2, 0, 0.040, 0, None)}
+    report = report_of(recording((1, 1, 200, 5.0, 300.0, 30.0, 31.0, 1), ejected))
+    assert report is not None and report.cause is not None
+    kinds = [c.kind for c in report.causes]
+    assert kinds[:2] == [CauseKind.SLOW_WORKER, CauseKind.TRANSFER_FALLBACK], report.causes
+    assert report.causes[1].score > report.causes[0].score  # first by the rule, not the score
+    assert report.cause.worker_ids == ["d1"]
+
+
 def test_kv_pressure_is_named_first() -> None:
     # The decode pools are nearly full and reservations wait for blocks: the first token
     # comes late; arrivals and prompts are as before.
