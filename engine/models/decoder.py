@@ -56,7 +56,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer], norm: RMSNorm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A weight given up front: Embedding's own random init runs through torch's Python
+        # reference kernels on the meta device, whose first use imports torch._dynamo (about
+        # a second of every worker's start) only for the values to be overwritten.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
