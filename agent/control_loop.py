@@ -52,7 +52,7 @@ from agent.health_rules import Detection, Thresholds, detect
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.role_mover import RoleMover, role_views
-from agent.root_cause import RootCauseConfig
+from agent.root_cause_window import RootCauseConfig
 from agent.root_cause_watch import RootCauseWatch
 from agent.worker_case import (CaseState, Drop, FollowUp, Readmit, Recover, ReportLost, Restart,
                                Restrike, Timing, WorkerCase, advance)

@@ -41,7 +41,7 @@ from agent.health_rules import Thresholds
 from agent.observer import Observer
 from agent.rebalance import RebalanceConfig
 from agent.restarters import RestartMode, make_restarter
-from agent.root_cause import RootCauseConfig
+from agent.root_cause_window import RootCauseConfig
 from agent.root_cause_watch import RootCauseWatch
 from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from rpc.channel_client import ChannelPool

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from agent.health_rules import WorkerSample, peer_step_s
 from agent.observer import Lapsed
-from agent.root_cause import (RootCauseConfig, Snapshot, WorkerTick, attribute, dropped, split,
-                              windows)
+from agent.root_cause import attribute, dropped
+from agent.root_cause_window import RootCauseConfig, Snapshot, WorkerTick, split, windows
 from protocol.agent_messages import HealthReport
 from protocol.root_cause_report import RootCauseReport
 from protocol.tier_tally import GatewayTally, TierTally, merged

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from agent.health_rules import WorkerSample
-from agent.root_cause import RootCauseConfig, Snapshot, WorkerTick, attribute, split
+from agent.root_cause import attribute
+from agent.root_cause_window import RootCauseConfig, Snapshot, WorkerTick, split
 from agent.root_cause_watch import RootCauseWatch, worker_ticks
 from protocol.agent_messages import HealthReport
 from protocol.messages import Role
