@@ -21,6 +21,7 @@ Output: one markdown table on stdout; progress on stderr.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((str(kv_dtype).removeprefix("torch."), planned, batch, ms, error, same))
             _log(f"{kv_dtype} batch {batch}: {ms:.3f} ms, logits error {error:.2e}")
         del runner
+        gc.collect()  # the runner's CUDA graphs and pool sit in reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"| KV dtype | blocks planned | batch | decode step ms (ctx {args.context}) "

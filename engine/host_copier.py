@@ -35,8 +35,10 @@ from engine.host_kv_tier import CopyDone, HostKVTier
 
 
 def host_buffer_shape(kv: torch.Tensor, num_host_blocks: int) -> tuple[int, ...]:
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
-    return (num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    """[host slot, then one block of every layer's K and V as the pool holds it]: a
+    model-dtype pool's [layer, K|V, slot, kv_head, head_dim], an FP8 pool's [layer, K|V,
+    block bytes] (engine/kv_quant.py)."""
+    return (num_host_blocks, *kv[:, :, 0].shape)
 
 
 class SyncHostCopier:
@@ -62,6 +64,9 @@ class SyncHostCopier:
         raise AssertionError("a synchronous copy is never in flight")
 
 
+STAGED_BLOCKS = 16  # CUDA reloads: blocks per staging buffer (32 MiB for Llama-3-8B)
+
+
 class StreamHostCopier:
     """CUDA: pinned host memory, copies on a side stream, events instead of waits."""
 
@@ -75,30 +80,47 @@ class StreamHostCopier:
         self.to_device_stream = torch.cuda.Stream(kv.device)
 
     def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
-        return self._copy(self.to_host_stream, [(self.host[host_slot], self.kv[:, :, block_id])],
+        return self._copy(self.to_host_stream, self.host[host_slot], self.kv[:, :, block_id],
                           before_writes)
 
     def to_device(self, copies: Sequence[tuple[int, int]],
                   after: Sequence[CopyDone]) -> CopyDone | None:
+        """Up to STAGED_BLOCKS slots at a time: each slot copied whole (contiguous on both
+        sides: one DMA, no kernel) into a staging buffer on the device, then one kernel
+        scatters the buffer into the pool's blocks. A slot copied straight into its strided
+        block costs PyTorch a temporary and a kernel per block, and the reload ran at 65-70%
+        of a plain copy's rate."""
+        stream = self.to_device_stream
         for done in after:
             assert isinstance(done, torch.cuda.Event)
-            self.to_device_stream.wait_event(done)
-        return self._copy(self.to_device_stream,
-                          [(self.kv[:, :, block_id], self.host[host_slot])
-                           for host_slot, block_id in copies], True)
+            stream.wait_event(done)
+        engine_stream = torch.cuda.current_stream(self.kv.device)
+        stream.wait_stream(engine_stream)  # after the steps already queued
+        with torch.cuda.stream(stream):  # the staging memory is this stream's
+            for first in range(0, len(copies), STAGED_BLOCKS):
+                chunk = copies[first:first + STAGED_BLOCKS]
+                staging = torch.empty((len(chunk), *self.host.shape[1:]), dtype=self.kv.dtype,
+                                      device=self.kv.device)
+                for i, (host_slot, _) in enumerate(chunk):
+                    staging[i].copy_(self.host[host_slot], non_blocking=True)
+                ids = torch.tensor([block_id for _, block_id in chunk], pin_memory=True)
+                self.kv.index_copy_(2, ids.to(self.kv.device, non_blocking=True),
+                                    staging.movedim(0, 2))
+            done = torch.cuda.Event()
+            done.record(stream)
+        engine_stream.wait_event(done)  # the next step's kernels run after the copies
+        return done
 
     def order_writes_after(self, done: CopyDone) -> None:
         assert isinstance(done, torch.cuda.Event)
         torch.cuda.current_stream(self.kv.device).wait_event(done)
 
-    def _copy(self, stream: torch.cuda.Stream, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
               engine_waits: bool) -> CopyDone:
-        """Each (dst, src) of `pairs` copied on `stream`, back to back, then one event."""
         engine_stream = torch.cuda.current_stream(self.kv.device)
         stream.wait_stream(engine_stream)  # after the steps already queued
         with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         if engine_waits:

@@ -23,7 +23,10 @@ def round_to_e4m3(q):
     bits = q.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     tiny = ((tl.abs(q) * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: to an int
-    subnormal = tl.where(bits < 0, -tiny, tiny)  # q's sign bit, -0 included
+    # q's sign bit, -0 included, set by bits: a negation compiles to 0 - x on the GPU, which
+    # gives +0 for a tiny negative q rounded to zero (the interpreter gave -0).
+    subnormal = (tiny.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32,
+                                                                          bitcast=True)
     return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
 
 

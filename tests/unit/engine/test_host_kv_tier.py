@@ -174,6 +174,21 @@ def test_cpu_copier_round_trips_a_block_of_every_layer() -> None:
     assert storage.host_tier(num_bytes=100) is None  # under one block: off
 
 
+def test_cpu_copier_round_trips_an_fp8_pools_block_with_its_scales() -> None:
+    layout = KVLayout(dtype="fp8_e4m3", num_layers=2, num_blocks=4, block_size=BS,
+                      num_kv_heads=2, head_dim=8)
+    storage = KVStorage(layout)
+    storage.kv.copy_(torch.randint(0, 256, storage.kv.shape, dtype=torch.uint8))
+    tier = storage.host_tier(num_bytes=2 * storage.kv[:, :, 0].numel())
+    assert tier is not None and tier.num_host_blocks == 2
+    original = storage.kv[:, :, 1].clone()  # values and scales: bytes of one block
+    tier.offer(42, 1)
+    storage.kv[:, :, 1] = 0
+    tier.pin([42])
+    tier.reload([42], [3])
+    assert torch.equal(storage.kv[:, :, 3], original)
+
+
 def test_sync_copier_is_done_on_return() -> None:
     kv = torch.zeros(1, 2, 2, BS, 1, 2)
     assert SyncHostCopier(kv, 1).to_host(0, 0, before_writes=True) is None
