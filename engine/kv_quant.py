@@ -92,7 +92,10 @@ def fp8_block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (float8 values [..., head_dim], float32 scales [...])."""
     amax = x.detach().abs().amax(dim=-1).float()
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Divided by a tensor, not the number: PyTorch on CUDA divides by a Python number as a
+    # multiply by its rounded reciprocal, one ulp off the correctly rounded quotient the
+    # CPU and the Triton kernels (engine/kernels/fp8_rows.py) compute.
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     values = (x.float() / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return values, scales
 
