@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -80,8 +80,8 @@ class StreamHostCopier:
         self.to_device_stream = torch.cuda.Stream(kv.device)
 
     def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
-        return self._copy(self.to_host_stream, self.host[host_slot], self.kv[:, :, block_id],
-                          before_writes)
+        return self._copy(self.to_host_stream, lambda: self.host[host_slot].copy_(
+            self.kv[:, :, block_id], non_blocking=True), before_writes)
 
     def to_device(self, copies: Sequence[tuple[int, int]],
                   after: Sequence[CopyDone]) -> CopyDone | None:
@@ -90,13 +90,11 @@ class StreamHostCopier:
         scatters the buffer into the pool's blocks. A slot copied straight into its strided
         block costs PyTorch a temporary and a kernel per block, and the reload ran at 65-70%
         of a plain copy's rate."""
-        stream = self.to_device_stream
         for done in after:
             assert isinstance(done, torch.cuda.Event)
-            stream.wait_event(done)
-        engine_stream = torch.cuda.current_stream(self.kv.device)
-        stream.wait_stream(engine_stream)  # after the steps already queued
-        with torch.cuda.stream(stream):  # the staging memory is this stream's
+            self.to_device_stream.wait_event(done)
+
+        def staged() -> None:  # on the side stream: the staging memory is that stream's
             for first in range(0, len(copies), STAGED_BLOCKS):
                 chunk = copies[first:first + STAGED_BLOCKS]
                 staging = torch.empty((len(chunk), *self.host.shape[1:]), dtype=self.kv.dtype,
@@ -106,21 +104,21 @@ class StreamHostCopier:
                 ids = torch.tensor([block_id for _, block_id in chunk], pin_memory=True)
                 self.kv.index_copy_(2, ids.to(self.kv.device, non_blocking=True),
                                     staging.movedim(0, 2))
-            done = torch.cuda.Event()
-            done.record(stream)
-        engine_stream.wait_event(done)  # the next step's kernels run after the copies
-        return done
+
+        return self._copy(self.to_device_stream, staged, True)
 
     def order_writes_after(self, done: CopyDone) -> None:
         assert isinstance(done, torch.cuda.Event)
         torch.cuda.current_stream(self.kv.device).wait_event(done)
 
-    def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+    def _copy(self, stream: torch.cuda.Stream, copy: Callable[[], object],
               engine_waits: bool) -> CopyDone:
+        """`copy` queued on `stream` after what the engine's stream queued so far, then an
+        event; with `engine_waits`, the engine's next work waits for it on the device."""
         engine_stream = torch.cuda.current_stream(self.kv.device)
         stream.wait_stream(engine_stream)  # after the steps already queued
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            copy()
             done = torch.cuda.Event()
             done.record(stream)
         if engine_waits:

@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
                                       gpu_memory_fractions, host_kv_cache_gb, mem_available_bytes)
 from protocol.messages import Role
-from worker.options import KV_CACHE_DTYPES
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
+from worker.options import KV_CACHE_DTYPES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
