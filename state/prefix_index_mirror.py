@@ -186,6 +186,7 @@ class PrefixIndexMirror:
     async def _run(self) -> None:
         backoff_s = self.backoff_min_s
         while True:
+            raise_if_cancelling()  # a stop that redis-py swallowed
             try:
                 if self._needs_resync:
                     await self.resync()

@@ -84,11 +84,13 @@ class IndexSnapshot(msgspec.Struct, frozen=True):
     holdings: dict[str, tuple[int, list[int]]]  # worker id -> (epoch, hashes)
 
 
-def raise_if_cancelling(exc: BaseException) -> None:
-    """Re-raise a stop that arrived as a timeout.
+def raise_if_cancelling(exc: BaseException | None = None) -> None:
+    """Re-raise a stop that arrived as a timeout, or did not arrive at all.
 
     On Python 3.11 a cancel racing an expiring asyncio.timeout (ours or redis-py's) can
-    surface as TimeoutError; a retry loop catching it would swallow the stop for good.
+    surface as TimeoutError, and a cancel that lands while redis-py reads a reply can be
+    swallowed by it (the call returns normally): a loop that goes on would wait for good.
+    Loops call this in their handler of Redis failures and after each Redis call.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():

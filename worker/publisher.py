@@ -173,6 +173,7 @@ class WorkerPublisher:
         backoff_s = self.backoff_min_s
         next_heartbeat = time.monotonic() + self.period_s
         while True:
+            raise_if_cancelling()  # a stop that redis-py swallowed
             now = time.monotonic()
             try:
                 due = now >= next_heartbeat or not self.connected

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from gateway.admission.limit_store import LimitStore, SyncBatch
 from gateway.admission.rate_limit import TokenRateLimiter
 from gateway.admission.tiers import TierSpec
-from state.redis_state import REDIS_FAILURES
+from state.redis_state import REDIS_FAILURES, raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class SharedLimits:
                     tier.name, member, tier.max_running, tier.max_queued, max_running_total,
                     self._lease_ms, int((deadline - self._clock()) * 1000))
             except REDIS_FAILURES as exc:
+                raise_if_cancelling(exc)
                 self._fall_back(exc)
             else:
                 return {1: True, -1: False}.get(answer.state), answer.num_ahead
@@ -197,6 +198,7 @@ class SharedLimits:
             try:
                 return await self._store.charge(key_id, num_tokens, tokens_per_min)
             except REDIS_FAILURES as exc:
+                raise_if_cancelling(exc)
                 self._fall_back(exc)
         return self._local_tokens.try_consume(key_id, num_tokens,
                                               self._local_rate(tokens_per_min))
@@ -245,7 +247,9 @@ class SharedLimits:
                 try:
                     await self.sync_once(renew=renew)
                 except REDIS_FAILURES as exc:
+                    raise_if_cancelling(exc)
                     self._fall_back(exc)
+                raise_if_cancelling()  # a stop that redis-py swallowed
             if renew:
                 next_renewal = self._clock() + self._sync_period_s
             self._wake.clear()

@@ -103,6 +103,7 @@ class TierTallyBook:
         while True:
             await asyncio.sleep(self.period_s)
             await self._publish()
+            raise_if_cancelling()  # a stop that redis-py swallowed
 
     async def _publish(self, timeout_s: float | None = None) -> None:
         tally = self.take(int(time.time() * 1000))

@@ -111,6 +111,29 @@ _PHASE_WORDS = {Phase.RESERVE: "reserving KV cache for it", Phase.PREFILL: "pref
                 Phase.DECODE: "generating it"}
 
 
+_TRANSFER_CODES = frozenset({ErrorCode.TRANSFER_FAILED, ErrorCode.PEER_LOST})
+
+
+def decode_failure(own: LegFailed, exc: BaseException, transfer_failure: LegFailed | None,
+                   sender_id: str | None) -> LegFailed:
+    """Which leg a failed decode stream blames (`own`: the decode worker's failure, from
+    `exc`). A decode worker that is gone explains everything; else the transfer's failure,
+    when the gateway saw it first; else, when the decode worker said the KV pushed into it
+    failed, the prefill worker `sender_id` that pushed it (phase TRANSFER, not marked dead):
+    a prefill worker that dies mid-push is often seen by its decode peer before the
+    gateway's own stream from it breaks, and blaming the decode worker would exclude it
+    from the migration, the one plan that needs no transfer; else the decode worker."""
+    if own.kind is FailureKind.UNREACHABLE:
+        return own
+    if transfer_failure is not None:
+        return transfer_failure
+    if sender_id is not None and isinstance(exc, RemoteError) \
+            and exc.frame.code in _TRANSFER_CODES:
+        return LegFailed(sender_id, Phase.TRANSFER, FailureKind.WORKER_ERROR,
+                         f"its decode peer {own.worker_id} said: {own.detail}")
+    return own
+
+
 def client_message(num_attempts: int, failure: LegFailed) -> str:
     """What the client is told: what failed and how often it was tried, no internals."""
     tries = num_attempts

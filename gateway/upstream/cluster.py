@@ -318,6 +318,7 @@ class ClusterView:
 
     async def _run(self) -> None:
         while True:
+            raise_if_cancelling()  # a stop that redis-py swallowed
             await asyncio.sleep(self.poll_period_s)
             try:
                 if not self._mirror_started:

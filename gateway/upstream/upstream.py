@@ -60,8 +60,8 @@ from gateway.api.backend import BackendUnavailable, GenerationRequest, TokenDelt
 from gateway.api.metrics import GatewayMetrics
 from gateway.api.prompt_tokenizer import GatewayTokenizer
 from gateway.routing.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
-                                          client_message, leg_failed, marks_worker_dead,
-                                          retry_after_s, should_retry)
+                                          client_message, decode_failure, leg_failed,
+                                          marks_worker_dead, retry_after_s, should_retry)
 from gateway.routing.router import NoWorkers
 from gateway.upstream.cluster import ClusterView
 from gateway.upstream.handoff import (Attempt, Generation, UpstreamTimeouts, first_prefill_frame,
@@ -357,12 +357,9 @@ class WorkerBackend:
                             worker_id, Phase.DECODE, FailureKind.WORKER_ERROR,
                             "the worker ended the request without finishing it")
         except CALL_FAILURES as exc:
-            own = leg_failed(worker_id, Phase.DECODE, exc)
-            # A decode worker that is gone explains a failed push into it too; otherwise
-            # the transfer's failure (seen first by the watcher) is the cause.
-            if own.kind is FailureKind.UNREACHABLE or attempt.transfer_failure is None:
-                raise own from exc
-            raise attempt.transfer_failure from exc
+            raise decode_failure(leg_failed(worker_id, Phase.DECODE, exc), exc,
+                                 attempt.transfer_failure, attempt.plan.prefill_worker_id
+                                 ) from exc
 
     # ---------------------------------------------------------------- state
 

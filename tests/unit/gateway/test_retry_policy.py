@@ -6,8 +6,9 @@ import pytest
 from aiohttp import ClientConnectionError
 
 from gateway.routing.retry_policy import (FailureKind, LegFailed, Phase, RetryLimits, client_code,
-                                          client_message, failure_kind, leg_failed,
-                                          marks_worker_dead, retry_after_s, should_retry)
+                                          client_message, decode_failure, failure_kind,
+                                          leg_failed, marks_worker_dead, retry_after_s,
+                                          should_retry)
 from protocol.messages import ErrorCode, ErrorFrame
 from rpc.errors import ControlError, FrameDeadlineError, RemoteError
 
@@ -84,3 +85,29 @@ def test_a_full_kv_cache_is_named_as_the_cause() -> None:
 ])
 def test_every_failure_kind_has_an_error_code(kind: FailureKind, code: str) -> None:
     assert client_code(LegFailed("d0", Phase.DECODE, kind, "detail")) == code
+
+
+@pytest.mark.parametrize("code, blamed, phase", [
+    (ErrorCode.TRANSFER_FAILED, "p0", Phase.TRANSFER),
+    (ErrorCode.PEER_LOST, "p0", Phase.TRANSFER),
+    (ErrorCode.INTERNAL, "d0", Phase.DECODE),
+    (ErrorCode.DEADLINE_EXCEEDED, "d0", Phase.DECODE),
+])
+def test_a_failed_push_seen_by_the_decode_worker_first_blames_the_prefill_worker(
+        code: ErrorCode, blamed: str, phase: Phase) -> None:
+    exc = remote(code)
+    failure = decode_failure(leg_failed("d0", Phase.DECODE, exc), exc, None, "p0")
+    assert (failure.worker_id, failure.phase) == (blamed, phase)
+    assert failure.kind is FailureKind.WORKER_ERROR and not marks_worker_dead(failure.kind)
+
+
+def test_a_gone_decode_worker_or_a_transfer_failure_seen_first_decides() -> None:
+    exc = remote(ErrorCode.TRANSFER_FAILED)
+    own = leg_failed("d0", Phase.DECODE, exc)
+    seen = LegFailed("p0", Phase.TRANSFER, FailureKind.UNREACHABLE, "reset")
+    assert decode_failure(own, exc, seen, "p0") is seen
+    gone = ControlError("stream broken")
+    assert decode_failure(leg_failed("d0", Phase.DECODE, gone), gone, seen, "p0").worker_id \
+        == "d0"
+    # A local prefill has no sender to blame.
+    assert decode_failure(own, exc, None, None) is own
