@@ -53,11 +53,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="a row fails unless the cluster is whole again this long after "
                            "the fault (default 60)")
     what.add_argument("--fault-s", type=float, default=10.0,
-                      help="how long stall-transfer's fault stays on (default 10)")
+                      help="how long stall-transfer's, delay-decode's and partition-*'s "
+                           "fault stays on (default 10; at most 120)")
     what.add_argument("--slow-step-ms", type=int, default=500,
                       help="slow-decode: added to each engine step (default 500)")
     what.add_argument("--stall-layer-ms", type=int, default=300,
                       help="stall-transfer: the wait before each layer pushed (default 300)")
+    what.add_argument("--net-delay-ms", type=int, default=100,
+                      help="delay-decode: added to the control port's traffic each way "
+                           "(default 100)")
+    what.add_argument("--net-loss", type=float, default=0.05,
+                      help="delay-decode: the share of chunks lost and sent again 200 ms "
+                           "late, as TCP would (default 0.05)")
     what.add_argument("--idle-timeout-s", type=float, default=30.0,
                       help="after the load, how long the workers may take to let go of "
                            "their KV blocks and reservations (default 30)")
@@ -73,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--request-timeout-s", type=float, default=120.0,
                       help="a request not done by then is a timeout error (default 120)")
     load.add_argument("--seed", type=int, default=0, help="requests and arrivals seed")
-    p.add_argument("--output", default=None, type=Path, help="also write the rows as JSON here")
+    p.add_argument("--output", default=None, type=Path,
+                   help="also write the rows as JSON here (rewritten after each scenario)")
     p.set_defaults(func=run)
 
 
@@ -86,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
     from protocol.agent_messages import FAULT_INJECTION_ENV
     from telemetry.options import INTERNAL_TOKEN_ENV
 
+    bad = [f"{name} must be {bounds}" for name, ok, bounds in (
+        ("--fault-s", 0 < args.fault_s <= 120, "in (0, 120]"),
+        ("--net-delay-ms", 0 <= args.net_delay_ms <= 10_000, "in [0, 10000]"),
+        ("--net-loss", 0 <= args.net_loss <= 1, "in [0, 1]")) if not ok]
+    if bad:
+        print(f"pdserve drill: {'; '.join(bad)}", file=sys.stderr)
+        return 2
     if (args.log_dir is None) != (args.url is None):
         print("pdserve drill: --log-dir and --url go together", file=sys.stderr)
         return 2

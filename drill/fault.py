@@ -3,7 +3,7 @@
     inject(...)  picks the victim (the last worker of the target's role group by id, the
                  agent, Redis, the last gateway replica) and hits it: SIGKILL, SIGSTOP or
                  a FaultRequest (worker/faults.py: slow steps, stalled pushes, failing
-                 steps)
+                 steps, its control port's network delayed or cut)
     lift(...)    clears a FaultRequest the drill set (on the same process, if it still
                  runs) and sends SIGCONT to a process the drill stopped, if it is still
                  there: called once per scenario, whatever happened, so nothing is left
@@ -25,6 +25,9 @@ from rpc.errors import ControlError, RemoteError
 class FaultSettings(msgspec.Struct, frozen=True):
     slow_step_ms: int  # slow-decode: added to every engine step
     stall_layer_ms: int  # stall-transfer: before each layer pushed
+    net_delay_ms: int = 0  # delay-decode: each way
+    net_loss_ratio: float = 0.0  # delay-decode: chunks sent again 200 ms late
+    net_fault_ms: int = 0  # delay-* and partition-*: how long, then it heals by itself
 
 
 def pick_worker(scenario: Scenario, workers: list[WorkerRow]) -> WorkerRow:
@@ -70,6 +73,13 @@ async def inject(cluster: TargetCluster, scenario: Scenario, workers: list[Worke
         await cluster.set_fault(worker, FaultRequest(step_delay_ms=settings.slow_step_ms))
     elif scenario.fault is FaultKind.FAIL:
         await cluster.set_fault(worker, FaultRequest(fail_steps=True))
+    elif scenario.fault is FaultKind.DELAY:
+        await cluster.set_fault(worker, FaultRequest(
+            net_delay_ms=settings.net_delay_ms, net_loss_ratio=settings.net_loss_ratio,
+            net_fault_ms=settings.net_fault_ms))
+    elif scenario.fault is FaultKind.PARTITION:
+        await cluster.set_fault(worker, FaultRequest(net_partition=True,
+                                                     net_fault_ms=settings.net_fault_ms))
     else:
         await cluster.set_fault(worker, FaultRequest(
             transfer_layer_delay_ms=settings.stall_layer_ms))
@@ -80,8 +90,8 @@ async def lift(cluster: TargetCluster, scenario: Scenario, victim: Victim) -> No
     """Undo what the drill set on the victim, when it is still the process hit."""
     if scenario.fault is FaultKind.STOP and victim.pid and processes.state(victim.pid) == "T":
         processes.cont(victim.pid)
-    if scenario.fault not in (FaultKind.SLOW, FaultKind.STALL):
-        return
+    if scenario.fault not in (FaultKind.SLOW, FaultKind.STALL, FaultKind.DELAY):
+        return  # a partition heals by itself (nothing could reach the worker to lift it)
     for worker in await cluster.workers() or []:
         if worker.id == victim.worker_id and worker.epoch == victim.epoch:
             try:

@@ -73,7 +73,8 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
         before_s=args.before_s, after_s=args.after_s, fault_s=args.fault_s,
         recovery_timeout_s=args.recovery_timeout_s, idle_timeout_s=args.idle_timeout_s,
         check_tokens=args.check_tokens, request_timeout_s=args.request_timeout_s,
-        faults=FaultSettings(args.slow_step_ms, args.stall_layer_ms))
+        faults=FaultSettings(args.slow_step_ms, args.stall_layer_ms, args.net_delay_ms,
+                             args.net_loss, round(args.fault_s * 1000)))
     cluster = TargetCluster(setup.url, setup.admin_token, setup.internal_token)
     await cluster.open()
     try:
@@ -94,18 +95,23 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
                               args.rate, args.request_timeout_s, seed)
 
         drill = Drill(cluster, layout, model, make_load, options, (*PROMPTS, LONG_PROMPT))
-        rows = await drill.run(scenarios)
+
+        def write(rows: list[DrillRow]) -> None:
+            if args.output:
+                report = DrillReport(setup.url, layout, skipped, options, args.rate,
+                                     workload.name, rows, all(not r.problems for r in rows))
+                args.output.parent.mkdir(parents=True, exist_ok=True)
+                args.output.write_bytes(msgspec.json.format(msgspec.json.encode(report),
+                                                            indent=2))
+
+        rows = await drill.run(scenarios, write)
     except (RuntimeError, ValueError) as exc:
         print(f"pdserve drill: {exc}", file=sys.stderr)
         return 2
     finally:
         await cluster.aclose()
-    passed = all(not r.problems for r in rows)
-    report = DrillReport(setup.url, layout, skipped, options, args.rate, workload.name, rows,
-                         passed)
     print(markdown_table(rows))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+        write(rows)
         say(f"wrote {args.output}")
-    return 0 if passed else 1
+    return 0 if all(not r.problems for r in rows) else 1

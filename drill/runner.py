@@ -27,7 +27,7 @@ from drill.fault import FaultSettings, inject, lift, pick_worker, process_pids
 from drill.recovery import (Victim, ejected_at_ms, others_ejected, replaced, victim_out,
                             workers_whole)
 from drill.row import DrillRow, judge
-from drill.scenario import FaultKind, Layout, Scenario, Target, has_peer
+from drill.scenario import TIMED_FAULTS, FaultKind, Layout, Scenario, Target, has_peer
 from drill.steady_load import SteadyLoad, TimedRecord
 from drill.target_cluster import TargetCluster, WorkerRow
 from rpc.errors import ControlError
@@ -40,7 +40,7 @@ ROUTED_AROUND_S = 5.0  # idle this long under load: the router sends it nothing
 class DrillOptions(msgspec.Struct, frozen=True):
     before_s: float
     after_s: float
-    fault_s: float  # how long stall-transfer's fault stays on
+    fault_s: float  # how long stall-transfer's, delay-*'s and partition-*'s fault stays on
     recovery_timeout_s: float
     idle_timeout_s: float  # for the load to drain and the workers to let go after it
     check_tokens: int
@@ -132,7 +132,7 @@ class Drill:
         ejected_s: float | None = None
         out = False  # ejected, or (slow-decode) routed around
         idle_since: list[float] = []
-        lifted = scenario.fault not in (FaultKind.SLOW, FaultKind.STALL)
+        lifted = scenario.fault not in (FaultKind.SLOW, *TIMED_FAULTS)
         num_before = len([p for p in process_pids(scenario.target, supervisor_pid)
                           if p != victim.pid]) + 1 \
             if not scenario.target.is_worker and supervisor_pid else 0
@@ -162,7 +162,7 @@ class Drill:
                              f"after the fault on, for {ROUTED_AROUND_S:g} s (not ejected)")
                 say(f"{scenario.name}: {victim.worker_id} routed around")
             if not lifted and ((scenario.fault is FaultKind.SLOW and out) or (
-                    scenario.fault is FaultKind.STALL and now - fault_at >= self.options.fault_s)):
+                    scenario.fault in TIMED_FAULTS and now - fault_at >= self.options.fault_s)):
                 await lift(self.cluster, scenario, victim)
                 lifted = True
                 notes.append(f"fault lifted after {now - fault_at:.1f} s")
@@ -279,12 +279,16 @@ class Drill:
                                     "FAIL: " + "; ".join(row.problems)))
         return row
 
-    async def run(self, scenarios: list[Scenario]) -> list[DrillRow]:
+    async def run(self, scenarios: list[Scenario],
+                  on_row: Callable[[list[DrillRow]], None] | None = None) -> list[DrillRow]:
         """Every scenario in turn; a cluster that is not whole again before the next one
         ends the drill there (its row says so: every later row would be judged on a
-        cluster already broken)."""
-        rows = []
+        cluster already broken). `on_row` gets the rows so far after each one (a long
+        drill's report is written as it goes)."""
+        rows: list[DrillRow] = []
         for index, scenario in enumerate(scenarios):
+            if rows and on_row is not None:
+                on_row(rows)
             try:
                 rows.append(await self.run_scenario(index, scenario))
             except RuntimeError as exc:

@@ -11,6 +11,13 @@
     fail-decode, fail-prefill   the next engine step of one worker raises (a FaultRequest; a
                                 stand-in for a device error): its streams end with the error,
                                 the worker exits and `pdserve up` starts it again
+    delay-decode                one decode worker's control port (every caller: gateways, the
+                                agent, prefill peers) gets --net-delay-ms each way and loses
+                                --net-loss of its chunks (each sent again 200 ms late), for
+                                --fault-s (rpc/fault_proxy.py; the KV data path is stall-transfer's)
+    partition-decode,           one worker's control port is cut off from every caller for
+    partition-prefill           --fault-s; its Redis heartbeats go on: the agent finds its
+                                control API dead, ejects it and has it restarted
     kill-agent, kill-redis      SIGKILL of the operations agent or of Redis: the supervisor
                                 starts them again
     kill-gateway                SIGKILL of one of several gateway replicas (--gateways 2)
@@ -38,6 +45,8 @@ class FaultKind(enum.StrEnum):
     SLOW = "slow"
     STALL = "stall"
     FAIL = "fail"
+    DELAY = "delay"  # the control port's network, delayed and lossy
+    PARTITION = "partition"  # the control port's network, cut
 
 
 class Target(enum.StrEnum):
@@ -51,6 +60,12 @@ class Target(enum.StrEnum):
     def is_worker(self) -> bool:
         return self in (Target.PREFILL, Target.DECODE)
 
+
+# Faults set through a FaultRequest (worker/faults.py), not a signal.
+SET_FAULTS = frozenset({FaultKind.SLOW, FaultKind.STALL, FaultKind.FAIL, FaultKind.DELAY,
+                        FaultKind.PARTITION})
+# Faults that stay on for --fault-s: lifted (or healed by themselves) then.
+TIMED_FAULTS = frozenset({FaultKind.STALL, FaultKind.DELAY, FaultKind.PARTITION})
 
 # The worker roles (protocol.messages.Role values) each worker target covers.
 TARGET_ROLES = {Target.PREFILL: frozenset({"prefill", "both"}),
@@ -73,6 +88,9 @@ SCENARIOS = (
     Scenario("stall-transfer", FaultKind.STALL, Target.PREFILL, False),
     Scenario("fail-decode", FaultKind.FAIL, Target.DECODE, False),
     Scenario("fail-prefill", FaultKind.FAIL, Target.PREFILL, False),
+    Scenario("delay-decode", FaultKind.DELAY, Target.DECODE, False),
+    Scenario("partition-decode", FaultKind.PARTITION, Target.DECODE, True),
+    Scenario("partition-prefill", FaultKind.PARTITION, Target.PREFILL, True),
     Scenario("kill-agent", FaultKind.KILL, Target.AGENT, False),
     Scenario("kill-redis", FaultKind.KILL, Target.REDIS, False),
     Scenario("kill-gateway", FaultKind.KILL, Target.GATEWAY, False),
@@ -105,8 +123,7 @@ def why_not(scenario: Scenario, layout: Layout) -> str | None:
         return f"no {target.value} worker"
     if scenario.fault in (FaultKind.KILL, FaultKind.STOP) and not layout.has_local_processes:
         return "its processes are not children of a `pdserve up` on this host"
-    if scenario.fault in (FaultKind.SLOW, FaultKind.STALL, FaultKind.FAIL) and \
-            not layout.can_set_faults:
+    if scenario.fault in SET_FAULTS and not layout.can_set_faults:
         return "faults cannot be set (fault injection off, or the cluster's token unknown)"
     if scenario.fault is FaultKind.SLOW and num_in_group(layout, target) < 2:
         return "the agent finds a worker slow only against a peer of its role"

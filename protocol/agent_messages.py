@@ -38,6 +38,7 @@ EXIT_CODE_RESTART = 75  # EX_TEMPFAIL: "restart me", not a crash of the worker's
 EXIT_CODE_ENGINE_FAILED = 70  # EX_SOFTWARE: its engine failed a step; the process cannot serve
 FAULT_INJECTION_ENV = "PDSERVE_FAULT_INJECTION"
 MAX_FAULT_DELAY_MS = 10_000
+MAX_NET_FAULT_MS = 120_000
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
@@ -104,12 +105,20 @@ class FaultRequest(Message, tag="fault_request", frozen=True, kw_only=True):
     transfer_layer_delay_ms: FaultDelayMs = 0
     request_prefix: Reason = ""  # the pushes `transfer_layer_delay_ms` delays
     fail_steps: bool = False  # the next engine step raises (a device error): the worker exits
+    # The control port's network (rpc/net_fault.py), for `net_fault_ms`, then it heals by
+    # itself: a partitioned worker cannot be told to heal. Taken by a worker whose control
+    # port has a fault proxy in front (started with fault injection on).
+    net_delay_ms: FaultDelayMs = 0
+    net_loss_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    net_partition: bool = False
+    net_fault_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_NET_FAULT_MS)] = 0
 
 
 class FaultResponse(Message, tag="fault_response", frozen=True, kw_only=True):
     step_delay_ms: int
     transfer_layer_delay_ms: int = 0
     fail_steps: bool = False
+    net_fault_ms: int = 0  # how long the network fault set lasts (0: none set)
 
 
 class RestartStatus(enum.StrEnum):

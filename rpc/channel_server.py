@@ -30,7 +30,8 @@ frame, or the channel closed) → its producer closed → gone.
 
 Invariants (`ServerChannel.check_invariants`): a stream's task is in `tasks` exactly
 while it runs; a stream answer is in the app's `open_streams` exactly while its producer
-runs, and the producer is closed exactly once; nothing is written after the close.
+runs, and the producer is closed exactly once; nothing is written after the close; a
+watcher of the channel's loss runs at most once, and none is held after the close.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from protocol.messages import (ErrorCode, ErrorFrame, Message, MessageDecoder, P
 from rpc.channel_greeting import WorkerGreeting
 from rpc.channel_wire import (CONNECTION_STREAM_ID, END, MAGIC, ChannelHello, ChannelProof,
                               ChannelWelcome, FrameSplitter, FrameTooLarge, end_frame, frame)
-from rpc.control_app import ChannelRoutes, ControlLimits, RequestRejected, name_request
+from rpc.control_app import CALLER, ChannelRoutes, ControlLimits, RequestRejected, name_request
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class ServerChannel(asyncio.Protocol):
         self._resumed: asyncio.Future[None] | None = None
         # Armed while a greeting or a frame is incomplete: it must arrive whole in time.
         self._incomplete: asyncio.TimerHandle | None = None
+        # What handlers asked to hear of this channel's loss (control_app.on_caller_lost).
+        self._lost_watchers: dict[int, Callable[[], None]] = {}
+        self._next_watcher = 0
 
     # ---------------------------------------------------------------- transport events
 
@@ -137,6 +141,9 @@ class ServerChannel(asyncio.Protocol):
         self._out.clear()
         for task in self.tasks.values():
             task.cancel()
+        watchers, self._lost_watchers = self._lost_watchers, {}
+        for callback in watchers.values():
+            self._loop.call_soon(callback)
         if self._resumed is not None and not self._resumed.done():
             self._resumed.set_exception(ChannelClosed("the channel closed"))
             self._resumed.exception()  # retrieved: a writer may not be waiting
@@ -196,8 +203,22 @@ class ServerChannel(asyncio.Protocol):
         self.tasks[stream_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(stream_id, None))
 
+    def watch_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """control_app.Caller's: `callback` runs once when this channel closes."""
+        if self._closed:
+            self._loop.call_soon(callback)
+            return lambda: None
+        key, self._next_watcher = self._next_watcher, self._next_watcher + 1
+        self._lost_watchers[key] = callback
+
+        def forget() -> None:
+            self._lost_watchers.pop(key, None)
+
+        return forget
+
     async def _serve(self, stream_id: int, message: Message) -> None:
         name_request(message)  # this task's log lines carry the request's ids
+        CALLER.set(self)  # this task's own context: its handler's on_caller_lost
         try:
             call = self._routes.calls.get(type(message))
             if call is not None:
@@ -297,6 +318,7 @@ class ServerChannel(asyncio.Protocol):
             assert not task.done(), f"stream {stream_id}'s finished task is still listed"
         if self._closed:
             assert not self._out, "bytes queued after the channel closed"
+            assert not self._lost_watchers, "a loss watcher outlived the channel's close"
 
 
 class StreamFrameWriter:

@@ -77,6 +77,9 @@ class ChannelSite(web.BaseSite):
         self._key = derive_optional_key(token, KeyPurpose.CHANNEL)
         self.channels: set[ServerChannel] = set()
         self.bound_port: int | None = None
+        # The port callers dial, when it is not the bound one (a fault proxy in front,
+        # rpc/fault_proxy.py): the endpoint each channel's greeting proves.
+        self.advertised_port: int | None = None
 
     @property
     def name(self) -> str:
@@ -94,8 +97,9 @@ class ChannelSite(web.BaseSite):
 
     def _new_channel(self) -> ServerChannel:
         assert self.bound_port is not None
+        port = self.advertised_port or self.bound_port
         channel = ServerChannel(self._routes, self._limits, self._key,
-                                endpoint(self._host, self.bound_port), self.channels.discard)
+                                endpoint(self._host, port), self.channels.discard)
         self.channels.add(channel)
         return channel
 

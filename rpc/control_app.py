@@ -6,13 +6,16 @@ it), dispatched by the message's type to the handler registered with
 `control_server.add_call` / `add_stream`; a `RequestRejected` becomes an `ErrorFrame`
 answer. A stream's producer also gets the stream's `FrameWriter`: a way to send a frame from
 a callback, without waking the producer's task (worker/stream_frames.py uses it for a
-decode step's tokens).
+decode step's tokens). A handler may ask to hear when its caller's channel closes
+(`on_caller_lost`): what a call left behind for a later request of the same caller (a
+reservation) need not wait for its own deadline once that caller is gone.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
@@ -79,6 +82,31 @@ class ChannelRoutes:
                 raise ValueError("the control app has no channel routes")
             self._decoder = MessageDecoder(Union[types] if len(types) > 1 else types[0])
         return self._decoder
+
+
+class Caller(Protocol):
+    """The channel a request came on (rpc/channel_server.py's ServerChannel)."""
+
+    def watch_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """`callback` runs once (soon after, not inside) when the channel closes; returns
+        the function that forgets it."""
+        ...
+
+
+# Set by the channel for the task serving each request; None outside one (HTTP, tests).
+CALLER: ContextVar[Caller | None] = ContextVar("caller", default=None)
+
+
+def _nothing() -> None:
+    pass
+
+
+def on_caller_lost(callback: Callable[[], None]) -> Callable[[], None]:
+    """Called in a handler: `callback` runs once when the channel the request came on
+    closes. Returns the function that forgets it (call it once the thing watched ended);
+    a request that came on no channel has nothing to watch."""
+    caller = CALLER.get()
+    return _nothing if caller is None else caller.watch_lost(callback)
 
 
 LIMITS = web.AppKey("control_limits", ControlLimits)

@@ -175,6 +175,14 @@ class ControlServer:
         self.port = site.bound_port
         return self.url
 
+    def advertise(self, port: int) -> str:
+        """Callers dial `port` from now on (a fault proxy's, rpc/fault_proxy.py, forwarding
+        here): the URL names it and channels prove it; returns the URL."""
+        if self._site is None:
+            raise RuntimeError("control server not started")
+        self._site.advertised_port = self.port = port
+        return self.url
+
     @property
     def num_channels(self) -> int:
         return len(self._site.channels) if self._site is not None else 0

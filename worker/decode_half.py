@@ -25,7 +25,8 @@ Failure paths (each frees every block it holds, exactly once; see reservations.p
   * transfer fails or stalls -> the receiver aborts it by its deadline, waits until no
     byte can land, then calls our release -> engine.release_reservation; a waiting
     DecodeRequest gets TRANSFER_FAILED;
-  * no DecodeRequest by the reservation deadline -> released (the gateway died);
+  * no DecodeRequest joined -> released when the channel the reservation came on closes
+    (its gateway died, or retries elsewhere), else at the reservation deadline;
   * AbortRequest or a client hang-up -> transfer cancelled and reservation released, or
     the running request aborted in the engine;
   * DecodeRequest.timeout_ms passes -> DEADLINE_EXCEEDED and the request is aborted.
@@ -51,7 +52,7 @@ from kv_transfer.layout import transfer_bytes
 from protocol.agent_messages import ReclaimRequest, ReclaimResponse
 from protocol.messages import (DecodeDestination, DecodeRequest, ErrorCode, ErrorFrame, Message,
                                ReserveRequest, ReserveResponse, TokenFrame)
-from rpc.control_app import FrameWriter
+from rpc.control_app import FrameWriter, on_caller_lost
 from worker.block_waiters import BlockWaiters, ReservationAborted, refusal
 from worker.metrics import WorkerMetrics
 from worker.output_frames import error_frame
@@ -98,13 +99,11 @@ class DecodeWorker:
         return None if self.receiver is None else self.receiver.address
 
     async def attach(self, engine: EngineThread) -> None:
-        """Serve with `engine`; the KV receiver opens when the role takes reservations
-        (worker/role_gate.py)."""
+        """Serve with `engine`; the KV receiver opens with the role's reservations."""
         self.engine = engine
 
     async def start_receiver(self) -> None:
-        """Open the KV receiver (when the worker's role starts taking reservations);
-        idempotent."""
+        """Open the KV receiver (the role takes reservations now); idempotent."""
         if self.receiver is None and self.engine is not None:
             self.receiver = await self._make_receiver(self.engine.kv_storage)
 
@@ -169,6 +168,10 @@ class DecodeWorker:
                 functools.partial(self._on_transfer_failed, reservation), timeout_s)
             self._spawn(self._watch_transfer(reservation))
         reservation.timer = loop.call_at(reservation.deadline, self._on_deadline, reservation)
+        # A dead gateway's reservation goes now, not at its deadline (minutes away).
+        reservation.forget_caller = on_caller_lost(functools.partial(
+            self._drop_unjoined, reservation, "caller_lost", EndReason.ABORTED,
+            "the caller that reserved it closed its channel"))
         self.metrics.reservations.set(len(self.table))
         destination = DecodeDestination(worker_id=self.worker_id, epoch=self._epoch(),
                                         kv_address=receiver.address,
@@ -219,12 +222,16 @@ class DecodeWorker:
 
     def _on_deadline(self, reservation: Reservation) -> None:
         reservation.timer = None
+        self._drop_unjoined(reservation, "reservation_expired", EndReason.EXPIRED,
+                            "no decode request joined before the reservation deadline")
+
+    def _drop_unjoined(self, reservation: Reservation, metric_reason: str, reason: EndReason,
+                       detail: str) -> None:
         if reservation.attached or reservation.state not in (ReservationState.RECEIVING,
                                                               ReservationState.LANDED):
             return  # a DecodeRequest owns it now (its own waits are bounded), or it ended
-        self.metrics.handoff_failures.inc(reason="reservation_expired")
-        self._spawn(self._drop(reservation, EndReason.EXPIRED,
-                               "no decode request joined before the reservation deadline"))
+        self.metrics.handoff_failures.inc(reason=metric_reason)
+        self._spawn(self._drop(reservation, reason, detail))
 
     async def _drop(self, reservation: Reservation, reason: EndReason, detail: str) -> None:
         """Free a reservation that will not be joined, waiting until no byte can land."""
@@ -283,6 +290,7 @@ class DecodeWorker:
                     return
                 # From here this stream owns the reservation's fate.
                 reservation.attached = True
+                self.table.forget_caller(reservation)
                 error = await self._wait_for_kv(reservation, deadline - loop.time())
                 if error is not None:
                     yield error

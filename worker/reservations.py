@@ -5,7 +5,8 @@ Lifecycle of one reservation (one request id):
     reserve() ──▶ RECEIVING ──(every layer landed)──▶ LANDED ──(DecodeRequest joins)──▶ JOINED
         │              │                                 │          (the engine owns the blocks)
         │              └─ transfer failed / cancelled ───┤
-        └── no DecodeRequest by the deadline / abort ────┴──────────▶ RELEASED
+        └── no DecodeRequest by the deadline, its caller's ┴──────────▶ RELEASED
+            channel closed before one joined, or an abort
 
     A prompt whose blocks are all held already (prefix cache) starts in LANDED.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kv_transfer.interface import RecvHandle
@@ -62,6 +63,8 @@ class Reservation:
     end_reason: EndReason | None = None
     end_detail: str = ""
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # Forgets the watch on the reserving caller's channel (rpc/control_app.on_caller_lost).
+    forget_caller: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def receive_block_ids(self) -> list[int]:
@@ -126,6 +129,7 @@ class ReservationTable:
         del self._live[request_id]
         reservation.state = ReservationState.JOINED
         self._cancel_timer(reservation)
+        self.forget_caller(reservation)
         self.num_joined += 1
         return reservation
 
@@ -137,11 +141,18 @@ class ReservationTable:
         reservation.state = ReservationState.RELEASED
         reservation.end_reason, reservation.end_detail = reason, detail
         self._cancel_timer(reservation)
+        self.forget_caller(reservation)
         self._tombstones[request_id] = (reason, detail)
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)
         self.num_released += 1
         return True
+
+    @staticmethod
+    def forget_caller(reservation: Reservation) -> None:
+        if reservation.forget_caller is not None:
+            reservation.forget_caller()
+            reservation.forget_caller = None
 
     @staticmethod
     def _cancel_timer(reservation: Reservation) -> None:

@@ -44,10 +44,11 @@ from protocol.cluster_secret import KeyPurpose, derive_optional_key
 from protocol.messages import ErrorCode, Message, Role, WorkerInfo
 from protocol.worker_load import StepModel, WorkerLoad
 from rpc.control_server import ControlServer, RequestRejected, add_call, make_app
+from rpc.fault_proxy import FaultProxy
 from state.redis_state import RedisState, connect
 from telemetry.metrics import MetricsRegistry
 from telemetry.tracing import NO_TRACING, Tracing
-from worker.faults import Faults
+from worker.faults import BadFault, Faults
 from worker.metrics import WorkerMetrics
 from worker.publisher import WorkerPublisher
 from worker.step_fit import StepFit
@@ -118,7 +119,12 @@ class WorkerRuntime:
         self.registry = MetricsRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.app = make_app(token)
-        self.server = ControlServer(self.app, host, port, token)
+        fault_injection = os.environ.get(FAULT_INJECTION_ENV) == "1"
+        # With fault injection on, callers reach the control server through a proxy that
+        # can degrade its network (rpc/fault_proxy.py); it takes the port asked for.
+        self.fault_proxy = FaultProxy(host) if fault_injection else None
+        self._port = port
+        self.server = ControlServer(self.app, host, 0 if fault_injection else port, token)
         # Binds this worker's registry entry to the cluster's secret (the gateway and the
         # agent trust no other): protocol/cluster_secret.py.
         self.entry_key = derive_optional_key(token, KeyPurpose.REGISTRY)
@@ -141,7 +147,7 @@ class WorkerRuntime:
         self.app.router.add_get("/admin/state", self._state)
         add_call(self.app, ExitRequest, self._exit)
         add_call(self.app, HealthRequest, self._health_report)
-        if os.environ.get(FAULT_INJECTION_ENV) == "1":
+        if fault_injection:
             add_call(self.app, FaultRequest, self._fault)
 
     @property
@@ -158,6 +164,10 @@ class WorkerRuntime:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         url = await self.server.start()
+        if self.fault_proxy is not None:
+            assert self.server.port is not None
+            url = self.server.advertise(await self.fault_proxy.start(self._port,
+                                                                     self.server.port))
         log.info("%s control server on %s; loading the model", self.worker_id, url)
         try:
             engine = await asyncio.to_thread(load_engine)
@@ -228,6 +238,8 @@ class WorkerRuntime:
             await self.publisher.stop(deregister=True)
             await self.publisher.state.aclose()
         await self.server.stop()
+        if self.fault_proxy is not None:
+            await self.fault_proxy.stop()
 
     # ---------------------------------------------------------------- engine feedback
 
@@ -326,20 +338,20 @@ class WorkerRuntime:
 
     async def _fault(self, request: FaultRequest) -> Message:
         faults = self.faults
-        faults.step_delay_s = request.step_delay_ms / 1000
-        faults.transfer_layer_delay_s = request.transfer_layer_delay_ms / 1000
-        faults.request_prefix = request.request_prefix
-        faults.fail_steps = request.fail_steps
+        try:
+            faults.set(request, time.monotonic())
+        except BadFault as exc:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
+        assert self.fault_proxy is not None  # the route exists only with fault injection on
+        self.fault_proxy.fault = faults.net
         if self.engine_thread is not None:
             self.engine_thread.fault_step_delay_s = faults.step_delay_s
             self.engine_thread.fault_fail_steps = faults.fail_steps
-        log.warning("%s: fault injection: every engine step sleeps %d ms more; pushes of "
-                    "requests %r* sleep %d ms before each layer; steps fail: %s",
-                    self.worker_id, request.step_delay_ms, request.request_prefix,
-                    request.transfer_layer_delay_ms, request.fail_steps)
+        log.warning("%s: fault injection: %s", self.worker_id, faults.describe())
         return FaultResponse(step_delay_ms=request.step_delay_ms,
                              transfer_layer_delay_ms=request.transfer_layer_delay_ms,
-                             fail_steps=request.fail_steps)
+                             fail_steps=request.fail_steps,
+                             net_fault_ms=request.net_fault_ms if faults.net.is_set else 0)
 
     async def _check_invariants(self) -> str | None:
         assert self.engine_thread is not None and self._worker is not None

@@ -1,7 +1,8 @@
 """`pdserve drill` end to end: its own `pdserve up` (2 workers of role `both`, the default
 layout on a CPU; the default model), a worker whose engine step fails under load (the
 stand-in for a device error: its streams migrate, it exits and is started again; a killed
-worker is drilled by the reliability tests) and the agent killed, and the table's figures
+worker is drilled by the reliability tests), a worker's control port cut off from every
+caller (its fault proxy, rpc/fault_proxy.py), and the agent killed, and the table's figures
 as an operator reads them.
 
 The agent's probation is shortened (PDSERVE_PROBATION_S, inherited by the agent `pdserve up`
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recovers(
+def test_drill_fails_an_engine_cuts_a_worker_off_kills_the_agent_and_the_cluster_recovers(
         tmp_path) -> None:
     output = tmp_path / "drill.json"
     env = {k: v for k, v in os.environ.items()
@@ -31,14 +32,15 @@ def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recover
     done = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "drill",
          "--up-args", "--workers 2 --roles both --threads-per-worker 1 --log-level warning",
-         "--scenarios", "fail-decode,kill-agent", "--before-s", "2", "--after-s", "1",
+         "--scenarios", "fail-decode,partition-decode,kill-agent", "--fault-s", "6",
+         "--before-s", "2", "--after-s", "1",
          "--rate", "1", "--check-tokens", "8", "--recovery-timeout-s", "60",
          "--output", str(output)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     report = json.loads(output.read_text())
     rows = {row["scenario"]: row for row in report["rows"]}
-    assert list(rows) == ["fail-decode", "kill-agent"]
+    assert list(rows) == ["fail-decode", "partition-decode", "kill-agent"]
     for row in rows.values():
         assert row["ok"] > 0 and row["failed_by_kind"] == {}, row
         assert row["answers_checked"] > 0 and row["answers_broken"] == 0, row
@@ -47,8 +49,12 @@ def test_drill_fails_a_decode_engine_and_kills_the_agent_and_the_cluster_recover
         assert row["recovered_after_s"] is not None and row["recovered_after_s"] < 60, row
         assert row["health_lies"] == [] and row["problems"] == [], row
     assert rows["fail-decode"]["ejected_after_s"] is not None
+    # A worker cut off from every caller is found by the agent within 5 s.
+    assert rows["partition-decode"]["ejected_after_s"] < 5
     # The table on stdout says the same.
     table = done.stdout.splitlines()
     assert table[0].startswith("| scenario |")
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["fail-decode", "kill-agent"]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["fail-decode",
+                                                                   "partition-decode",
+                                                                   "kill-agent"]
     assert all(line.rstrip().endswith("| pass |") for line in table[2:])

@@ -414,6 +414,31 @@ def test_a_destination_that_never_comes_ends_the_prefill_at_its_deadline(cluster
     asyncio.run(run())
 
 
+def test_a_reservation_is_released_when_the_channel_that_made_it_closes(
+        cluster: Cluster) -> None:
+    # A gateway that dies between its reserve and its DecodeRequest: the reservation (a
+    # 60 s deadline here) goes within a second of the channel closing, not at its deadline.
+    d = cluster.workers["d-ucx"]
+
+    async def run() -> None:
+        pool = ChannelPool(None)
+        reserve = ReserveRequest(request_id="orphan", prompt_token_ids=cluster.prompts["long"],
+                                 timeout_ms=60_000)
+        try:
+            reply = await ControlClient(d.control_url, pool).call(reserve, ReserveResponse, 5.0)
+            assert reply.destination.block_ids
+            state = await worker_state(d)
+            assert state["num_reservations"] == 1 and state["num_kv_blocks_used"] > 0
+        finally:
+            await pool.aclose()  # the caller is gone
+        state = await wait_no_blocks_held(d, 1.0)
+        assert state["num_reservations"] == 0
+        assert (await metrics(d)).get('pdserve_handoff_failures_total{reason="caller_lost"}') \
+            == 1.0
+
+    asyncio.run(run())
+
+
 def test_shared_prefix_sends_fewer_kv_bytes(cluster: Cluster) -> None:
     p, d = cluster.workers["p-ucx"], cluster.workers["d-ucx"]
     # A prefix no earlier request had (chained hashes differ from the first block on).

@@ -39,12 +39,14 @@ def test_the_default_selection_follows_the_layout() -> None:
     assert len(chosen) == len(BY_NAME)
     # One decode worker: nobody to compare its steps with; no fault injection: no faults.
     chosen, _ = select(None, layout(["prefill", "decode"], faults=False))
-    assert {"slow-decode", "stall-transfer", "fail-decode", "fail-prefill"}.isdisjoint(
-        s.name for s in chosen)
-    # A cluster on another host: no process of it is signalled from here.
+    assert {"slow-decode", "stall-transfer", "fail-decode", "fail-prefill", "delay-decode",
+            "partition-decode", "partition-prefill"}.isdisjoint(s.name for s in chosen)
+    # A cluster on another host: no process of it is signalled from here; its workers'
+    # control ports are degraded by their own fault proxies.
     chosen, _ = select(None, layout(["prefill", "decode", "decode"], local=False))
     assert [s.name for s in chosen] == ["slow-decode", "stall-transfer", "fail-decode",
-                                        "fail-prefill"]
+                                        "fail-prefill", "delay-decode", "partition-decode",
+                                        "partition-prefill"]
 
 
 def test_a_named_scenario_the_layout_cannot_run_is_refused() -> None:

@@ -372,3 +372,40 @@ async def raw_channel(server: ControlServer) -> tuple[asyncio.StreamReader, asyn
     """A greeted channel, spoken by hand."""
     assert server.port is not None
     return await open_greeted("127.0.0.1", server.port, TOKEN)
+
+
+async def test_a_handler_hears_once_when_its_callers_channel_closes() -> None:
+    from rpc.control_app import on_caller_lost
+
+    lost: list[str] = []
+    forgotten: list[str] = []
+
+    async def watch(request: ReserveRequest) -> ReserveResponse:
+        forget = on_caller_lost(lambda: lost.append(request.request_id))
+        if request.request_id == "forgotten":
+            forget()
+            forgotten.append(request.request_id)
+        return ReserveResponse(request_id=request.request_id, destination=DecodeDestination(
+            worker_id="d0", epoch=1, kv_address="x", block_ids=[0],
+            num_prefix_blocks_held=0))
+
+    app = make_app(token=TOKEN)
+    add_call(app, ReserveRequest, watch)
+    server = ControlServer(app, token=TOKEN)
+    await server.start()
+    try:
+        channels = ChannelPool(TOKEN, connect_timeout_s=5)
+        client = ControlClient(server.url, channels)
+        for rid in ("kept", "forgotten"):
+            await client.call(reserve_request(rid, 4), ReserveResponse, timeout_s=2.0)
+        assert lost == [] and forgotten == ["forgotten"]
+        await channels.aclose()
+        for _ in range(100):
+            if lost:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert lost == ["kept"]  # once, and not the one forgotten
+    finally:
+        await server.stop()
+    server.check_invariants()
