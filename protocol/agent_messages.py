@@ -6,7 +6,8 @@ protocol/messages.py's), over the worker's token-guarded channel:
         worker's health (its load, its steps, its requests and failures)
     ReclaimRequest -> ReclaimResponse   (decode-capable workers)
         free every reservation older than `older_than_ms` that no decode request joined:
-        what a gateway that died between reserve and decode leaves behind
+        what a gateway stuck between reserve and decode leaves behind (one that died
+        closed its channel, which freed them)
     ExitRequest -> ExitResponse
         answer, then exit with EXIT_CODE_RESTART at once (no drain): how the agent restarts
         a worker whose orchestrator restarts exited containers (compose)

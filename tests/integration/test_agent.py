@@ -157,15 +157,30 @@ def test_the_events_endpoint_refuses_bad_limits(up) -> None:
 
 
 def test_a_leaked_reservation_is_reclaimed(up) -> None:
+    from rpc.channel_client import ChannelPool
+    from rpc.control_client import ControlClient
+
     wait_all_ready(up)
     worker = decode_workers(up)[0]
-    reserved = control_call(up, worker, ReserveRequest(
-        request_id="leaked-1", prompt_token_ids=list(range(1, 100)), timeout_ms=120_000),
-        ReserveResponse)  # ... and no decode request ever follows: the gateway "died"
-    assert reserved.destination.worker_id == worker["id"]
-    assert up.internal_get(worker["control_url"] + "/admin/state")["num_reservations"] == 1
-    event = wait_event(up, lambda e: e["action"] == "reclaim" and e["worker_id"] == worker["id"],
-                       45, "reclaim")
+
+    async def leak() -> dict:
+        # A gateway that reserved and is stuck: its channel stays open (a closed one would
+        # free the reservation at once), and no decode request ever follows.
+        pool = ChannelPool(up.token)
+        try:
+            reserved = await ControlClient(worker["control_url"], pool).call(ReserveRequest(
+                request_id="leaked-1", prompt_token_ids=list(range(1, 100)),
+                timeout_ms=120_000), ReserveResponse, 10.0)
+            assert reserved.destination.worker_id == worker["id"]
+            state = up.internal_get(worker["control_url"] + "/admin/state")
+            assert state["num_reservations"] == 1
+            return await asyncio.to_thread(
+                wait_event, up, lambda e: e["action"] == "reclaim"
+                and e["worker_id"] == worker["id"], 45, "reclaim")
+        finally:
+            await pool.aclose()
+
+    event = asyncio.run(leak())
     assert event["rule"] == "leaked_kv" and event["outcome"].startswith("done: 1 reservation")
     state = up.internal_get(worker["control_url"] + "/admin/state")
     assert state["num_reservations"] == 0 and state["num_kv_blocks_used"] == 0
