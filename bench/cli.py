@@ -45,7 +45,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature to send (default: the server's)")
     load = parser.add_argument_group("workload and load")
     load.add_argument("--workload", default="chat",
-                      help="preset name (chat, rag, mixed, steady) or path to a workload TOML file "
+                      help="preset name (chat, rag, mixed, steady, multi_turn, long_chat, "
+                           "shared_corpus) or path to a workload TOML file "
                            "(default: %(default)s)")
     load.add_argument("--seed", type=int, default=0,
                       help="seed for requests and arrivals: the same seed sends the same "

@@ -155,8 +155,8 @@ def preset_names() -> list[str]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A preset name (`chat`, `rag`, `mixed`, `steady`, `multi_turn`, `shared_corpus`) or
-    a path to a TOML file."""
+    """A preset name (`chat`, `rag`, `mixed`, `steady`, `multi_turn`, `long_chat`,
+    `shared_corpus`) or a path to a TOML file."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         return parse_workload(path.read_text(encoding="utf-8"), str(path))

@@ -32,7 +32,7 @@ num_prefixes = 2
 
 
 def test_presets_ship_with_the_package():
-    assert {"chat", "rag", "mixed", "steady", "multi_turn", "shared_corpus"} <= \
+    assert {"chat", "rag", "mixed", "steady", "multi_turn", "long_chat", "shared_corpus"} <= \
         set(preset_names())
     for name in preset_names():
         assert load_workload(name).classes
