@@ -82,6 +82,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--seed", type=int, default=0, help="requests and arrivals seed")
     p.add_argument("--output", default=None, type=Path,
                    help="also write the rows as JSON here (rewritten after each scenario)")
+    when = p.add_argument_group("repeating, and where the rows go")
+    when.add_argument("--schedule", type=float, default=None, metavar="SECONDS",
+                      help="run the scenario list again this long after each round ends, "
+                           "until stopped (Ctrl-C) or --rounds: drills on a staging cluster")
+    when.add_argument("--rounds", type=int, default=None,
+                      help="stop after this many rounds (default: 1, or unlimited with "
+                           "--schedule)")
+    when.add_argument("--metrics-port", type=int, default=None,
+                      help="serve the drill's own metrics (pdserve_drill_*) at "
+                           "http://127.0.0.1:PORT/metrics for Prometheus (0: a free port; "
+                           "default: none)")
+    when.add_argument("--redis-url", default=None,
+                      help="the cluster's Redis, where each row goes to the audit log "
+                           "(/admin/agent/events; default: $PDSERVE_REDIS_URL, else "
+                           "LOG_DIR/redis-url of the `pdserve up` drilled)")
+    when.add_argument("--namespace", default="pdserve",
+                      help="the cluster's Redis key namespace (default pdserve)")
     p.set_defaults(func=run)
 
 
@@ -97,7 +114,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [f"{name} must be {bounds}" for name, ok, bounds in (
         ("--fault-s", 0 < args.fault_s <= 120, "in (0, 120]"),
         ("--net-delay-ms", 0 <= args.net_delay_ms <= 10_000, "in [0, 10000]"),
-        ("--net-loss", 0 <= args.net_loss <= 1, "in [0, 1]")) if not ok]
+        ("--net-loss", 0 <= args.net_loss <= 1, "in [0, 1]"),
+        ("--schedule", args.schedule is None or args.schedule >= 0, ">= 0"),
+        ("--rounds", args.rounds is None or args.rounds >= 1, ">= 1"),
+        ("--metrics-port", args.metrics_port is None or 0 <= args.metrics_port <= 65535,
+         "in [0, 65535]")) if not ok]
     if bad:
         print(f"pdserve drill: {'; '.join(bad)}", file=sys.stderr)
         return 2
@@ -117,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"pdserve drill: no admin token in {args.log_dir}: {exc}", file=sys.stderr)
             return 2
-        setup = DrillSetup(args.url, admin, os.environ.get(INTERNAL_TOKEN_ENV), names)
+        setup = DrillSetup(args.url, admin, os.environ.get(INTERNAL_TOKEN_ENV), names,
+                           redis_url_of(args, args.log_dir), args.namespace)
         return asyncio.run(drill_main(setup, args))
     up_args = DEFAULT_UP_ARGS if args.up_args is None else args.up_args
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-drill-"))
@@ -128,5 +150,16 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"pdserve drill: {exc}", file=sys.stderr)
             return 2
-        setup = DrillSetup(up.url, up.admin_token, up.token, names)
+        setup = DrillSetup(up.url, up.admin_token, up.token, names,
+                           redis_url_of(args, log_dir / "logs"), args.namespace)
         return asyncio.run(drill_main(setup, args))
+
+
+def redis_url_of(args: argparse.Namespace, log_dir: Path) -> str | None:
+    """--redis-url, else $PDSERVE_REDIS_URL, else what `pdserve up` wrote in its log dir."""
+    if args.redis_url or os.environ.get("PDSERVE_REDIS_URL"):
+        return args.redis_url or os.environ.get("PDSERVE_REDIS_URL")
+    try:
+        return (log_dir / "redis-url").read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None

@@ -1,10 +1,12 @@
 """The drill's wiring: reach the cluster, find its layout, pick the scenarios, run them,
-print and write the table. Returns the exit code (0 every row passed, 1 one did not, 2 the
-drill could not run)."""
+print and write the table, publish the rows (drill/publisher.py); with `--schedule`, again
+every so many seconds. Returns the exit code (0 every row of every round passed, 1 one did
+not, 2 the drill could not run)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import msgspec
@@ -16,6 +18,7 @@ from bench.planner import RequestPlanner
 from bench.workload import load_workload
 from drill import processes
 from drill.fault import FaultSettings
+from drill.publisher import DrillMetrics, DrillPublisher
 from drill.row import DrillRow, markdown_table
 from drill.runner import Drill, DrillOptions, say
 from drill.scenario import Layout, select
@@ -23,6 +26,8 @@ from drill.steady_load import SteadyLoad
 from drill.target_cluster import TargetCluster
 from protocol.agent_messages import FaultRequest
 from rpc.errors import ControlError
+from state.agent_state import AgentState
+from state.redis_state import RedisState, connect
 
 # A prompt of about 600 tokens: long enough that the router hands it off prefill → decode,
 # so the answer checks cross a KV transfer too (stall-transfer's victim).
@@ -35,6 +40,8 @@ class DrillSetup(msgspec.Struct, frozen=True):
     admin_token: str
     internal_token: str | None
     scenario_names: list[str] | None
+    redis_url: str | None = None  # the cluster's Redis, for the audit log (None: none)
+    namespace: str = "pdserve"
 
 
 class DrillReport(msgspec.Struct):
@@ -76,8 +83,17 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
         faults=FaultSettings(args.slow_step_ms, args.stall_layer_ms, args.net_delay_ms,
                              args.net_loss, round(args.fault_s * 1000)))
     cluster = TargetCluster(setup.url, setup.admin_token, setup.internal_token)
+    audit = None if setup.redis_url is None else \
+        AgentState(RedisState(connect(setup.redis_url), setup.namespace))
+    publisher = DrillPublisher(DrillMetrics(), audit)
     await cluster.open()
+    passed = True
     try:
+        await publisher.start(args.metrics_port)
+        if publisher.url is not None:
+            say(f"metrics on {publisher.url}")
+        if audit is None:
+            say("no Redis URL known: the rows do not go to the audit log (--redis-url)")
         layout = await discover_layout(cluster)
         scenarios, skipped = select(setup.scenario_names, layout)
         say(f"cluster {setup.url}: workers {', '.join(layout.roles)}; "
@@ -104,14 +120,25 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
                 args.output.write_bytes(msgspec.json.format(msgspec.json.encode(report),
                                                             indent=2))
 
-        rows = await drill.run(scenarios, write)
+        num_rounds = args.rounds or (1 if args.schedule is None else None)
+        round_number = 0
+        while True:
+            rows = await drill.run(scenarios, write)
+            round_number += 1
+            await publisher.publish(rows)
+            print(markdown_table(rows), flush=True)
+            write(rows)
+            if args.output:
+                say(f"wrote {args.output}")
+            passed = passed and all(not r.problems for r in rows)
+            if num_rounds is not None and round_number >= num_rounds:
+                break
+            say(f"round {round_number} done; the next in {args.schedule or 0:g} s")
+            await asyncio.sleep(args.schedule or 0)
     except (RuntimeError, ValueError) as exc:
         print(f"pdserve drill: {exc}", file=sys.stderr)
         return 2
     finally:
         await cluster.aclose()
-    print(markdown_table(rows))
-    if args.output:
-        write(rows)
-        say(f"wrote {args.output}")
-    return 0 if all(not r.problems for r in rows) else 1
+        await publisher.stop()
+    return 0 if passed else 1
