@@ -106,10 +106,11 @@ class BenchRunner:
 
     def _finish_report(self, report: RunReport, stem: str) -> None:
         """Plots need every request; the JSON keeps them only with --save-requests."""
-        if self._plot_dir() is not None:
+        plot_dir = self._plot_dir()
+        if plot_dir is not None:
             from bench.plot import plot_latency_cdfs
 
-            print(f"wrote {plot_latency_cdfs(report, self._plot_dir(), stem)}", file=sys.stderr)
+            print(f"wrote {plot_latency_cdfs(report, plot_dir, stem)}", file=sys.stderr)
         if not self.args.save_requests:
             report.requests = None
 
@@ -139,11 +140,11 @@ class BenchRunner:
 
         report = _run_async(main())
         print(format_curve(report))
-        if self._plot_dir() is not None:
+        plot_dir = self._plot_dir()
+        if plot_dir is not None:
             from bench.plot import plot_attainment_vs_rate
 
-            print(f"wrote {plot_attainment_vs_rate(report, self._plot_dir())}",
-                  file=sys.stderr)
+            print(f"wrote {plot_attainment_vs_rate(report, plot_dir)}", file=sys.stderr)
         self._write(encode_json(report))
         return 0
 

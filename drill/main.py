@@ -15,6 +15,7 @@ from bench.answer_check import PROMPTS
 from bench.corpus import Corpus
 from bench.loadgen import fetch_model_id
 from bench.planner import RequestPlanner
+from bench.runner import resolve_slos
 from bench.workload import load_workload
 from drill import processes
 from drill.fault import FaultSettings
@@ -110,7 +111,8 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
             return SteadyLoad(setup.url, model, RequestPlanner(workload, corpus, seed),
                               args.rate, args.request_timeout_s, seed)
 
-        drill = Drill(cluster, layout, model, make_load, options, (*PROMPTS, LONG_PROMPT))
+        drill = Drill(cluster, layout, model, make_load, options, (*PROMPTS, LONG_PROMPT),
+                      resolve_slos(workload, []))
 
         def write(rows: list[DrillRow]) -> None:
             if args.output:

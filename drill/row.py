@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import msgspec
 
+from bench.report import attains
+from bench.sse_client import RequestRecord
+from bench.slo import SLOTarget
+
 
 class DrillRow(msgspec.Struct):
     scenario: str
@@ -39,6 +43,11 @@ class DrillRow(msgspec.Struct):
     held_reservations: int | None
     health_lies: list[str]  # "worker-id: N samples" of /health 200 while refusing
     others_ejected: list[str] = []  # "worker-id (rule)": peers the agent took out meanwhile
+    # Shares of the load's requests within their tier's SLO: those sent before the fault,
+    # and those sent once the cluster was whole again (None: none sent then). Reported,
+    # not judged: a few requests on shared cores make a noisy share.
+    attainment_before: float | None = None
+    attainment_after: float | None = None
     problems: list[str] = []
     notes: list[str] = []
 
@@ -67,6 +76,10 @@ def judge(row: DrillRow, recovery_timeout_s: float, excuse_in_flight: bool) -> l
     return problems
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -76,11 +89,19 @@ def _held(row: DrillRow) -> str:
     return " / ".join("?" if v is None else str(v) for v in values)
 
 
+def attainment(records: list[RequestRecord], slos: dict[str, SLOTarget]) -> float | None:
+    """The share of `records` within their tier's SLO (None: no record); pure."""
+    if not records:
+        return None
+    return sum(attains(record, slos) for record in records) / len(records)
+
+
 def markdown_table(rows: list[DrillRow]) -> str:
     lines = ["| scenario | victim | sent | ok | failed (by kind) | 429 | broken / checked "
-             "| ejected s | recovered s | held blocks / tables / reservations "
+             "| ejected s | recovered s | in SLO before / after "
+             "| held blocks / tables / reservations "
              "| /health 200 while refusing | others ejected | verdict |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---|"]
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---|---|"]
     for r in rows:
         failed = ", ".join(f"{k} {v}" for k, v in sorted(r.failed_by_kind.items()))
         if r.failed_in_flight:
@@ -89,6 +110,7 @@ def markdown_table(rows: list[DrillRow]) -> str:
         lines.append(f"| {r.scenario} | {r.victim} | {r.sent} | {r.ok} | {failed or '0'} | "
                      f"{r.refused_429} | {r.answers_broken} / {r.answers_checked} | "
                      f"{_seconds(r.ejected_after_s)} | {_seconds(r.recovered_after_s)} | "
+                     f"{_share(r.attainment_before)} / {_share(r.attainment_after)} | "
                      f"{_held(r)} | {'; '.join(r.health_lies) or 'none'} | "
                      f"{', '.join(r.others_ejected) or 'none'} | {verdict} |")
     return "\n".join(lines)

@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from bench.answer_check import CheckRecord, run_checks, summarize_checks
+from bench.slo import SLOTarget
 from drill.fault import FaultSettings, inject, lift, pick_worker, process_pids
 from drill.recovery import (Victim, ejected_at_ms, others_ejected, replaced, victim_out,
                             workers_whole)
-from drill.row import DrillRow, judge
+from drill.row import DrillRow, attainment, judge
 from drill.scenario import TIMED_FAULTS, FaultKind, Layout, Scenario, Target, has_peer
 from drill.steady_load import SteadyLoad, TimedRecord
 from drill.target_cluster import TargetCluster, WorkerRow
@@ -55,12 +56,14 @@ def say(line: str) -> None:
 class Drill:
     def __init__(self, cluster: TargetCluster, layout: Layout, model: str,
                  make_load: Callable[[int], SteadyLoad], options: DrillOptions,
-                 check_prompts: Sequence[str]) -> None:
-        """`make_load(i)`: the load of the i-th scenario (its own seed)."""
+                 check_prompts: Sequence[str], slos: dict[str, SLOTarget]) -> None:
+        """`make_load(i)`: the load of the i-th scenario (its own seed); `slos`: its
+        workload's targets by tier (the rows' attainment)."""
         self.cluster = cluster
         self.layout = layout
         self.model = model
         self.make_load = make_load
+        self.slos = slos
         self.options = options
         self.check_prompts = check_prompts
 
@@ -263,7 +266,12 @@ class Drill:
         in_flight += min(1, summary.failed)
         for wrong in summary.broken_records:
             notes.append(f"broken answer: prompt {wrong.prompt_index}: {wrong.detail}")
+        whole_at = None if recovered_s is None else fault_at + recovered_s
         row = DrillRow(
+            attainment_before=attainment(
+                [t.record for t in records if t.start_s < fault_at], self.slos),
+            attainment_after=None if whole_at is None else attainment(
+                [t.record for t in records if t.start_s >= whole_at], self.slos),
             scenario=scenario.name, victim=victim.label if victim else "-",
             has_peer=has_peer(scenario, self.layout), sent=len(records),
             ok=sum(t.record.error is None for t in records),

@@ -130,3 +130,22 @@ def test_the_table_has_a_line_per_row_with_its_verdict() -> None:
     lines = markdown_table([row(), bad]).splitlines()
     assert len(lines) == 4 and lines[2].endswith("| pass |")
     assert "FAIL: 1 broken answers" in lines[3]
+
+
+def test_attainment_counts_the_requests_within_their_tiers_targets() -> None:
+    from bench.slo import SLOTarget
+    from bench.sse_client import RequestRecord
+    from drill.row import attainment
+
+    slos = {"batch": SLOTarget(ttft_ms=1000, tpot_ms=100)}
+
+    def record(ttft_ms: float, error: str | None = None) -> RequestRecord:
+        return RequestRecord(index=0, class_name="c", tier="batch", scheduled_s=0.0,
+                             start_s=0.0, ttft_ms=ttft_ms, e2e_ms=ttft_ms + 500,
+                             output_tokens=11, error=error)
+
+    assert attainment([], slos) is None
+    assert attainment([record(200), record(1500), record(100, "timeout"), record(900)],
+                      slos) == 0.5
+    table = markdown_table([row(attainment_before=1.0, attainment_after=0.75)])
+    assert "| 100% / 75% |" in table
