@@ -156,10 +156,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def redis_url_of(args: argparse.Namespace, log_dir: Path) -> str | None:
-    """--redis-url, else $PDSERVE_REDIS_URL, else what `pdserve up` wrote in its log dir."""
-    if args.redis_url or os.environ.get("PDSERVE_REDIS_URL"):
-        return args.redis_url or os.environ.get("PDSERVE_REDIS_URL")
-    try:
-        return (log_dir / "redis-url").read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+    """--redis-url, else $PDSERVE_REDIS_URL, else what `pdserve up` wrote in its log dir;
+    with $PDSERVE_REDIS_PASSWORD put in where it carries no password, as every CLI does."""
+    from state.redis_access import resolve_url
+    from telemetry.options import REDIS_URL_FILE, env_default
+
+    url = args.redis_url or env_default(os.environ, "--redis-url")
+    if not url:
+        try:
+            url = (log_dir / REDIS_URL_FILE).read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+    return resolve_url(url, os.environ) if url else None

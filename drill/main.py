@@ -129,8 +129,7 @@ async def drill_main(setup: DrillSetup, args: argparse.Namespace) -> int:
             round_number += 1
             await publisher.publish(rows)
             print(markdown_table(rows), flush=True)
-            write(rows)
-            if args.output:
+            if args.output:  # by `write`, after the round's last row
                 say(f"wrote {args.output}")
             passed = passed and all(not r.problems for r in rows)
             if num_rounds is not None and round_number >= num_rounds:

@@ -295,8 +295,6 @@ class Drill:
         drill's report is written as it goes)."""
         rows: list[DrillRow] = []
         for index, scenario in enumerate(scenarios):
-            if rows and on_row is not None:
-                on_row(rows)
             try:
                 rows.append(await self.run_scenario(index, scenario))
             except RuntimeError as exc:
@@ -308,4 +306,7 @@ class Drill:
                     held_kv_blocks=None, held_tables=None, held_reservations=None,
                     health_lies=[], problems=[f"not run: {exc}"]))
                 break
+            finally:
+                if on_row is not None:
+                    on_row(rows)
         return rows

@@ -290,7 +290,6 @@ class DecodeWorker:
                     return
                 # From here this stream owns the reservation's fate.
                 reservation.attached = True
-                self.table.forget_caller(reservation)
                 error = await self._wait_for_kv(reservation, deadline - loop.time())
                 if error is not None:
                     yield error
