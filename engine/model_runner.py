@@ -11,15 +11,14 @@ graphs captured here at start-up: pure decode steps (engine/cuda_graphs.py), and
 prefill chunks of up to 512 tokens and 8 chunks, decode rows beside them or not
 (engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
 largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly.
-A model whose steps cannot be captured (`graph_capture_refusal`: mixture-of-experts
-layers) runs every step of the kernel path eagerly, and says so in the log.
+Mixture-of-experts models are captured too: their kernel path groups tokens by expert
+on the device (engine/kernels/fused_moe.py).
 Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors runs the
 kernel path under Triton's interpreter (tests only: it is slow).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +37,6 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
 
-log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DeviceTokens:
@@ -165,11 +163,6 @@ class ModelRunner:
             cuda_graph_batch_sizes = DEFAULT_BATCH_SIZES if on_cuda else ()
         if mixed_graph_tokens is None:
             mixed_graph_tokens = DEFAULT_TOKEN_SIZES[-1] if on_cuda else 0
-        refusal = model.graph_capture_refusal(model.config)
-        if refusal is not None and (cuda_graph_batch_sizes or mixed_graph_tokens):
-            log.info("CUDA graphs off for %s: %s; every step runs eagerly",
-                     model.config.architecture, refusal)
-            cuda_graph_batch_sizes, mixed_graph_tokens = (), 0
         # A table never needs more columns than the pool has blocks or a sequence of the
         # model's longest context needs.
         width = min(kv.layout.num_blocks,

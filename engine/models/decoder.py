@@ -132,14 +132,6 @@ class DecoderForCausalLM(nn.Module):
         return f"{config.architecture} has no kernel path"
 
     @classmethod
-    def graph_capture_refusal(cls, config: ModelConfig) -> str | None:
-        """Why a step of this config cannot be captured in a CUDA graph; None when it can."""
-        if config.moe is not None:
-            return ("its mixture-of-experts layers read each expert's token count on the "
-                    "host (engine/models/moe.py)")
-        return None
-
-    @classmethod
     def parameter_name(cls, checkpoint_name: str) -> str:
         """The model's parameter that a checkpoint tensor (named as in `expected_shapes`)
         fills; the same name unless the family stores it under another."""
@@ -207,6 +199,7 @@ class DecoderForCausalLM(nn.Module):
             if fused is None or attn.q_proj.weight.data_ptr() != fused.data_ptr():
                 attn.fuse_projections()
             if isinstance(mlp, MoEBlock):
+                mlp.fuse_experts()
                 continue
             fused = getattr(mlp, "gate_up_weight", None)
             if fused is None or mlp.gate_proj.weight.data_ptr() != fused.data_ptr():

@@ -17,10 +17,12 @@ outputs back on their tokens.
     (c_e = number of assignments to expert e; a slice may be empty)
 
 The slice bounds are read on the host (one sync per block), so this path runs on any
-device with plain torch ops but cannot be captured in a CUDA graph: the model runner
-skips graph capture for models with this block (engine/model_runner.py). A fused
-grouped-GEMM kernel (one Triton launch over all experts, bounds read on the device) is
-not built yet.
+device with plain torch ops but cannot be captured in a CUDA graph. The kernel path
+(`forward_kernels`, after `fuse_experts`) groups the assignments on the device instead and
+runs each projection of every expert as one grouped GEMM (engine/kernels/fused_moe.py):
+no host sync, no loop over experts, so its steps are captured in CUDA graphs like a dense
+model's. The experts' weights then live in two stacked tensors, `w13` [E, 2I, H] (gate
+rows, then up rows) and `w2` [E, H, I], each expert's projections being views of them.
 
 Tensor parallel: each rank holds a slice of every expert's width and the whole router
 (engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
@@ -32,7 +34,9 @@ returns those partial sums to the same all-reduce.
 
 Load: `expert_tokens` counts the (token, expert) assignments of every expert since it was
 last read (`take_expert_tokens`), on the block's device, from the counts the grouping
-computes anyway.
+computes anyway. It is zeroed in place when read, never replaced, because a captured graph
+keeps adding into the tensor it was captured with. (A graph step's padding rows are routed
+and counted too: a padded decode batch adds up to its padding's rows to the counts.)
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class MoEBlock(nn.Module):
         # Made at the first forward, on the input's device (a model may be built on the meta
         # device and materialized without its buffers' values).
         self.expert_tokens: torch.Tensor | None = None
+        # The kernel path's stacked expert weights (`fuse_experts`): [E, 2I, H] and [E, H, I].
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
         # Expert parallel: expert -> (this rank's copy index, copies); None: all experts here.
         self.shares: dict[int, tuple[int, int]] | None = None
 
@@ -86,9 +93,15 @@ class MoEBlock(nn.Module):
         """The assignments per expert since the last call (and start counting again)."""
         if self.expert_tokens is None:
             return [0] * self.num_experts
-        counts = self.expert_tokens.tolist()
-        self.expert_tokens = None  # (made in inference mode: replaced, not zeroed in place)
+        with torch.inference_mode():  # (it was made in inference mode)
+            counts = self.expert_tokens.tolist()
+            self.expert_tokens.zero_()  # in place: a captured graph adds into this tensor
         return counts
+
+    def _count(self, counts: torch.Tensor) -> None:
+        if self.expert_tokens is None or self.expert_tokens.device != counts.device:
+            self.expert_tokens = torch.zeros_like(counts)
+        self.expert_tokens += counts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, top_k], expert ids long [T, top_k]) for tokens x [T, hidden];
@@ -122,9 +135,7 @@ class MoEBlock(nn.Module):
         shares = self.shares
         outputs = torch.empty_like(grouped) if shares is None else torch.zeros_like(grouped)
         counts_on_device = torch.bincount(flat_ids, minlength=self.num_experts)
-        if self.expert_tokens is None or self.expert_tokens.device != x.device:
-            self.expert_tokens = torch.zeros_like(counts_on_device)
-        self.expert_tokens += counts_on_device
+        self._count(counts_on_device)
         counts = counts_on_device.tolist()  # host sync
         start = 0
         for e, (expert, count) in enumerate(zip(self.experts, counts)):
@@ -136,14 +147,58 @@ class MoEBlock(nn.Module):
             start += count
         weighted = (outputs * sorted_weights[:, None]).to(x.dtype)
         routed = torch.zeros_like(x).index_add_(0, token_rows, weighted)
+        return self._with_shared(x, routed)
+
+    def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:
             return routed
         gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
         return routed + gate * self._expert(self.shared_expert, x)
 
+    def fuse_experts(self) -> None:
+        """Stack the experts' weights into `w13` and `w2` (see the module doc); each expert's
+        projections become views of them. Idempotent while the views still alias them.
+        Not for an expert-parallel block (its ranks hold different experts)."""
+        if self.shares is not None:
+            raise ValueError("an expert-parallel block runs the torch path")
+        first = self.experts[0]
+        if self.w13 is not None and first.gate_proj.weight.data_ptr() == self.w13.data_ptr():
+            return
+        self.w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight))
+                                for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        size = self.w13.shape[1] // 2
+        for e, expert in enumerate(self.experts):
+            expert.gate_proj.weight = nn.Parameter(self.w13[e, :size], requires_grad=False)
+            expert.up_proj.weight = nn.Parameter(self.w13[e, size:], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(self.w2[e], requires_grad=False)
+
     def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
-        """The kernel path's call: the same torch ops (no fused MoE kernel yet)."""
-        return self.forward(x)
+        """The kernel path: the fused grouped GEMMs (engine/kernels/fused_moe.py), after
+        `fuse_experts`; the same results as `forward` up to the order of one sum."""
+        from engine.kernels.fused_moe import align_by_expert, grouped_gemm
+        from engine.kernels.silu_mul import silu_mul_triton
+
+        if self.w13 is None or self.w2 is None:
+            raise RuntimeError("forward_kernels before fuse_experts (prepare_kernels)")
+        weights, expert_ids = self.route(x)
+        sorted_ids, block_experts, counts = align_by_expert(expert_ids, self.num_experts)
+        self._count(counts)
+        n = expert_ids.numel()
+        gate_up = grouped_gemm(x, self.w13, sorted_ids, block_experts, n, self.top_k)
+        size = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :size], gate_up[:, size:]
+        if self.activation is Activation.GELU_TANH:
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = silu_mul_triton(gate, up)
+        flat_weights = weights.reshape(-1)
+        if self.round_weights:
+            flat_weights = flat_weights.to(x.dtype)
+        outputs = grouped_gemm(hidden, self.w2, sorted_ids, block_experts, n, 1,
+                               weights=flat_weights)
+        routed = outputs.view(x.shape[0], self.top_k, x.shape[1]).sum(dim=1)
+        return self._with_shared(x, routed)
 
 
 

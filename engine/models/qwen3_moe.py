@@ -10,8 +10,8 @@ is a SiLU gated MLP of width `moe_intermediate_size`. Dense layers keep the gate
 expert outputs, as transformers does.
 
 On CUDA the kernel path runs attention, norms and dense MLPs with the Triton kernels and
-the expert block with plain torch ops; no step is captured in a CUDA graph
-(`graph_capture_refusal`).
+the expert block with the fused grouped GEMMs (engine/kernels/fused_moe.py); its steps are
+captured in CUDA graphs like a dense model's.
 """
 
 from __future__ import annotations

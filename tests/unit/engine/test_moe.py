@@ -1,14 +1,13 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) beyond the shared reference tests
 (test_llama_reference.py runs their logits and greedy decoding against transformers):
 the block against its definition, the routing margins those tests rely on, the config
-fields read, tensor-parallel shapes, CUDA graphs switched off, and GGUF (qwen3moe read,
-Mixtral-style files refused)."""
+fields read, tensor-parallel shapes, and GGUF (qwen3moe read, Mixtral-style files
+refused). The fused kernel path: tests/gpu/test_kernel_fused_moe.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -120,19 +119,6 @@ def test_tensor_parallel_splits_every_expert(tiny_model):
     assert shard.intermediate_size == 56 and shard.moe.num_experts == 4
     with pytest.raises(ValueError, match="expert intermediate size 40"):
         check_shardable(dataclasses.replace(config, num_heads=16, num_kv_heads=16), 16)
-
-
-def test_runner_skips_graph_capture_for_moe(tiny_model, caplog):
-    from engine.kv_storage import KVStorage
-    from engine.model_runner import ModelRunner
-
-    model = load_model(str(tiny_model("qwen3_moe").path)).model
-    kv = KVStorage.for_model(model.config, 16, 4, torch.float32)
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
-        runner = ModelRunner(model, kv, 4, use_kernels=True, cuda_graph_batch_sizes=(1, 2),
-                             mixed_graph_tokens=16)
-    assert runner.graphs is None and runner.mixed_graphs is None
-    assert "CUDA graphs off for Qwen3MoeForCausalLM" in caplog.text
 
 
 def write_gguf_header(path: Path, arch: str, num_experts: int) -> None:
