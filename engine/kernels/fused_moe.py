@@ -2,13 +2,14 @@
 
 A step's T tokens each pick `top_k` experts: N = T * top_k (token, expert) assignments,
 assignment i = (token i // top_k, its (i % top_k)-th expert). They are grouped by expert on
-the device, each expert's run padded to a multiple of BLOCK_M rows, so every tile of
-BLOCK_M rows belongs to one expert:
+the device, each expert's run padded to a multiple of M rows (`tile_rows`: 16 for the few
+rows per expert of a decode step, up to 64 for a prefill's many), so every tile of M rows
+belongs to one expert:
 
     sorted_ids     [P]   assignment ids in expert order; N marks a padding row
-    block_experts  [P / BLOCK_M]   the expert of each tile; -1: a tile past the last expert
-                                   (P is the most padding T can need: shapes depend on T
-                                   only, so a CUDA graph can hold the whole block)
+    block_experts  [P / M]   the expert of each tile; -1: a tile past the last expert
+                             (P is the most padding N can need: shapes depend on T only,
+                             so a CUDA graph can hold the whole block)
 
     gate_up[i] = x[i // top_k] @ w13[e].T       one grouped GEMM over all experts  [N, 2I]
     hidden[i]  = silu(gate_up[i, :I]) * gate_up[i, I:]                              [N, I]
@@ -35,36 +36,41 @@ from engine.kernels.backend import import_triton, require_triton
 
 triton, tl, _ = import_triton()
 
-BLOCK_M = 16  # rows per tile: tl.dot's smallest; decode steps route a few rows per expert
+def tile_rows(num_assignments: int, num_experts: int) -> int:
+    """M, the rows of a tile: about the rows an expert gets on average (16, tl.dot's
+    smallest, to 64), so a tile is mostly real rows and a prefill reads each expert's weights
+    a few times rather than once per 16 rows. A function of the step's shape only."""
+    average = num_assignments / max(1, num_experts)
+    return 16 if average <= 16 else 32 if average <= 32 else 64
 
 
-def padded_rows(num_assignments: int, num_experts: int) -> int:
+def padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
     """P: the rows of `sorted_ids` for N assignments, enough for any routing (each expert's
-    run padded up to a whole tile), itself a whole number of tiles."""
-    most = num_assignments + num_experts * (BLOCK_M - 1)
-    return -(-most // BLOCK_M) * BLOCK_M
+    run padded up to a whole tile of `block_m` rows), itself a whole number of tiles."""
+    most = num_assignments + num_experts * (block_m - 1)
+    return -(-most // block_m) * block_m
 
 
-def align_by_expert(expert_ids: torch.Tensor, num_experts: int
+def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids int32 [P], block_experts int32 [P / BLOCK_M], counts int64 [E]) for the
+    """(sorted_ids int32 [P], block_experts int32 [P / block_m], counts int64 [E]) for the
     routing `expert_ids` [T, top_k]: see the module doc. Stable: an expert's rows keep
     assignment order. Device ops of static shapes only (no host sync)."""
     flat = expert_ids.reshape(-1)
     n, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    padded = (counts + (block_m - 1)) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     first_sorted = torch.cumsum(counts, 0) - counts  # each expert's first place in sort order
     order = torch.argsort(flat, stable=True)
     experts_in_order = flat[order]
     rank = torch.arange(n, device=device) - first_sorted[experts_in_order]
     dest = (ends - padded)[experts_in_order] + rank
-    rows = padded_rows(n, num_experts)
+    rows = padded_rows(n, num_experts, block_m)
     sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    tile_starts = torch.arange(0, rows, BLOCK_M, device=device)
+    tile_starts = torch.arange(0, rows, block_m, device=device)
     block_experts = torch.searchsorted(ends, tile_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts,
                                 torch.full_like(block_experts, -1)).to(torch.int32)
@@ -126,11 +132,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,
     out = torch.empty(num_assignments, n_cols, dtype=a.dtype, device=a.device)
     if num_assignments == 0:
         return out
+    block_m = sorted_ids.numel() // block_experts.numel()
     block_n, block_k = _tiles(n_cols, k_dim)
     grid = (block_experts.numel(), triton.cdiv(n_cols, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_ids, block_experts, sorted_ids if weights is None else weights,
         num_assignments, n_cols, k_dim, a_row_div, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), APPLY_WEIGHT=weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        out.stride(0), APPLY_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k)
     return out

@@ -176,15 +176,16 @@ class MoEBlock(nn.Module):
     def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
         """The kernel path: the fused grouped GEMMs (engine/kernels/fused_moe.py), after
         `fuse_experts`; the same results as `forward` up to the order of one sum."""
-        from engine.kernels.fused_moe import align_by_expert, grouped_gemm
+        from engine.kernels.fused_moe import align_by_expert, grouped_gemm, tile_rows
         from engine.kernels.silu_mul import silu_mul_triton
 
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("forward_kernels before fuse_experts (prepare_kernels)")
         weights, expert_ids = self.route(x)
-        sorted_ids, block_experts, counts = align_by_expert(expert_ids, self.num_experts)
-        self._count(counts)
         n = expert_ids.numel()
+        sorted_ids, block_experts, counts = align_by_expert(
+            expert_ids, self.num_experts, tile_rows(n, self.num_experts))
+        self._count(counts)
         gate_up = grouped_gemm(x, self.w13, sorted_ids, block_experts, n, self.top_k)
         size = gate_up.shape[1] // 2
         gate, up = gate_up[:, :size], gate_up[:, size:]

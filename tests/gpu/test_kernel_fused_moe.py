@@ -9,26 +9,28 @@ import pytest
 import torch
 
 from engine.config import Activation, MoEConfig
-from engine.kernels.fused_moe import BLOCK_M, align_by_expert, padded_rows
+from engine.kernels.fused_moe import align_by_expert, padded_rows, tile_rows
 from engine.models.moe import MoEBlock
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (5, 2, 8), (37, 3, 8),
-                                                  (64, 8, 128), (3, 1, 4)])
+                                                  (64, 8, 128), (3, 1, 4), (300, 2, 8)])
 def test_grouping_holds_each_assignment_once_in_tiles_of_one_expert(tokens, top_k, experts):
     generator = torch.Generator().manual_seed(tokens)
     # Skewed: expert 0 is picked often, most experts never.
     scores = torch.rand(tokens, experts, generator=generator)
     scores[:, 0] += 0.5
     ids = scores.topk(top_k, dim=-1).indices
-    sorted_ids, block_experts, counts = align_by_expert(ids, experts)
     n, flat = ids.numel(), ids.reshape(-1)
-    assert sorted_ids.numel() == padded_rows(n, experts) == block_experts.numel() * BLOCK_M
+    block_m = tile_rows(n, experts)
+    sorted_ids, block_experts, counts = align_by_expert(ids, experts, block_m)
+    assert sorted_ids.numel() == padded_rows(n, experts, block_m) == \
+        block_experts.numel() * block_m
     assert torch.equal(counts, torch.bincount(flat, minlength=experts))
     real = sorted_ids[sorted_ids < n].tolist()
     assert sorted(real) == list(range(n))  # each assignment once; the rest padding (n)
     assert bool((sorted_ids <= n).all())
-    tiles = sorted_ids.view(-1, BLOCK_M).tolist()
+    tiles = sorted_ids.view(-1, block_m).tolist()
     seen_experts = []
     for tile, expert in zip(tiles, block_experts.tolist()):
         rows = [i for i in tile if i < n]
@@ -39,9 +41,13 @@ def test_grouping_holds_each_assignment_once_in_tiles_of_one_expert(tokens, top_
         assert rows == sorted(rows)  # stable: assignment order within an expert
         seen_experts.append(expert)
     assert seen_experts == sorted(seen_experts)
-    # Each expert used gets ceil(count / BLOCK_M) tiles, each with its rows packed first.
+    # Each expert used gets ceil(count / block_m) tiles, each with its rows packed first.
     for expert, count in enumerate(counts.tolist()):
-        assert seen_experts.count(expert) == -(-count // BLOCK_M)
+        assert seen_experts.count(expert) == -(-count // block_m)
+
+
+def test_tiles_grow_with_the_rows_per_expert():
+    assert [tile_rows(n, 128) for n in (8, 512, 2048, 4096, 16384)] == [16, 16, 16, 32, 64]
 
 
 def make_block(hidden: int, experts: int, top_k: int, width: int, *, round_weights: bool,
@@ -62,7 +68,7 @@ def test_kernel_path_equals_the_torch_path(target, round_weights, renormalize, s
     block = make_block(64, 8, 2, 48, round_weights=round_weights, renormalize=renormalize,
                        shared=shared, target=target)
     with torch.no_grad():
-        for tokens in (1, 6, 37):
+        for tokens in (1, 6, 37, 200):
             x = target.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
             expected = block(x)
             block.fuse_experts()

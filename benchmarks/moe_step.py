@@ -1,0 +1,267 @@
+"""Mixture-of-experts steps: the fused expert block against the floor, the torch grouping it
+replaced, and transformers, on the same random weights in one process.
+
+    fused    the runner's default path: the kernel path with the fused grouped GEMMs
+             (engine/kernels/fused_moe.py), decode steps replayed from CUDA graphs
+    grouped  the same runner, eager, every MoE block running its torch path (tokens sorted by
+             expert, one matmul chain per expert with tokens, the slice bounds read on the
+             host: what the kernel path ran before the fused block)
+    transformers  eager forward (a DynamicCache holding the context for decode) with the
+             same tensors (its fused [E, 2I, H] / [E, H, I] expert weights are ours)
+
+Floors, from rates measured on this device now (benchmarks/engine_gpu_kernels.py):
+    decode   bytes the step must read / copy rate: every weight but the embedding table and
+             the experts no token of the batch picked (counted from the step's own routing),
+             plus the batch's KV
+    prefill  matmul FLOPs of the active parameters (attention, router, top_k experts per
+             token; the vocabulary head for the last token) and attention / matmul rate
+
+    python -m benchmarks.moe_step --shape qwen3-30b-a3b --batches 1,64,256 --context 512
+    python -m benchmarks.moe_step --shape tiny-moe                  # CPU: plumbing only
+
+Output: a markdown table on stdout; progress on stderr. Without CUDA it runs the tiny shape's
+torch path and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.engine_gpu_model import (BLOCK_SIZE, PREFILL_LEN, build_random_model,
+                                         decode_schedule, kv_bytes, prefill_schedule, time_ms)
+from engine.config import ModelConfig
+
+
+def log(message: str) -> None:
+    print(f"[moe_step] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Row:
+    case: str
+    fused_ms: float
+    floor_ms: float
+    grouped_ms: float | None = None
+    hf_ms: float | None = None
+
+
+def moe_blocks(model):
+    from engine.models.moe import MoEBlock
+
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+def expert_bytes(block) -> int:
+    expert = block.experts[0]
+    return sum(getattr(expert, n).weight.numel() for n in ("gate_proj", "up_proj", "down_proj")) \
+        * expert.gate_proj.weight.element_size()
+
+
+def decode_read_bytes(model, config: ModelConfig, batch: int, context: int, touched: list[int],
+                      element_size: int) -> int:
+    """What a decode step must read: weights except the embedding and unpicked experts, and KV."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = moe_blocks(model)
+    unpicked = sum((b.num_experts - t) * expert_bytes(b) for b, t in zip(blocks, touched))
+    return (total - embed.numel() * embed.element_size() - unpicked
+            + kv_bytes(config, batch * context, element_size))
+
+
+def prefill_active_flops(model, config: ModelConfig, length: int) -> float:
+    """Matmul FLOPs of a 1 x length prefill through the active parameters."""
+    blocks = moe_blocks(model)
+    embed = model.model.embed_tokens.weight.numel()
+    head = config.vocab_size * config.hidden_size
+    params = sum(p.numel() for p in model.parameters()) - embed - head
+    all_experts = sum(b.num_experts * expert_bytes(b) for b in blocks) // model.model.embed_tokens.weight.element_size()
+    active_experts = sum(b.top_k * expert_bytes(b) for b in blocks) // model.model.embed_tokens.weight.element_size()
+    per_token = params - all_experts + active_experts
+    pairs = length * (length + 1) / 2
+    attention = 4 * pairs * config.num_heads * config.head_dim * config.num_layers
+    return 2 * per_token * length + 2 * head + attention
+
+
+def touched_experts(model, step) -> list[int]:
+    """Per MoE block, the experts one run of `step` routes at least one token to."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        block.take_expert_tokens()
+    step()
+    return [sum(1 for c in block.take_expert_tokens() if c) for block in blocks]
+
+
+def to_transformers(model, config: ModelConfig):
+    """A transformers Qwen3MoeForCausalLM holding our tensors (no copy): built on the meta
+    device, our parameters assigned, its rotary table made on ours."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
+
+    moe = config.moe
+    assert moe is not None
+    hf_config = Qwen3MoeConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=False,
+        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=moe.intermediate_size, norm_topk_prob=moe.renormalize,
+        decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_theta))
+    device = model.model.embed_tokens.weight.device
+    dtype = model.model.embed_tokens.weight.dtype
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(hf_config).to(dtype)
+    state = {name: t for name, t in model.state_dict().items() if ".experts." not in name}
+    for n, block in enumerate(model.model.layers):
+        mlp = block.mlp
+        mlp.fuse_experts()  # (done already where the kernel path ran)
+        state[f"model.layers.{n}.mlp.experts.gate_up_proj"] = mlp.w13
+        state[f"model.layers.{n}.mlp.experts.down_proj"] = mlp.w2
+    hf.load_state_dict(state, assign=True, strict=True)
+    hf.model.rotary_emb = Qwen3MoeRotaryEmbedding(hf_config).to(device)
+    return hf.eval()
+
+
+def hf_decode_ms(hf, config: ModelConfig, batch: int, context: int, device) -> float:
+    from transformers import DynamicCache
+
+    dtype = next(hf.parameters()).dtype
+    cache = DynamicCache(config=hf.config)
+    shape = (batch, config.num_kv_heads, context - 1, config.head_dim)
+    with torch.no_grad():
+        for layer in range(config.num_layers):
+            cache.update(torch.randn(shape, device=device, dtype=dtype),
+                         torch.randn(shape, device=device, dtype=dtype), layer)
+    ids = torch.ones(batch, 1, dtype=torch.long, device=device)
+    pos = [context - 1]
+
+    def one_step() -> None:
+        with torch.no_grad():
+            hf(input_ids=ids, past_key_values=cache, use_cache=True,
+               position_ids=torch.full((batch, 1), pos[0], device=device))
+        pos[0] += 1
+
+    return time_ms(one_step, device, warmup=2, reps=6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default=None,
+                        help="a testing/shapes.py MoE shape (default: qwen3-30b-a3b on CUDA, "
+                             "tiny-moe elsewhere)")
+    parser.add_argument("--batches", default="1,64,256", help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=512,
+                        help="tokens of context each decode row attends to")
+    parser.add_argument("--kv-gib", type=float, default=4.0,
+                        help="KV pool size; rows share its blocks round-robin beyond it")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip the transformers baseline")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from engine.kv_storage import KVStorage
+    from engine.memory_plan import kv_block_bytes
+    from engine.model_runner import ModelRunner
+    from testing.shapes import SHAPES
+
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if on_cuda else "cpu")
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    shape = args.shape or ("qwen3-30b-a3b" if on_cuda else "tiny-moe")
+    config = SHAPES[shape]
+    if config.moe is None:
+        parser.error(f"--shape {shape} has no mixture-of-experts layers")
+    batches = [int(b) for b in args.batches.split(",")]
+    if on_cuda:
+        from benchmarks.engine_gpu_kernels import measure_floors
+
+        floors = measure_floors()
+        copy_rate, matmul_rate = floors.copy_bytes_per_s, floors.matmul_flop_per_s
+        log(f"floors: copy {copy_rate / 1e9:.0f} GB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    else:
+        copy_rate, matmul_rate = 1e11, 1e12
+    start = time.perf_counter()
+    model = build_random_model(config, args.seed, device, dtype)
+    log(f"built {shape} in {time.perf_counter() - start:.1f} s")
+    blocks_per_seq = -(-args.context // BLOCK_SIZE)
+    block_bytes = kv_block_bytes(config, BLOCK_SIZE, dtype)
+    pool = max(blocks_per_seq, min(max(batches) * blocks_per_seq,
+                                   int(args.kv_gib * 2**30 // block_bytes)),
+               -(-PREFILL_LEN // BLOCK_SIZE))
+    kv = KVStorage.for_model(config, pool, BLOCK_SIZE, dtype, device)
+    graphs = tuple(batches) if on_cuda else ()
+    fused = ModelRunner(model, kv, BLOCK_SIZE, cuda_graph_batch_sizes=graphs,
+                        mixed_graph_tokens=0)
+    log(f"runner ready (kernel path {fused.use_kernels}, graphs {graphs}), pool {pool} blocks")
+    element = torch.empty((), dtype=dtype).element_size()
+    rows: list[Row] = []
+    schedules = {b: decode_schedule(b, args.context, blocks_per_seq, pool) for b in batches}
+    for batch in batches:
+        schedule = schedules[batch]
+        ms = time_ms(lambda: fused.execute(schedule), device, warmup=3, reps=20)
+        touched = touched_experts(model, lambda: fused.execute(schedule))
+        floor = 1000 * decode_read_bytes(model, config, batch, args.context, touched,
+                                         element) / copy_rate
+        rows.append(Row(f"decode batch {batch} ctx {args.context}", ms, floor))
+        log(f"fused decode b{batch}: {ms:.2f} ms, floor {floor:.2f} ms, experts picked "
+            f"{min(touched)}-{max(touched)} of {config.moe.num_experts}")
+    prefill = prefill_schedule(1, PREFILL_LEN, config.vocab_size)
+    ms = time_ms(lambda: fused.execute(prefill), device, warmup=2, reps=5)
+    rows.append(Row(f"prefill 1x{PREFILL_LEN}", ms,
+                    1000 * prefill_active_flops(model, config, PREFILL_LEN) / matmul_rate))
+    log(f"fused prefill: {ms:.2f} ms")
+    # The torch grouping, eager, on the same runner kind: each block's forward.
+    grouped = ModelRunner(model, kv, BLOCK_SIZE, cuda_graph_batch_sizes=(), mixed_graph_tokens=0)
+    for block in moe_blocks(model):
+        block.forward_kernels = lambda x, _workspace, block=block: block.forward(x)
+    steps = [schedules[b] for b in batches] + [prefill]
+    for row, schedule in zip(rows, steps):
+        row.grouped_ms = time_ms(lambda: grouped.execute(schedule), device, warmup=2, reps=5)
+        log(f"grouped {row.case}: {row.grouped_ms:.2f} ms")
+    for block in moe_blocks(model):
+        del block.forward_kernels
+    del grouped
+    if not args.no_transformers:
+        try:
+            hf = to_transformers(model, config)
+            # The baseline computes the same model: the prompt's next-token logits agree.
+            ours = fused.execute(prefill)[0].float()
+            with torch.no_grad():
+                tokens = torch.tensor([prefill.chunks[0].token_ids], device=device)
+                theirs = hf(input_ids=tokens, use_cache=False, logits_to_keep=1).logits[0, -1]
+            error = float((ours - theirs.float()).abs().max() / theirs.float().abs().max())
+            log(f"logits vs transformers: max error {error:.3g} of the largest logit")
+            for row, batch in zip(rows, batches):
+                row.hf_ms = hf_decode_ms(hf, config, batch, args.context, device)
+                log(f"transformers {row.case}: {row.hf_ms:.2f} ms")
+            ids = torch.randint(0, config.vocab_size, (1, PREFILL_LEN), device=device)
+            with torch.no_grad():
+                rows[-1].hf_ms = time_ms(lambda: hf(input_ids=ids, use_cache=False,
+                                                    logits_to_keep=1), device, warmup=1, reps=3)
+            log(f"transformers prefill: {rows[-1].hf_ms:.2f} ms")
+        except Exception as exc:  # noqa: BLE001 - the baseline is optional; say why it is missing
+            log(f"transformers baseline skipped: {type(exc).__name__}: {exc}")
+    name = torch.cuda.get_device_name() if on_cuda else "CPU (plumbing only)"
+    print(f"{shape} on {name}, {str(dtype).removeprefix('torch.')} random weights\n")
+    print("| step | fused ms | floor ms | % of floor | grouped (torch) ms | fused vs grouped "
+          "| transformers ms | vs transformers |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        grouped_x = f"{row.grouped_ms / row.fused_ms:.2f}x" if row.grouped_ms else "-"
+        hf_x = f"{row.hf_ms / row.fused_ms:.1f}x" if row.hf_ms else "-"
+        print(f"| {row.case} | {row.fused_ms:.2f} | {row.floor_ms:.2f} | "
+              f"{100 * row.floor_ms / row.fused_ms:.0f}% | "
+              f"{row.grouped_ms:.2f} | {grouped_x} | "
+              f"{'-' if row.hf_ms is None else f'{row.hf_ms:.2f}'} | {hf_x} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
