@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV pool size; rows share its blocks round-robin beyond it")
     parser.add_argument("--no-transformers", action="store_true",
                         help="skip the transformers baseline")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     from engine.kv_storage import KVStorage
     from engine.memory_plan import kv_block_bytes
