@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--before-s", type=float, default=5.0,
                       help="seconds of load before each fault (default 5)")
     what.add_argument("--after-s", type=float, default=5.0,
-                      help="seconds of load after the recovery (default 5)")
+                      help="seconds of load after the recovery, whose share within its SLO "
+                           "is judged against the share before the fault (default 5)")
     what.add_argument("--recovery-timeout-s", type=float, default=60.0,
                       help="a row fails unless the cluster is whole again this long after "
                            "the fault (default 60)")

@@ -11,7 +11,12 @@ A row passes when
   * the cluster recovered within the recovery timeout: every worker back and routable (a
     restarted one at a new epoch), the process killed replaced, a probe request answered;
   * no worker answered /health with 200 while it refused requests (its /ready said no)
-    and the gateway listed it as routable.
+    and the gateway listed it as routable;
+  * the load was back within its SLO after recovery: the share of requests sent once the
+    cluster was whole that met their tier's targets is at most `attainment_slack(n)` below
+    the share of those sent before the fault. Judged only where both sides had at least
+    MIN_JUDGED requests; a few requests on shared cores make a noisy share, so the slack is
+    10 points plus one request's worth.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ import msgspec
 from bench.report import attains
 from bench.sse_client import RequestRecord
 from bench.slo import SLOTarget
+
+MIN_JUDGED = 5  # requests on each side of the fault before attainment is judged
+
+
+def attainment_slack(num_after: int) -> float:
+    """How far below its share before the fault the share after recovery may fall."""
+    return 0.1 + 1 / num_after
 
 
 class DrillRow(msgspec.Struct):
@@ -48,6 +60,8 @@ class DrillRow(msgspec.Struct):
     # not judged: a few requests on shared cores make a noisy share.
     attainment_before: float | None = None
     attainment_after: float | None = None
+    sent_before: int = 0  # the requests each share is of
+    sent_after: int = 0
     problems: list[str] = []
     notes: list[str] = []
 
@@ -73,6 +87,11 @@ def judge(row: DrillRow, recovery_timeout_s: float, excuse_in_flight: bool) -> l
         problems.append(f"not recovered within {recovery_timeout_s:g} s")
     if row.health_lies:
         problems.append("/health 200 while refusing: " + "; ".join(row.health_lies))
+    before, after = row.attainment_before, row.attainment_after
+    if before is not None and after is not None and min(row.sent_before, row.sent_after) \
+            >= MIN_JUDGED and after < before - attainment_slack(row.sent_after):
+        problems.append(f"in SLO after recovery {_share(after)} of {row.sent_after}, "
+                        f"against {_share(before)} of {row.sent_before} before")
     return problems
 
 

@@ -267,11 +267,11 @@ class Drill:
         for wrong in summary.broken_records:
             notes.append(f"broken answer: prompt {wrong.prompt_index}: {wrong.detail}")
         whole_at = None if recovered_s is None else fault_at + recovered_s
+        before = [t.record for t in records if t.start_s < fault_at]
+        after = [] if whole_at is None else [t.record for t in records if t.start_s >= whole_at]
         row = DrillRow(
-            attainment_before=attainment(
-                [t.record for t in records if t.start_s < fault_at], self.slos),
-            attainment_after=None if whole_at is None else attainment(
-                [t.record for t in records if t.start_s >= whole_at], self.slos),
+            attainment_before=attainment(before, self.slos), sent_before=len(before),
+            attainment_after=attainment(after, self.slos), sent_after=len(after),
             scenario=scenario.name, victim=victim.label if victim else "-",
             has_peer=has_peer(scenario, self.layout), sent=len(records),
             ok=sum(t.record.error is None for t in records),

@@ -108,6 +108,9 @@ def test_a_clean_row_passes() -> None:
     ({"recovered_after_s": None}, "not recovered within 60 s"),
     ({"recovered_after_s": 61.0}, "not recovered within 60 s"),
     ({"health_lies": ["decode-1: 3 samples"]}, "/health 200 while refusing"),
+    # 3 of 8 in SLO after recovery against all 6 before: below 100% - (10% + 1/8).
+    ({"attainment_before": 1.0, "sent_before": 6, "attainment_after": 0.375,
+      "sent_after": 8}, "in SLO after recovery 38% of 8, against 100% of 6 before"),
 ])
 def test_each_broken_expectation_fails_the_row(changes: dict, words: str) -> None:
     problems = judge(row(**changes), 60, excuse_in_flight=False)
@@ -122,6 +125,20 @@ def test_failures_are_excused_without_a_peer_and_in_flight_at_a_gateway_kill() -
     assert judge(gateway, 60, excuse_in_flight=True) == []
     assert judge(row(failed_by_kind={"connection_dropped": 3}, failed_in_flight=2), 60,
                  excuse_in_flight=True) == ["1 failed with a peer left (connection_dropped 3)"]
+
+
+def test_attainment_after_recovery_is_judged_with_slack_and_only_on_enough_requests() -> None:
+    def judged(before: float, after: float, sent_after: int, sent_before: int = 10) -> bool:
+        return bool(judge(row(attainment_before=before, sent_before=sent_before,
+                              attainment_after=after, sent_after=sent_after), 60,
+                          excuse_in_flight=False))
+
+    assert not judged(1.0, 0.8, 5)  # one of five missed: within 10% + 1/5
+    assert judged(1.0, 0.6, 5)  # two of five
+    assert not judged(0.5, 0.4, 20)  # as bad as before: back to its baseline
+    assert not judged(1.0, 0.0, 4)  # too few after to judge
+    assert not judged(1.0, 0.0, 20, sent_before=3)  # too few before
+    assert not judged(1.0, 1.0, 20) and judged(0.9, 0.6, 20)
 
 
 def test_the_table_has_a_line_per_row_with_its_verdict() -> None:
