@@ -79,9 +79,9 @@ def prefill_active_flops(model, config: ModelConfig, length: int) -> float:
     embed = model.model.embed_tokens.weight.numel()
     head = config.vocab_size * config.hidden_size
     params = sum(p.numel() for p in model.parameters()) - embed - head
-    all_experts = sum(b.num_experts * expert_bytes(b) for b in blocks) // model.model.embed_tokens.weight.element_size()
-    active_experts = sum(b.top_k * expert_bytes(b) for b in blocks) // model.model.embed_tokens.weight.element_size()
-    per_token = params - all_experts + active_experts
+    element = model.model.embed_tokens.weight.element_size()
+    unpicked = sum((b.num_experts - b.top_k) * expert_bytes(b) for b in blocks) // element
+    per_token = params - unpicked
     pairs = length * (length + 1) / 2
     attention = 4 * pairs * config.num_heads * config.head_dim * config.num_layers
     return 2 * per_token * length + 2 * head + attention
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
         floors = measure_floors()
         copy_rate, matmul_rate = floors.copy_bytes_per_s, floors.matmul_flop_per_s
-        log(f"floors: copy {copy_rate / 1e9:.0f} GB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+        log(f"floors: copy {copy_rate / 1e9:.0f} GB/s, "
+            f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
     else:
         copy_rate, matmul_rate = 1e11, 1e12
     start = time.perf_counter()

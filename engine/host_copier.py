@@ -11,10 +11,12 @@ Two copiers, one interface (`HostCopier`, engine/host_kv_tier.py):
     StreamHostCopier (CUDA)  the copy is queued on a side stream after what the engine's
                              stream has queued so far (a block may still be written by a step
                              in flight) and an event recorded after it. Where the engine's
-                             next step may overwrite the block (a copy at eviction) or reads
-                             it (a reload), the engine's stream waits on that event, on the
-                             device; a copy ahead of eviction makes nothing wait. The host
-                             thread never waits: the call returns the event.
+                             next step may overwrite the block (a copy at eviction), the
+                             engine's stream waits on that event, on the device; a copy ahead
+                             of eviction makes nothing wait, and neither does a reload: the
+                             request reading the blocks is held back until its event is done
+                             (engine/kv_cache.py), while the other requests' steps go on.
+                             The host thread never waits: the call returns the event.
 
 Copies to the host and back run on two side streams, so that a step waiting for a reload
 does not wait for copies to the host queued ahead of it. Invariant: a reload from a host
@@ -105,7 +107,7 @@ class StreamHostCopier:
                 self.kv.index_copy_(2, ids.to(self.kv.device, non_blocking=True),
                                     staging.movedim(0, 2))
 
-        return self._copy(self.to_device_stream, staged, True)
+        return self._copy(self.to_device_stream, staged, False)
 
     def order_writes_after(self, done: CopyDone) -> None:
         assert isinstance(done, torch.cuda.Event)

@@ -70,9 +70,11 @@ class HostCopier(Protocol):
     def to_device(self, copies: Sequence[tuple[int, int]],
                   after: Sequence[CopyDone]) -> CopyDone | None:
         """Copy each `(host_slot, block_id)` of `copies` into its device block, after the
-        copies `after` (the slots' own, still in flight) and before the engine's next work (a
-        step that reads them); one CopyDone for them all, None: done already. One call for
-        a whole prefix, so that the copies queue back to back."""
+        copies `after` (the slots' own, still in flight) and after the work the engine
+        queued so far; one CopyDone for them all, None: done already. The engine's later
+        work does not wait for it: the KV cache holds back every request that reads the
+        blocks until it is done (engine/kv_cache.py). One call for a whole prefix, so
+        that the copies queue back to back."""
         ...
 
     def order_writes_after(self, done: CopyDone) -> None:
@@ -178,10 +180,11 @@ class HostKVTier:
         for block_hash in block_hashes:
             self._pins[self._slot_by_hash[block_hash]] += 1  # KeyError: not held
 
-    def reload(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None:
+    def reload(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> CopyDone | None:
         """Copy pinned blocks into device blocks `block_ids` (freshly allocated, referenced
         by the request that will read them), in one copier call, and drop one pin of each;
-        they become the most recent."""
+        they become the most recent. The copy in flight (None: done already), which no
+        step may read the blocks before."""
         if len(block_hashes) != len(block_ids):
             raise ValueError(f"{len(block_hashes)} blocks reloaded into {len(block_ids)}")
         slots = [self._slot_by_hash[block_hash] for block_hash in block_hashes]
@@ -194,7 +197,7 @@ class HostKVTier:
                 del self._pins[slot]
             self._slot_by_hash.move_to_end(block_hash)
         if not slots:
-            return
+            return None
         after = [done for slot in slots if (done := self._in_flight.get(slot)) is not None]
         start = time.perf_counter()
         done = self._copier.to_device(list(zip(slots, block_ids)), after)
@@ -206,6 +209,12 @@ class HostKVTier:
         for slot in slots:
             self._track(slot, done)
         self._num_reloaded += len(slots)
+        return done
+
+    def order_writes_after(self, done: CopyDone) -> None:
+        """The engine's next work runs after `done`: a reload whose blocks, let go by a
+        request that never read them, may be reallocated and written."""
+        self._copier.order_writes_after(done)
 
     def record_lookup(self, num_hit_blocks: int, num_missed_blocks: int) -> None:
         """An admission's outcome past the device-cached prefix (the hit/miss counters)."""

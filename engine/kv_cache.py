@@ -14,11 +14,18 @@ Two ways to get blocks:
 
 Host tier (engine/host_kv_tier.py, optional): the pool offers every block it evicts with a
 hash to the tier; a lookup continues past the device-cached blocks into the tier, and the
-blocks found there are allocated on the device, filled from the host (queued before the
-step that reads them) and published, so they count as cached:
+blocks found there are allocated on the device, filled from the host and published, so they
+count as cached:
 
     prompt blocks  [ device hits | host hits (reloaded) | computed ... ]
                    ^ block_ids     ^ host_block_hashes   ^ num_missed_blocks (full ones)
+
+Where copies are asynchronous (CUDA) a reload is in flight when the admission returns, and
+nothing waits for it on the device: the table is *loading* until the copy is done (so is one
+that took, as a device hit, a block a reload is still filling), and the scheduler leaves a
+loading request out of its steps (`poll_loads`) while the others' go on. A loading table
+released (an abort, a preemption) makes the engine's next work wait for its copies on the
+device, since its blocks may be reallocated and written.
 
 Lifecycle of a block table (keyed by request id): created by `allocate_for` or `reserve`,
 grown by `allocate_for`, its full computed blocks published by `cache_full_blocks`, ended by
@@ -29,6 +36,7 @@ Invariants (`check_invariants`):
     a table's first `num_published_blocks` blocks were offered to the prefix map (each maps
     to its chained hash, or to nothing when an identical prefix was cached first); the blocks
     after those carry no hash
+    a loading table's id is in `loading_ids`, and every id there is a live loading table
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.block_pool import BlockPool, CacheEvent
-from engine.host_kv_tier import HostKVTier
+from engine.host_kv_tier import CopyDone, HostKVTier
 from engine.request import Request
 from protocol.block_hashes import block_hash
 
@@ -77,6 +85,7 @@ class _BlockTable:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes, a prefix of blocks
     num_published_blocks: int = 0  # leading blocks already offered to the prefix map
     num_prefix_cached_tokens: int = 0
+    loads: list[CopyDone] = field(default_factory=list)  # reloads of its blocks in flight
 
 
 class KVCacheManager:
@@ -93,6 +102,9 @@ class KVCacheManager:
             if host_tier.copies_ahead:
                 pool.on_cached_free = host_tier.offer_ahead
         self._tables: dict[str, _BlockTable] = {}
+        # Reloaded blocks whose copy was not yet seen done, and the tables loading.
+        self._loading_blocks: dict[int, CopyDone] = {}
+        self.loading_ids: set[str] = set()
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -174,7 +186,7 @@ class KVCacheManager:
         if table is None:
             table = self._tables[request.request_id] = _BlockTable()
         if prefix is not None:
-            self._take_prefix(table, prefix, num_new_blocks)
+            self._take_prefix(request.request_id, table, prefix, num_new_blocks)
         else:
             table.block_ids.extend(self.pool.allocate(num_new_blocks))
         request.block_ids = tuple(table.block_ids)
@@ -198,6 +210,26 @@ class KVCacheManager:
             self.pool.cache_block(table.block_ids[i], table.block_hashes[i])
         table.num_published_blocks = num_full
 
+    def poll_loads(self) -> set[str]:
+        """`loading_ids` after forgetting the copies done (once per step)."""
+        for request_id in list(self.loading_ids):
+            table = self._tables[request_id]
+            table.loads = [done for done in table.loads if not done.query()]
+            if not table.loads:
+                self.loading_ids.discard(request_id)
+                if not self.loading_ids:
+                    self._loading_blocks.clear()
+        return self.loading_ids
+
+    def wait_for_a_load(self) -> bool:
+        """Block until a loading table's copies are done (an engine with nothing else to
+        run); False when none is loading."""
+        for request_id in self.poll_loads():
+            for done in self._tables[request_id].loads:
+                done.synchronize()
+            return True
+        return False
+
     def free(self, request: Request) -> None:
         """Return the request's blocks; published ones stay findable until evicted."""
         self.release(request.request_id)
@@ -220,7 +252,7 @@ class KVCacheManager:
         if self._blocks_to_take(prefix, num_total) > self.pool.num_available_blocks:
             raise ValueError(f"not enough free blocks to reserve {num_total} for {request_id}")
         table = self._tables[request_id] = _BlockTable()
-        self._take_prefix(table, prefix, num_total - len(prefix.block_ids))
+        self._take_prefix(request_id, table, prefix, num_total - len(prefix.block_ids))
         if self.host_tier is not None:
             # A peer writes the uncached blocks from outside the engine's stream: the copies
             # out of the blocks this allocation evicted must be done first.
@@ -239,6 +271,14 @@ class KVCacheManager:
     def release(self, request_id: str) -> None:
         """End a table by id (a reservation that never joined, or a request): exactly once."""
         table = self._tables.pop(request_id)
+        if request_id in self.loading_ids and (tier := self.host_tier) is not None:
+            self.loading_ids.discard(request_id)
+            for done in table.loads:
+                if not done.query():
+                    tier.order_writes_after(done)  # its blocks may be written next
+            waited = set(map(id, table.loads))
+            self._loading_blocks = {b: d for b, d in self._loading_blocks.items()
+                                    if id(d) not in waited}
         # Last block first: the LRU then evicts a sequence's tail before its head, so what
         # stays cached is always a usable prefix.
         self.pool.free(reversed(table.block_ids))
@@ -299,7 +339,7 @@ class KVCacheManager:
             num_new = num_taken = max(0, self.blocks_needed(num_tokens) - num_held)
         return num_new if num_taken <= self.pool.num_available_blocks else None
 
-    def _take_prefix(self, table: _BlockTable, prefix: CachedPrefix,
+    def _take_prefix(self, request_id: str, table: _BlockTable, prefix: CachedPrefix,
                      num_new_blocks: int) -> None:
         """Take the prefix's device blocks and `num_new_blocks` new ones, the first of which
         are filled from the host tier with the prefix's host blocks and published."""
@@ -311,13 +351,23 @@ class KVCacheManager:
             assert tier is not None  # only a tier's lookup finds host blocks
             tier.pin(host_hashes)
         new_block_ids = self.pool.allocate(num_new_blocks)
+        loading = self._loading_blocks
+        loads = list({id(d): d for b in prefix.block_ids if (d := loading.get(b)) is not None
+                      and not d.query()}.values()) if loading else []
         if tier is not None:
             assert len(new_block_ids) >= len(host_hashes)  # they cover the cached tokens
             reloaded = new_block_ids[:len(host_hashes)]
-            tier.reload(host_hashes, reloaded)
+            done = tier.reload(host_hashes, reloaded)
             for host_hash, block_id in zip(host_hashes, reloaded):
                 self.pool.cache_block(block_id, host_hash)
+                if done is not None:
+                    loading[block_id] = done
+            if done is not None:
+                loads.append(done)
             tier.record_lookup(len(host_hashes), prefix.num_missed_blocks)
+        if loads:
+            table.loads = loads
+            self.loading_ids.add(request_id)
         table.block_ids.extend(prefix.block_ids + tuple(new_block_ids))
         table.block_hashes.extend(prefix.block_hashes + host_hashes)
         table.num_published_blocks = len(prefix.block_ids) + len(host_hashes)
@@ -329,6 +379,8 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.host_tier is not None:
             self.host_tier.check_invariants()
+        assert self.loading_ids <= self._tables.keys(), "a loading id without a table"
+        assert all(self._tables[i].loads for i in self.loading_ids)
         held = Counter(b for t in self._tables.values() for b in t.block_ids)
         for block_id in range(self.pool.num_blocks):
             assert held[block_id] == self.pool.refcount(block_id), \

@@ -9,10 +9,9 @@ Lifecycle of a request inside one engine:
     reserve() -> [peer writes KV] -> add_decode_request() -> RUNNING (decode) -> finished
     abort_request() ends it in any state; blocks are freed exactly once (by the scheduler).
 Every step returns one `RequestOutput` per request that produced a token or finished in it
-(a pipelined step hands some of them out during the next step: engine/output_processor.py);
-text streams through the incremental detokenizer, held back while it may start a stop string.
-Invariants: engine/engine_invariants.py. A finished request produces exactly one output with
-`finish_reason` set. Outputs count engine steps.
+(a pipelined step hands some out during the next: engine/output_processor.py); text streams
+through the detokenizer, held back while it may start a stop string. Invariants
+(engine/engine_invariants.py): a finished request produces one output with `finish_reason`.
 """
 
 from __future__ import annotations
@@ -109,11 +108,10 @@ class LLMEngine:
         """Queue a request; outputs come from later `step()` calls. `tpot_s`: its TPOT target.
         With `notify_kv_ready` (PREFILL_ONLY requests only) the step that computes its final
         prompt chunk hands a KVReady to `step()`'s `on_kv_ready` (engine/kv_ready.py).
-        With `resumed_token_ids` it continues after that output, produced elsewhere (a
-        worker that died mid-stream): the tokens are replayed through the detokenizer and
-        the stop rules, so the text continues exactly where theirs ended and they are never
-        emitted again; seeded sampling draws the next token as the first worker would have
-        (engine/sampler.py). Raises ValueError when that output already ends the request."""
+        With `resumed_token_ids` it continues after that output, produced elsewhere (a dead
+        worker's): the tokens are replayed through the detokenizer and stop rules, so the
+        text goes on where theirs ended, none emitted again; seeded sampling draws the next
+        token as the first worker would have. ValueError: that output already ends it."""
         self._check_prompt(request_id, prompt_token_ids)
         if notify_kv_ready and mode is not RequestMode.PREFILL_ONLY:
             raise ValueError("notify_kv_ready is for PREFILL_ONLY requests")
@@ -147,8 +145,7 @@ class LLMEngine:
             return None
         return self.kv_cache.reserve(request_id, list(prompt_token_ids))
 
-    def release_reservation(self, request_id: str) -> None:
-        """Give back a reservation that will not be joined (transfer failed or aborted)."""
+    def release_reservation(self, request_id: str) -> None:  # one never joined (failed, aborted)
         if self.kv_cache.holds_blocks(request_id) and request_id not in self._tracked:
             self.kv_cache.release(request_id)
 
@@ -277,7 +274,7 @@ class LLMEngine:
             raise ValueError("this engine's runner cannot run overlapped steps")
         previous, self._inflight = self._inflight, None
         outputs = self.outputs.flush_deferred()  # left by a pipelined step before this one
-        schedule = self._schedule()
+        schedule = self._schedule(may_wait=previous is None)
         if schedule.is_empty:
             outputs += self._resolve(previous) if previous is not None else []
             return outputs + self._finished_outputs(set())
@@ -310,8 +307,11 @@ class LLMEngine:
             inflight.check_invariants()
         return outputs + self._finished_outputs(t.request.request_id for t in tracked)
 
-    def _schedule(self) -> ScheduleOutput:
-        schedule = self.last_schedule = self.scheduler.schedule()
+    def _schedule(self, may_wait: bool = True) -> ScheduleOutput:
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty and may_wait and self.scheduler.kv_cache.wait_for_a_load():
+            schedule = self.scheduler.schedule()  # nothing else to run: a reload's end
+        self.last_schedule = schedule
         self.num_steps += 1
         self.num_preemptions += len(schedule.preempted_request_ids)
         return schedule

@@ -28,10 +28,11 @@ One step, under a budget of max_num_batched_tokens tokens and max_num_seqs chunk
      being with `hold_tpot` what the decodes' tightest TPOT leaves (engine/step_budget.py).
      Admission (prefix-cache hits skip their compute) never preempts and stops at the first
      waiting request without a seat or blocks: nobody overtakes it.
-  When a running request needs a block and none is free, the worst-ranked running request
-  (lowest rank, then newest; possibly itself) is preempted: its blocks are freed (published
-  full blocks stay cached), it computes nothing more and re-enters the waiting queue, and a
-  chunk already scheduled for it this step is withdrawn.
+  A seated request whose host-tier reload is in flight (`KVCacheManager.loading_ids`) sits
+  out until the copy is done. When a running request needs a block and none is free, the
+  worst-ranked running request (lowest rank, then newest; possibly itself) is preempted: its
+  blocks are freed (published full blocks stay cached), it computes nothing more and
+  re-enters the waiting queue, and a chunk already scheduled for it this step is withdrawn.
 Two schedulers may share one KV cache (the prefill lane, engine/prefill_lane.py): one with
 `parks_prefilled` parks each prompt after its first token; `hand_over` gives it, blocks held,
 to the other, which `adopt`s it and decodes it.
@@ -132,11 +133,9 @@ class Scheduler:
         self._queue(request, RequestStatus.FINISHED_LENGTH)  # too long: as at a context limit
 
     def add_decode_request(self, request: Request, first_token_id: int) -> None:
-        """Join a DECODE_ONLY request whose prompt KV now fills its reservation.
-        Precondition: `kv_cache.reserve(request.request_id, request.prompt_token_ids)` was
-        made and the peer finished writing. The reservation becomes the request's table;
-        `first_token_id` (sampled by the prefill side) is its first output token and the next
-        step decodes it. With max_tokens == 1 the request ends at once (FINISHED_LENGTH)."""
+        """Join a DECODE_ONLY request whose reservation (`kv_cache.reserve`) the peer has
+        filled: it becomes the request's table, `first_token_id` (the prefill side's) its
+        first output token, decoded next; max_tokens == 1 ends it (FINISHED_LENGTH)."""
         if request.mode is not RequestMode.DECODE_ONLY:
             raise ValueError(f"{request.request_id}: add_decode_request needs DECODE_ONLY")
         self._check_fresh(request)
@@ -151,8 +150,7 @@ class Scheduler:
         self.kv_cache.cache_full_blocks(request)
         self._after_sample(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """End a live request in any state, freeing its blocks once; None if not live."""
+    def abort_request(self, request_id: str) -> Request | None:  # any state; None: not live
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -209,10 +207,11 @@ class Scheduler:
                              self.config.prefill_chunk_tokens)
         seated = self._running.best(self.config.max_num_seqs)
         running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
+        loading = self.kv_cache.poll_loads()  # empty unless a host-tier reload is in flight
         # Decodes first, in rank order, then prefills (either may preempt worse-ranked ones).
         prefills = []
         for request in seated:
-            if request.status is not running:
+            if request.status is not running or loading and request.request_id in loading:
                 continue
             start = request.num_computed_tokens
             output = request.output_token_ids
@@ -327,7 +326,8 @@ class Scheduler:
         request.num_computed_tokens = request.num_cached_tokens = prefix.num_cached_tokens
         request.status = RequestStatus.RUNNING
         self._running.add(request, self._order.rank_key(request))
-        step.add_chunk(request, num_new)
+        if request.request_id not in self.kv_cache.loading_ids:  # else seated, reloading
+            step.add_chunk(request, num_new)
         return True
 
     def _preempt(self, victim: Request, step: ScheduleDraft) -> None:

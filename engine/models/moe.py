@@ -27,10 +27,10 @@ rows, then up rows) and `w2` [E, H, I], each expert's projections being views of
 Tensor parallel: each rank holds a slice of every expert's width and the whole router
 (engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
 partial sums that the decoder layer's all-reduce adds up. A shared expert is sliced as a
-dense MLP (with expert parallelism too), its one-output gate whole on every rank. Expert parallel (`shares` set,
-engine/expert_parallel.py): each rank holds whole experts instead, computes only the rows of
-the experts it holds (of an expert with k copies, every k-th row from its copy's index), and
-returns those partial sums to the same all-reduce.
+dense MLP (with expert parallelism too), its one-output gate whole on every rank. Expert
+parallel (`shares` set, engine/expert_parallel.py): each rank holds whole experts instead,
+computes only the rows of the experts it holds (of an expert with k copies, every k-th row
+from its copy's index), and returns those partial sums to the same all-reduce.
 
 Load: `expert_tokens` counts the (token, expert) assignments of every expert since it was
 last read (`take_expert_tokens`), on the block's device, from the counts the grouping

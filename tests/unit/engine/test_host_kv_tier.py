@@ -294,3 +294,81 @@ def test_the_tier_reports_what_it_takes_and_drops_under_host_tier_names():
                            (CacheEventKind.EVICTED, host_tier_hash(h2)),
                            (CacheEventKind.INSERTED, host_tier_hash(h0))]
     assert (CacheEventKind.EVICTED, h0) in events  # the KV cache's own, under its own name
+
+
+def test_a_reload_in_flight_holds_back_only_the_requests_that_read_its_blocks() -> None:
+    from engine.scheduler import Scheduler
+    from engine.scheduler_config import SchedulerConfig
+
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=8, block_size=BS), HostKVTier(8, copier, 1))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv)
+    _compute(kv, a := _request("a", list(range(13))))
+    kv.free(a)
+    _compute(kv, b := _request("b", list(range(100, 129))))  # evicts a's blocks to the host
+    kv.free(b)
+    for done in copier.pending:
+        done.done = True
+    copier.waited.clear()  # (b's allocation waited for a's copies out)
+    scheduler.add_request(_request("other", list(range(200, 203))))
+    scheduler.add_request(_request("c", list(range(12)) + [99]))
+    out = scheduler.schedule()
+    # c is admitted, its three blocks reloading: it sits out; "other" computes.
+    assert [chunk.request_id for chunk in out.chunks] == ["other"]
+    assert kv.loading_ids == {"c"} and copier.reloads
+    assert copier.waited == []  # nothing on the device waits for the reload
+    scheduler.update_from_output(out, {"other": 1})
+    # d shares c's reloaded (published) blocks while the copy is in flight: held back too.
+    scheduler.add_request(_request("d", list(range(12)) + [77]))
+    out = scheduler.schedule()
+    assert {chunk.request_id for chunk in out.chunks} == {"other"}
+    assert kv.loading_ids == {"c", "d"}
+    scheduler.update_from_output(out, {"other": 2})
+    copier.pending[-1].done = True
+    out = scheduler.schedule()
+    assert {chunk.request_id for chunk in out.chunks} == {"other", "c", "d"}
+    # Each starts past the 12 cached tokens: they were reloaded, not recomputed.
+    assert {c.request_id: c.start_pos for c in out.chunks if c.request_id != "other"} == \
+        {"c": 12, "d": 12}
+    assert not kv.loading_ids
+    scheduler.check_invariants()
+
+
+def test_a_loading_request_aborted_orders_the_next_writes_after_its_reload() -> None:
+    from engine.scheduler import Scheduler
+    from engine.scheduler_config import SchedulerConfig
+
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv)
+    _compute(kv, a := _request("a", list(range(13))))
+    kv.free(a)
+    _compute(kv, b := _request("b", list(range(100, 113))))
+    kv.free(b)
+    for done in copier.pending:
+        done.done = True
+    copier.waited.clear()
+    scheduler.add_request(_request("c", list(range(12)) + [99]))
+    assert scheduler.schedule().is_empty and kv.loading_ids == {"c"}
+    reload = copier.pending[-1]
+    assert kv.wait_for_a_load() and reload.done  # an engine with nothing else to run waits
+    scheduler.abort_request("c")
+    assert copier.waited == []  # done already: nothing to order
+    scheduler.add_request(_request("e", list(range(12)) + [55]))
+    out = scheduler.schedule()
+    assert kv.loading_ids == set()  # c's blocks are on the device now: a plain hit
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("e", 12)]
+    scheduler.abort_request("e")
+    scheduler.update_from_output(out, {})
+    # A reload still in flight when its request ends: the next writes wait for it.
+    _compute(kv, f := _request("f", list(range(300, 313))))
+    kv.free(f)
+    for done in copier.pending:
+        done.done = True
+    copier.waited.clear()
+    scheduler.add_request(_request("g", list(range(100, 112)) + [1]))
+    scheduler.schedule()
+    assert kv.loading_ids == {"g"}
+    scheduler.abort_request("g")
+    assert copier.waited == [copier.pending[-1]] and not kv.loading_ids
+    kv.check_invariants()

@@ -6,7 +6,10 @@ The copier moves the `KVChecker`'s record of what each slot holds, as the real c
 tensors: a block offloaded after it was overwritten, reloaded into the wrong block, or
 reloaded from a slot that was reused, makes a later chunk find the wrong prefix's KV.
 Copies may stay in flight for a while (as on CUDA), so slots in flight are exercised too, and
-then blocks are copied ahead of eviction, when they become cached-free (as on CUDA).
+then blocks are copied ahead of eviction, when they become cached-free (as on CUDA). A reload
+in flight lands its records only when it is done (or when the engine's next work is ordered
+after it): a chunk scheduled before then, of the reloading request or of one sharing its
+blocks, reads KV that is not there yet.
 """
 
 from __future__ import annotations
@@ -28,13 +31,18 @@ Slots = dict[tuple[int, int], tuple[int, ...]]
 
 
 class Done:
-    def __init__(self) -> None:
+    """A copy in flight; `land` (a reload's) runs when it is done."""
+
+    def __init__(self, land=None) -> None:
         self.done = False
+        self.land = land
 
     def query(self) -> bool:
         return self.done
 
     def synchronize(self) -> None:
+        if not self.done and self.land is not None:
+            self.land()
         self.done = True
 
 
@@ -48,10 +56,12 @@ class CheckerCopier:
         self.host: dict[int, dict[int, tuple[int, ...] | None]] = {}
         self.pending: list[Done] = []
 
-    def _done(self) -> Done | None:
+    def _done(self, land=None) -> Done | None:
         if not self.in_flight:
+            if land is not None:
+                land()
             return None
-        self.pending.append(done := Done())
+        self.pending.append(done := Done(land))
         return done
 
     def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
@@ -60,16 +70,21 @@ class CheckerCopier:
 
     def to_device(self, copies: Sequence[tuple[int, int]],
                   after: Sequence[Done]) -> Done | None:
-        for host_slot, block_id in copies:
-            for s, held in self.host[host_slot].items():
-                if held is None:
-                    self.slots.pop((block_id, s), None)
-                else:
-                    self.slots[(block_id, s)] = held
-        return self._done()
+        for host_slot, block_id in copies:  # until it lands, the blocks hold nothing known
+            for s in range(BS):
+                self.slots.pop((block_id, s), None)
+
+        def land() -> None:
+            for host_slot, block_id in copies:
+                for s, held in self.host[host_slot].items():
+                    if held is None:
+                        self.slots.pop((block_id, s), None)
+                    else:
+                        self.slots[(block_id, s)] = held
+        return self._done(land)
 
     def order_writes_after(self, done: Done) -> None:
-        pass  # the records moved when the copy was asked for
+        done.synchronize()  # what the engine queues next runs after the copy
 
 
 def make_tiered(num_blocks: int, num_host_blocks: int, in_flight: bool, **config
@@ -110,11 +125,17 @@ class TieredSchedulerMachine(SchedulerMachine):
     @rule(data=st.data())
     def copies_complete(self, data):
         for done in self.copier.pending:
-            done.done = done.done or data.draw(st.booleans())
+            if data.draw(st.booleans()):
+                done.synchronize()
         self.copier.pending = [d for d in self.copier.pending if not d.done]
 
     def _step(self):
+        kv = self.scheduler.kv_cache
         super()._step()
+        if kv.loading_ids:
+            event("a request held back by its reload")
+        if not self.scheduler.num_running - len(kv.loading_ids) and kv.wait_for_a_load():
+            event("nothing else to run: waited for a reload")  # as the engine does
         stats = self.scheduler.kv_cache.host_tier.stats()
         if stats.num_hit_blocks:
             event("host hit")
