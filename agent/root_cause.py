@@ -38,9 +38,12 @@ other workers follows from it):
                        baseline (the mapped path lost), or the mean push time up by
                        `transfer_ratio` (stage: KV transfer)
     expert_imbalance   a MoE worker's busiest expert over the mean (agent/expert_cause.py)
+    relay_lag          the gateway's event-loop lag while the tier's requests streamed
+                       (the relay stage) against `relay_ms_high`, where it also grew by
+                       `slow_ratio` over the baseline's (stage: relay)
 
-The prefill workers' queue (`PrefillResult.queue_ms`, split prompts) is a stage row of its
-own. Not seen, so never named: the relay (the gateway's decode gap includes it).
+The prefill workers' queue (`PrefillResult.queue_ms`, split prompts) and the relay (the
+gateway's share of the decode gap, gateway/ops/loop_lag.py) are stage rows of their own.
 Nothing here reads a clock or does I/O.
 """
 
@@ -82,7 +85,8 @@ def attribute(tier: str, baseline: Sequence[Snapshot], recent: Sequence[Snapshot
     causes = [c for c in (rate_surge(before, now, config), mix_shift(before, now, config),
                           *slow_workers(now, config), kv_pressure(now, config),
                           transfer_fallback(before, now, config),
-                          expert_imbalance(before, now)) if c is not None]
+                          expert_imbalance(before, now), relay_lag(before, now, config))
+              if c is not None]
     # A worker the agent ejected in the window is a fault seen on that worker itself (its own
     # rule fired); what it makes grow elsewhere (slower KV pushes into it, queues behind it)
     # ranks after it, whatever the scores.
@@ -118,6 +122,8 @@ def stage_changes(before: Window, now: Window) -> list[StageChange]:
         StageChange(stage=StageName.DECODE_STEP, baseline_ms=_ms(b.decode.mean_ms),
                     recent_ms=_ms(n.decode.mean_ms),
                     worker_ids=_grew(n.decode_by_worker)),
+        StageChange(stage=StageName.RELAY, baseline_ms=_ms(b.relay.mean_ms),
+                    recent_ms=_ms(n.relay.mean_ms)),
     ]
 
 
@@ -154,6 +160,24 @@ def rate_surge(before: Window, now: Window, config: RootCauseConfig) -> Cause | 
                  f"(x{ratio:.1f})",
         action="recommend: more workers (pdserve_agent_desired_workers), or a lower rate "
                "limit for the tier")
+
+
+def relay_lag(before: Window, now: Window, config: RootCauseConfig) -> Cause | None:
+    recent, baseline = now.tally.relay.mean_ms, before.tally.relay.mean_ms
+    if recent is None or recent < config.relay_ms_high:
+        return None
+    ratio = _ratio(recent, baseline)
+    if ratio is not None and ratio < config.slow_ratio:
+        return None  # as late as before: not what changed
+    was = f"{baseline:.1f} ms over the {before.span_s:.0f} s before" if baseline is not None \
+        else "no figure before"
+    return Cause(
+        kind=CauseKind.RELAY_LAG, score=round(recent / config.relay_ms_high, 2),
+        stage=StageName.RELAY, worker_ids=[],
+        evidence=f"the gateway's event loop ran {recent:.1f} ms late on average while the "
+                 f"tier's requests streamed over the last {now.span_s:.0f} s vs {was}",
+        action="recommend: more gateway replicas (pdserve up --gateways), or a core of its "
+               "own for the gateway")
 
 
 def mix_shift(before: Window, now: Window, config: RootCauseConfig) -> Cause | None:

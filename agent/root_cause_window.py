@@ -29,6 +29,7 @@ class RootCauseConfig:
     kv_usage_high: float = 0.9
     carrier_shift: float = 0.25
     transfer_ratio: float = 2.0
+    relay_ms_high: float = 10.0  # the gateway's loop lag that counts as a relay problem
 
     def __post_init__(self) -> None:
         if min(self.recent_s, self.baseline_s) <= 0 or self.min_requests < 1:
@@ -37,6 +38,8 @@ class RootCauseConfig:
             raise ValueError("attainment target in (0, 1], margin in (0, 1)")
         if min(self.surge_ratio, self.mix_ratio, self.slow_ratio, self.transfer_ratio) <= 1:
             raise ValueError("ratios must be > 1")
+        if self.relay_ms_high <= 0:
+            raise ValueError("relay_ms_high must be > 0")
         if not 0 < self.kv_usage_high <= 1 or not 0 < self.carrier_shift <= 1:
             raise ValueError("kv_usage_high and carrier_shift must be in (0, 1]")
 

@@ -25,6 +25,7 @@ class CauseKind(enum.StrEnum):
     KV_PRESSURE = "kv_pressure"  # KV pools near full, reservations wait for blocks
     TRANSFER_FALLBACK = "transfer_fallback"  # KV transfers fail or take a slower path
     EXPERT_IMBALANCE = "expert_imbalance"  # a few experts of a MoE model carry the traffic
+    RELAY_LAG = "relay_lag"  # the gateway's event loop runs late: every token waits for it
 
 
 class StageName(enum.StrEnum):
@@ -34,6 +35,7 @@ class StageName(enum.StrEnum):
     PREFILL_COMPUTE = "prefill_compute"
     KV_TRANSFER = "kv_transfer"
     DECODE_STEP = "decode_step"
+    RELAY = "relay"  # of the decode gap, the gateway's: how late its event loop ran
 
 
 class StageChange(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,6 +16,9 @@ Stages, as the gateway times them (gateway/api/request_trace.py), all in ms:
                      prefills itself do not report it)
     decode           the mean gap between later tokens (TPOT): the decode worker's steps
                      and the relay to the client
+    relay            of that, how late the gateway's event loop ran while the request
+                     streamed (gateway/ops/loop_lag.py): how long each token waited for
+                     the gateway to relay it
 
 The decode gap is also summed per decode worker and the prefill stage per prefill worker
 (the last attempt's), so that a stage that grew on one worker shows as that worker's.
@@ -65,6 +68,7 @@ class TierTally(msgspec.Struct, kw_only=True):
     prefill: StageSum = msgspec.field(default_factory=StageSum)
     decode: StageSum = msgspec.field(default_factory=StageSum)
     prefill_queue: StageSum = msgspec.field(default_factory=StageSum)
+    relay: StageSum = msgspec.field(default_factory=StageSum)
     prefill_by_worker: dict[str, StageSum] = msgspec.field(default_factory=dict)
     decode_by_worker: dict[str, StageSum] = msgspec.field(default_factory=dict)
 
@@ -84,6 +88,7 @@ class TierTally(msgspec.Struct, kw_only=True):
         self.prefill.merge(other.prefill)
         self.prefill_queue.merge(other.prefill_queue)
         self.decode.merge(other.decode)
+        self.relay.merge(other.relay)
         for mine, theirs in ((self.prefill_by_worker, other.prefill_by_worker),
                              (self.decode_by_worker, other.decode_by_worker)):
             for worker_id, stage in theirs.items():

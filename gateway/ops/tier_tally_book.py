@@ -1,11 +1,12 @@
 """The gateway's running tally of finished requests per tier (protocol/tier_tally.py), handed
 to the operations agent through Redis (state/tier_tallies.py) once per interval.
 
-    observe(record)   one finished request (gateway/api/request_trace.py's record)
+    observe(record)   one finished request (gateway/api/request_trace.py's record), with
+                      the event loop's lag while it streamed (`lag`, the relay stage)
     take(now)         the tally since the last take, and a fresh one (None: nothing finished)
     start() / stop()  the publishing task: every `period_s` take() and append it to the
                       stream (best effort: with Redis away the interval's tally is dropped,
-                      and one warning says so per outage)
+                      and one warning says so per outage); and the loop-lag sampler
 
 Lifecycle: start() once in the gateway's cleanup_ctx, stop() there on shutdown (cancels
 and awaits the task, then publishes what is left). Invariant: every observed request is in
@@ -20,6 +21,7 @@ import time
 import uuid
 
 from gateway.api.request_trace import RequestRecord
+from gateway.ops.loop_lag import LoopLag
 from gateway.ops.request_history import MET, MISSED, REFUSED
 from protocol.tier_tally import GatewayTally, StageSum, TierTally
 from state.redis_state import REDIS_FAILURES, raise_if_cancelling
@@ -28,8 +30,9 @@ from state.tier_tallies import TallyStream
 log = logging.getLogger(__name__)
 
 
-def add_request(tally: TierTally, record: RequestRecord) -> None:
-    """Count one finished request into its tier's tally."""
+def add_request(tally: TierTally, record: RequestRecord, relay_ms: float | None = None) -> None:
+    """Count one finished request into its tier's tally; `relay_ms`: the gateway loop's
+    mean lag while it streamed (None: not known)."""
     if record.outcome in MET:
         tally.num_met += 1
     elif record.outcome in MISSED:
@@ -59,12 +62,25 @@ def add_request(tally: TierTally, record: RequestRecord) -> None:
     if record.tpot_ms is not None and record.workers:
         tally.decode.add(record.tpot_ms)
         tally.decode_by_worker.setdefault(record.workers[-1], StageSum()).add(record.tpot_ms)
+        if relay_ms is not None:
+            tally.relay.add(relay_ms)
+
+
+def streamed_between(record: RequestRecord) -> tuple[float, float] | None:
+    """The wall-clock seconds from its first token to its last (None: no decode stage)."""
+    decode = next((s for s in record.stages if s.name == "decode"), None)
+    if decode is None:
+        return None
+    arrived = record.arrived_unix_ms / 1000
+    return arrived + decode.start_ms / 1000, arrived + decode.end_ms / 1000
 
 
 class TierTallyBook:
-    def __init__(self, stream: TallyStream | None, period_s: float = 1.0) -> None:
+    def __init__(self, stream: TallyStream | None, period_s: float = 1.0,
+                 lag: LoopLag | None = None) -> None:
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
+        self.lag = LoopLag() if lag is None else lag
         self.stream = stream  # None: tallied, never published (a gateway without Redis)
         self.period_s = period_s
         self.gateway_id = uuid.uuid4().hex[:12]
@@ -74,7 +90,9 @@ class TierTallyBook:
         self._failing = False
 
     def observe(self, record: RequestRecord) -> None:
-        add_request(self._tiers.setdefault(record.tier, TierTally()), record)
+        streamed = streamed_between(record) if record.tpot_ms is not None else None
+        add_request(self._tiers.setdefault(record.tier, TierTally()), record,
+                    None if streamed is None else self.lag.mean_ms(*streamed))
 
     def take(self, now_unix_ms: int) -> GatewayTally | None:
         tiers, self._tiers = self._tiers, {}
@@ -85,10 +103,12 @@ class TierTallyBook:
                             end_unix_ms=now_unix_ms, tiers=tiers)
 
     def start(self) -> None:
+        self.lag.start()
         if self._task is None and self.stream is not None:
             self._task = asyncio.create_task(self._run(), name="tier-tally-publisher")
 
     async def stop(self) -> None:
+        await self.lag.stop()
         if self._task is None:
             return
         self._task.cancel()

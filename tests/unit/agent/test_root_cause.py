@@ -103,6 +103,36 @@ def test_the_prefill_workers_queue_is_a_stage_row_where_they_report_it() -> None
     assert (queue.baseline_ms, queue.recent_ms) == (5.0, 600.0)
 
 
+def with_relay(snapshots: list[Snapshot], baseline_ms: float, recent_ms: float
+               ) -> list[Snapshot]:
+    for n, snapshot in enumerate(snapshots):
+        tier = snapshot.tiers["standard"]
+        tier.relay = StageSum((baseline_ms if n < 60 else recent_ms) * tier.decode.count,
+                              tier.decode.count)
+    return snapshots
+
+
+def test_a_gateway_relaying_late_is_named_first_with_the_relay_stage() -> None:
+    # Every token waits ~150 ms for the gateway's loop: TPOT grows alike on both decode
+    # workers (neither is slower than the other), their own steps did not change.
+    report = report_of(with_relay(recording((1, 1, 205, 6.0, 85.0, 180.0, 181.0, 0)),
+                                  baseline_ms=0.4, recent_ms=150.0))
+    assert report is not None and report.cause is not None
+    assert report.cause.kind is CauseKind.RELAY_LAG, report.causes
+    assert report.cause.stage is StageName.RELAY and "150.0 ms late" in report.cause.evidence
+    assert [c.kind for c in report.causes] == [CauseKind.RELAY_LAG]
+    relay = next(s for s in report.stages if s.stage is StageName.RELAY)
+    assert (relay.baseline_ms, relay.recent_ms) == (0.4, 150.0)
+
+
+def test_a_gateway_as_late_as_before_is_not_what_changed() -> None:
+    report = report_of(with_relay(recording((1, 1, 1200, 6.0, 900.0, 32.0, 33.0, 0)),
+                                  baseline_ms=20.0, recent_ms=25.0))
+    assert report is not None and report.cause is not None
+    assert report.cause.kind is CauseKind.MIX_SHIFT
+    assert CauseKind.RELAY_LAG not in [c.kind for c in report.causes]
+
+
 def test_an_arrival_rate_surge_is_named_first() -> None:
     # Three times the requests: they queue for admission; the KV pools fill up somewhat.
     busier = {"d0": (0.045, 0.044, 0.75, 0, 0, 0, 0.0, 0, None),

@@ -62,3 +62,36 @@ def test_the_prefill_workers_queue_is_its_own_stage_for_split_prompts_only() -> 
     standard = taken.tiers["standard"]
     assert (standard.prefill_queue.count, standard.prefill_queue.mean_ms) == (1, 30.0)
     assert standard.prefill.count == 3
+
+
+def test_the_relay_stage_is_the_loop_lag_while_each_request_streamed() -> None:
+    from gateway.ops.loop_lag import LoopLag
+
+    lag = LoopLag(period_s=0.05)
+    for i in range(40):  # one sample every 50 ms from t = 0: 1 ms late, then 30 ms from 1 s
+        lag.record(i * 0.05, 1.0 if i < 20 else 30.0)
+    book = TierTallyBook(stream=None, lag=lag)
+    # SPLIT streams from 104 ms to 300 ms after its arrival: samples 3..6, all 1 ms late.
+    book.observe(record("met", ["p0", "d0"], SPLIT))
+    late = [Stage("queued", 0.0, 4.0), Stage("prefill", 4.0, 1200.0),
+            Stage("decode", 1200.0, 1500.0)]
+    book.observe(record("met", ["p0", "d0"], late))
+    book.observe(record("met", ["p0", "d0"], SPLIT, tpot_ms=None))  # one token: no gap
+    taken = book.take(now_unix_ms=2000)
+    assert taken is not None
+    relay = taken.tiers["standard"].relay
+    assert relay.count == 2 and relay.mean_ms == (1.0 + 30.0) / 2
+
+
+def test_the_loop_lag_mean_is_over_the_window_or_the_next_sample() -> None:
+    from gateway.ops.loop_lag import LoopLag, mean_in_window
+
+    times, total = [1.0, 2.0, 3.0, 4.0], [2.0, 6.0, 12.0, 20.0]  # lags 2, 4, 6, 8
+    assert mean_in_window(times, total, 2.0, 3.0) == 5.0
+    assert mean_in_window(times, total, 2.2, 2.5) == 6.0  # none inside: the next one's
+    assert mean_in_window(times, total, 0.0, 9.0) == 5.0
+    assert mean_in_window(times, total, 4.5, 9.0) is None
+    small = LoopLag(period_s=1.0, keep_s=2.0)
+    for i in range(20):  # older samples are dropped; the means stay right
+        small.record(float(i), float(i))
+    assert small.mean_ms(17.0, 19.0) == 18.0 and small.mean_ms(-1.0, 0.5) is not None
