@@ -59,12 +59,35 @@ def to_transformers(model, config: ModelConfig):
     return hf.eval()
 
 
-def run_transformers_eager(hf, config: ModelConfig, device: torch.device, results: ModelResults,
-                           deadline: float, batches=DECODE_BATCHES, contexts=CONTEXTS,
-                           prefills=PREFILLS) -> None:
+def eager_decode_ms(hf, config: ModelConfig, batch: int, context: int, device: torch.device,
+                    reps: int) -> float:
+    """transformers' eager decode step at `batch` rows of `context` tokens: the context is
+    already cached (random K/V, as a prefill would leave it); each timed step appends one
+    token, as `generate` does."""
     from transformers import DynamicCache
 
     dtype = next(hf.parameters()).dtype
+    cache = DynamicCache(config=hf.config)
+    shape = (batch, config.num_kv_heads, context - 1, config.head_dim)
+    with torch.no_grad():
+        for layer in range(config.num_layers):
+            cache.update(torch.randn(shape, device=device, dtype=dtype),
+                         torch.randn(shape, device=device, dtype=dtype), layer)
+    ids = torch.ones(batch, 1, dtype=torch.long, device=device)
+    pos = [context - 1]
+
+    def one_step() -> None:
+        with torch.no_grad():
+            hf(input_ids=ids, past_key_values=cache, use_cache=True,
+               position_ids=torch.full((batch, 1), pos[0], device=device))
+        pos[0] += 1
+
+    return time_ms(one_step, device, warmup=2, reps=reps)
+
+
+def run_transformers_eager(hf, config: ModelConfig, device: torch.device, results: ModelResults,
+                           deadline: float, batches=DECODE_BATCHES, contexts=CONTEXTS,
+                           prefills=PREFILLS) -> None:
     for batch in batches:
         for context in contexts:
             key = f"decode batch {batch} ctx {context}"
@@ -73,26 +96,9 @@ def run_transformers_eager(hf, config: ModelConfig, device: torch.device, result
                 continue
 
             def case(batch=batch, context=context, key=key) -> None:
-                # The context is already cached (random K/V, as a prefill would leave it);
-                # each timed step appends one token, as `generate` does.
-                cache = DynamicCache(config=hf.config)
-                shape = (batch, config.num_kv_heads, context - 1, config.head_dim)
-                with torch.no_grad():
-                    for layer in range(config.num_layers):
-                        cache.update(torch.randn(shape, device=device, dtype=dtype),
-                                     torch.randn(shape, device=device, dtype=dtype), layer)
-                ids = torch.ones(batch, 1, dtype=torch.long, device=device)
-                pos = [context - 1]
-
-                def one_step() -> None:
-                    with torch.no_grad():
-                        hf(input_ids=ids, past_key_values=cache, use_cache=True,
-                           position_ids=torch.full((batch, 1), pos[0], device=device))
-                    pos[0] += 1
-
-                results.hf_eager_ms[key] = time_ms(one_step, device, warmup=2, reps=8)
+                results.hf_eager_ms[key] = eager_decode_ms(hf, config, batch, context, device,
+                                                           reps=8)
                 log(f"transformers eager {key}: {results.hf_eager_ms[key]:8.2f} ms")
-                del cache
             guarded(f"transformers eager {key}", results, case)
     for num_seqs in prefills:
         key = f"{num_seqs}x{PREFILL_LEN}"

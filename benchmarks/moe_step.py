@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.engine_gpu_baseline import eager_decode_ms
 from benchmarks.engine_gpu_model import (BLOCK_SIZE, PREFILL_LEN, build_random_model,
                                          decode_schedule, kv_bytes, prefill_schedule, time_ms)
 from engine.config import ModelConfig
@@ -129,28 +130,6 @@ def to_transformers(model, config: ModelConfig):
     return hf.eval()
 
 
-def hf_decode_ms(hf, config: ModelConfig, batch: int, context: int, device) -> float:
-    from transformers import DynamicCache
-
-    dtype = next(hf.parameters()).dtype
-    cache = DynamicCache(config=hf.config)
-    shape = (batch, config.num_kv_heads, context - 1, config.head_dim)
-    with torch.no_grad():
-        for layer in range(config.num_layers):
-            cache.update(torch.randn(shape, device=device, dtype=dtype),
-                         torch.randn(shape, device=device, dtype=dtype), layer)
-    ids = torch.ones(batch, 1, dtype=torch.long, device=device)
-    pos = [context - 1]
-
-    def one_step() -> None:
-        with torch.no_grad():
-            hf(input_ids=ids, past_key_values=cache, use_cache=True,
-               position_ids=torch.full((batch, 1), pos[0], device=device))
-        pos[0] += 1
-
-    return time_ms(one_step, device, warmup=2, reps=6)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             error = float((ours - theirs.float()).abs().max() / theirs.float().abs().max())
             log(f"logits vs transformers: max error {error:.3g} of the largest logit")
             for row, batch in zip(rows, batches):
-                row.hf_ms = hf_decode_ms(hf, config, batch, args.context, device)
+                row.hf_ms = eager_decode_ms(hf, config, batch, args.context, device, reps=6)
                 log(f"transformers {row.case}: {row.hf_ms:.2f} ms")
             ids = torch.randint(0, config.vocab_size, (1, PREFILL_LEN), device=device)
             with torch.no_grad():

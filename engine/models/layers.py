@@ -188,13 +188,17 @@ class GatedMLP(nn.Module):
         self.up_proj.weight = nn.Parameter(up, requires_grad=False)
 
     def forward_kernels(self, x: torch.Tensor, workspace: GemvWorkspace | None) -> torch.Tensor:
-        from engine.kernels.silu_mul import silu_mul_triton
-
-        gate_up = linear(x, self.gate_up_weight, workspace=workspace)
-        size = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :size], gate_up[:, size:]
-        if self.activation is Activation.GELU_TANH:
-            hidden = F.gelu(gate, approximate="tanh") * up
-        else:
-            hidden = silu_mul_triton(gate, up)
+        hidden = gated_kernels(linear(x, self.gate_up_weight, workspace=workspace),
+                               self.activation)
         return linear(hidden, self.down_proj.weight, workspace=workspace)
+
+
+def gated_kernels(gate_up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The kernel path's act(gate) * up for a fused [gate | up] projection output [T, 2I]."""
+    from engine.kernels.silu_mul import silu_mul_triton
+
+    size = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :size], gate_up[:, size:]
+    if activation is Activation.GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
+    return silu_mul_triton(gate, up)

@@ -177,7 +177,7 @@ class MoEBlock(nn.Module):
         """The kernel path: the fused grouped GEMMs (engine/kernels/fused_moe.py), after
         `fuse_experts`; the same results as `forward` up to the order of one sum."""
         from engine.kernels.fused_moe import align_by_expert, grouped_gemm, tile_rows
-        from engine.kernels.silu_mul import silu_mul_triton
+        from engine.models.layers import gated_kernels
 
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("forward_kernels before fuse_experts (prepare_kernels)")
@@ -186,13 +186,8 @@ class MoEBlock(nn.Module):
         sorted_ids, block_experts, counts = align_by_expert(
             expert_ids, self.num_experts, tile_rows(n, self.num_experts))
         self._count(counts)
-        gate_up = grouped_gemm(x, self.w13, sorted_ids, block_experts, n, self.top_k)
-        size = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :size], gate_up[:, size:]
-        if self.activation is Activation.GELU_TANH:
-            hidden = F.gelu(gate, approximate="tanh") * up
-        else:
-            hidden = silu_mul_triton(gate, up)
+        hidden = gated_kernels(grouped_gemm(x, self.w13, sorted_ids, block_experts, n,
+                                            self.top_k), self.activation)
         flat_weights = weights.reshape(-1)
         if self.round_weights:
             flat_weights = flat_weights.to(x.dtype)
