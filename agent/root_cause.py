@@ -40,7 +40,8 @@ other workers follows from it):
     expert_imbalance   a MoE worker's busiest expert over the mean (agent/expert_cause.py)
     relay_lag          the gateway's event-loop lag while the tier's requests streamed
                        (the relay stage) against `relay_ms_high`, where it also grew by
-                       `slow_ratio` over the baseline's (stage: relay)
+                       `slow_ratio` over the baseline's, each over `min_requests` streamed
+                       requests (stage: relay)
 
 The prefill workers' queue (`PrefillResult.queue_ms`, split prompts) and the relay (the
 gateway's share of the decode gap, gateway/ops/loop_lag.py) are stage rows of their own.
@@ -164,13 +165,13 @@ def rate_surge(before: Window, now: Window, config: RootCauseConfig) -> Cause | 
 
 def relay_lag(before: Window, now: Window, config: RootCauseConfig) -> Cause | None:
     recent, baseline = now.tally.relay.mean_ms, before.tally.relay.mean_ms
-    if recent is None or recent < config.relay_ms_high:
-        return None
+    if min(now.tally.relay.count, before.tally.relay.count) < config.min_requests:
+        return None  # too few streams to say, or nothing to compare with
     ratio = _ratio(recent, baseline)
-    if ratio is not None and ratio < config.slow_ratio:
-        return None  # as late as before: not what changed
-    was = f"{baseline:.1f} ms over the {before.span_s:.0f} s before" if baseline is not None \
-        else "no figure before"
+    if recent is None or recent < config.relay_ms_high or ratio is None \
+            or ratio < config.slow_ratio:
+        return None  # not late, or as late as before: not what changed
+    was = f"{baseline:.1f} ms over the {before.span_s:.0f} s before"
     return Cause(
         kind=CauseKind.RELAY_LAG, score=round(recent / config.relay_ms_high, 2),
         stage=StageName.RELAY, worker_ids=[],

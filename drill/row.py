@@ -14,7 +14,7 @@ A row passes when
     and the gateway listed it as routable;
   * the load was back within its SLO after recovery: the share of requests sent once the
     cluster was whole that met their tier's targets is at most `attainment_slack(n)` below
-    the share of those sent before the fault. Judged only where both sides had at least
+    the share of those that ended before the fault. Judged only where both sides had at least
     MIN_JUDGED requests; a few requests on shared cores make a noisy share, so the slack is
     10 points plus one request's worth.
 """
@@ -55,9 +55,9 @@ class DrillRow(msgspec.Struct):
     held_reservations: int | None
     health_lies: list[str]  # "worker-id: N samples" of /health 200 while refusing
     others_ejected: list[str] = []  # "worker-id (rule)": peers the agent took out meanwhile
-    # Shares of the load's requests within their tier's SLO: those sent before the fault,
-    # and those sent once the cluster was whole again (None: none sent then). Reported,
-    # not judged: a few requests on shared cores make a noisy share.
+    # Shares of the load's requests within their tier's SLO: those ended before the fault,
+    # and those sent once the cluster was whole again (None: none sent then); judged as
+    # the module doc says.
     attainment_before: float | None = None
     attainment_after: float | None = None
     sent_before: int = 0  # the requests each share is of

@@ -267,7 +267,7 @@ class Drill:
         for wrong in summary.broken_records:
             notes.append(f"broken answer: prompt {wrong.prompt_index}: {wrong.detail}")
         whole_at = None if recovered_s is None else fault_at + recovered_s
-        before = [t.record for t in records if t.start_s < fault_at]
+        before = [t.record for t in records if t.end_s < fault_at]  # untouched by the fault
         after = [] if whole_at is None else [t.record for t in records if t.start_s >= whole_at]
         row = DrillRow(
             attainment_before=attainment(before, self.slos), sent_before=len(before),

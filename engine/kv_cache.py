@@ -217,8 +217,9 @@ class KVCacheManager:
             table.loads = [done for done in table.loads if not done.query()]
             if not table.loads:
                 self.loading_ids.discard(request_id)
-                if not self.loading_ids:
-                    self._loading_blocks.clear()
+                if not self.loading_ids:  # (a let-go table's copies may still be in flight)
+                    self._loading_blocks = {b: d for b, d in self._loading_blocks.items()
+                                            if not d.query()}
         return self.loading_ids
 
     def wait_for_a_load(self) -> bool:
@@ -273,12 +274,12 @@ class KVCacheManager:
         table = self._tables.pop(request_id)
         if request_id in self.loading_ids and (tier := self.host_tier) is not None:
             self.loading_ids.discard(request_id)
+            # Its blocks may be written next; one taken as a device hit keeps its taker
+            # loading until the copy is done (`_loading_blocks` still names it): with a
+            # prefill lane, steps run on streams other than the one ordered here.
             for done in table.loads:
                 if not done.query():
-                    tier.order_writes_after(done)  # its blocks may be written next
-            waited = set(map(id, table.loads))
-            self._loading_blocks = {b: d for b, d in self._loading_blocks.items()
-                                    if id(d) not in waited}
+                    tier.order_writes_after(done)
         # Last block first: the LRU then evicts a sequence's tail before its head, so what
         # stays cached is always a usable prefix.
         self.pool.free(reversed(table.block_ids))

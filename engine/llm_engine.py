@@ -160,8 +160,7 @@ class LLMEngine:
         self.scheduler.add_decode_request(request, first_token_id)
         self.outputs.join_first_token(tracked, first_token_id)
 
-    def release_prefilled(self, request_id: str) -> None:
-        """Prefill side: the KV of a PREFILLED request has been sent (or given up): free it."""
+    def release_prefilled(self, request_id: str) -> None:  # its KV sent (or given up): free it
         self.outputs.untrack(request_id)
         self.scheduler.release_prefilled(request_id)
 
@@ -310,6 +309,7 @@ class LLMEngine:
     def _schedule(self, may_wait: bool = True) -> ScheduleOutput:
         schedule = self.scheduler.schedule()
         if schedule.is_empty and may_wait and self.scheduler.kv_cache.wait_for_a_load():
+            self.num_preemptions += len(schedule.preempted_request_ids)
             schedule = self.scheduler.schedule()  # nothing else to run: a reload's end
         self.last_schedule = schedule
         self.num_steps += 1

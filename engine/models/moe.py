@@ -164,10 +164,15 @@ class MoEBlock(nn.Module):
         first = self.experts[0]
         if self.w13 is not None and first.gate_proj.weight.data_ptr() == self.w13.data_ptr():
             return
-        self.w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight))
-                                for e in self.experts])
-        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
-        size = self.w13.shape[1] // 2
+        gate, down = first.gate_proj.weight, first.down_proj.weight
+        size = gate.shape[0]
+        with torch.no_grad():  # one copy of the weights beside the experts', no more
+            self.w13 = gate.new_empty((self.num_experts, 2 * size, gate.shape[1]))
+            self.w2 = down.new_empty((self.num_experts, *down.shape))
+            for e, expert in enumerate(self.experts):
+                self.w13[e, :size].copy_(expert.gate_proj.weight)
+                self.w13[e, size:].copy_(expert.up_proj.weight)
+                self.w2[e].copy_(expert.down_proj.weight)
         for e, expert in enumerate(self.experts):
             expert.gate_proj.weight = nn.Parameter(self.w13[e, :size], requires_grad=False)
             expert.up_proj.weight = nn.Parameter(self.w13[e, size:], requires_grad=False)

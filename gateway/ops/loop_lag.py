@@ -55,6 +55,8 @@ class LoopLag:
         self._task: asyncio.Task[None] | None = None
 
     def record(self, at: float, lag_ms: float) -> None:
+        if self._times:
+            at = max(at, self._times[-1])  # a wall clock stepped back keeps the order
         total = (self._total_ms[-1] if self._total_ms else 0.0) + max(0.0, lag_ms)
         self._times.append(at)
         self._total_ms.append(total)

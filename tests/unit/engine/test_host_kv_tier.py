@@ -370,5 +370,15 @@ def test_a_loading_request_aborted_orders_the_next_writes_after_its_reload() -> 
     scheduler.schedule()
     assert kv.loading_ids == {"g"}
     scheduler.abort_request("g")
-    assert copier.waited == [copier.pending[-1]] and not kv.loading_ids
+    reload = copier.pending[-1]
+    assert copier.waited == [reload] and not kv.loading_ids
+    # A request that takes g's blocks as a device hit before that copy is done waits for
+    # it too (a prefill lane's steps run on a stream the wait above did not order).
+    cached = kv.find_cached_prefix(list(range(100, 112)) + [2])
+    assert cached.block_ids and not cached.host_block_hashes  # device hits only
+    scheduler.add_request(_request("h", list(range(100, 112)) + [2]))
+    assert scheduler.schedule().is_empty and kv.loading_ids == {"h"}
+    reload.done = True
+    out = scheduler.schedule()
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("h", cached.num_cached_tokens)]
     kv.check_invariants()
