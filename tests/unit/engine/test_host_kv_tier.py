@@ -296,20 +296,27 @@ def test_the_tier_reports_what_it_takes_and_drops_under_host_tier_names():
     assert (CacheEventKind.EVICTED, h0) in events  # the KV cache's own, under its own name
 
 
-def test_a_reload_in_flight_holds_back_only_the_requests_that_read_its_blocks() -> None:
+def _evicted_a(num_blocks: int, b_tokens: int):
+    """A scheduler over a pool of `num_blocks` whose host tier holds a's three blocks (range
+    13), evicted by b (`b_tokens` from 100), every copy so far done."""
     from engine.scheduler import Scheduler
     from engine.scheduler_config import SchedulerConfig
 
     copier = ManualCopier(in_flight=True)
-    kv = KVCacheManager(BlockPool(num_blocks=8, block_size=BS), HostKVTier(8, copier, 1))
+    kv = KVCacheManager(BlockPool(num_blocks=num_blocks, block_size=BS), HostKVTier(8, copier, 1))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv)
     _compute(kv, a := _request("a", list(range(13))))
     kv.free(a)
-    _compute(kv, b := _request("b", list(range(100, 129))))  # evicts a's blocks to the host
+    _compute(kv, b := _request("b", list(range(100, 100 + b_tokens))))  # evicts a's blocks
     kv.free(b)
     for done in copier.pending:
         done.done = True
     copier.waited.clear()  # (b's allocation waited for a's copies out)
+    return copier, kv, scheduler
+
+
+def test_a_reload_in_flight_holds_back_only_the_requests_that_read_its_blocks() -> None:
+    copier, kv, scheduler = _evicted_a(8, 29)
     scheduler.add_request(_request("other", list(range(200, 203))))
     scheduler.add_request(_request("c", list(range(12)) + [99]))
     out = scheduler.schedule()
@@ -335,19 +342,7 @@ def test_a_reload_in_flight_holds_back_only_the_requests_that_read_its_blocks() 
 
 
 def test_a_loading_request_aborted_orders_the_next_writes_after_its_reload() -> None:
-    from engine.scheduler import Scheduler
-    from engine.scheduler_config import SchedulerConfig
-
-    copier = ManualCopier(in_flight=True)
-    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv)
-    _compute(kv, a := _request("a", list(range(13))))
-    kv.free(a)
-    _compute(kv, b := _request("b", list(range(100, 113))))
-    kv.free(b)
-    for done in copier.pending:
-        done.done = True
-    copier.waited.clear()
+    copier, kv, scheduler = _evicted_a(4, 13)
     scheduler.add_request(_request("c", list(range(12)) + [99]))
     assert scheduler.schedule().is_empty and kv.loading_ids == {"c"}
     reload = copier.pending[-1]
