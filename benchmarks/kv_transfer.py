@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import kv_nixl
 from benchmarks.kv_modes import RAW_MODES, backend_of, split_mode
 
 LAYOUT = dict(dtype="bfloat16", num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
@@ -76,7 +77,10 @@ def receiver_main(mode: str, device: str, num_blocks: int, transports: str | Non
 
 
 async def _receiver_loop(mode, device, num_blocks, transports, conn) -> None:
-    if split_mode(mode)[0] or mode in ("check", "check_mapped"):
+    if mode in kv_nixl.MODES:
+        await kv_nixl.receiver_loop(mode, _storage(num_blocks, device, None).kv,
+                                    BLOCK_LAYER_BYTES // 2, conn, _pipe_recv)
+    elif split_mode(mode)[0] or mode in ("check", "check_mapped"):
         import torch
 
         from kv_transfer.backend import make_receiver
@@ -230,7 +234,11 @@ async def _measure(mode: str, device: str, num_layers: int, num_blocks: int, arg
     times = []
     try:
         base, timing = split_mode(mode)
-        if base:
+        if mode in kv_nixl.MODES:
+            times = await kv_nixl.measure(
+                mode, _storage(pool_blocks, device, 0).kv, BLOCK_LAYER_BYTES // 2, num_layers,
+                num_blocks, address, parent, lambda conn: _pipe_recv(conn, proc), args)
+        elif base:
             from kv_transfer.backend import make_sender
             from kv_transfer.interface import TransferSpec
             from kv_transfer.packing import PackingLimits
@@ -328,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of ucx, ucx_per_run, tcp, tcp_per_run, mapped, each "
                              "also as MODE_data and MODE_recv (e.g. ucx_data; benchmarks/"
                              "kv_modes.py says how each is timed), raw_ucx, raw_ucx_recv, raw_tcp, "
-                             "copy (default: all that apply to the device)")
+                             "copy, and with NIXL installed nixl, raw_nixl (benchmarks/kv_nixl.py; "
+                             "default: all that apply to the device, without NIXL's)")
     parser.add_argument("--transports", default=None, help="UCX_TLS for both processes")
     parser.add_argument("--run-blocks", type=int, default=4,
                         help="destination blocks per contiguous run (the fragmentation; "
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "mapped_recv,raw_ucx,raw_ucx_recv,raw_tcp,copy")
     modes = (args.modes or default).split(",")
     import uvloop  # both processes run the event loop a worker runs
-    unknown = [m for m in modes if not split_mode(m)[0] and m not in RAW_MODES]
+    unknown = [m for m in modes if not split_mode(m)[0] and m not in RAW_MODES + kv_nixl.MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; see --help")
     rows = []
