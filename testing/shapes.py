@@ -44,4 +44,7 @@ SHAPES: dict[str, ModelConfig] = {
                                     head_dim=64),
     "qwen3-8b": _qwen3(151936, 4096, 12288, 36, 32, 8),
     "qwen3-30b-a3b": _qwen3(151936, 2048, 6144, 48, 32, 4, _experts(128, 8, 768, 48)),
+    # OLMoE-1B-7B's sizes (64 experts of 1024, 8 per token, 16 layers; 14 GB of bf16) in the
+    # Qwen3-MoE family: where the 30B-A3B shape does not fit with the engine beside it.
+    "olmoe-1b-7b": _qwen3(50304, 2048, 1024, 16, 16, 16, _experts(64, 8, 1024, 16)),
 }

@@ -81,7 +81,7 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
                          weights_ptr, num_assignments, n_cols, k_dim, a_row_div,
                          a_row_stride, w_expert_stride, w_row_stride, out_row_stride,
-                         APPLY_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         APPLY_WEIGHT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[i, n] = a[i // a_row_div] . w[e, n] for the tile's rows i (expert e); times
     weights[i] (after rounding the dot to out's dtype) when APPLY_WEIGHT."""
@@ -103,7 +103,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_pt
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :].to(tl.int64) * w_row_stride + ks[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(a, w)
+        if IEEE:  # float32 weights: float32 products (tl.dot takes TF32 otherwise)
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
     out = acc.to(out_ptr.dtype.element_ty)
     if APPLY_WEIGHT:
         weight = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
@@ -138,6 +141,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_ids, block_experts, sorted_ids if weights is None else weights,
         num_assignments, n_cols, k_dim, a_row_div, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), APPLY_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        out.stride(0), APPLY_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k)
     return out
