@@ -4,7 +4,7 @@ per-head q/k norms and the wider vocabulary against the same engine).
 
 Per shape: random bf16 weights (benchmarks/engine_gpu_model.py), the runner's default path
 (Triton kernels, decode steps replayed from CUDA graphs), decode at each batch with
-`--context` tokens cached, and one 1 x 2048 prefill. Floors as benchmarks/moe_step.py's:
+`--context` tokens cached, and one 1 x 2048 prefill. Floors as benchmarks/step_floor.py's:
 decode = (weights but the embedding table + the batch's KV) / measured copy rate; prefill =
 matmul FLOPs / measured matmul rate. The last column sets each shape's share of its floor
 against the first shape's.
@@ -23,9 +23,8 @@ import sys
 
 import torch
 
-from benchmarks.engine_gpu_model import (BLOCK_SIZE, PREFILL_LEN, build_random_model,
-                                         decode_schedule, prefill_schedule, time_ms)
-from benchmarks.moe_step import decode_read_bytes, prefill_active_flops, touched_experts
+from benchmarks.engine_gpu_model import build_random_model
+from benchmarks.step_floor import Step, StepRig, floor_rates
 
 
 def log(message: str) -> None:
@@ -33,45 +32,19 @@ def log(message: str) -> None:
 
 
 def measure_shape(shape: str, batches: list[int], context: int, kv_gib: float,
-                  copy_rate: float, matmul_rate: float, device, dtype
-                  ) -> list[tuple[str, float, float]]:
+                  copy_rate: float, matmul_rate: float, device, dtype) -> list[Step]:
     """(case, ms, floor ms) per decode batch and the prefill."""
-    from engine.kv_storage import KVStorage
-    from engine.memory_plan import kv_block_bytes
-    from engine.model_runner import ModelRunner
     from testing.shapes import SHAPES
 
     config = SHAPES[shape]
-    model = build_random_model(config, 0, device, dtype)
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    pool = max(blocks_per_seq, -(-PREFILL_LEN // BLOCK_SIZE),
-               min(max(batches) * blocks_per_seq,
-                   int(kv_gib * 2**30 // kv_block_bytes(config, BLOCK_SIZE, dtype))))
-    kv = KVStorage.for_model(config, pool, BLOCK_SIZE, dtype, device)
-    on_cuda = device.type == "cuda"
-    runner = ModelRunner(model, kv, BLOCK_SIZE,
-                         cuda_graph_batch_sizes=tuple(batches) if on_cuda else (),
-                         mixed_graph_tokens=0)
-    element = torch.empty((), dtype=dtype).element_size()
-    rows = []
-    for batch in batches:
-        schedule = decode_schedule(batch, context, blocks_per_seq, pool)
-        ms = time_ms(lambda: runner.execute(schedule), device, warmup=3, reps=20)
-        touched = touched_experts(model, lambda: runner.execute(schedule))
-        floor = 1000 * decode_read_bytes(model, config, batch, context, touched,
-                                         element) / copy_rate
-        rows.append((f"decode batch {batch} ctx {context}", ms, floor))
-        log(f"{shape} decode b{batch}: {ms:.2f} ms, floor {floor:.2f} ms")
-    prefill = prefill_schedule(1, PREFILL_LEN, config.vocab_size)
-    ms = time_ms(lambda: runner.execute(prefill), device, warmup=2, reps=5)
-    rows.append((f"prefill 1x{PREFILL_LEN}", ms,
-                 1000 * prefill_active_flops(model, config, PREFILL_LEN) / matmul_rate))
-    log(f"{shape} prefill: {ms:.2f} ms")
-    del runner, kv, model
+    rig = StepRig.build(build_random_model(config, 0, device, dtype), config, batches,
+                        context, kv_gib, device, dtype)
+    steps = rig.measure(copy_rate, matmul_rate, device, lambda line: log(f"{shape} {line}"))
+    del rig
     gc.collect()
-    if on_cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    if on_cuda:
-        from benchmarks.engine_gpu_kernels import measure_floors
-
-        floors = measure_floors()
-        copy_rate, matmul_rate = floors.copy_bytes_per_s, floors.matmul_flop_per_s
-    else:
-        copy_rate, matmul_rate = 1e11, 1e12
+    copy_rate, matmul_rate = floor_rates(device)
     results = {s: measure_shape(s, batches, args.context, args.kv_gib, copy_rate, matmul_rate,
                                 device, dtype) for s in shapes}
     name = torch.cuda.get_device_name() if on_cuda else "CPU (plumbing only)"

@@ -9,12 +9,8 @@ replaced, and transformers, on the same random weights in one process.
     transformers  eager forward (a DynamicCache holding the context for decode) with the
              same tensors (its fused [E, 2I, H] / [E, H, I] expert weights are ours)
 
-Floors, from rates measured on this device now (benchmarks/engine_gpu_kernels.py):
-    decode   bytes the step must read / copy rate: every weight but the embedding table and
-             the experts no token of the batch picked (counted from the step's own routing),
-             plus the batch's KV
-    prefill  matmul FLOPs of the active parameters (attention, router, top_k experts per
-             token; the vocabulary head for the last token) and attention / matmul rate
+Floors: benchmarks/step_floor.py's (decode: the bytes of the experts the batch picks;
+prefill: the active parameters' FLOPs).
 
     python -m benchmarks.moe_step --shape qwen3-30b-a3b --batches 1,64,256 --context 512
     python -m benchmarks.moe_step --shape tiny-moe                  # CPU: plumbing only
@@ -33,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.engine_gpu_baseline import eager_decode_ms
-from benchmarks.engine_gpu_model import (BLOCK_SIZE, PREFILL_LEN, build_random_model,
-                                         decode_schedule, kv_bytes, prefill_schedule, time_ms)
+from benchmarks.engine_gpu_model import BLOCK_SIZE, PREFILL_LEN, build_random_model, time_ms
+from benchmarks.step_floor import StepRig, floor_rates, moe_blocks
 from engine.config import ModelConfig
 
 
@@ -49,52 +45,6 @@ class Row:
     floor_ms: float
     grouped_ms: float | None = None
     hf_ms: float | None = None
-
-
-def moe_blocks(model):
-    from engine.models.moe import MoEBlock
-
-    return [m for m in model.modules() if isinstance(m, MoEBlock)]
-
-
-def expert_bytes(block) -> int:
-    expert = block.experts[0]
-    return sum(getattr(expert, n).weight.numel() for n in ("gate_proj", "up_proj", "down_proj")) \
-        * expert.gate_proj.weight.element_size()
-
-
-def decode_read_bytes(model, config: ModelConfig, batch: int, context: int, touched: list[int],
-                      element_size: int) -> int:
-    """What a decode step must read: weights except the embedding and unpicked experts, and KV."""
-    embed = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    blocks = moe_blocks(model)
-    unpicked = sum((b.num_experts - t) * expert_bytes(b) for b, t in zip(blocks, touched))
-    return (total - embed.numel() * embed.element_size() - unpicked
-            + kv_bytes(config, batch * context, element_size))
-
-
-def prefill_active_flops(model, config: ModelConfig, length: int) -> float:
-    """Matmul FLOPs of a 1 x length prefill through the active parameters."""
-    blocks = moe_blocks(model)
-    embed = model.model.embed_tokens.weight.numel()
-    head = config.vocab_size * config.hidden_size
-    params = sum(p.numel() for p in model.parameters()) - embed - head
-    element = model.model.embed_tokens.weight.element_size()
-    unpicked = sum((b.num_experts - b.top_k) * expert_bytes(b) for b in blocks) // element
-    per_token = params - unpicked
-    pairs = length * (length + 1) / 2
-    attention = 4 * pairs * config.num_heads * config.head_dim * config.num_layers
-    return 2 * per_token * length + 2 * head + attention
-
-
-def touched_experts(model, step) -> list[int]:
-    """Per MoE block, the experts one run of `step` routes at least one token to."""
-    blocks = moe_blocks(model)
-    for block in blocks:
-        block.take_expert_tokens()
-    step()
-    return [sum(1 for c in block.take_expert_tokens() if c) for block in blocks]
 
 
 def to_transformers(model, config: ModelConfig):
@@ -145,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the transformers baseline")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
-    from engine.kv_storage import KVStorage
-    from engine.memory_plan import kv_block_bytes
     from engine.model_runner import ModelRunner
     from testing.shapes import SHAPES
 
@@ -158,50 +106,24 @@ def main(argv: list[str] | None = None) -> int:
     if config.moe is None:
         parser.error(f"--shape {shape} has no mixture-of-experts layers")
     batches = [int(b) for b in args.batches.split(",")]
-    if on_cuda:
-        from benchmarks.engine_gpu_kernels import measure_floors
-
-        floors = measure_floors()
-        copy_rate, matmul_rate = floors.copy_bytes_per_s, floors.matmul_flop_per_s
-        log(f"floors: copy {copy_rate / 1e9:.0f} GB/s, "
-            f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
-    else:
-        copy_rate, matmul_rate = 1e11, 1e12
+    copy_rate, matmul_rate = floor_rates(device)
+    log(f"floors: copy {copy_rate / 1e9:.0f} GB/s, "
+        f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
     model = build_random_model(config, args.seed, device, dtype)
     log(f"built {shape} in {time.perf_counter() - start:.1f} s")
-    blocks_per_seq = -(-args.context // BLOCK_SIZE)
-    block_bytes = kv_block_bytes(config, BLOCK_SIZE, dtype)
-    pool = max(blocks_per_seq, min(max(batches) * blocks_per_seq,
-                                   int(args.kv_gib * 2**30 // block_bytes)),
-               -(-PREFILL_LEN // BLOCK_SIZE))
-    kv = KVStorage.for_model(config, pool, BLOCK_SIZE, dtype, device)
-    graphs = tuple(batches) if on_cuda else ()
-    fused = ModelRunner(model, kv, BLOCK_SIZE, cuda_graph_batch_sizes=graphs,
-                        mixed_graph_tokens=0)
-    log(f"runner ready (kernel path {fused.use_kernels}, graphs {graphs}), pool {pool} blocks")
-    element = torch.empty((), dtype=dtype).element_size()
-    rows: list[Row] = []
-    schedules = {b: decode_schedule(b, args.context, blocks_per_seq, pool) for b in batches}
-    for batch in batches:
-        schedule = schedules[batch]
-        ms = time_ms(lambda: fused.execute(schedule), device, warmup=3, reps=20)
-        touched = touched_experts(model, lambda: fused.execute(schedule))
-        floor = 1000 * decode_read_bytes(model, config, batch, args.context, touched,
-                                         element) / copy_rate
-        rows.append(Row(f"decode batch {batch} ctx {args.context}", ms, floor))
-        log(f"fused decode b{batch}: {ms:.2f} ms, floor {floor:.2f} ms, experts picked "
-            f"{min(touched)}-{max(touched)} of {config.moe.num_experts}")
-    prefill = prefill_schedule(1, PREFILL_LEN, config.vocab_size)
-    ms = time_ms(lambda: fused.execute(prefill), device, warmup=2, reps=5)
-    rows.append(Row(f"prefill 1x{PREFILL_LEN}", ms,
-                    1000 * prefill_active_flops(model, config, PREFILL_LEN) / matmul_rate))
-    log(f"fused prefill: {ms:.2f} ms")
+    rig = StepRig.build(model, config, batches, args.context, args.kv_gib, device, dtype)
+    fused, prefill = rig.runner, rig.prefill
+    log(f"runner ready (kernel path {fused.use_kernels}), pool {rig.kv.layout.num_blocks} "
+        "blocks")
+    rows = [Row(case, ms, floor) for case, ms, floor in
+            rig.measure(copy_rate, matmul_rate, device, lambda line: log(f"fused {line}"))]
     # The torch grouping, eager, on the same runner kind: each block's forward.
-    grouped = ModelRunner(model, kv, BLOCK_SIZE, cuda_graph_batch_sizes=(), mixed_graph_tokens=0)
+    grouped = ModelRunner(model, rig.kv, BLOCK_SIZE, cuda_graph_batch_sizes=(),
+                          mixed_graph_tokens=0)
     for block in moe_blocks(model):
         block.forward_kernels = lambda x, _workspace, block=block: block.forward(x)
-    steps = [schedules[b] for b in batches] + [prefill]
+    steps = [*rig.decodes.values(), prefill]
     for row, schedule in zip(rows, steps):
         row.grouped_ms = time_ms(lambda: grouped.execute(schedule), device, warmup=2, reps=5)
         log(f"grouped {row.case}: {row.grouped_ms:.2f} ms")
