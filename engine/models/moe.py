@@ -47,6 +47,7 @@ from torch import nn
 
 from engine.config import Activation, ModelConfig, MoEConfig
 from engine.kernels.gemv import GemvWorkspace
+from engine.models.layers import fuse_rows, gated_kernels
 
 
 class Expert(nn.Module):
@@ -164,15 +165,13 @@ class MoEBlock(nn.Module):
         first = self.experts[0]
         if self.w13 is not None and first.gate_proj.weight.data_ptr() == self.w13.data_ptr():
             return
-        gate, down = first.gate_proj.weight, first.down_proj.weight
-        size = gate.shape[0]
-        with torch.no_grad():  # one copy of the weights beside the experts', no more
-            self.w13 = gate.new_empty((self.num_experts, 2 * size, gate.shape[1]))
-            self.w2 = down.new_empty((self.num_experts, *down.shape))
-            for e, expert in enumerate(self.experts):
-                self.w13[e, :size].copy_(expert.gate_proj.weight)
-                self.w13[e, size:].copy_(expert.up_proj.weight)
-                self.w2[e].copy_(expert.down_proj.weight)
+        size = first.gate_proj.weight.shape[0]
+        # Rows in expert order: [gate; up] of each expert, then each expert's down.
+        self.w13 = fuse_rows([w for e in self.experts
+                              for w in (e.gate_proj.weight, e.up_proj.weight)]
+                             ).view(self.num_experts, 2 * size, -1)
+        self.w2 = fuse_rows([e.down_proj.weight for e in self.experts]
+                            ).view(self.num_experts, *first.down_proj.weight.shape)
         for e, expert in enumerate(self.experts):
             expert.gate_proj.weight = nn.Parameter(self.w13[e, :size], requires_grad=False)
             expert.up_proj.weight = nn.Parameter(self.w13[e, size:], requires_grad=False)
@@ -182,7 +181,6 @@ class MoEBlock(nn.Module):
         """The kernel path: the fused grouped GEMMs (engine/kernels/fused_moe.py), after
         `fuse_experts`; the same results as `forward` up to the order of one sum."""
         from engine.kernels.fused_moe import align_by_expert, grouped_gemm, tile_rows
-        from engine.models.layers import gated_kernels
 
         if self.w13 is None or self.w2 is None:
             raise RuntimeError("forward_kernels before fuse_experts (prepare_kernels)")
