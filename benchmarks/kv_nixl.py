@@ -176,7 +176,10 @@ async def measure(mode: str, kv: Any, block_bytes: int, num_layers: int, num_blo
         remote = await recv(conn)
         started = time.perf_counter()
         handle = sender.post(local, remote, request_id.encode())
+        deadline = time.monotonic() + 60.0
         while not sender.done(handle):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL transfer {request_id} not done within 60 s")
             await asyncio.sleep(0)
         times.append(await recv(conn) - started)
     return times
