@@ -10,7 +10,6 @@ receives); ucxx progresses one worker per event loop.
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import logging
 import socket
@@ -23,6 +22,7 @@ from kv_transfer.packing import PackingLimits
 from kv_transfer.receiver import ReceiveCarrier, TransferReceiver
 from kv_transfer.sender import TransferSender
 from kv_transfer.staging import StagingPool
+from kv_transfer.transport_choice import resolve_backend
 
 if TYPE_CHECKING:  # ucxx is optional: imported only where UCX is chosen
     from kv_transfer.ucx import UcxWorker
@@ -58,23 +58,6 @@ def _interface_addresses(name: str) -> set[str]:
         return {socket.inet_ntoa(packed[20:24])}
     except (OSError, ImportError):
         return set()
-
-
-def ucx_available() -> bool:
-    return importlib.util.find_spec("ucxx") is not None
-
-
-def resolve_backend(name: str) -> str:
-    if name not in ("auto", "ucx", "tcp"):
-        raise ValueError(f"unknown KV transfer backend {name!r} (auto, ucx, tcp)")
-    if name == "auto":
-        if ucx_available():
-            return "ucx"
-        log.warning("ucxx is not installed: KV transfer uses the TCP backend")
-        return "tcp"
-    if name == "tcp":
-        log.info("KV transfer uses the TCP backend (chosen explicitly)")
-    return name
 
 
 async def make_receiver(storage: KVStorage, backend: str = "auto", *, host: str = "127.0.0.1",

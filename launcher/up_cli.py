@@ -150,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
             return _fail(str(exc))
     devices = _devices(args.device, len(roles))
     names = worker_names(roles)
+    from kv_transfer.transport_choice import check_backend_for_device, ucx_available
     try:
+        for device in set(devices):  # before any process starts
+            check_backend_for_device("auto", device, ucx_available())
         mps_plan = None if args.no_mps else plan_mps(roles, names, devices, sm_share)
     except ValueError as exc:
         return _fail(str(exc))

@@ -34,7 +34,8 @@ class SharedUcxWorker:
         self._worker: UcxWorker | None = None
 
     def get(self) -> UcxWorker | None:
-        from kv_transfer.backend import make_ucx_worker, resolve_backend
+        from kv_transfer.backend import make_ucx_worker
+        from kv_transfer.transport_choice import resolve_backend
         if resolve_backend(self._options.kv_transport) != "ucx":
             return None
         if self._worker is None:
@@ -63,7 +64,7 @@ def build_role(options: WorkerOptions, runtime: WorkerRuntime) -> AnyRoleWorker:
     decode = DecodeWorker(options.worker_id, runtime.metrics, make_receiver,
                           epoch=lambda: runtime.epoch,
                           own_epoch=lambda e: e in runtime.own_epochs)
-    from kv_transfer.backend import resolve_backend
+    from kv_transfer.transport_choice import resolve_backend
     gate = AnyRoleWorker(options.role, prefill, decode, runtime.metrics, runtime.change_role,
                          epoch=lambda: runtime.epoch, tracing=runtime.tracing,
                          kv_backend=resolve_backend(options.kv_transport))

@@ -214,6 +214,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                          "find each other only through the Redis registry")
     from state.redis_access import resolve_url
 
+    from kv_transfer.transport_choice import check_backend_for_device, ucx_available
+    check_backend_for_device(args.kv_transport, args.device, ucx_available())
     role = Role(args.role)
     worker_id = args.worker_id or f"{role.value}-{socket.gethostname()}-{os.getpid()}"
     if not is_worker_id(worker_id):
