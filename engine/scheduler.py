@@ -234,7 +234,9 @@ class Scheduler:
             step.budget = budget_beside(self.step_model, seated, chunks, step.budget)
         self._prefill(prefills, step)
         out = step.output()
-        if not out.is_empty:
+        if out.is_empty:
+            self._num_steps -= 1  # no step ran: age counts steps (a retried one counts once)
+        else:
             self._outstanding = out
             self._scheduled = {rid: self._requests[rid] for rid in step.chunks}
         return out
@@ -254,9 +256,8 @@ class Scheduler:
                 is running and requests.get(c.request_id) is r]
         # Validate everything first so a bad call leaves the step outstanding and unchanged.
         if sampled_token_ids is not None:
-            missing = [c.request_id for c, _ in live
-                       if c.sample and c.request_id not in sampled_token_ids]
-            if missing:
+            if missing := [c.request_id for c, _ in live
+                           if c.sample and c.request_id not in sampled_token_ids]:
                 raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
         cache_full_blocks, block_size = self.kv_cache.cache_full_blocks, self.kv_cache.block_size
@@ -286,8 +287,7 @@ class Scheduler:
             self._end_unfittable(request)
             return
         while not kv_cache.allocate_for(request, num_new):
-            victim = self._running.worst()
-            self._preempt(victim, step)
+            self._preempt(victim := self._running.worst(), step)
             if victim is request:
                 return
         step.add_chunk(request, num_new)

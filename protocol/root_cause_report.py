@@ -15,7 +15,7 @@ import enum
 
 import msgspec
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: the relay stage and the relay_lag cause (a reader of 1 knows neither)
 
 
 class CauseKind(enum.StrEnum):

@@ -424,6 +424,24 @@ def test_aging_lets_low_priority_through_a_stream_of_high_priority(aging_steps) 
         assert low is None or low.is_finished
 
 
+def test_steps_that_run_nothing_age_no_one() -> None:
+    # "held" keeps the whole pool (prefilled, not yet released), so "old" cannot be admitted
+    # and every schedule() is empty. Aging counts steps that ran: "new", one priority level
+    # up and arriving after ten empty schedules, has lost nothing to "old" and goes first.
+    scheduler, checker = make(num_blocks=4, max_num_seqs=2, aging_steps=2,
+                              prefill_aging_tokens=None)
+    scheduler.add_request(request("held", range(100, 116), max_tokens=1,
+                                  mode=RequestMode.PREFILL_ONLY))
+    run_until_idle(scheduler, checker)
+    scheduler.add_request(request("old", range(4), max_tokens=1))
+    for _ in range(10):
+        assert scheduler.schedule().is_empty
+    scheduler.add_request(request("new", range(200, 204), max_tokens=1, priority=1))
+    scheduler.release_prefilled("held")
+    out = scheduler.schedule()
+    assert [c.request_id for c in out.chunks][0] == "new"
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
