@@ -14,7 +14,8 @@ reads a clock: `now_s` is passed in, so the rules are tested with hand-written w
                  same shape: the median of the peers' fitted step models (StepModel)
                  evaluated at its own mean batch and context (peers without a model yet
                  count with their measured step time), at every tick for `slow_for_s`
-                 over at least `slow_min_steps` steps
+                 over at least `slow_min_steps` steps; its own step is the longer of the
+                 device's time and the wall time per step (a host that feeds its GPU late)
     leaked_kv    KV blocks held with nothing running or waiting for `leak_after_s`
     error_spike  at least `error_rate` of its requests failed over the window
 
@@ -56,7 +57,8 @@ class WorkerSample:
     num_running: int = 0
     num_waiting: int = 0
     num_kv_blocks_used: int = 0
-    step_time_s: float | None = None  # recent mean decode-only step time; None: none yet
+    step_time_s: float | None = None  # recent mean decode-only step (device or wall, the
+    # longer: agent/observer.py DecodeSteps); None: none yet
     step_shape: tuple[float, float] | None = None  # those steps' mean (batch, context tokens)
     step_model: StepModel | None = None  # its own fitted step model (what peers are told)
     num_requests: int = 0  # requests this epoch has ended, in all

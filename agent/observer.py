@@ -83,7 +83,9 @@ class Lapsed:
 
 @dataclass(frozen=True, slots=True)
 class DecodeSteps:
-    """The mean decode-only step since the last scrape: its time and its shape."""
+    """The mean decode-only step since the last scrape: its time (the device's, or the
+    wall time per step where that is longer: a host that feeds its GPU late is as slow for
+    its requests as a slow GPU) and its shape."""
 
     step_s: float
     seqs: float
@@ -163,13 +165,19 @@ class Observer:
             memory = None  # a new incarnation starts clean
         if report is None:
             return None
-        steps = None
-        if memory is not None:
-            then = memory.report
-            num_steps = report.num_decode_steps - then.num_decode_steps
-            if num_steps > 0:
-                steps = DecodeSteps((report.decode_sum_s - then.decode_sum_s) / num_steps,
-                                    (report.decode_seqs - then.decode_seqs) / num_steps,
-                                    (report.decode_context - then.decode_context) / num_steps)
+        steps = decode_steps(memory.report, report) if memory is not None else None
         self._memory[info.worker_id] = _StepMemory(info.epoch, report)
         return steps
+
+
+def decode_steps(then: HealthReport, now: HealthReport) -> DecodeSteps | None:
+    """The mean decode-only step between two reports of one epoch (None: no step ran)."""
+    num_steps = now.num_decode_steps - then.num_decode_steps
+    if num_steps <= 0:
+        return None
+    step_s = (now.decode_sum_s - then.decode_sum_s) / num_steps
+    num_walls = now.num_decode_walls - then.num_decode_walls
+    if num_walls > 0:  # what a request waits per token: the slower of the two
+        step_s = max(step_s, (now.decode_wall_sum_s - then.decode_wall_sum_s) / num_walls)
+    return DecodeSteps(step_s, (now.decode_seqs - then.decode_seqs) / num_steps,
+                       (now.decode_context - then.decode_context) / num_steps)

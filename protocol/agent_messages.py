@@ -72,6 +72,10 @@ class HealthReport(Message, tag="health_report", frozen=True, kw_only=True):
     num_transfers_carrier: Count = 0  # ... through a carrier (UCX or TCP: the fallback)
     transfer_sum_s: NonNegFloat = 0.0  # their time
     num_transfer_failures: Count = 0  # pushes and receives that failed
+    # Wall time of the engine's decode-only steps (0 from an older worker): above the
+    # device's time (`decode_sum_s`, CUDA events) where the host feeds the device late.
+    num_decode_walls: Count = 0
+    decode_wall_sum_s: NonNegFloat = 0.0
 
 
 class ReclaimRequest(Message, tag="reclaim_request", frozen=True, kw_only=True):

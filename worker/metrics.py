@@ -37,6 +37,11 @@ class WorkerMetrics:
         # operations agent's "slow" rule reads these).
         self.decode_step_seconds = registry.histogram(
             "pdserve_decode_step_seconds", "engine step time of steps without prefill")
+        # Their wall time too: where the host is slower than the device (a starved CPU, a
+        # slow loop), requests wait for it, and device events alone would not show it.
+        self.decode_wall_seconds = registry.histogram(
+            "pdserve_decode_step_wall_seconds", "wall time of engine steps that only decoded "
+            "(host and device: what each running request waits per token)")
         self.decode_step_seqs = registry.counter(
             "pdserve_decode_step_seqs_total", "sequences decoded by steps without prefill")
         self.decode_step_context = registry.counter(
@@ -150,12 +155,15 @@ class WorkerMetrics:
             self.host_reload_seconds.observe(seconds)
         if report.step_s <= 0.0:
             return  # a command, not a step
-        for step in report.timed_steps():
+        timed = report.timed_steps()
+        for step in timed:
             self.step_seconds.observe(step.seconds)
             if step.shape.prefill_tokens == 0 and step.shape.decode_seqs > 0:
                 self.decode_step_seconds.observe(step.seconds)
                 self.decode_step_seqs.inc(step.shape.decode_seqs)
                 self.decode_step_context.inc(step.shape.context_tokens)
+        if timed and all(s.shape.prefill_tokens == 0 and s.shape.decode_seqs > 0 for s in timed):
+            self.decode_wall_seconds.observe(report.step_s)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
         prefill_tokens = decode_tokens = generated = 0
@@ -194,6 +202,8 @@ class WorkerMetrics:
             step_sum_s=self.step_seconds.sum(),
             num_decode_steps=self.decode_step_seconds.count(),
             decode_sum_s=self.decode_step_seconds.sum(),
+            num_decode_walls=self.decode_wall_seconds.count(),
+            decode_wall_sum_s=self.decode_wall_seconds.sum(),
             decode_seqs=self.decode_step_seqs.value(),
             decode_context=self.decode_step_context.value(),
             num_requests=int(self.requests.total()),

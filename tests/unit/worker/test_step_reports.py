@@ -64,3 +64,16 @@ def test_metrics_count_the_host_tier_from_its_counters_since_start():
     assert "pdserve_kv_host_blocks_used 8" in text and "pdserve_kv_host_blocks_total 64" in text
     assert metrics.host_reload_seconds.count() == 3
     assert "pdserve_kv_host_tier_reload_seconds_sum 0.009" in text, text
+
+
+def test_metrics_count_the_wall_time_of_calls_that_only_decoded():
+    # A host slower than its device (here 0.5 s a call, the device 4 ms a step) shows in
+    # the wall time of decode-only calls; calls with a prefill or no finished step do not count.
+    metrics = WorkerMetrics(MetricsRegistry())
+    metrics.on_step(report(0.5, DECODE, (TimedStep(DECODE, 0.004),)))
+    metrics.on_step(report(0.5, DECODE, (TimedStep(DECODE, 0.004), TimedStep(DECODE, 0.004))))
+    metrics.on_step(report(0.5, DECODE, (TimedStep(PREFILL, 0.03), TimedStep(DECODE, 0.004))))
+    metrics.on_step(report(0.5, DECODE, ()))
+    health = metrics.health(0, WorkerLoad())
+    assert (health.num_decode_walls, health.decode_wall_sum_s) == (2, 1.0)
+    assert health.num_decode_steps == 4
