@@ -241,9 +241,10 @@ class EngineThread:
             raise ValueError(f"request id {request_id!r} already has a stream")
         if stream is None:
             stream = RequestStream(request_id)
-        self._streams[request_id] = stream
         if self.failure is not None:
-            stream.end("engine failed", self.failure)
+            stream.end("engine failed", self.failure)  # once: not registered for _on_failure
+        else:
+            self._streams[request_id] = stream
         return stream
 
     def close_stream(self, request_id: str) -> None:
@@ -321,6 +322,7 @@ class EngineThread:
                 self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter, then stop
             log.exception("engine step failed; stopping the engine thread")
+            self.failure = exc  # before the thread ends: /health must not outlive the engine
             self._stopping.set()
             self.loop.call_soon_threadsafe(self._on_failure, exc)
         self._drain_commands(EngineStopped("the engine thread stopped"))

@@ -259,6 +259,29 @@ def test_the_failing_steps_fault_ends_the_streams_and_tells_the_owner_once() -> 
     asyncio.run(run())
 
 
+def test_a_failed_engine_is_seen_failed_before_the_loop_hears_of_it() -> None:
+    # /health (failure) and /ready (is_alive) read these on the loop: in the moment between
+    # the thread's end and the loop's on_failure, neither may take the engine for a live one.
+    async def run() -> None:
+        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
+        failures: list[BaseException] = []
+        thread.on_failure = failures.append
+        thread.start()
+        thread.fault_fail_steps = True
+        thread.submit(lambda e: e.add("a", 10), "add a")
+        thread._thread.join(timeout=10)  # the loop is blocked: on_failure cannot run yet
+        assert not failures
+        assert isinstance(thread.failure, InjectedEngineFault) and not thread.is_alive
+        late = RecordingStream("b")
+        thread.open_stream("b", late)
+        await asyncio.sleep(0.05)  # now on_failure runs: the late stream still ends once
+        assert len(failures) == 1
+        assert [type(item) for item in late.put_log] == [StreamEnd]
+        await thread.stop()
+
+    asyncio.run(run())
+
+
 def test_constants_are_read_without_a_command_and_failed_submits_are_counted(caplog) -> None:
     async def run() -> None:
         engine = ScriptedEngine()
