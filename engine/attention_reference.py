@@ -31,18 +31,43 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             scale: float, softcap: float | None) -> torch.Tensor:
     """q [C, H, Q, D], k and v [C, KVH, L, D], mask [C, 1, Q, L] bool (True: may see; None:
     causal from key 0) -> [C, H, Q, D]."""
-    gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and not _eager_is_faster(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=scale, enable_gqa=gqa)
-    if gqa:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = soft_cap(q @ k.transpose(-1, -2) * scale, softcap)
-    if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return _attend_eager(q, k, v, mask, scale, softcap)
+
+
+def _eager_is_faster(q: torch.Tensor) -> bool:
+    """Decode rows (one query each) in bfloat16 on the CPU: there PyTorch's SDPA (its CPU
+    flash kernel) took 4-13x the time of `_attend_eager`'s two matmuls (batch 1-64, 520-2,048
+    keys, one thread; docs/performance.md, "The CPU's decode attention"); for prompts (many
+    queries a row) it was as fast or faster, and in float32 the two were even."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[2] == 1
+
+
+def _attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention by explicit matmuls, as transformers' eager attention computes it: scores
+    in the inputs' dtype, soft-capped if asked, masked, a softmax in float32, its
+    probabilities in the inputs' dtype times V. Grouped-query heads attend through a view
+    of their KV head (query head h reads KV head h // (H / KVH)), not a repeated copy."""
+    num_chunks, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    scores = torch.matmul(q.reshape(num_chunks, num_kv_heads, group * num_queries, head_dim),
+                          k.transpose(-1, -2))
+    scores = scores.view(num_chunks, num_kv_heads, group, num_queries, num_keys) * scale
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    if mask is None:  # causal, the last query seeing every key
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(
+            num_keys - num_queries)
+    else:
+        mask = mask.unsqueeze(2)  # [C, 1, 1, Q, L]: the same for every head
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(num_chunks, num_kv_heads, group * num_queries, num_keys), v)
+    return out.view(num_chunks, num_heads, num_queries, head_dim)
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -99,12 +124,22 @@ class _FlatCache:
         blocks, offsets = slots // self.block_size, slots % self.block_size
         values[blocks, offsets], scales[blocks, offsets] = quantize(x)
 
-    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gather(self, key_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The keys (or values) at `key_slots` [C, L] as [C, KVH, L, D] in `dtype`, each
+        head's rows contiguous: gathered row by (slot, head), so no transposing copy follows
+        (the matmuls and SDPA read it as it is)."""
+        num_chunks, num_keys = key_slots.shape
         if self.flat is not None:
-            return self.flat.index_select(0, slots).to(dtype)
+            num_kv_heads, head_dim = self.flat.shape[1], self.flat.shape[2]
+            heads = torch.arange(num_kv_heads, device=key_slots.device)
+            index = (key_slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+            rows = self.flat.view(-1, head_dim).index_select(0, index)
+            return rows.view(num_chunks, num_kv_heads, num_keys, head_dim).to(dtype)
         values, scales = self.cache
+        slots = key_slots.reshape(-1)
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        return dequantize(values[blocks, offsets], scales[blocks, offsets], dtype)
+        out = dequantize(values[blocks, offsets], scales[blocks, offsets], dtype)
+        return out.view(num_chunks, num_keys, *out.shape[1:]).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -131,13 +166,11 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             _attend_causal(q, k_new, v_new, group, cache_k.dtype, scale, softcap, window, out)
             continue
         num_chunks, num_keys = group.key_slots.shape
-        keys = group.key_slots.reshape(-1)
-        # [C, Q, H, D] -> [C, H, Q, D]; keys [C, L, KVH, D] -> [C, KVH, L, D]
+        # [C, Q, H, D] -> [C, H, Q, D]; keys and values [C, KVH, L, D]
         qg = q.index_select(0, group.query_rows.reshape(-1))
         qg = qg.view(num_chunks, -1, *q.shape[1:]).transpose(1, 2)
-        kg = cache_k.gather(keys, q.dtype).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        vg = cache_v.gather(keys, q.dtype).view(num_chunks, num_keys, num_kv_heads, head_dim)
-        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
+        kg = cache_k.gather(group.key_slots, q.dtype)
+        vg = cache_v.gather(group.key_slots, q.dtype)
         mask = group.mask
         if window is not None:
             # [C, 1, Q, L]: keys at positions (p - window, p] of the query at position p.
