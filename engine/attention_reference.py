@@ -125,9 +125,9 @@ class _FlatCache:
         values[blocks, offsets], scales[blocks, offsets] = quantize(x)
 
     def gather(self, key_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The keys (or values) at `key_slots` [C, L] as [C, KVH, L, D] in `dtype`, each
-        head's rows contiguous: gathered row by (slot, head), so no transposing copy follows
-        (the matmuls and SDPA read it as it is)."""
+        """The keys (or values) at `key_slots` [C, L] as [C, KVH, L, D] in `dtype`. From a
+        pool in the model's dtype each head's rows come contiguous, gathered row by (slot,
+        head), so no transposing copy follows; an FP8 pool's are dequantized, then viewed."""
         num_chunks, num_keys = key_slots.shape
         if self.flat is not None:
             num_kv_heads, head_dim = self.flat.shape[1], self.flat.shape[2]
