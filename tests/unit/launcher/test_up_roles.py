@@ -126,3 +126,14 @@ def test_each_cuda_worker_gets_an_even_share_of_its_gpu_and_cpu_workers_none():
     assert gpu_memory_fractions(["cuda:0", "cuda:0", "cuda:1"]) == [0.45, 0.45, 0.9]
     assert gpu_memory_fractions(["cpu", "cpu"]) == [None, None]
     assert sum(gpu_memory_fractions(["cuda:0"] * 4)) <= GPU_MEMORY_SHARE
+
+
+def test_up_refuses_cuda_workers_without_ucxx_before_starting_anything(capsys, monkeypatch,
+                                                                        tmp_path) -> None:
+    import kv_transfer.transport_choice
+
+    monkeypatch.setattr(kv_transfer.transport_choice, "ucx_available", lambda: False)
+    assert main(["up", "--device", "cuda", "--no-mps", "--log-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "ucxx is not installed" in err and "pip install ucxx-cu13" in err
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
