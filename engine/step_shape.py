@@ -22,6 +22,11 @@ class StepShape:
     decode_seqs: int = 0
     context_tokens: int = 0
 
+    @property
+    def decodes_only(self) -> bool:
+        """A step that decoded and computed no prompt token (comparable across workers)."""
+        return self.prefill_tokens == 0 and self.decode_seqs > 0
+
 
 @dataclass(frozen=True, slots=True)
 class QueueShape:

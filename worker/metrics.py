@@ -158,11 +158,11 @@ class WorkerMetrics:
         timed = report.timed_steps()
         for step in timed:
             self.step_seconds.observe(step.seconds)
-            if step.shape.prefill_tokens == 0 and step.shape.decode_seqs > 0:
+            if step.shape.decodes_only:
                 self.decode_step_seconds.observe(step.seconds)
                 self.decode_step_seqs.inc(step.shape.decode_seqs)
                 self.decode_step_context.inc(step.shape.context_tokens)
-        if timed and all(s.shape.prefill_tokens == 0 and s.shape.decode_seqs > 0 for s in timed):
+        if timed and all(s.shape.decodes_only for s in timed):
             self.decode_wall_seconds.observe(report.step_s)
         if report.outputs:
             self.batch_size.observe(len(report.outputs))
