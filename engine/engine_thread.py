@@ -286,8 +286,7 @@ class EngineThread:
         """Engine thread, mid-step: hand a KVReady to the loop before the step ends."""
         self.loop.call_soon_threadsafe(self._deliver_kv_ready, ready)
 
-    def _on_failure(self, error: BaseException) -> None:
-        self.failure = error
+    def _on_failure(self, error: BaseException) -> None:  # `failure` is set by then
         for stream in list(self._streams.values()):
             stream.end("engine failed", error)
         if self.on_failure is not None:
