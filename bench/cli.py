@@ -59,8 +59,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--duration", type=_positive_float, default=30.0, metavar="SECONDS",
                       help="stop sending after this long; in-flight requests then get up to "
                            "--request-timeout to finish (default: %(default)s)")
-    load.add_argument("--num-requests", type=int, default=1000,
-                      help="stop sending after this many requests (default: %(default)s)")
+    load.add_argument("--num-requests", type=int, default=None,
+                      help="also stop sending after this many requests (default: no limit; "
+                           "--duration ends the run). A run this limit ends early says so")
     load.add_argument("--request-timeout", type=_positive_float, default=60.0,
                       metavar="SECONDS",
                       help="a request not finished by then counts as a timeout error "

@@ -45,7 +45,7 @@ class LoadConfig:
     arrival: ArrivalKind = "poisson"
     burstiness: float = 1.0
     duration_s: float = 30.0
-    num_requests: int = 1000
+    num_requests: int | None = None   # None: --duration alone ends the sending
     request_timeout_s: float = 60.0
     seed: int = 0
     ignore_eos: bool = False
@@ -60,8 +60,13 @@ class LoadConfig:
             raise ValueError(f"rate must be positive, got {self.rate_rps}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.duration_s <= 0 or self.num_requests < 1 or self.request_timeout_s <= 0:
+        if (self.duration_s <= 0 or self.request_timeout_s <= 0
+                or (self.num_requests is not None and self.num_requests < 1)):
             raise ValueError("duration, num_requests and request timeout must be positive")
+
+    def under_limit(self, num_sent: int) -> bool:
+        """Whether the --num-requests limit (if any) lets one more request go."""
+        return self.num_requests is None or num_sent < self.num_requests
 
 
 class RunResult(msgspec.Struct):
@@ -112,7 +117,7 @@ class _Run:
         self.num_errors = 0
 
     def may_send(self) -> bool:
-        return (self.num_sent < self.config.num_requests
+        return (self.config.under_limit(self.num_sent)
                 and time.perf_counter() - self.start_t < self.config.duration_s)
 
     async def send(self, request: PlannedRequest, scheduled_s: float | None) -> None:
@@ -133,7 +138,7 @@ class _Run:
                               cfg.arrival, cfg.burstiness)
         scheduled_s = 0.0
         request = self.planner.next_request()
-        while scheduled_s < cfg.duration_s and self.num_sent < cfg.num_requests:
+        while scheduled_s < cfg.duration_s and cfg.under_limit(self.num_sent):
             delay_s = self.start_t + scheduled_s - time.perf_counter()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)

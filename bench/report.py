@@ -5,8 +5,8 @@ bumps the version). A run report, `kind = "run"`:
 
     schema_version, kind, tool, started_at (ISO 8601 UTC), wall_s
     config:  {base_url, api, model, workload, arrival, burstiness, rate_rps | null,
-              concurrency | null, duration_s, num_requests_limit, request_timeout_s, seed,
-              ignore_eos}
+              concurrency | null, duration_s, num_requests_limit | null (no limit),
+              request_timeout_s, seed, ignore_eos}
     client:  {cpu_s, cpu_fraction (of one core over wall_s), send_lag_ms: Percentiles}
     attainment_target, meets_target (every tier with requests at or above the target)
     overall, tiers.<tier>: GroupReport
@@ -17,6 +17,9 @@ bumps the version). A run report, `kind = "run"`:
         slo {ttft_ms, tpot_ms} | null (null for overall), slo_attainment | null
             (share of ALL requests, errors included, that met their tier's SLO)
     requests: [RequestRecord] | null (only with --save-requests)
+    sent_for_s: from the first send to the last (the load's real length)
+    ended_by_limit: the --num-requests limit, not --duration, ended the sending (then the
+        load lasted sent_for_s, not duration_s: a high rate's run is that much shorter)
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class RunConfigEcho(msgspec.Struct):
     rate_rps: float | None
     concurrency: int | None
     duration_s: float
-    num_requests_limit: int
+    num_requests_limit: int | None
     request_timeout_s: float
     seed: int
     ignore_eos: bool
@@ -93,6 +96,8 @@ class RunReport(msgspec.Struct):
     overall: GroupReport
     tiers: dict[str, GroupReport]
     requests: list[RequestRecord] | None = None
+    sent_for_s: float = 0.0
+    ended_by_limit: bool = False
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -171,7 +176,10 @@ def build_report(result: RunResult, config: LoadConfig, workload_name: str,
                            send_lag_ms=summarize(lags)),
         attainment_target=attainment_target, meets_target=meets,
         overall=group_report(result.records, result.wall_s, slos, None), tiers=tiers,
-        requests=result.records if keep_requests else None)
+        requests=result.records if keep_requests else None,
+        sent_for_s=max((r.start_s for r in result.records), default=0.0),
+        ended_by_limit=(config.num_requests is not None
+                        and len(result.records) >= config.num_requests))
 
 
 def _ms(value: float | None) -> str:
@@ -185,6 +193,9 @@ def format_table(report: RunReport) -> str:
             else f"concurrency {report.config.concurrency}")
     lines = [f"{report.config.workload} @ {load}, {report.wall_s:.1f}s, "
              f"model {report.config.model}",
+             *([f"note: the --num-requests limit ({report.config.num_requests_limit}) ended "
+                f"the sending after {report.sent_for_s:.1f} s of the "
+                f"{report.config.duration_s:g} s asked"] if report.ended_by_limit else []),
              f"{'tier':<12} {'reqs':>5} {'ok':>5} {'errors':>6} {'req/s':>7} "
              f"{'out tok/s':>9} {'SLO ttft/tpot ms':>17} {'attain':>7}"]
     for name, g in groups:

@@ -64,7 +64,7 @@ class BenchRunner:
                   else workload.attainment_target or DEFAULT_ATTAINMENT_TARGET)
         if not 0 < target <= 1:
             raise ValueError(f"--attainment-target must be in (0, 1], got {target}")
-        if args.num_requests < 1:
+        if args.num_requests is not None and args.num_requests < 1:
             raise ValueError("--num-requests must be at least 1")
         return cls(args=args, workload=workload, slos=resolve_slos(workload, args.slo),
                    attainment_target=target,

@@ -15,6 +15,7 @@ import pytest
 
 from bench.arrivals import arrival_gaps_s
 from bench.goodput import SearchParams, goodput_of, next_rate, search_goodput
+from bench.report import format_table
 from bench.runner import BenchRunner
 from launcher.cli import build_parser
 
@@ -155,8 +156,13 @@ def test_runs_are_bounded_by_duration_and_count(stub, tmp_path):
     report = _measure(_runner(tmp_path, server.url, "--rate", "200", "--num-requests", "15",
                               "--duration", "30"))
     assert report.overall.num_requests == 15
+    assert report.ended_by_limit and report.sent_for_s < 5.0  # 15 at 200 req/s: ~0.1 s
+    assert "--num-requests limit (15) ended the sending" in format_table(report)
+    # No limit by default: the duration alone ends a run, however high its rate.
     report = _measure(_runner(tmp_path, server.url, "--rate", "20", "--duration", "1"))
     assert 8 <= report.overall.num_requests <= 35 and report.wall_s < 2.0
+    assert report.config.num_requests_limit is None and not report.ended_by_limit
+    assert "limit" not in format_table(report)
 
 
 def _simulated(rate_rps: float, duration_s: float, overhead_s: float) -> tuple[int, float]:
