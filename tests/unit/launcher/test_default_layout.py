@@ -21,11 +21,14 @@ def test_one_gpu_runs_a_small_model_on_colocated_workers_under_mps() -> None:
     assert default_roles(1, 100 << 20, mps_available=False) == [Role.COLOCATED]
 
 
-def test_a_larger_model_or_several_gpus_run_one_prefill_and_one_decode_worker() -> None:
-    assert default_roles(1, SMALL_MODEL_BYTES + 1, mps_available=True) == \
-        [Role.PREFILL, Role.DECODE]
-    assert default_roles(1, None, mps_available=True) == [Role.PREFILL, Role.DECODE]
+def test_a_larger_model_on_one_gpu_runs_one_colocated_worker() -> None:
+    assert default_roles(1, SMALL_MODEL_BYTES + 1, mps_available=True) == [Role.COLOCATED]
+    assert default_roles(1, None, mps_available=True) == [Role.COLOCATED]
+
+
+def test_several_gpus_run_one_prefill_and_one_decode_worker() -> None:
     assert default_roles(4, 100 << 20, mps_available=True) == [Role.PREFILL, Role.DECODE]
+    assert default_roles(2, None, mps_available=False) == [Role.PREFILL, Role.DECODE]
 
 
 def test_role_options_replace_the_default() -> None:
