@@ -8,7 +8,8 @@ One tick (every `period_s`, about 1 s):
       ─▶ act through the actuator (agent/actuator.py) ─▶ audit (agent/audit.py)
     then: probation and re-admission (cases EJECTED), renewal of held ejections, and every
     `rebalance_period_s` one rebalancing decision (agent/rebalance.py); last, the capacity
-    plan and root-cause reports (agent/capacity_plan.py, agent/root_cause_watch.py).
+    plan, root-cause reports and workers' expert switches (agent/capacity_plan.py,
+    agent/root_cause_watch.py, agent/expert_watch.py).
 
 What happens to a worker the rules find bad (its case: agent/worker_case.py has the states
 and the pure transitions; this loop does the I/O they call for):
@@ -47,6 +48,7 @@ from agent.capacity_plan import CapacityPlanner, PlanConfig, PoolSizes
 from agent.casebook import Casebook
 from agent.decision import (Decision, EventAction, EventRule, Outcome, OutcomeKind, RoleSwitch,
                             Routine, parse_rule)
+from agent.expert_watch import switch_decisions
 from agent.guard_rails import ActionKind, plan_actions
 from agent.health_rules import Detection, Thresholds, detect
 from agent.observer import Observer
@@ -135,7 +137,6 @@ class ControlLoop:
         if self.watch is not None:
             self.watch.check_invariants()
 
-    # ---------------------------------------------------------------- lifecycle
 
     async def adopt(self) -> None:
         """Take over the ejections a previous agent left (after a restart of the agent)."""
@@ -153,7 +154,6 @@ class ControlLoop:
         if self.mover is not None:
             await self.mover.stop()
 
-    # ---------------------------------------------------------------- one tick
 
     async def tick(self) -> list[Decision]:
         started = time.perf_counter()
@@ -171,6 +171,7 @@ class ControlLoop:
             decisions += await self._act(now)
             decisions += await self._probation(now)
             await self._renew(now)
+            decisions += await self._record(switch_decisions(self.observer.expert_switches))
             if self.mover is not None:
                 await self.mover.tick(self.observer.registry, self.out_ids, now,
                                       self.config.window_s)
@@ -282,7 +283,6 @@ class ControlLoop:
         self.casebook.file(self.casebook.cases[info.worker_id].restart_begun(now))
         return Outcome.done(done)
 
-    # ---------------------------------------------------------------- recovery
 
     def _advance(self, case: WorkerCase, now: float) -> tuple[WorkerCase, FollowUp | None]:
         """The case as time and the latest sighting leave it (filed), and what to do now."""

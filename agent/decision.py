@@ -9,9 +9,10 @@ Inside the agent a decision's rule is a detection `Rule` or one of the agent's o
 and a detail). `to_event` is the one place they are spelled out, exactly as an operator
 reads them in docs/operations.md ("The audit trail"):
 
-    rule      dead | hung | slow | leaked_kv | error_spike | probation | restart | rebalance
+    rule      dead | hung | slow | leaked_kv | error_spike | probation | restart | rebalance |
+              experts
     action    eject | eject+restart | reclaim | readmit | recovered | hold | restart | wait |
-              <from role>-><to role>
+              copy_experts | <from role>-><to role>
     outcome   done | done: <detail> | started | dry_run | held: <why> | failed: <why>
 
 Nothing here does I/O.
@@ -36,6 +37,7 @@ class Routine(enum.StrEnum):
     PROBATION = "probation"  # a re-admission, and the ejection holding a restarted epoch out
     RESTART = "restart"  # a drained worker restarted; a restarted worker back, or not
     REBALANCE = "rebalance"  # a role change
+    EXPERTS = "experts"  # a worker's expert placements switched (agent/expert_watch.py)
 
 
 EventRule = Rule | Routine
@@ -61,6 +63,7 @@ class EventAction(enum.StrEnum):
     HOLD = "hold"  # the guard rails held a detection back
     RESTART = "restart"  # a drained worker restarted
     WAIT = "wait"  # a restarted worker not back within the grace
+    COPY_EXPERTS = "copy_experts"  # hot experts copied to other ranks, by the worker itself
 
     @classmethod
     def of(cls, kind: ActionKind) -> EventAction:

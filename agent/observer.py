@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from agent.expert_watch import ExpertSwitches, expert_switches
 from agent.health_rules import WorkerSample
 from protocol.agent_messages import HealthReport, HealthRequest
 from protocol.messages import WorkerInfo
@@ -109,11 +110,13 @@ class Observer:
         self.registry = Registry(registered_ids=[], workers={}, loads={})
         self._memory: dict[str, _StepMemory] = {}
         self.reports: dict[str, HealthReport] = {}  # the answers of the last tick
+        self.expert_switches: list[ExpertSwitches] = []  # seen in the last tick
 
     async def observe(self) -> list[WorkerSample | Lapsed]:
         """One sample per registered worker, a `Lapsed` for one whose lease lapsed (raises
         what the registry read raises)."""
         self.registry = registry = await self.state.read_registry(with_leases=True)
+        self.expert_switches = []
         now = time.monotonic()
         infos = list(registry.workers.values())
         reports = await asyncio.gather(*(self._ask(info) for info in infos))
@@ -166,6 +169,11 @@ class Observer:
         if report is None:
             return None
         steps = decode_steps(memory.report, report) if memory is not None else None
+        switched = expert_switches(info.worker_id, info.epoch,
+                                   memory.report.load if memory is not None else None,
+                                   report.load)
+        if switched is not None:
+            self.expert_switches.append(switched)
         self._memory[info.worker_id] = _StepMemory(info.epoch, report)
         return steps
 

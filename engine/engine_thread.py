@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from engine.block_pool import CacheEvent
 from engine.engine_load import engine_load
-from engine.expert_load import ExpertLoadWindow
+from engine.expert_load import expert_load_of
 from engine.host_kv_tier import HostTierStats
 from engine.kv_ready import KVReady
 from engine.kv_storage import KVLayout, KVStorage
@@ -121,8 +121,7 @@ class EngineThread:
         self.idle_wait_s = idle_wait_s
         self.load = engine_load(engine)
         # A MoE model's expert load (a tensor-parallel group's driver holds no model).
-        runner_model = getattr(getattr(engine, "runner", None), "model", None)
-        self._experts = ExpertLoadWindow.of(runner_model) if runner_model is not None else None
+        self._experts = expert_load_of(getattr(engine, "runner", None))
         self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None
         self.num_failed_commands = 0  # submit()ted commands that raised (each one logged)

@@ -9,17 +9,24 @@ grouping computes anyway (engine/models/moe.py); the window reads them once ever
                took everything), per layer
     hottest    that expert's id, per layer
 
-They travel in the worker's load (protocol/worker_load.py) and its /metrics.
+They travel in the worker's load (protocol/worker_load.py) and its /metrics. With expert
+parallelism (`--ep`) the rebalancer reads the counts instead, every so many steps
+(engine/expert_parallel.py), and `ExpertParallelLoad` reports its last window, adding
+
+    rank_imbalance   the busiest rank's tokens over the mean, per layer, under the
+                     placement that window ran with (what replication brings down)
+    num_rebalances   the placements switched so far
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
-from engine.expert_parallel import moe_blocks
+from engine.expert_parallel import ExpertRebalancer, moe_blocks
 
 WINDOW_S = 5.0
 
@@ -45,6 +52,9 @@ class ExpertLoadWindow:
         self.started_s = clock()
         self.imbalance: list[float] = []
         self.hottest: list[int] = []
+        self.rank_imbalance: list[float] = []  # no ranks: one process holds every expert
+        self.num_rebalances = 0
+        self.last_switch = (0.0, 0.0)
 
     @classmethod
     def of(cls, model: nn.Module) -> ExpertLoadWindow | None:
@@ -59,3 +69,37 @@ class ExpertLoadWindow:
         self.imbalance = [imbalance(c) for c in counts]
         self.hottest = [max(range(len(c)), key=c.__getitem__) for c in counts]
         self.started_s = now
+
+
+class ExpertParallelLoad:
+    """The expert load of an expert-parallel engine, from its rebalancer's last window (the
+    rebalancer reads the blocks' counts; a second reader would split them). Engine thread
+    only; the same fields as ExpertLoadWindow."""
+
+    def __init__(self, rebalancer: ExpertRebalancer) -> None:
+        self.rebalancer = rebalancer
+        self.imbalance: list[float] = []
+        self.hottest: list[int] = []
+        self.rank_imbalance: list[float] = []
+        self.num_rebalances = 0
+        self.last_switch = (0.0, 0.0)  # (busiest rank over the mean before, planned after)
+
+    def refresh(self) -> None:
+        tokens = self.rebalancer.tokens
+        self.imbalance = [imbalance(c) for c in tokens]
+        self.hottest = [max(range(len(c)), key=c.__getitem__) for c in tokens]
+        self.rank_imbalance = list(self.rebalancer.imbalance)
+        self.num_rebalances = len(self.rebalancer.rebalances)
+        if self.rebalancer.rebalances:
+            last = self.rebalancer.rebalances[-1]
+            self.last_switch = (max(last.imbalance_before), max(last.imbalance_after))
+
+
+def expert_load_of(runner: Any) -> ExpertLoadWindow | ExpertParallelLoad | None:
+    """How an engine's runner reports its expert load: through the rebalancer of an
+    expert-parallel group, else by reading its model's MoE blocks; None for a dense model."""
+    rebalancer = getattr(runner, "rebalancer", None)
+    if isinstance(rebalancer, ExpertRebalancer):
+        return ExpertParallelLoad(rebalancer)
+    model = getattr(runner, "model", None)
+    return ExpertLoadWindow.of(model) if model is not None else None

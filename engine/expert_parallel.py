@@ -133,6 +133,7 @@ class ExpertRebalancer:
         # it ran with (`imbalance`), and every switch made: its step and, per block, that
         # window's imbalance under the old placement and under the new.
         self.imbalance: list[float] = []
+        self.tokens: list[list[int]] = []  # per block, each expert's tokens in that window
         self.rebalances: list[Rebalance] = []
 
     def step(self) -> tuple[ExpertPlacement, ...] | None:
@@ -140,7 +141,7 @@ class ExpertRebalancer:
         self.num_steps += 1
         if self.num_steps % self.interval_steps:
             return None
-        tokens = [block.take_expert_tokens() for block in self.blocks]
+        self.tokens = tokens = [block.take_expert_tokens() for block in self.blocks]
         plans = tuple(plan_replicas(t, p, self.slots_per_rank, self.min_gain)
                       for t, p in zip(tokens, self.placements))
         self.imbalance = [p.imbalance(t) for t, p in zip(tokens, self.placements)]

@@ -271,10 +271,13 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
 def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
                            kv_cache_bytes: int, threads: int | None = None,
                            progress: Callable[[str], None] | None = None,
-                           expert_parallel: bool = False) -> Iterator["LLMEngine"]:
+                           expert_parallel: bool = False,
+                           rebalance_every: int = REBALANCE_INTERVAL_STEPS
+                           ) -> Iterator["LLMEngine"]:
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
     gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: whole
-    experts per rank (engine/expert_parallel.py). Raises ValueError (TP size does not fit
+    experts per rank (engine/expert_parallel.py), copies planned every `rebalance_every`
+    steps. Raises ValueError (TP size does not fit
     the model, or a host KV tier asked for) or ModelLoadError before any process is
     spawned."""
     from engine.engine_builder import load_tokenizer
@@ -310,7 +313,8 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
                                       engine_config.block_size, engine_config.kv_cache_dtype,
                                       engine_config.device)
         runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
-                                           cuda_graph_batch_sizes=()), group)
+                                           cuda_graph_batch_sizes=()), group,
+                                rebalance_every)
         engine = LLMEngine(runner, storage, loaded.config,
                            load_tokenizer(loaded.tokenizer_source), engine_config)
         report(f"tensor parallel: {tp_size} ranks ready")

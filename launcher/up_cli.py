@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
                                       gpu_memory_fractions, host_kv_cache_gb, mem_available_bytes)
+from launcher.role_options import worker_names, worker_roles
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
@@ -110,6 +111,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="host memory per worker for prefix blocks evicted from its KV cache, GiB; 0: "
              "off (default on CUDA: 25%% of the memory available at start, split among the "
              "workers, at most 64 each; on CPU: 0)")
+    opt("--ep", type=int, help="expert parallelism in each worker (colocated workers only): "
+        "a mixture-of-experts model's experts spread over this many processes per worker, "
+        "hot experts copied as the load shifts (default 1)")
+    opt("--tp", type=int, help="tensor parallelism in each worker (colocated workers only): "
+        "this many processes per worker, each holding 1/N of every layer (default 1)")
     opt("--namespace", "pdserve", help="Redis key namespace")
     opt("--log-dir", help="where the children's logs go (default: a new temporary folder)")
     opt("--log-level", "info", help="the children's log level")
@@ -137,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.drain_timeout_s < 0:
         return _fail("--drain-timeout-s must be >= 0")
+    for option, count in (("--ep", args.ep), ("--tp", args.tp)):
+        if count and count > 1 and any(role is not Role.COLOCATED for role in roles):
+            return _fail(f"{option} {count} runs in colocated workers only (--colocated): "
+                         f"a group's KV is split by head, and a KV handoff moves one pool")
     if args.gateways < 1:
         return _fail("--gateways must be >= 1")
     if args.redis_url:
@@ -160,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mps = None if mps_plan is None else mps_setup(mps_plan, log_dir)
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
+    ranks = max(args.ep or 1, args.tp or 1)  # processes per worker (--ep / --tp)
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (len(roles) * ranks))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
     tag = secrets.token_hex(3)
     # Without --kv-cache-mb a CUDA worker sizes its pool from its share of the GPU.
-    fractions = gpu_memory_fractions(devices) if not args.kv_cache_mb else [None] * len(roles)
+    fractions = (gpu_memory_fractions(devices) if not args.kv_cache_mb and ranks == 1
+                 else [None] * len(roles))  # a group sizes its pool from --kv-cache-mb
     specs = [WorkerSpec(role, device, f"{name}-{tag}",
                         env={**({} if mps is None else mps.worker_envs[i]),
                              **({} if fraction is None
@@ -184,9 +196,11 @@ def run(args: argparse.Namespace) -> int:
         common += ["--kv-cache-mb", str(kv_cache_mb)]
     if args.kv_cache_dtype:
         common += ["--kv-cache-dtype", args.kv_cache_dtype]
+    for option, count in (("--ep", args.ep), ("--tp", args.tp)):
+        common += [option, str(count)] if count else []
     host_gb = args.kv_host_cache_gb
-    if host_gb is None:
-        host_gb = host_kv_cache_gb(devices, mem_available_bytes())
+    if host_gb is None:  # a group has no host tier yet
+        host_gb = 0 if ranks > 1 else host_kv_cache_gb(devices, mem_available_bytes())
     if host_gb:
         common += ["--kv-host-cache-gb", str(host_gb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
@@ -257,78 +271,6 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _say("stopped.")
-
-
-def worker_roles(num_prefill: int | None, num_decode: int | None, colocated: bool,
-                 num_workers: int | None, roles: str | None,
-                 default: Sequence[Role] = (Role.PREFILL, Role.DECODE)) -> list[Role]:
-    """The role each worker to start starts in, from --prefill/--decode, --colocated or
-    --roles (with --workers); None is an option not given. Side-effect free; raises
-    ValueError with a message for the user.
-
-    no role option          →  `default` (launcher/default_layout.py: what wins on the host)
-    --prefill N --decode M  →  N × PREFILL + M × DECODE (either alone: the other is 1)
-    --roles R1,...,Rk       →  R1, ..., Rk (--workers K with one role: K of it; with k
-                               roles, K == k)
-    --colocated             →  --roles colocated (two workers unless --workers says)
-    """
-    if roles is not None and colocated:
-        raise ValueError("--roles conflicts with --colocated (--colocated is the same as "
-                         "--roles colocated)")
-    grouped = "--roles" if roles is not None else "--colocated" if colocated else None
-    if grouped is None and num_prefill is None and num_decode is None and num_workers is None:
-        chosen = list(default)
-    elif grouped is None:
-        if num_workers is not None:
-            raise ValueError("--workers counts the workers of --roles or --colocated; "
-                             "use --prefill / --decode without them")
-        counts = {"--prefill": 1 if num_prefill is None else num_prefill,
-                  "--decode": 1 if num_decode is None else num_decode}
-        for option, count in counts.items():
-            if count < 0:
-                raise ValueError(f"{option} must be >= 0")
-        chosen = [Role.PREFILL] * counts["--prefill"] + [Role.DECODE] * counts["--decode"]
-    else:
-        if num_prefill is not None or num_decode is not None:
-            raise ValueError(f"--prefill / --decode conflict with {grouped}: give the "
-                             f"workers' roles with --roles (e.g. --roles prefill,decode)")
-        names = _parse_roles(roles) if roles is not None else [Role.COLOCATED]
-        if num_workers is None:
-            num_workers = len(names) if len(names) > 1 else 2
-        if num_workers < 1:
-            raise ValueError("--workers must be at least 1")
-        if len(names) == 1:
-            names = names * num_workers
-        elif len(names) != num_workers:
-            raise ValueError(f"--roles lists {len(names)} roles but --workers is "
-                             f"{num_workers}: give one role for all workers or exactly "
-                             f"{num_workers}")
-        chosen = names
-    if not any(role.decodes for role in chosen):
-        raise ValueError("at least one worker that decodes is needed: decode, both or "
-                         "colocated (--decode, --roles or --colocated)")
-    return chosen
-
-
-def _parse_roles(text: str) -> list[Role]:
-    choices = [role.value for role in Role]
-    names = [name.strip() for name in text.split(",")]
-    for name in names:
-        if name not in choices:
-            raise ValueError(f"--roles: unknown role {name!r} (roles: {', '.join(choices)})"
-                             if name else f"--roles: an empty role in {text!r}")
-    return [Role(name) for name in names]
-
-
-def worker_names(roles: Sequence[Role]) -> list[str]:
-    """"ROLE-INDEX" per worker, counted per role; the cluster's worker ids are these plus
-    "-TAG"."""
-    counts: dict[Role, int] = {}
-    names = []
-    for role in roles:
-        names.append(f"{role.value}-{counts.get(role, 0)}")
-        counts[role] = counts.get(role, 0) + 1
-    return names
 
 
 def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], bool]

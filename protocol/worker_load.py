@@ -65,6 +65,14 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # the most used expert's assignments over the mean, and its id. Empty: a dense model.
     moe_imbalance: list[Annotated[float, msgspec.Meta(ge=1.0)]] = []
     moe_hottest: list[NonNegInt] = []
+    # With expert parallelism (`--ep`): the busiest rank's tokens over the mean, per MoE layer
+    # (empty without), and the expert placements switched so far (hot experts copied).
+    moe_rank_imbalance: list[Annotated[float, msgspec.Meta(ge=1.0)]] = []
+    num_expert_rebalances: NonNegInt = 0
+    # The last switch: the busiest rank over the mean in the window that decided it (worst
+    # layer), and for that window's tokens under the new placement (0.0: no switch yet).
+    last_switch_imbalance: NonNegFloat = 0.0
+    last_switch_planned: NonNegFloat = 0.0
     num_host_blocks_used: NonNegInt = 0  # blocks held by the host KV tier
     num_host_blocks_total: NonNegInt = 0  # the host KV tier's size (0: the worker has none)
     host_reload_bytes_per_s: NonNegFloat = 0.0  # its host-to-device copy rate (0: unknown)

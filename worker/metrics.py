@@ -57,6 +57,12 @@ class WorkerMetrics:
         self.moe_hottest = registry.gauge(
             "pdserve_moe_hottest_expert", "the most used expert's id, per MoE layer, over the "
             "last window", ["layer"])
+        self.moe_rank_imbalance = registry.gauge(
+            "pdserve_moe_rank_imbalance", "with --ep: the busiest rank's tokens over the mean, "
+            "per MoE layer, over the rebalancer's last window (1: even)", ["layer"])
+        self.moe_rebalances = registry.gauge(
+            "pdserve_moe_expert_rebalances", "with --ep: expert placements switched so far "
+            "(hot experts given copies on other ranks)")
         self.host_tier_blocks = registry.counter(
             "pdserve_kv_host_tier_blocks_total", "prompt blocks past the device-cached prefix "
             "at admission, by whether the host KV tier held them (hit: reloaded, not "
@@ -149,6 +155,10 @@ class WorkerMetrics:
         for layer, (ratio, hottest) in enumerate(zip(load.moe_imbalance, load.moe_hottest)):
             self.moe_imbalance.set(ratio, layer=str(layer))
             self.moe_hottest.set(hottest, layer=str(layer))
+        for layer, ratio in enumerate(load.moe_rank_imbalance):
+            self.moe_rank_imbalance.set(ratio, layer=str(layer))
+        if load.moe_rank_imbalance:
+            self.moe_rebalances.set(load.num_expert_rebalances)
         if report.host_tier is not None:
             self._on_host_tier(report.host_tier)
         for seconds in report.host_reload_seconds:

@@ -68,6 +68,14 @@ class WorkerOptions:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; auto: --dtype's
     prefill_lane: str = "off"  # off | auto | SMs (engine/prefill_lane.py, lane_streams.py)
     gpu_memory_fraction: float = 0.0  # CUDA: KV pool from this share of the GPU; 0: kv_cache_mb
+    tp: int = 1  # tensor-parallel ranks (engine/tensor_parallel_group.py); colocated only
+    ep: int = 1  # expert-parallel ranks, the same processes (engine/expert_parallel.py)
+    expert_rebalance_steps: int = 64  # with --ep: steps between replication plans
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's ranks: --ep's experts are spread over --tp's processes."""
+        return max(self.tp, self.ep)
 
     @property
     def warms_up(self) -> bool:
@@ -100,6 +108,30 @@ class WorkerOptions:
                              f"got {self.gpu_memory_fraction}")
         if not 0.05 <= self.gil_switch_ms <= 100:
             raise ValueError(f"--gil-switch-ms must be in [0.05, 100], got {self.gil_switch_ms}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """--tp / --ep: a group of ranks holds its KV split by head over its processes, and
+        a KV handoff moves one pool, so a group serves only requests it prefills itself."""
+        if self.tp < 1 or self.ep < 1 or self.expert_rebalance_steps < 1:
+            raise ValueError("--tp, --ep and --expert-rebalance-steps must be at least 1")
+        if self.ep > 1 and self.tp not in (1, self.ep):
+            raise ValueError(f"--ep {self.ep} spreads the experts over the {self.ep} processes "
+                             f"that split attention: --tp must be {self.ep} (or left out), "
+                             f"got {self.tp}")
+        if self.tp_size == 1:
+            return
+        what = f"--{'ep' if self.ep > 1 else 'tp'} {self.tp_size}"
+        if self.role is not Role.COLOCATED:
+            raise ValueError(f"{what} needs --role colocated (got {self.role.value}): its KV "
+                             f"is split over {self.tp_size} processes by head, and a KV "
+                             f"handoff moves one process's pool")
+        for given, name in ((self.kv_host_cache_gb, "--kv-host-cache-gb"),
+                            (self.prefill_lane != "off", "--prefill-lane"),
+                            (self.gpu_memory_fraction, "--gpu-memory-fraction (size the "
+                                                       "pool with --kv-cache-mb)")):
+            if given:
+                raise ValueError(f"{what} does not support {name} yet")
 
 
 def add_worker_options(parser: argparse.ArgumentParser, role: Role,
@@ -186,6 +218,15 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "interval (default 5 ms there). An overlapped engine step rarely waits for the "
         "device, so without a short interval every stream and KV handshake of a busy "
         "worker waits up to 5 ms per hand-over", type=float)
+    add("--tp", 1, "tensor parallelism: this many processes on this host each hold 1/N of "
+        "every layer (rank r on cuda:r on CUDA; gloo on the CPU); colocated workers only",
+        type=int)
+    add("--ep", 1, "expert parallelism for a mixture-of-experts model: the experts are "
+        "spread over this many processes (whole experts each; attention split as with --tp, "
+        "which must equal it or be left out), and hot experts get extra copies as the load "
+        "shifts; colocated workers only", type=int)
+    add("--expert-rebalance-steps", 64, "with --ep: every this many steps, plan the expert "
+        "copies from the tokens each expert took meanwhile", type=int)
     add("--namespace", "pdserve", "Redis key namespace")
     add("--log-level", "info", "logging level", choices=LOG_LEVELS)
     add("--log-format", "text", "text lines, or json: one object per line with the request "
@@ -246,7 +287,9 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         kv_host_cache_gb=float(getattr(args, "kv_host_cache_gb", 0.0)),
         kv_cache_dtype=str(getattr(args, "kv_cache_dtype", "auto")),
         prefill_lane=str(getattr(args, "prefill_lane", "off")),
-        gpu_memory_fraction=float(getattr(args, "gpu_memory_fraction", 0.0)))
+        gpu_memory_fraction=float(getattr(args, "gpu_memory_fraction", 0.0)),
+        tp=int(getattr(args, "tp", 1)), ep=int(getattr(args, "ep", 1)),
+        expert_rebalance_steps=int(getattr(args, "expert_rebalance_steps", 64)))
 
 
 def kv_cache_dtype(option: str) -> "torch.dtype | None":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable, Coroutine
@@ -72,6 +73,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_runner import ModelRunner
     from engine.step_budget import holds_tpot
+    from engine.tensor_parallel_group import tensor_parallel_engine
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
     from worker.options import kv_cache_dtype, lane_is_shared, parse_lane_option
@@ -99,8 +101,14 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
                           gpu_memory_fraction=(options.gpu_memory_fraction or None
                                                if options.device.startswith("cuda") else None))
 
+    groups = contextlib.ExitStack()  # a tensor-parallel engine's follower ranks
+
     def load() -> LLMEngine:
-        engine = build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+        engine = (build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
+                  if options.tp_size == 1 else groups.enter_context(tensor_parallel_engine(
+                      options.model, config, options.tp_size, options.kv_cache_mb << 20,
+                      options.threads, expert_parallel=options.ep > 1,
+                      rebalance_every=options.expert_rebalance_steps)))
         log = logging.getLogger(__name__)
         tier = engine.kv_cache.host_tier
         log.info("host KV tier: %s", f"{tier.num_host_blocks} blocks "
@@ -127,6 +135,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
         return engine
 
     try:
-        return await runtime.serve(build_role(options, runtime), load)
+        with groups:  # the followers stop after the engine (closed by the runtime)
+            return await runtime.serve(build_role(options, runtime), load)
     finally:
         await tracing.shutdown()  # exports the spans still queued

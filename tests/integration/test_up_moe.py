@@ -4,6 +4,11 @@ weights; the default model's tokenizer beside it), 1 prefill + 1 decode worker, 
 prompt handed off prefill -> decode. Greedy answers must be transformers' own greedy
 tokens for the same weights, in float32 on both sides.
 
+The same model skewed (every token picks experts 0 and 1) under one colocated worker with
+`--ep 2`: the experts spread over two processes, the hot one copied to the other rank by the
+worker's rebalancer, each switch in the operations agent's audit trail, the busiest rank's
+load falling after it, and the answers still transformers' own.
+
 The reference's router margins are checked first (the k-th against the (k+1)-th expert's
 probability, at every position the test generates): a near-tie that another summation
 order could flip would fail the comparison for no fault of ours.
@@ -11,13 +16,18 @@ order could flip would fail the comparison for no fault of ours.
 
 from __future__ import annotations
 
+import re
+import shutil
+import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from up_process import HANDOFF_TIER, UpProcess
 
+from protocol.agent_messages import HealthReport, HealthRequest
 from testing.random_model import export_tokenizer
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -100,3 +110,83 @@ def test_a_moe_model_is_served_through_a_handoff_as_transformers_generates(
     splits = [line for line in metrics.splitlines()
               if line.startswith('pdserve_gateway_plans_total{kind="split"')]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in splits) >= 2 * len(PROMPTS)
+
+
+def _skewed(directory: Path, target: Path) -> Path:
+    """The checkpoint with every token's hidden state carrying +4 in dimension 0 and each
+    layer's router rows of experts 0 and 1 reading it: those two, both on rank 0 of two,
+    take every token (rank 1 idles until a copy of one of them moves there)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(directory, target)
+    (weights,) = target.glob("*.safetensors")
+    state = load_file(weights)
+    state["model.embed_tokens.weight"][:, 0] += 4.0
+    for name, tensor in state.items():
+        if name.endswith("mlp.gate.weight"):
+            tensor[0, 0], tensor[1, 0] = 3.0, 2.5
+    save_file(state, weights, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def skewed(moe, tmp_path_factory):
+    import transformers
+
+    directory = _skewed(moe[0], tmp_path_factory.mktemp("skewed") / "model")
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    return directory, model.eval()
+
+
+@pytest.fixture(scope="module")
+def up_ep(skewed, tmp_path_factory):
+    process = UpProcess("--colocated", "--workers", "1", "--ep", "2", "--model",
+                        str(skewed[0]), log_dir=tmp_path_factory.mktemp("up-ep-logs"),
+                        env={"PDSERVE_DTYPE": "float32",
+                             "PDSERVE_EXPERT_REBALANCE_STEPS": "4"})
+    yield process
+    process.stop()
+
+
+def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformers(
+        skewed, up_ep: UpProcess, hf_reference) -> None:
+    _, reference = skewed
+    client = openai.OpenAI(base_url=f"{up_ep.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    (worker,) = up_ep.workers()
+    assert worker["role"] == "colocated"
+    for prompt in PROMPTS * 2:
+        ids = hf_reference.prompt_ids(prompt)
+        expected, margin = _greedy(reference, ids)
+        assert margin > 1e-5, f"a router near-tie ({margin:.1e}) on {prompt!r}"
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == hf_reference.tokenizer.decode(
+            expected, skip_special_tokens=True)
+    report = up_ep.control_call(worker, HealthRequest(), HealthReport)
+    load = report.load
+    assert load.num_expert_rebalances >= 1, load
+    assert report.num_failed == 0 and report.num_requests == 2 * len(PROMPTS)
+    # Experts 0 and 1 take every token (each expert's share over the mean: 2.0 in every
+    # layer), so without a copy rank 0 takes all of them: 2.0x the mean rank. With one of
+    # them copied to rank 1 the busiest rank takes less.
+    assert load.moe_imbalance == [2.0, 2.0], load
+    assert max(load.moe_rank_imbalance) < 2.0, load
+    # The agent's audit trail has the switches, with the busiest rank's load that decided
+    # the last one and what the new placement makes of the same tokens.
+    deadline = time.monotonic() + 30
+    found: list[dict] = []
+    while not found and time.monotonic() < deadline:
+        events = up_ep.admin_get("/admin/agent/events?limit=1000")["events"]
+        found = [e for e in events if e["rule"] == "experts"]
+        time.sleep(0.2)
+    assert found, up_ep.output[-3000:]
+    event = found[-1]  # the oldest: the first switch
+    assert event["action"] == "copy_experts" and event["outcome"].startswith("done")
+    assert event["worker_id"] == worker["id"]
+    figures = re.search(r"took ([0-9.]+)x the mean .*?, ([0-9.]+)x for its tokens",
+                        event["evidence"])
+    assert figures is not None, event
+    assert float(figures.group(2)) < float(figures.group(1)), event

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from launcher.default_layout import (NUM_SMALL_MODEL_WORKERS, SMALL_MODEL_BYTES, default_roles,
                                      model_weight_bytes)
-from launcher.up_cli import worker_roles
+from launcher.role_options import worker_roles
 from protocol.messages import Role
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.local_cluster import WorkerSpec, worker_argv
-from launcher.up_cli import worker_names, worker_roles
+from launcher.role_options import worker_names, worker_roles
 from protocol.messages import Role
 
 P, D, B, C = Role.PREFILL, Role.DECODE, Role.BOTH, Role.COLOCATED
@@ -106,6 +106,11 @@ def test_cpu_kv_cache_is_a_share_of_available_memory_within_bounds():
 def test_up_refuses_zero_gateways_before_starting_anything(capsys) -> None:
     assert main(["up", "--gateways", "0"]) == 1
     assert "--gateways must be >= 1" in capsys.readouterr().err
+
+
+def test_up_runs_expert_parallel_groups_in_colocated_workers_only(capsys) -> None:
+    assert main(["up", "--prefill", "1", "--decode", "1", "--ep", "2"]) == 1
+    assert "--ep 2 runs in colocated workers only" in capsys.readouterr().err
 
 
 def test_host_kv_tier_is_a_share_of_available_memory_on_cuda_and_off_on_cpu():

@@ -118,3 +118,17 @@ def test_the_kv_cache_dtype_is_the_models_unless_told() -> None:
     assert kv_cache_dtype("bf16") == torch.bfloat16
     with pytest.raises(SystemExit):
         options("--kv-cache-dtype", "int4")
+
+
+def test_expert_and_tensor_parallel_groups_run_in_colocated_workers_only() -> None:
+    group = options("--role", "colocated", "--ep", "2")
+    assert (group.tp_size, group.ep, group.expert_rebalance_steps) == (2, 2, 64)
+    assert options("--role", "colocated", "--tp", "3").tp_size == 3
+    with pytest.raises(ValueError, match="needs --role colocated"):
+        options("--ep", "2")  # a decode worker receives KV into one process's pool
+    with pytest.raises(ValueError, match="--tp must be 2"):
+        options("--role", "colocated", "--ep", "2", "--tp", "3")
+    with pytest.raises(ValueError, match="does not support --kv-host-cache-gb"):
+        options("--role", "colocated", "--ep", "2", "--kv-host-cache-gb", "1")
+    with pytest.raises(ValueError, match="at least 1"):
+        options("--role", "colocated", "--ep", "0")
