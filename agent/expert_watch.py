@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import fmean
 
 from agent.decision import Decision, EventAction, Outcome, Routine
 from protocol.worker_load import WorkerLoad
@@ -41,13 +42,13 @@ def expert_switches(worker_id: str, epoch: int, then: WorkerLoad | None,
     if switched <= 0:
         return None
     since = "the last look" if then else "the worker started"
-    latest = max(now.moe_rank_imbalance, default=1.0)
+    latest = fmean(now.moe_rank_imbalance) if now.moe_rank_imbalance else 1.0
     return ExpertSwitches(worker_id, epoch, (
         f"{switched} expert placement switch(es) since {since}, "
         f"{now.num_expert_rebalances} in all; the last: the busiest rank took "
-        f"{now.last_switch_imbalance:.2f}x the mean in the window that decided it (worst MoE "
-        f"layer), {now.last_switch_planned:.2f}x for its tokens under the new placement; "
-        f"{latest:.2f}x in the latest window"))
+        f"{now.last_switch_imbalance:.2f}x the mean in the window that decided it (averaged "
+        f"over MoE layers), {now.last_switch_planned:.2f}x for its tokens under the new "
+        f"placement; {latest:.2f}x in the latest window"))
 
 
 def switch_decisions(switches: Sequence[ExpertSwitches],

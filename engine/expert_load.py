@@ -21,6 +21,7 @@ parallelism (`--ep`) the rebalancer reads the counts instead, every so many step
 from __future__ import annotations
 
 import time
+from statistics import fmean
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,7 +83,8 @@ class ExpertParallelLoad:
         self.hottest: list[int] = []
         self.rank_imbalance: list[float] = []
         self.num_rebalances = 0
-        self.last_switch = (0.0, 0.0)  # (busiest rank over the mean before, planned after)
+        self.last_switch = (0.0, 0.0)  # busiest rank over the mean, before / planned after,
+        # averaged over the layers
 
     def refresh(self) -> None:
         tokens = self.rebalancer.tokens
@@ -92,7 +94,7 @@ class ExpertParallelLoad:
         self.num_rebalances = len(self.rebalancer.rebalances)
         if self.rebalancer.rebalances:
             last = self.rebalancer.rebalances[-1]
-            self.last_switch = (max(last.imbalance_before), max(last.imbalance_after))
+            self.last_switch = (fmean(last.imbalance_before), fmean(last.imbalance_after))
 
 
 def expert_load_of(runner: Any) -> ExpertLoadWindow | ExpertParallelLoad | None:

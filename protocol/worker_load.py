@@ -69,8 +69,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # (empty without), and the expert placements switched so far (hot experts copied).
     moe_rank_imbalance: list[Annotated[float, msgspec.Meta(ge=1.0)]] = []
     num_expert_rebalances: NonNegInt = 0
-    # The last switch: the busiest rank over the mean in the window that decided it (worst
-    # layer), and for that window's tokens under the new placement (0.0: no switch yet).
+    # The last switch: the busiest rank over the mean in the window that decided it, and for
+    # that window's tokens under the new placement, averaged over MoE layers (0.0: none yet;
+    # a switch changes only layers it improves, so the second is below the first).
     last_switch_imbalance: NonNegFloat = 0.0
     last_switch_planned: NonNegFloat = 0.0
     num_host_blocks_used: NonNegInt = 0  # blocks held by the host KV tier

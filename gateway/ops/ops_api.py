@@ -9,7 +9,10 @@
                                    "load": {"num_running", "num_waiting", "kv_blocks_used",
                                             "kv_blocks_total", "host_blocks_used",
                                             "host_blocks_total", ...}}]}
-                     (host_blocks_*: the worker's host KV tier; total 0: it has none)
+                     (host_blocks_*: the worker's host KV tier; total 0: it has none;
+                     moe_*: a mixture-of-experts model's busiest expert over the mean in
+                     its worst layer, that layer and expert, the busiest rank's over the
+                     mean with --ep, and its expert switches; 0 for a dense model)
                      state: "ready" | "draining" | "ejected" (the operations agent keeps
                      it out of routing: "ejection" says why) | "expired" (lease lapsed,
                      not yet purged)
@@ -347,6 +350,17 @@ def _load_fields(load: WorkerLoad) -> dict[str, float]:
             "host_blocks_total": load.num_host_blocks_total,
             "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
             "num_decoding": load.num_decoding,
-            "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1)}
+            "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1), **_moe_fields(load)}
+
+
+def _moe_fields(load: WorkerLoad) -> dict[str, float]:
+    """The expert load of the worst MoE layer (zeros for a dense model)."""
+    if not load.moe_imbalance:
+        return {}
+    layer = max(range(len(load.moe_imbalance)), key=load.moe_imbalance.__getitem__)
+    return {"moe_imbalance": round(load.moe_imbalance[layer], 2), "moe_layer": layer,
+            "moe_hottest": load.moe_hottest[layer] if layer < len(load.moe_hottest) else -1,
+            "moe_rank_imbalance": round(max(load.moe_rank_imbalance, default=0.0), 2),
+            "moe_rebalances": load.num_expert_rebalances}
 
 

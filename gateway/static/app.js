@@ -122,7 +122,11 @@ function renderWorkers(workers) {
       el("td", { class: "num" }, load.num_waiting ?? "–"),
       el("td", { class: "num" }, load.num_queued_prefill_tokens ?? "–"),
       el("td", {}, bar, total ? `${used} / ${total} blocks (${percent(used, total)})` : "–",
-        hostTotal ? ` · host ${hostUsed} / ${hostTotal} (${percent(hostUsed, hostTotal)})` : ""));
+        hostTotal ? ` · host ${hostUsed} / ${hostTotal} (${percent(hostUsed, hostTotal)})` : "",
+        load.moe_imbalance ? el("div", { class: "muted" },
+          `experts: busiest ${load.moe_imbalance}x the mean (layer ${load.moe_layer}, expert ` +
+          `${load.moe_hottest})` + (load.moe_rank_imbalance ? `; busiest rank ` +
+          `${load.moe_rank_imbalance}x, ${load.moe_rebalances} switch(es)` : "")) : ""));
   }));
   if (!workers.length) body.append(el("tr", {}, el("td", { colspan: 8 }, "No worker registered.")));
 }

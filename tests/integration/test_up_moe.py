@@ -186,6 +186,14 @@ def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformer
     event = found[-1]  # the oldest: the first switch
     assert event["action"] == "copy_experts" and event["outcome"].startswith("done")
     assert event["worker_id"] == worker["id"]
+    # The registry's load (what /admin/workers and the cluster page show) carries them too.
+    while time.monotonic() < deadline:
+        row = up_ep.workers()[0]["load"] or {}
+        if row.get("moe_rebalances", 0) >= 1:
+            break
+        time.sleep(0.2)
+    assert row["moe_imbalance"] == 2.0 and row["moe_rebalances"] >= 1, row
+    assert 1.0 <= row["moe_rank_imbalance"] < 2.0, row
     figures = re.search(r"took ([0-9.]+)x the mean .*?, ([0-9.]+)x for its tokens",
                         event["evidence"])
     assert figures is not None, event
