@@ -17,10 +17,8 @@ order could flip would fail the comparison for no fault of ours.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -29,6 +27,7 @@ from up_process import HANDOFF_TIER, UpProcess
 
 from protocol.agent_messages import HealthReport, HealthRequest
 from testing.random_model import export_tokenizer
+from testing.skewed_experts import skew_experts
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -72,6 +71,20 @@ def _greedy(model, prompt: list[int]) -> tuple[list[int], float]:
     return tokens, margin
 
 
+def _expected(reference, hf_reference, prompt: str) -> tuple[list[int], list[int]]:
+    """The prompt's ids and transformers' greedy tokens, with no router near-tie on the way."""
+    ids = hf_reference.prompt_ids(prompt)
+    expected, margin = _greedy(reference, ids)
+    assert margin > 1e-5, f"a router near-tie ({margin:.1e}) on {prompt!r}"
+    return ids, expected
+
+
+def _client(up: UpProcess) -> tuple[openai.OpenAI, str]:
+    client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    return client, client.models.list().data[0].id
+
+
 @pytest.fixture(scope="module")
 def up(moe, tmp_path_factory):
     directory, _ = moe
@@ -88,14 +101,10 @@ def up(moe, tmp_path_factory):
 def test_a_moe_model_is_served_through_a_handoff_as_transformers_generates(
         moe, up: UpProcess, hf_reference) -> None:
     _, reference = moe
-    client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    model = client.models.list().data[0].id
+    client, model = _client(up)
     assert sorted(w["role"] for w in up.workers()) == ["decode", "prefill"]
     for prompt in PROMPTS:
-        ids = hf_reference.prompt_ids(prompt)
-        expected, margin = _greedy(reference, ids)
-        assert margin > 1e-5, f"a router near-tie ({margin:.1e}) on {prompt!r}"
+        ids, expected = _expected(reference, hf_reference, prompt)
         args = dict(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
                     extra_body={"ignore_eos": True},
                     extra_headers={"x-pdserve-tier": "handoff"})
@@ -112,28 +121,13 @@ def test_a_moe_model_is_served_through_a_handoff_as_transformers_generates(
     assert sum(float(line.rsplit(" ", 1)[1]) for line in splits) >= 2 * len(PROMPTS)
 
 
-def _skewed(directory: Path, target: Path) -> Path:
-    """The checkpoint with every token's hidden state carrying +4 in dimension 0 and each
-    layer's router rows of experts 0 and 1 reading it: those two, both on rank 0 of two,
-    take every token (rank 1 idles until a copy of one of them moves there)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(directory, target)
-    (weights,) = target.glob("*.safetensors")
-    state = load_file(weights)
-    state["model.embed_tokens.weight"][:, 0] += 4.0
-    for name, tensor in state.items():
-        if name.endswith("mlp.gate.weight"):
-            tensor[0, 0], tensor[1, 0] = 3.0, 2.5
-    save_file(state, weights, metadata={"format": "pt"})
-    return target
-
-
 @pytest.fixture(scope="module")
 def skewed(moe, tmp_path_factory):
     import transformers
 
-    directory = _skewed(moe[0], tmp_path_factory.mktemp("skewed") / "model")
+    # Experts 0 and 1, both on rank 0 of two, take every token.
+    directory = skew_experts(moe[0], tmp_path_factory.mktemp("skewed") / "model",
+                             {0: 3.0, 1: 2.5})
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.config._attn_implementation = "eager"
     return directory, model.eval()
@@ -152,15 +146,11 @@ def up_ep(skewed, tmp_path_factory):
 def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformers(
         skewed, up_ep: UpProcess, hf_reference) -> None:
     _, reference = skewed
-    client = openai.OpenAI(base_url=f"{up_ep.url}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
-    model = client.models.list().data[0].id
+    client, model = _client(up_ep)
     (worker,) = up_ep.workers()
     assert worker["role"] == "colocated"
     for prompt in PROMPTS * 2:
-        ids = hf_reference.prompt_ids(prompt)
-        expected, margin = _greedy(reference, ids)
-        assert margin > 1e-5, f"a router near-tie ({margin:.1e}) on {prompt!r}"
+        _, expected = _expected(reference, hf_reference, prompt)
         answer = client.completions.create(model=model, prompt=prompt, max_tokens=NUM_TOKENS,
                                            temperature=0, extra_body={"ignore_eos": True})
         assert answer.choices[0].text == hf_reference.tokenizer.decode(

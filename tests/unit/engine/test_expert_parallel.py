@@ -9,32 +9,17 @@ through the switch.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from test_tensor_parallel import BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch, run_group
 
 from engine.expert_parallel import ExpertRebalancer, moe_blocks
 from engine.kv_storage import KVStorage
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-
-
-def _skewed(tiny: Path, directory: Path) -> Path:
-    """The checkpoint with every token's hidden state carrying +4 in dimension 0 (from the
-    embeddings, through the residual stream) and expert 0's router row reading it."""
-    shutil.copytree(tiny, directory)
-    (weights,) = directory.glob("*.safetensors")
-    state = load_file(weights)
-    state["model.embed_tokens.weight"][:, 0] += 4.0
-    for name, tensor in state.items():
-        if name.endswith("mlp.gate.weight"):
-            tensor[0, 0] = 3.0
-    save_file(state, weights, metadata={"format": "pt"})
-    return directory
+from testing.skewed_experts import skew_experts
 
 
 def _run_ep(path: Path, rebalance_every: int) -> tuple[list[list[int]], torch.Tensor,
@@ -70,7 +55,7 @@ def test_whole_experts_per_rank_give_the_unsharded_tokens(variant, tiny_model, s
 @pytest.mark.timeout(120)
 def test_a_hot_expert_gets_a_second_copy_and_the_tokens_do_not_change(tiny_model, tmp_path,
                                                                      single_thread):
-    path = _skewed(tiny_model("qwen3_moe").path, tmp_path / "skewed")
+    path = skew_experts(tiny_model("qwen3_moe").path, tmp_path / "skewed", {0: 3.0})
     expected_tokens, expected_logits = _reference(path)
     tokens, logits, rebalancer, shard = _run_ep(path, rebalance_every=2)
     assert tokens == expected_tokens  # through the switch: nothing lost, nothing changed
