@@ -277,9 +277,8 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
     gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: whole
     experts per rank (engine/expert_parallel.py), copies planned every `rebalance_every`
-    steps. Raises ValueError (TP size does not fit
-    the model, or a host KV tier asked for) or ModelLoadError before any process is
-    spawned."""
+    steps. Raises ValueError (TP size does not fit the model or the host's GPUs, or a host
+    KV tier asked for) or ModelLoadError before any process is spawned."""
     from engine.engine_builder import load_tokenizer
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.loader import read_model_config
@@ -289,6 +288,10 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
         raise ValueError("a host KV tier is not supported with tensor parallelism yet")
     full_config = read_model_config(model)
     check_shardable(full_config, tp_size, expert_parallel)
+    last = rank_device(config.device, tp_size - 1)
+    if last.type == "cuda" and (last.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{tp_size} ranks from {config.device} need GPUs up to {last} (one "
+                         f"per rank); this host has {torch.cuda.device_count()}")
     dtype_name = str(config.dtype).removeprefix("torch.")
     followers = Followers(tp_size, model, dtype_name, config.device, threads,
                           expert_parallel=expert_parallel)

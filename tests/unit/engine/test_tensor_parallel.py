@@ -151,6 +151,16 @@ def test_generate_cli_refuses_tp2_on_the_default_model_before_spawning():
     assert result.stdout == ""
 
 
+@pytest.mark.timeout(60)
+def test_a_group_wider_than_the_hosts_gpus_is_refused_before_spawning():
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "generate", "hello", "--tp", "3", "--device",
+         f"cuda:{torch.cuda.device_count()}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "(one per rank); this host has" in result.stderr
+    assert "waiting for" not in result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_cli_tp3_matches_transformers_on_the_default_model(hf_reference):
