@@ -23,6 +23,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from chromium_page import ChromiumPage
 from up_process import HANDOFF_TIER, UpProcess
 
 from protocol.agent_messages import HealthReport, HealthRequest
@@ -144,7 +145,7 @@ def up_ep(skewed, tmp_path_factory):
 
 
 def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformers(
-        skewed, up_ep: UpProcess, hf_reference) -> None:
+        skewed, up_ep: UpProcess, hf_reference, tmp_path) -> None:
     _, reference = skewed
     client, model = _client(up_ep)
     (worker,) = up_ep.workers()
@@ -184,6 +185,12 @@ def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformer
         time.sleep(0.2)
     assert row["moe_imbalance"] == 2.0 and row["moe_rebalances"] >= 1, row
     assert 1.0 <= row["moe_rank_imbalance"] < 2.0, row
+    with ChromiumPage(f"{up_ep.url}/dashboard", tmp_path) as page:  # the cluster page
+        page.wait_for("document.body.dataset.state === 'live'", timeout_s=30)
+        page.wait_for("document.querySelector('#workers tbody tr') !== null && document"
+                      ".querySelector('#workers tbody tr').innerText.includes('experts:')", 30)
+        shown = page.evaluate("document.querySelector('#workers tbody tr').innerText")
+    assert "experts: busiest 2x the mean" in shown and "switch(es)" in shown, shown
     figures = re.search(r"took ([0-9.]+)x the mean .*?, ([0-9.]+)x for its tokens",
                         event["evidence"])
     assert figures is not None, event
