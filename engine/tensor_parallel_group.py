@@ -11,7 +11,8 @@ ranks follow:
 Messages are msgspec-encoded bytes broadcast as a uint8 tensor (length first), never pickles.
 
 Lifecycle of a follower: spawned -> connected (process group up) -> weights loaded and
-sharded -> KV layout received, pool allocated -> following steps -> shutdown message -> exit.
+sharded -> KV layout received, pool allocated -> following steps -> shutdown message -> exit;
+at any point, rank 0 gone (killed, crashed) -> exit within half a second (`exit_with_leader`).
 Invariants: every rank executes the same schedules in the same order; only rank 0 samples,
 so sampling state (seeds, penalties) lives in one process.
 
@@ -29,6 +30,8 @@ import datetime
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -227,7 +230,8 @@ class Followers:
         for rank in range(1, tp_size):
             argv = [sys.executable, "-m", "engine.tensor_parallel_group", "--rank", str(rank),
                     "--tp", str(tp_size), "--port", str(self.store.port), "--model", model,
-                    "--dtype", dtype, "--device", device, "--timeout-s", str(timeout_s)]
+                    "--dtype", dtype, "--device", device, "--timeout-s", str(timeout_s),
+                    "--leader-pid", str(os.getpid())]
             if threads is not None:
                 argv += ["--threads", str(threads)]
             if expert_parallel:
@@ -334,6 +338,17 @@ def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
             report(f"tensor parallel: follower exit codes {codes}")
 
 
+def exit_with_leader(leader_pid: int, period_s: float = 0.5) -> None:
+    """A follower's watch on rank 0, its parent: once the parent is gone (killed, crashed),
+    end this process. Without it a follower would wait in a collective, or for the store,
+    until the group's timeout (`DEFAULT_TIMEOUT_S`), holding its share of the weights and
+    KV (on a GPU, the GPU's memory) while the restarted worker spawns new ranks. Runs as the
+    follower's one daemon thread; the process ends with it."""
+    while os.getppid() == leader_pid:  # an orphan is adopted by another process
+        time.sleep(period_s)
+    os._exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """A follower rank:
     `python -m engine.tensor_parallel_group --rank R --tp N --port P ...`."""
@@ -346,9 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--ep", action="store_true", help="whole experts per rank")
+    parser.add_argument("--leader-pid", type=int, default=0,
+                        help="rank 0's pid: this process ends when rank 0 is gone (default: "
+                             "the parent's pid at start)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help="limit on each wait for the leader (default %(default)s)")
     args = parser.parse_args(argv)
+    threading.Thread(target=exit_with_leader, args=(args.leader_pid or os.getppid(),),
+                     daemon=True, name="leader-watch").start()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = rank_device(args.device, args.rank)

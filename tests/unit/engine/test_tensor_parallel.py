@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,34 @@ def test_a_group_wider_than_the_hosts_gpus_is_refused_before_spawning():
     assert result.returncode == 2, result.stderr
     assert "(one per rank); this host has" in result.stderr
     assert "waiting for" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_ends_when_its_leader_dies_without_stopping_it():
+    # The leader spawns one follower and dies at once (as a SIGKILLed worker would): the
+    # follower, waiting for a store that is gone, must not outlive it by the group timeout.
+    leader = subprocess.run(
+        [sys.executable, "-c",
+         "import os\n"
+         "from engine.tensor_parallel_group import Followers\n"
+         "followers = Followers(2, 'default', 'float32', 'cpu', 1)\n"
+         "print(followers.processes[0].pid, flush=True)\n"
+         "os._exit(0)\n"], capture_output=True, text=True, timeout=60)
+    assert leader.returncode == 0, leader.stderr
+    follower = int(leader.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _alive(follower) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(follower), "the follower outlived its leader"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, which only waits for a reaper, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
