@@ -43,6 +43,9 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
     (its experts whole, with `expert_parallel`)."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if expert_parallel and config.moe is None:  # before the heads: --ep is the user's word
+        raise ValueError("expert parallelism (--ep) needs a mixture-of-experts model; this "
+                         "one is dense (split it with --tp instead)")
     if config.num_kv_heads % tp_size:
         raise ValueError(
             f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "
@@ -51,9 +54,7 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
     if config.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"intermediate size {config.intermediate_size}")
-    if expert_parallel:
-        if config.moe is None:
-            raise ValueError("expert parallelism needs a mixture-of-experts model")
+    if expert_parallel and config.moe is not None:
         if config.moe.num_experts % tp_size:
             raise ValueError(f"expert parallel size {tp_size} does not divide the model's "
                              f"{config.moe.num_experts} experts")

@@ -80,6 +80,9 @@ def test_generate_cli_refuses_ep_on_a_dense_model_and_a_tp_that_differs() -> Non
     run = [sys.executable, "-m", "launcher.cli", "generate", "hello", "--ep", "3"]
     dense = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert dense.returncode == 2 and "mixture-of-experts" in dense.stderr
+    # Said first, before the head count 2 does not divide (the user asked for --ep).
+    dense = subprocess.run(run[:-1] + ["2"], capture_output=True, text=True, timeout=120)
+    assert dense.returncode == 2 and "(--ep) needs a mixture-of-experts" in dense.stderr
     mixed = subprocess.run(run + ["--tp", "2"], capture_output=True, text=True, timeout=120)
     assert mixed.returncode == 2 and "--tp must be 3" in mixed.stderr
 
