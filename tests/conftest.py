@@ -60,3 +60,13 @@ def hf_reference() -> HFReference:
     """transformers' model, tokenizer and chat template for the default model: the
     independent reference greedy output is compared with (loaded once, about 10 s)."""
     return HFReference()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that hold a slow test (marked `slow`: whole clusters, drills) run first, each
+    still whole and in collection order, the rest after. `make test` spreads modules over
+    two workers (`-n 2 --dist loadfile`), handing each the next module when it is free: with
+    the long modules first, the short ones fill in at the end and both workers finish
+    together, instead of one running a long module alone at the end."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
