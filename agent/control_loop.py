@@ -137,7 +137,6 @@ class ControlLoop:
         if self.watch is not None:
             self.watch.check_invariants()
 
-
     async def adopt(self) -> None:
         """Take over the ejections a previous agent left (after a restart of the agent)."""
         now = time.monotonic()
@@ -153,7 +152,6 @@ class ControlLoop:
     async def stop(self) -> None:
         if self.mover is not None:
             await self.mover.stop()
-
 
     async def tick(self) -> list[Decision]:
         started = time.perf_counter()
@@ -221,8 +219,6 @@ class ControlLoop:
         await self.audit.record(dataclasses.replace(decision,
                                                     outcome=self._dry(decision.outcome)))
 
-    # ---------------------------------------------------------------- detection -> action
-
     async def _act(self, now: float) -> list[Decision]:
         detections = detect(self.casebook.windows, now, self.config.thresholds)
         state = self.casebook.pool_state(self.observer.registry)
@@ -282,7 +278,6 @@ class ControlLoop:
             return Outcome.failed(f"not restarted ({exc})")
         self.casebook.file(self.casebook.cases[info.worker_id].restart_begun(now))
         return Outcome.done(done)
-
 
     def _advance(self, case: WorkerCase, now: float) -> tuple[WorkerCase, FollowUp | None]:
         """The case as time and the latest sighting leave it (filed), and what to do now."""

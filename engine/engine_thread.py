@@ -120,7 +120,7 @@ class EngineThread:
         self.on_step = on_step  # called on the loop thread
         self.idle_wait_s = idle_wait_s
         self.load = engine_load(engine)
-        # A MoE model's expert load (a tensor-parallel group's driver holds no model).
+        # A MoE model's expert load (an expert-parallel group's, from its rebalancer).
         self._experts = expert_load_of(getattr(engine, "runner", None))
         self._queued, self._queued_until = QueueShape(), 0.0  # the last shape, its expiry
         self.failure: BaseException | None = None

@@ -21,8 +21,8 @@ parallelism (`--ep`) the rebalancer reads the counts instead, every so many step
 from __future__ import annotations
 
 import time
-from statistics import fmean
 from collections.abc import Callable, Sequence
+from statistics import fmean
 from typing import Any
 
 from torch import nn
@@ -30,6 +30,12 @@ from torch import nn
 from engine.expert_parallel import ExpertRebalancer, moe_blocks
 
 WINDOW_S = 5.0
+
+
+def per_layer(counts: Sequence[Sequence[int]]) -> tuple[list[float], list[int]]:
+    """Each layer's imbalance and hottest expert, from its experts' token counts."""
+    return ([imbalance(c) for c in counts],
+            [max(range(len(c)), key=c.__getitem__) for c in counts])
 
 
 def imbalance(counts: Sequence[int]) -> float:
@@ -66,9 +72,7 @@ class ExpertLoadWindow:
         now = self.clock()
         if now - self.started_s < self.window_s:
             return
-        counts = [block.take_expert_tokens() for block in self.blocks]
-        self.imbalance = [imbalance(c) for c in counts]
-        self.hottest = [max(range(len(c)), key=c.__getitem__) for c in counts]
+        self.imbalance, self.hottest = per_layer([b.take_expert_tokens() for b in self.blocks])
         self.started_s = now
 
 
@@ -87,9 +91,7 @@ class ExpertParallelLoad:
         # averaged over the layers
 
     def refresh(self) -> None:
-        tokens = self.rebalancer.tokens
-        self.imbalance = [imbalance(c) for c in tokens]
-        self.hottest = [max(range(len(c)), key=c.__getitem__) for c in tokens]
+        self.imbalance, self.hottest = per_layer(self.rebalancer.tokens)
         self.rank_imbalance = list(self.rebalancer.imbalance)
         self.num_rebalances = len(self.rebalancer.rebalances)
         if self.rebalancer.rebalances:

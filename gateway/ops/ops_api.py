@@ -12,7 +12,7 @@
                      (host_blocks_*: the worker's host KV tier; total 0: it has none;
                      moe_*: a mixture-of-experts model's busiest expert over the mean in
                      its worst layer, that layer and expert, the busiest rank's over the
-                     mean with --ep, and its expert switches; 0 for a dense model)
+                     mean with --ep, and its expert switches; absent for a dense model)
                      state: "ready" | "draining" | "ejected" (the operations agent keeps
                      it out of routing: "ejection" says why) | "expired" (lease lapsed,
                      not yet purged)
@@ -354,7 +354,7 @@ def _load_fields(load: WorkerLoad) -> dict[str, float]:
 
 
 def _moe_fields(load: WorkerLoad) -> dict[str, float]:
-    """The expert load of the worst MoE layer (zeros for a dense model)."""
+    """The expert load of the worst MoE layer (none for a dense model)."""
     if not load.moe_imbalance:
         return {}
     layer = max(range(len(load.moe_imbalance)), key=load.moe_imbalance.__getitem__)

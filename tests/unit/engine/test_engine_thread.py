@@ -240,12 +240,18 @@ def test_a_failing_step_ends_every_stream_with_the_error() -> None:
     asyncio.run(run())
 
 
+def _started_with_failures() -> tuple[EngineThread, list[BaseException]]:
+    """A started thread over a scripted engine, and the failures its owner is told of."""
+    thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
+    failures: list[BaseException] = []
+    thread.on_failure = failures.append
+    thread.start()
+    return thread, failures
+
+
 def test_the_failing_steps_fault_ends_the_streams_and_tells_the_owner_once() -> None:
     async def run() -> None:
-        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
-        failures: list[BaseException] = []
-        thread.on_failure = failures.append
-        thread.start()
+        thread, failures = _started_with_failures()
         stream = thread.open_stream("a")
         thread.fault_fail_steps = True
         await thread.call(lambda e: e.add("a", 10))
@@ -263,10 +269,7 @@ def test_a_failed_engine_is_seen_failed_before_the_loop_hears_of_it() -> None:
     # /health (failure) and /ready (is_alive) read these on the loop: in the moment between
     # the thread's end and the loop's on_failure, neither may take the engine for a live one.
     async def run() -> None:
-        thread = EngineThread(ScriptedEngine(), asyncio.get_running_loop(), lambda r: None)
-        failures: list[BaseException] = []
-        thread.on_failure = failures.append
-        thread.start()
+        thread, failures = _started_with_failures()
         thread.fault_fail_steps = True
         thread.submit(lambda e: e.add("a", 10), "add a")
         thread._thread.join(timeout=10)  # the loop is blocked: on_failure cannot run yet
