@@ -1,22 +1,20 @@
-"""Expert parallelism inside a tensor-parallel group (`--tp N --ep`): the ranks hold whole
-experts instead of a slice of every expert, and hot experts get extra copies.
+"""Expert parallelism (`--ep N`): N processes hold whole experts, hot experts get extra copies.
 
-    attention      tensor-parallel as without --ep (engine/tensor_parallel_sharding.py)
+    attention      whole, on rank 0 only, with the KV cache (engine/expert_exchange.py)
     router         replicated: every rank routes every token exactly as the others do
     experts        per engine/expert_placement.py: rank r computes the rows of the experts
                    it holds (of a k-copy expert, its share of the rows), zero elsewhere
-    combine        the decoder layer's all-reduce of the partial sums, as for tensor
-                   parallelism: every (token, expert) pair is computed by exactly one rank
+    combine        an all-reduce of the partial sums: every (token, expert) pair is computed
+                   by exactly one rank
 
-Every rank has every token after attention's all-reduce, so no all-to-all is needed to bring
-tokens to their experts: the all-reduce that combines them is the one exchange, of the same
-size as tensor parallelism's. (A group whose attention were data-parallel would need the
-all-to-all instead; this engine's attention is tensor-parallel.)
+Rank 0 broadcasts each MoE block's tokens to the other ranks, so no all-to-all is needed to
+bring tokens to their experts: the broadcast and the all-reduce that combines the rows are
+the exchange (engine/expert_exchange.py).
 
 Rebalancing (`ExpertRebalancer`, on rank 0, which drives): every `interval_steps` steps it
 reads each MoE layer's token counts (identical on every rank: the router is replicated) and
-plans new placements (engine/expert_balance.py). A changed placement travels with the next
-step's schedule and every rank applies it before computing that step (`place_experts`):
+plans new placements (engine/expert_balance.py). A changed placement goes to every rank
+before the next step and every rank applies it before computing that step (`place_experts`):
 a new copy is filled from the rank's `ExpertBank` (every expert's weights on the host) before
 any copy is dropped, and a home copy never moves, so the stream never stops and no expert is
 ever without a copy.

@@ -56,10 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert parallel size, for mixture-of-experts models: this many "
-                             "processes each hold whole experts (hot ones copied to less "
-                             "loaded ranks as the load shifts) while attention is split over "
-                             "the same processes, so --tp is set to it (or must equal it); "
-                             "it must divide the number of experts (default: %(default)s)")
+                             "processes hold the experts (whole ones; hot ones copied to less "
+                             "loaded ranks as the load shifts) while the first also runs "
+                             "attention and holds the KV cache; it must divide the number of "
+                             "experts, and does not combine with --tp (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -89,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.tp < 1 or args.ep < 1:
         return _fail("--tp and --ep must be at least 1")
-    if args.ep > 1 and args.tp not in (1, args.ep):
-        return _fail(f"--ep {args.ep} splits attention over the same {args.ep} processes: "
-                     f"--tp must be {args.ep} (or left out), got {args.tp}")
+    if args.ep > 1 and args.tp > 1:
+        from engine.tensor_parallel_sharding import ep_with_tp
+
+        return _fail(ep_with_tp(args.ep, args.tp))
     tp_size = max(args.tp, args.ep)
     if tp_size > 1 and args.gpu_memory_fraction is not None:
         return _fail("--gpu-memory-fraction is not supported with --tp above 1; "
@@ -99,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         try:
             if tp_size > 1:
-                from engine.tensor_parallel_group import tensor_parallel_engine
+                from engine.group_engine import group_engine
 
-                engine = stack.enter_context(tensor_parallel_engine(
+                engine = stack.enter_context(group_engine(
                     args.model, config, tp_size, args.kv_cache_mb << 20, args.threads,
                     progress=_progress, expert_parallel=args.ep > 1))
             else:

@@ -8,10 +8,15 @@ ranks follow:
     rank k:               receive(StepMessage)  -> execute (logits discarded)
     the first message carries the KV layout; a message without a schedule ends the followers
 
+Expert parallelism (`expert_parallel`) uses the same processes differently: rank 0 runs the
+whole model but the other ranks' experts, and the other ranks serve its MoE blocks
+(engine/expert_exchange.py) with no schedule, no attention and no KV pool.
+
 Messages are msgspec-encoded bytes broadcast as a uint8 tensor (length first), never pickles.
 
 Lifecycle of a follower: spawned -> connected (process group up) -> weights loaded and
-sharded -> KV layout received, pool allocated -> following steps -> shutdown message -> exit;
+sharded -> KV layout received, pool allocated (tensor parallel only) -> following steps (or
+serving expert blocks) -> shutdown message -> exit;
 at any point, rank 0 gone (killed, crashed) -> exit within half a second (`exit_with_leader`).
 Invariants: every rank executes the same schedules in the same order; only rank 0 samples,
 so sampling state (seeds, penalties) lives in one process.
@@ -40,9 +45,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.expert_exchange import ExpertExchange, serve_expert_rank
 from engine.expert_parallel import (REBALANCE_INTERVAL_STEPS, ExpertBank, ExpertParallelRank,
-                                    ExpertRebalancer, initial_placements)
-from engine.expert_placement import ExpertPlacement
+                                    ExpertRebalancer, initial_placements, moe_blocks)
 from engine.kv_storage import KVLayout, KVStorage
 from engine.schedule_output import ScheduleOutput
 from engine.tensor_parallel_sharding import check_shardable, shard_config, shard_tensor
@@ -64,7 +69,7 @@ class TensorParallelGroup:
     tp_rank: int
     tp_size: int
     device: torch.device
-    expert_parallel: bool = False  # whole experts per rank (engine/expert_parallel.py)
+    expert_parallel: bool = False  # rank 0 the model, the others experts (expert_exchange)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
@@ -75,28 +80,35 @@ class TensorParallelGroup:
 def shard_model(full: "DecoderForCausalLM", group: TensorParallelGroup,
                 device: torch.device | str) -> "DecoderForCausalLM":
     """This rank's model: built from shard_config, filled from the full model's state dict,
-    its decoder layers wired to all-reduce. The caller drops `full` afterwards."""
+    its decoder layers wired to all-reduce; with expert parallelism (rank 0 only), the whole
+    model but the experts other ranks hold, its MoE blocks wired to the expert ranks. The
+    caller drops `full` afterwards."""
     dtype = full.model.embed_tokens.weight.dtype
     ep = group.expert_parallel
+    if ep and group.tp_rank != 0:
+        raise ValueError("an expert rank holds experts only (engine/expert_exchange.py)")
     model = type(full)(shard_config(full.config, group.tp_size, ep), dtype=dtype, device=device)
-    if ep:  # whole experts, this rank's only; the others' weights stay in the host bank
-        model.expert_parallel = ExpertParallelRank(group.tp_rank, ExpertBank.of(full), device)
+    if ep:  # this rank's experts only; the others' weights stay in the host bank
+        model.expert_parallel = ExpertParallelRank(0, ExpertBank.of(full), device)
         model.expert_parallel.place(model, initial_placements(model, group.tp_size))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in full.state_dict().items():
             if params[name].numel():  # (an expert this rank does not hold is empty)
-                params[name].copy_(shard_tensor(name, tensor, group.tp_rank, group.tp_size, ep))
-    model.enable_tensor_parallel(group.tp_size, group.all_reduce)
+                params[name].copy_(tensor if ep else
+                                   shard_tensor(name, tensor, group.tp_rank, group.tp_size))
+    if ep:
+        model.enable_expert_parallel(group.tp_size,
+                                     ExpertExchange(moe_blocks(model), group.device))
+    else:
+        model.enable_tensor_parallel(group.tp_size, group.all_reduce)
     return model.eval()
 
 
 class StepMessage(msgspec.Struct, frozen=True):
-    """Rank 0 -> followers, once per step. No schedule: shut down. `placements`: the expert
-    placements every rank switches to before this step (engine/expert_parallel.py)."""
+    """Rank 0 -> tensor-parallel followers, once per step. No schedule: shut down."""
 
     schedule: ScheduleOutput | None
-    placements: tuple[ExpertPlacement, ...] | None = None
 
 
 class _Broadcast:
@@ -120,7 +132,9 @@ class _Broadcast:
 
 class DrivingRunner:
     """Rank 0's runner: sends each schedule to the followers, then runs its own shard.
-    Constructing it sends the KV layout (followers allocate their pool from it)."""
+    Constructing it sends the KV layout (followers allocate their pool from it). With expert
+    parallelism it only plans and sends expert placements: its model's MoE blocks call the
+    expert ranks themselves (engine/expert_exchange.py)."""
 
     def __init__(self, runner: "ModelRunner", group: TensorParallelGroup,
                  rebalance_every: int = REBALANCE_INTERVAL_STEPS) -> None:
@@ -131,9 +145,13 @@ class DrivingRunner:
                                                                None)
         self.rebalancer = (None if self.expert_rank is None
                            else ExpertRebalancer(runner.model, group.tp_size, rebalance_every))
+        blocks = moe_blocks(runner.model)
+        exchange = blocks[0].exchange if blocks else None
+        self.exchange = exchange if isinstance(exchange, ExpertExchange) else None
         self._channel = _Broadcast(group.device)
         self._closed = False
-        self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
+        if self.exchange is None:
+            self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
 
     @property
     def records_layer_events(self) -> bool:
@@ -152,9 +170,12 @@ class DrivingRunner:
             raise ValueError("a tensor-parallel group runs no overlapped steps")
         if self._closed:
             raise RuntimeError("the tensor-parallel group has been shut down")
+        if self.exchange is None:
+            self._channel.send(msgspec.msgpack.encode(StepMessage(schedule)))
+            return self.runner.execute(schedule)
         placements = None if self.rebalancer is None else self.rebalancer.step()
-        self._channel.send(msgspec.msgpack.encode(StepMessage(schedule, placements)))
         if placements is not None and self.expert_rank is not None:
+            self.exchange.send_placements(placements)  # every rank switches before the step
             self.expert_rank.place(self.runner.model, placements)
         return self.runner.execute(schedule)
 
@@ -162,13 +183,16 @@ class DrivingRunner:
         """Tell the followers to exit; idempotent."""
         if not self._closed:
             self._closed = True
-            self._channel.send(msgspec.msgpack.encode(StepMessage(None)))
+            if self.exchange is not None:
+                self.exchange.stop()
+            else:
+                self._channel.send(msgspec.msgpack.encode(StepMessage(None)))
 
 
 def follow(model: "DecoderForCausalLM", group: TensorParallelGroup,
            device: torch.device | str) -> int:
-    """A follower's loop: receive the KV layout, then execute each step until told to stop.
-    Returns the number of steps executed."""
+    """A tensor-parallel follower's loop: receive the KV layout, then execute each step until
+    told to stop. Returns the number of steps executed."""
     from engine.model_runner import ModelRunner
 
     channel = _Broadcast(group.device)
@@ -176,11 +200,8 @@ def follow(model: "DecoderForCausalLM", group: TensorParallelGroup,
     runner = ModelRunner(model, KVStorage(layout, device), layout.block_size,
                          use_kernels=False, cuda_graph_batch_sizes=())
     decoder = msgspec.msgpack.Decoder(StepMessage)
-    expert_rank: ExpertParallelRank | None = getattr(model, "expert_parallel", None)
     num_steps = 0
     while (message := decoder.decode(channel.receive())).schedule is not None:
-        if message.placements is not None and expert_rank is not None:
-            expert_rank.place(model, message.placements)
         runner.execute(message.schedule)
         num_steps += 1
     return num_steps
@@ -271,73 +292,6 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
     return dataclasses.replace(loaded, model=sharded)
 
 
-@contextlib.contextmanager
-def tensor_parallel_engine(model: str, config: "EngineConfig", tp_size: int,
-                           kv_cache_bytes: int, threads: int | None = None,
-                           progress: Callable[[str], None] | None = None,
-                           expert_parallel: bool = False,
-                           rebalance_every: int = REBALANCE_INTERVAL_STEPS
-                           ) -> Iterator["LLMEngine"]:
-    """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
-    gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: whole
-    experts per rank (engine/expert_parallel.py), copies planned every `rebalance_every`
-    steps. Raises ValueError (TP size does not fit the model or the host's GPUs, or a host
-    KV tier asked for) or ModelLoadError before any process is spawned."""
-    from engine.engine_builder import load_tokenizer
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.loader import read_model_config
-
-    report = progress or (lambda message: None)
-    if config.kv_host_cache_bytes:  # rank 0 alone would offload: the followers' KV is theirs
-        raise ValueError("a host KV tier is not supported with tensor parallelism yet")
-    full_config = read_model_config(model)
-    check_shardable(full_config, tp_size, expert_parallel)
-    last = rank_device(config.device, tp_size - 1)
-    if last.type == "cuda" and (last.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"{tp_size} ranks from {config.device} need GPUs up to {last} (one "
-                         f"per rank); this host has {torch.cuda.device_count()}")
-    dtype_name = str(config.dtype).removeprefix("torch.")
-    followers = Followers(tp_size, model, dtype_name, config.device, threads,
-                          expert_parallel=expert_parallel)
-    connected, engine = False, None
-    try:
-        device = rank_device(config.device, 0)
-        report(f"tensor parallel: waiting for {tp_size - 1} follower rank(s)")
-        group = connect(0, tp_size, followers.store, device, expert_parallel=expert_parallel)
-        connected = True
-        loaded = load_shard(model, group, config.dtype, device)
-        num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size,
-                                                                expert_parallel),
-                                                   kv_cache_bytes, config.block_size,
-                                                   config.kv_cache_dtype)
-        engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
-                                            device=str(device), cuda_graph_batch_sizes=())
-        from engine.model_runner import ModelRunner
-
-        # This rank's KV heads only; the runner sends every step to the followers first.
-        storage = KVStorage.for_model(shard_config(loaded.config, tp_size, expert_parallel),
-                                      num_blocks,
-                                      engine_config.block_size, engine_config.kv_cache_dtype,
-                                      engine_config.device)
-        runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
-                                           cuda_graph_batch_sizes=()), group,
-                                rebalance_every)
-        engine = LLMEngine(runner, storage, loaded.config,
-                           load_tokenizer(loaded.tokenizer_source), engine_config)
-        report(f"tensor parallel: {tp_size} ranks ready")
-        yield engine
-    finally:
-        if engine is not None:
-            engine.close()
-        # Followers blocked in a collective (rank 0 failed before its first message) would
-        # only notice at the group timeout: do not wait for them then.
-        codes = followers.stop(timeout_s=30.0 if engine is not None else 0.0)
-        if connected:
-            dist.destroy_process_group()
-        if engine is not None and any(codes):
-            report(f"tensor parallel: follower exit codes {codes}")
-
-
 def exit_with_leader(leader_pid: int, period_s: float = 0.5) -> None:
     """A follower's watch on rank 0, its parent: once the parent is gone (killed, crashed),
     end this process. Without it a follower would wait in a collective, or for the store,
@@ -375,9 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = dist.TCPStore(HOST, args.port, args.tp, False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
     group = connect(args.rank, args.tp, store, device, args.timeout_s, args.ep)
+    dtype = getattr(torch, args.dtype)
     try:
-        loaded = load_shard(args.model, group, getattr(torch, args.dtype), device)
-        follow(loaded.model, group, device)
+        if args.ep:
+            serve_expert_rank(args.model, args.rank, args.tp, dtype, device)
+        else:
+            follow(load_shard(args.model, group, dtype, device).model, group, device)
     finally:
         dist.destroy_process_group()
     return 0

@@ -13,9 +13,10 @@ gate/up column-parallel, its down row-parallel: the names end alike) and replica
 router (`mlp.gate.weight`): every rank routes its identical input to the same experts, and
 the layer's one all-reduce sums the partial expert outputs, already weighted.
 
-With expert parallelism (`expert_parallel`, engine/expert_parallel.py) the experts are not
-sliced: each rank keeps whole experts (its placement's), so the experts' tensors are
-replicated here and the experts' width stays whole in `shard_config`.
+With expert parallelism (`expert_parallel`, engine/expert_exchange.py) nothing is sliced:
+rank 0 holds the whole model but the experts other ranks hold, and the other ranks hold
+experts only (whole ones, per engine/expert_parallel.py's placements); `shard_config` is
+then the model's own config and only the experts need to split evenly over the ranks.
 
 Query heads of one KV group stay together (head j reads KV head j // (H/KV)), so each rank
 attends with its own KV heads only and its KV pool holds num_kv_heads / N heads. A sharded
@@ -43,9 +44,14 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
     (its experts whole, with `expert_parallel`)."""
     if tp_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp_size}")
-    if expert_parallel and config.moe is None:  # before the heads: --ep is the user's word
-        raise ValueError("expert parallelism (--ep) needs a mixture-of-experts model; this "
-                         "one is dense (split it with --tp instead)")
+    if expert_parallel:
+        if config.moe is None:
+            raise ValueError("expert parallelism (--ep) needs a mixture-of-experts model; "
+                             "this one is dense (split it with --tp instead)")
+        if config.moe.num_experts % tp_size:
+            raise ValueError(f"expert parallel size {tp_size} does not divide the model's "
+                             f"{config.moe.num_experts} experts")
+        return  # attention, dense layers and shared experts stay whole on rank 0
     if config.num_kv_heads % tp_size:
         raise ValueError(
             f"tensor parallel size {tp_size} does not divide the model's {config.num_kv_heads} "
@@ -54,28 +60,33 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
     if config.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"intermediate size {config.intermediate_size}")
-    if expert_parallel and config.moe is not None:
-        if config.moe.num_experts % tp_size:
-            raise ValueError(f"expert parallel size {tp_size} does not divide the model's "
-                             f"{config.moe.num_experts} experts")
     if config.moe is not None and config.moe.shared_intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the shared "
                          f"expert's intermediate size {config.moe.shared_intermediate_size}")
-    if not expert_parallel and config.moe is not None and config.moe.intermediate_size % tp_size:
+    if config.moe is not None and config.moe.intermediate_size % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"expert intermediate size {config.moe.intermediate_size}")
 
 
+def ep_with_tp(ep: int, tp: int) -> str:
+    """Why --ep and --tp (both above 1) are refused together."""
+    return (f"--ep {ep} keeps attention and the KV cache whole on the first of its {ep} "
+            f"processes and spreads only the experts over them; it does not combine with "
+            f"--tp {tp} (leave one of them out)")
+
+
 def shard_config(config: ModelConfig, tp_size: int, expert_parallel: bool = False
                  ) -> ModelConfig:
-    """The shape one rank holds: heads and intermediate sizes (the experts' too, unless
-    `expert_parallel`) divided by `tp_size`."""
+    """The shape one rank holds: heads and intermediate sizes (the experts' too) divided by
+    `tp_size`; with `expert_parallel`, the model's own (rank 0 holds it whole)."""
     check_shardable(config, tp_size, expert_parallel)
+    if expert_parallel:
+        return config
     moe = config.moe
     if moe is not None:
-        moe = dataclasses.replace(
-            moe, shared_intermediate_size=moe.shared_intermediate_size // tp_size,
-            intermediate_size=moe.intermediate_size // (1 if expert_parallel else tp_size))
+        moe = dataclasses.replace(moe,
+                                  shared_intermediate_size=moe.shared_intermediate_size // tp_size,
+                                  intermediate_size=moe.intermediate_size // tp_size)
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size,
                                num_kv_heads=config.num_kv_heads // tp_size,
                                intermediate_size=config.intermediate_size // tp_size, moe=moe)
@@ -101,12 +112,10 @@ def shard_dim(name: str) -> ShardDim:
     return ShardDim.REPLICATED
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int,
-                 expert_parallel: bool = False) -> torch.Tensor:
-    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor).
-    With `expert_parallel` an expert's tensors are whole."""
+def shard_tensor(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s slice of the full tensor `name` (a view; replicated: the tensor)."""
     dim = shard_dim(name)
-    if dim is ShardDim.REPLICATED or tp_size == 1 or (expert_parallel and ".experts." in name):
+    if dim is ShardDim.REPLICATED or tp_size == 1:
         return tensor
     if tensor.shape[dim.value] % tp_size:
         raise ValueError(f"{name}: dimension {dim.value} of shape {list(tensor.shape)} "

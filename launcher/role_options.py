@@ -80,3 +80,34 @@ def worker_names(roles: Sequence[Role]) -> list[str]:
         names.append(f"{role.value}-{counts.get(role, 0)}")
         counts[role] = counts.get(role, 0) + 1
     return names
+
+
+def parse_sizes_by_role(option: str, text: str | None, roles: Sequence[Role]) -> list[int]:
+    """Each worker's group size from `option`'s value (side-effect free): one size for every
+    worker ("2"), or sizes by role ("prefill=2,decode=1"; a role not named gets 1). None
+    (not given): 1 each. Raises ValueError with a message for the user."""
+    if text is None:
+        return [1] * len(roles)
+    by_role: dict[Role, int] = {}
+    if "=" not in text:
+        by_role = {role: _size(option, text) for role in Role}
+    else:
+        for item in text.split(","):
+            name, _, size = item.partition("=")
+            (role,) = parse_roles(name.strip()) if name.strip() else (None,)
+            if role is None or not size:
+                raise ValueError(f"{option}: {item!r} is not ROLE=N (e.g. prefill=2,decode=1)")
+            if role in by_role:
+                raise ValueError(f"{option}: {role.value} is given twice in {text!r}")
+            by_role[role] = _size(option, size)
+    return [by_role.get(role, 1) for role in roles]
+
+
+def _size(option: str, text: str) -> int:
+    try:
+        size = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{option}: {text!r} is not a whole number") from None
+    if size < 1:
+        raise ValueError(f"{option} must be at least 1, got {size}")
+    return size

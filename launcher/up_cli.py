@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 from launcher.memory_defaults import (CPU_KV_MEMORY_SHARE, GPU_MEMORY_SHARE, cpu_kv_cache_mb,
                                       gpu_memory_fractions, host_kv_cache_gb, mem_available_bytes)
-from launcher.role_options import worker_names, worker_roles
+from launcher.role_options import parse_sizes_by_role, worker_names, worker_roles
 from protocol.messages import Role
 from telemetry.log_format import LOG_FORMATS
 from telemetry.options import REDIS_INSECURE_HELP, REDIS_PASSWORD_ENV, EnvOptions
@@ -111,9 +111,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="host memory per worker for prefix blocks evicted from its KV cache, GiB; 0: "
              "off (default on CUDA: 25%% of the memory available at start, split among the "
              "workers, at most 64 each; on CPU: 0)")
-    opt("--ep", type=int, help="expert parallelism in each worker (colocated workers only): "
-        "a mixture-of-experts model's experts spread over this many processes per worker, "
-        "hot experts copied as the load shifts (default 1)")
+    opt("--ep", help="expert parallelism in each worker, any role: a mixture-of-experts "
+        "model's experts spread over this many processes per worker (the first also runs "
+        "attention and holds the KV cache), hot experts copied as the load shifts; N for "
+        "every worker, or sizes by role, e.g. prefill=2,decode=1 (a role not named: 1); not "
+        "with --tp (default 1)")
     opt("--tp", type=int, help="tensor parallelism in each worker (colocated workers only): "
         "this many processes per worker, each holding 1/N of every layer (default 1)")
     opt("--namespace", "pdserve", help="Redis key namespace")
@@ -127,6 +129,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on Ctrl-C / SIGTERM, how long running streams may finish before they end "
              "with an error event (default 30)")
     p.set_defaults(func=run)
+
+
+def _group_refusal(model: str, tp: int, ep_sizes: list[int]) -> str | None:
+    """Why the model cannot be split as --tp / --ep ask (before any process starts)."""
+    if tp == 1 and max(ep_sizes) == 1:
+        return None
+    from engine.loader import read_model_config
+    from engine.tensor_parallel_sharding import check_shardable
+    from text.errors import ModelLoadError
+
+    try:
+        config = read_model_config(model)
+        for size in sorted(set(ep_sizes) - {1}):
+            check_shardable(config, size, expert_parallel=True)
+        check_shardable(config, tp)
+    except (ValueError, ModelLoadError) as exc:
+        return str(exc)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,10 +163,19 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.drain_timeout_s < 0:
         return _fail("--drain-timeout-s must be >= 0")
-    for option, count in (("--ep", args.ep), ("--tp", args.tp)):
-        if count and count > 1 and any(role is not Role.COLOCATED for role in roles):
-            return _fail(f"{option} {count} runs in colocated workers only (--colocated): "
-                         f"a group's KV is split by head, and a KV handoff moves one pool")
+    try:
+        ep_sizes = parse_sizes_by_role("--ep", args.ep, roles)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if (args.tp or 1) > 1 and max(ep_sizes) > 1:
+        from engine.tensor_parallel_sharding import ep_with_tp
+
+        return _fail(ep_with_tp(max(ep_sizes), args.tp))
+    if (args.tp or 1) > 1 and any(role is not Role.COLOCATED for role in roles):
+        return _fail(f"--tp {args.tp} runs in colocated workers only (--colocated): its KV "
+                     f"is split by head, and a KV handoff moves one pool (--ep keeps it whole)")
+    if (refusal := _group_refusal(args.model, args.tp or 1, ep_sizes)) is not None:
+        return _fail(refusal)
     if args.gateways < 1:
         return _fail("--gateways must be >= 1")
     if args.redis_url:
@@ -170,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mps = None if mps_plan is None else mps_setup(mps_plan, log_dir)
-    ranks = max(args.ep or 1, args.tp or 1)  # processes per worker (--ep / --tp)
+    ranks = max(*ep_sizes, args.tp or 1)  # the most processes of a worker (--ep / --tp)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (len(roles) * ranks))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
@@ -181,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
     specs = [WorkerSpec(role, device, f"{name}-{tag}",
                         env={**({} if mps is None else mps.worker_envs[i]),
                              **({} if fraction is None
-                                else {"PDSERVE_GPU_MEMORY_FRACTION": str(fraction)})})
-             for i, (role, device, name, fraction) in enumerate(
-                 zip(roles, devices, names, fractions))]
+                                else {"PDSERVE_GPU_MEMORY_FRACTION": str(fraction)}),
+                             **({} if ep == 1 else {"PDSERVE_EP": str(ep)})})
+             for i, (role, device, name, fraction, ep) in enumerate(
+                 zip(roles, devices, names, fractions, ep_sizes))]
     counts: dict[str, int] = {}
     for role in roles:
         counts[role.value] = counts.get(role.value, 0) + 1
@@ -196,11 +226,10 @@ def run(args: argparse.Namespace) -> int:
         common += ["--kv-cache-mb", str(kv_cache_mb)]
     if args.kv_cache_dtype:
         common += ["--kv-cache-dtype", args.kv_cache_dtype]
-    for option, count in (("--ep", args.ep), ("--tp", args.tp)):
-        common += [option, str(count)] if count else []
+    common += ["--tp", str(args.tp)] if args.tp else []
     host_gb = args.kv_host_cache_gb
-    if host_gb is None:  # a group has no host tier yet
-        host_gb = 0 if ranks > 1 else host_kv_cache_gb(devices, mem_available_bytes())
+    if host_gb is None:  # a tensor-parallel group has no host tier yet
+        host_gb = 0 if (args.tp or 1) > 1 else host_kv_cache_gb(devices, mem_available_bytes())
     if host_gb:
         common += ["--kv-host-cache-gb", str(host_gb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,

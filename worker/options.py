@@ -69,12 +69,12 @@ class WorkerOptions:
     prefill_lane: str = "off"  # off | auto | SMs (engine/prefill_lane.py, lane_streams.py)
     gpu_memory_fraction: float = 0.0  # CUDA: KV pool from this share of the GPU; 0: kv_cache_mb
     tp: int = 1  # tensor-parallel ranks (engine/tensor_parallel_group.py); colocated only
-    ep: int = 1  # expert-parallel ranks, the same processes (engine/expert_parallel.py)
+    ep: int = 1  # expert-parallel ranks (engine/expert_exchange.py); any role
     expert_rebalance_steps: int = 64  # with --ep: steps between replication plans
 
     @property
     def tp_size(self) -> int:
-        """The engine's ranks: --ep's experts are spread over --tp's processes."""
+        """The engine's processes: --tp's or --ep's (never both above 1)."""
         return max(self.tp, self.ep)
 
     @property
@@ -111,22 +111,23 @@ class WorkerOptions:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        """--tp / --ep: a group of ranks holds its KV split by head over its processes, and
-        a KV handoff moves one pool, so a group serves only requests it prefills itself."""
+        """--tp splits the KV pool by head over its processes, and a KV handoff moves one
+        process's pool, so a tensor-parallel group serves only requests it prefills itself.
+        --ep keeps the pool whole on its first process: any role."""
         if self.tp < 1 or self.ep < 1 or self.expert_rebalance_steps < 1:
             raise ValueError("--tp, --ep and --expert-rebalance-steps must be at least 1")
-        if self.ep > 1 and self.tp not in (1, self.ep):
-            raise ValueError(f"--ep {self.ep} spreads the experts over the {self.ep} processes "
-                             f"that split attention: --tp must be {self.ep} (or left out), "
-                             f"got {self.tp}")
+        if self.ep > 1 and self.tp > 1:
+            from engine.tensor_parallel_sharding import ep_with_tp
+
+            raise ValueError(ep_with_tp(self.ep, self.tp))
         if self.tp_size == 1:
             return
         what = f"--{'ep' if self.ep > 1 else 'tp'} {self.tp_size}"
-        if self.role is not Role.COLOCATED:
+        if self.tp > 1 and self.role is not Role.COLOCATED:
             raise ValueError(f"{what} needs --role colocated (got {self.role.value}): its KV "
                              f"is split over {self.tp_size} processes by head, and a KV "
-                             f"handoff moves one process's pool")
-        for given, name in ((self.kv_host_cache_gb, "--kv-host-cache-gb"),
+                             f"handoff moves one process's pool (--ep keeps it whole)")
+        for given, name in ((self.kv_host_cache_gb and self.tp > 1, "--kv-host-cache-gb"),
                             (self.prefill_lane != "off", "--prefill-lane"),
                             (self.gpu_memory_fraction, "--gpu-memory-fraction (size the "
                                                        "pool with --kv-cache-mb)")):
@@ -222,9 +223,10 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "every layer (rank r on cuda:r on CUDA; gloo on the CPU); colocated workers only",
         type=int)
     add("--ep", 1, "expert parallelism for a mixture-of-experts model: the experts are "
-        "spread over this many processes (whole experts each; attention split as with --tp, "
-        "which must equal it or be left out), and hot experts get extra copies as the load "
-        "shifts; colocated workers only", type=int)
+        "spread over this many processes (whole experts each; hot experts get extra copies "
+        "as the load shifts), the first of which also runs attention and holds the whole KV "
+        "cache, so any role may use it and hand KV to a worker of any --ep; not with --tp",
+        type=int)
     add("--expert-rebalance-steps", 64, "with --ep: every this many steps, plan the expert "
         "copies from the tokens each expert took meanwhile", type=int)
     add("--namespace", "pdserve", "Redis key namespace")

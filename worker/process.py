@@ -73,7 +73,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_runner import ModelRunner
     from engine.step_budget import holds_tpot
-    from engine.tensor_parallel_group import tensor_parallel_engine
+    from engine.group_engine import group_engine
     from telemetry.start_up_heap import freeze_start_up_heap
     from telemetry.tracing import start_tracing
     from worker.options import kv_cache_dtype, lane_is_shared, parse_lane_option
@@ -105,7 +105,7 @@ async def _serve(options: WorkerOptions, build_role: BuildRole) -> int:
 
     def load() -> LLMEngine:
         engine = (build_engine(options.model, config, kv_cache_bytes=options.kv_cache_mb << 20)
-                  if options.tp_size == 1 else groups.enter_context(tensor_parallel_engine(
+                  if options.tp_size == 1 else groups.enter_context(group_engine(
                       options.model, config, options.tp_size, options.kv_cache_mb << 20,
                       options.threads, expert_parallel=options.ep > 1,
                       rebalance_every=options.expert_rebalance_steps)))

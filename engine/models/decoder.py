@@ -29,7 +29,7 @@ from engine.config import ModelConfig
 from engine.kernels.gemv import GemvWorkspace, linear
 from engine.kv_storage import KVStorage
 from engine.models.layers import Attention, GatedMLP, RMSNorm, rope_inv_freq
-from engine.models.moe import MoEBlock
+from engine.models.moe import BlockExchange, MoEBlock
 
 
 class DecoderLayer(nn.Module):
@@ -90,7 +90,8 @@ class DecoderForCausalLM(nn.Module):
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         # Scratch of the split-K linear layers (engine/kernels/gemv.py), on the kernel path.
         self.gemv_workspace: GemvWorkspace | None = None
-        # Ranks holding a shard each (config then describes the shard); see enable_tensor_parallel.
+        # The ranks of its group (tensor parallel: config then describes this rank's shard;
+        # expert parallel: this is rank 0); see enable_tensor_parallel, enable_expert_parallel.
         self.tp_size = 1
 
     # --- what a family says ---------------------------------------------------------------
@@ -169,6 +170,15 @@ class DecoderForCausalLM(nn.Module):
         self.tp_size = tp_size
         for layer in self.model.layers:
             layer.all_reduce = all_reduce
+
+    def enable_expert_parallel(self, num_ranks: int, exchange: BlockExchange) -> None:
+        """Mark this model as rank 0 of `num_ranks` expert-parallel ranks: its MoE blocks
+        share their tokens with the other ranks through `exchange`
+        (engine/expert_exchange.py). Only the torch path supports it."""
+        self.tp_size = num_ranks
+        for module in self.modules():
+            if isinstance(module, MoEBlock):
+                module.exchange = exchange
 
     def prepare_kernels(self) -> None:
         """Make the model ready for the kernel path; idempotent. Called once at start-up,

@@ -27,10 +27,12 @@ rows, then up rows) and `w2` [E, H, I], each expert's projections being views of
 Tensor parallel: each rank holds a slice of every expert's width and the whole router
 (engine/tensor_parallel_sharding.py), so it routes exactly as the others do and returns
 partial sums that the decoder layer's all-reduce adds up. A shared expert is sliced as a
-dense MLP (with expert parallelism too), its one-output gate whole on every rank. Expert
-parallel (`shares` set, engine/expert_parallel.py): each rank holds whole experts instead,
-computes only the rows of the experts it holds (of an expert with k copies, every k-th row
-from its copy's index), and returns those partial sums to the same all-reduce.
+dense MLP, its one-output gate whole on every rank. Expert parallel (`shares` set,
+engine/expert_parallel.py): each rank holds whole experts instead and computes only the
+rows of the experts it holds (of an expert with k copies, every k-th row from its copy's
+index); rank 0, which runs the rest of the model, sends the block's tokens to the other
+ranks and sums their rows with its own through `exchange` (engine/expert_exchange.py); its
+shared expert is whole, on rank 0 only.
 
 Load: `expert_tokens` counts the (token, expert) assignments of every expert since it was
 last read (`take_expert_tokens`), on the block's device, from the counts the grouping
@@ -41,6 +43,8 @@ and counted too: a padded decode batch adds up to its padding's rows to the coun
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +52,16 @@ from torch import nn
 from engine.config import Activation, ModelConfig, MoEConfig
 from engine.kernels.gemv import GemvWorkspace
 from engine.models.layers import fuse_rows, gated_kernels
+
+
+class BlockExchange(Protocol):
+    """Expert parallelism's exchange as a block on rank 0 uses it."""
+
+    def share(self, block: "MoEBlock", x: torch.Tensor) -> None:
+        """Send the block's input tokens to the other ranks."""
+
+    def combine(self, routed: torch.Tensor) -> torch.Tensor:
+        """The sum over every rank of the routed outputs."""
 
 
 class Expert(nn.Module):
@@ -89,6 +103,9 @@ class MoEBlock(nn.Module):
         self.w2: torch.Tensor | None = None
         # Expert parallel: expert -> (this rank's copy index, copies); None: all experts here.
         self.shares: dict[int, tuple[int, int]] | None = None
+        # Expert parallel, on rank 0: how the other ranks get this block's tokens and give
+        # back their experts' rows (engine/expert_exchange.py).
+        self.exchange: BlockExchange | None = None
 
     def take_expert_tokens(self) -> list[int]:
         """The assignments per expert since the last call (and start counting again)."""
@@ -124,6 +141,14 @@ class MoEBlock(nn.Module):
         return F.linear(hidden, expert.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exchange is None:
+            return self._with_shared(x, self.routed(x))
+        self.exchange.share(self, x)  # the expert ranks compute their experts' rows of x
+        return self._with_shared(x, self.exchange.combine(self.routed(x)))
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for tokens x [T, hidden] (no shared expert); with
+        `shares`, only the rows of the experts this rank holds (zero elsewhere)."""
         weights, expert_ids = self.route(x)
         flat_ids = expert_ids.reshape(-1)
         # Stable: an expert's rows keep token order, so results do not depend on the sort.
@@ -147,8 +172,7 @@ class MoEBlock(nn.Module):
                 outputs[rows_of] = self._expert(expert, grouped[rows_of])
             start += count
         weighted = (outputs * sorted_weights[:, None]).to(x.dtype)
-        routed = torch.zeros_like(x).index_add_(0, token_rows, weighted)
-        return self._with_shared(x, routed)
+        return torch.zeros_like(x).index_add_(0, token_rows, weighted)
 
     def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:

@@ -1,8 +1,9 @@
 """`pdserve up` serving a mixture-of-experts model through the official `openai` client: a
 tiny Qwen3-MoE checkpoint written by transformers itself (4 experts, 2 per token, random
 weights; the default model's tokenizer beside it), 1 prefill + 1 decode worker, every
-prompt handed off prefill -> decode. Greedy answers must be transformers' own greedy
-tokens for the same weights, in float32 on both sides.
+prompt handed off prefill -> decode, from a prefill worker of one process to a decode worker
+that is an expert-parallel group of two (`--ep decode=2`). Greedy answers must
+be transformers' own greedy tokens for the same weights, in float32 on both sides.
 
 The same model skewed (every token picks experts 0 and 1) under one colocated worker with
 `--ep 2`: the experts spread over two processes, the hot one copied to the other rank by the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -91,8 +93,8 @@ def up(moe, tmp_path_factory):
     directory, _ = moe
     tiers = tmp_path_factory.mktemp("tiers") / "tiers.toml"
     tiers.write_text(HANDOFF_TIER)
-    process = UpProcess("--prefill", "1", "--decode", "1", "--no-agent", "--model",
-                        str(directory), "--tiers", str(tiers),
+    process = UpProcess("--prefill", "1", "--decode", "1", "--ep", "decode=2", "--no-agent",
+                        "--model", str(directory), "--tiers", str(tiers),
                         log_dir=tmp_path_factory.mktemp("up-logs"),
                         env={"PDSERVE_DTYPE": "float32"})
     yield process
@@ -101,9 +103,11 @@ def up(moe, tmp_path_factory):
 
 def test_a_moe_model_is_served_through_a_handoff_as_transformers_generates(
         moe, up: UpProcess, hf_reference) -> None:
-    _, reference = moe
+    directory, reference = moe
     client, model = _client(up)
     assert sorted(w["role"] for w in up.workers()) == ["decode", "prefill"]
+    # The decode worker's expert rank: one process holding experts of this model.
+    assert len(_expert_ranks(directory)) == 1
     for prompt in PROMPTS:
         ids, expected = _expected(reference, hf_reference, prompt)
         args = dict(model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0,
@@ -120,6 +124,20 @@ def test_a_moe_model_is_served_through_a_handoff_as_transformers_generates(
     splits = [line for line in metrics.splitlines()
               if line.startswith('pdserve_gateway_plans_total{kind="split"')]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in splits) >= 2 * len(PROMPTS)
+
+
+def _expert_ranks(model) -> list[int]:
+    """Pids of the expert ranks (engine/expert_exchange.py) of `model` on this host."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"engine.tensor_parallel_group" in argv and b"--ep" in argv \
+                and str(model).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
 
 
 @pytest.fixture(scope="module")

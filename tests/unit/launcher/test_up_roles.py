@@ -7,7 +7,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.local_cluster import WorkerSpec, worker_argv
-from launcher.role_options import worker_names, worker_roles
+from launcher.role_options import parse_sizes_by_role, worker_names, worker_roles
 from protocol.messages import Role
 
 P, D, B, C = Role.PREFILL, Role.DECODE, Role.BOTH, Role.COLOCATED
@@ -108,9 +108,33 @@ def test_up_refuses_zero_gateways_before_starting_anything(capsys) -> None:
     assert "--gateways must be >= 1" in capsys.readouterr().err
 
 
-def test_up_runs_expert_parallel_groups_in_colocated_workers_only(capsys) -> None:
-    assert main(["up", "--prefill", "1", "--decode", "1", "--ep", "2"]) == 1
-    assert "--ep 2 runs in colocated workers only" in capsys.readouterr().err
+def test_up_runs_tensor_parallel_groups_in_colocated_workers_only(capsys) -> None:
+    assert main(["up", "--prefill", "1", "--decode", "1", "--tp", "3"]) == 1
+    assert "--tp 3 runs in colocated workers only" in capsys.readouterr().err
+    assert main(["up", "--colocated", "--ep", "2", "--tp", "2"]) == 1
+    assert "does not combine with --tp 2" in capsys.readouterr().err
+
+
+def test_up_refuses_a_split_the_model_cannot_take_before_starting_anything(capsys) -> None:
+    # The default model is dense (and its 3 KV heads do not split in two).
+    assert main(["up", "--prefill", "1", "--decode", "1", "--ep", "decode=2"]) == 1
+    assert "(--ep) needs a mixture-of-experts model" in capsys.readouterr().err
+    assert main(["up", "--colocated", "--tp", "2"]) == 1
+    assert "does not divide the model's 3 KV heads" in capsys.readouterr().err
+    assert main(["up", "--ep", "prefill=two"]) == 1
+    assert "--ep: 'two' is not a whole number" in capsys.readouterr().err
+
+
+def test_ep_sizes_by_role() -> None:
+    roles = [Role.PREFILL, Role.PREFILL, Role.DECODE, Role.COLOCATED]
+    assert parse_sizes_by_role("--ep", None, roles) == [1, 1, 1, 1]
+    assert parse_sizes_by_role("--ep", "2", roles) == [2, 2, 2, 2]
+    assert parse_sizes_by_role("--ep", "prefill=2, decode=4", roles) == [2, 2, 4, 1]
+    for text, message in (("0", "at least 1"), ("prefill=2,prefill=4", "given twice"),
+                          ("gpu=2", "unknown role 'gpu'"), ("prefill=", "is not ROLE=N"),
+                          ("=2", "is not ROLE=N"), ("decode=x", "not a whole number")):
+        with pytest.raises(ValueError, match=message):
+            parse_sizes_by_role("--ep", text, roles)
 
 
 def test_host_kv_tier_is_a_share_of_available_memory_on_cuda_and_off_on_cpu():

@@ -120,15 +120,21 @@ def test_the_kv_cache_dtype_is_the_models_unless_told() -> None:
         options("--kv-cache-dtype", "int4")
 
 
-def test_expert_and_tensor_parallel_groups_run_in_colocated_workers_only() -> None:
+def test_tensor_parallel_groups_run_colocated_and_expert_parallel_ones_in_any_role() -> None:
     group = options("--role", "colocated", "--ep", "2")
     assert (group.tp_size, group.ep, group.expert_rebalance_steps) == (2, 2, 64)
     assert options("--role", "colocated", "--tp", "3").tp_size == 3
+    # An expert-parallel group keeps its KV pool whole on rank 0: it hands KV off and
+    # receives it as one process does, and may keep a host tier.
+    assert options("--ep", "2").tp_size == 2  # (a decode worker)
+    assert options("--role", "prefill", "--ep", "4", "--kv-host-cache-gb", "1").tp_size == 4
     with pytest.raises(ValueError, match="needs --role colocated"):
-        options("--ep", "2")  # a decode worker receives KV into one process's pool
-    with pytest.raises(ValueError, match="--tp must be 2"):
+        options("--tp", "2")  # a decode worker receives KV into one process's pool
+    with pytest.raises(ValueError, match="does not combine with --tp 3"):
         options("--role", "colocated", "--ep", "2", "--tp", "3")
     with pytest.raises(ValueError, match="does not support --kv-host-cache-gb"):
-        options("--role", "colocated", "--ep", "2", "--kv-host-cache-gb", "1")
+        options("--role", "colocated", "--tp", "2", "--kv-host-cache-gb", "1")
+    with pytest.raises(ValueError, match="does not support --prefill-lane"):
+        options("--ep", "2", "--prefill-lane", "auto")
     with pytest.raises(ValueError, match="at least 1"):
         options("--role", "colocated", "--ep", "0")
