@@ -56,11 +56,23 @@ def _pool(layout_fields: dict, seed: int | None):
     return storage
 
 
-async def _gate(cfg: dict) -> None:
-    """Wait for the test's "go" line, so deadlines start after both processes are up."""
-    if cfg.get("gate"):
-        _emit(event="gated")
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+async def _gate(cfg: dict) -> str:
+    """Wait for the test's "go" line, so deadlines start after both processes are up; a
+    sender's line carries the receiver's address (the peers start at once, so a sender
+    learns it only then). Returns what follows "go"."""
+    if not cfg.get("gate"):
+        return ""
+    _emit(event="gated")
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return line.removeprefix("go").strip()
+
+
+async def _compute_layer(handle, delay_s: float) -> None:
+    """The sender "computing" its next layer for `delay_s`, cut short once the transfer
+    failed: a prefill worker checks between layers, and the test need not wait it out."""
+    deadline = time.monotonic() + delay_s
+    while time.monotonic() < deadline and not handle.state.is_terminal:
+        await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
 
 
 def _resources() -> dict:
@@ -191,12 +203,13 @@ async def _run_sender(cfg: dict) -> None:
     backend, mapping = _carrier(cfg)
     sender = make_sender(storage, backend, token=cfg.get("token", ""),
                          abort_timeout_s=0.5, limits=limits, mapping=mapping)
+    peer = await _gate(cfg)
     if cfg.get("loop"):
         n, src, dst = cfg["loop"]["count"], cfg["loop"]["src"], cfg["loop"]["dst"]
         for i in range(n):
             spec = TransferSpec(request_id=f"loop-{i}", src_block_ids=src, dst_block_ids=dst,
                                 layer_begin=0, layer_end=4)
-            handle = await _start_when_expected(sender, cfg["peer"], spec)
+            handle = await _start_when_expected(sender, peer, spec)
             for layer in range(4):
                 handle.send_layer(layer)
             await handle.finish()
@@ -213,11 +226,11 @@ async def _run_sender(cfg: dict) -> None:
                             layer_end=t["layers"][1])
         started = time.monotonic()
         try:
-            handle = await sender.start(cfg["peer"], spec, t["timeout_s"])
+            handle = await sender.start(peer, spec, t["timeout_s"])
             for layer in range(*t["layers"]):
                 handle.send_layer(layer)
                 _emit(event="sent_layer", request_id=t["request_id"], layer=layer)
-                await asyncio.sleep(t.get("layer_delay_s", 0.0))  # "computing" the next layer
+                await _compute_layer(handle, t.get("layer_delay_s", 0.0))
                 if handle.state.is_terminal:
                     break  # a prefill worker stops sending once the transfer failed
             await handle.finish()
@@ -226,7 +239,6 @@ async def _run_sender(cfg: dict) -> None:
             outcome, error = type(exc).__name__, str(exc)
         _emit(event="done", request_id=t["request_id"], outcome=outcome, error=error,
               elapsed_s=time.monotonic() - started, mapped=sender.num_mapped)
-    await _gate(cfg)
     await asyncio.gather(*(one(t) for t in cfg["transfers"]))
     await sender.close()
 
@@ -240,8 +252,8 @@ class Peer:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=ROOT)
 
-    def go(self) -> None:
-        self.proc.stdin.write("go\n")
+    def go(self, address: str = "") -> None:
+        self.proc.stdin.write(f"go {address}\n")
         self.proc.stdin.flush()
 
     def next_event(self, event: str, timeout_s: float = 30.0) -> dict:
@@ -273,17 +285,17 @@ class Peer:
 
 
 def start_pair(backend: str, receiver_cfg: dict, sender_cfgs: list[dict]):
-    """Receiver and senders up and gated; then the receiver expects, then senders start."""
+    """Receiver and senders started at once and gated; then the receiver expects, then the
+    senders start, told the receiver's address."""
     receiver = Peer("receiver", dict(receiver_cfg, backend=backend, gate=True))
+    senders = [Peer("sender", dict(cfg, backend=backend, gate=True)) for cfg in sender_cfgs]
     address = receiver.next_event("address")["address"]
-    senders = [Peer("sender", dict(cfg, backend=backend, peer=address, gate=True))
-               for cfg in sender_cfgs]
     for peer in [receiver, *senders]:
         peer.next_event("gated")
     receiver.go()
     receiver.next_event("expecting")
     for sender in senders:
-        sender.go()
+        sender.go(address)
     return receiver, senders
 
 
@@ -421,8 +433,10 @@ def test_four_hundred_transfers_leave_no_growth(backend):
     # left behind per transfer to show, or 27 KiB of memory each (the bound is 8 MiB).
     loop = dict(count=400, src=[1, 2, 5], dst=[7, 8, 3])
     receiver = Peer("receiver", dict(backend=backend, transfers=[], loop=loop))
+    sender = Peer("sender", dict(backend=backend, seed=3, loop=loop, gate=True))
     address = receiver.next_event("address")["address"]
-    sender = Peer("sender", dict(backend=backend, seed=3, peer=address, loop=loop))
+    sender.next_event("gated")
+    sender.go(address)
     s100, s400 = sender.events("checkpoint", 2)
     r100, r400 = receiver.events("checkpoint", 2)
     stats = receiver.next_event("stats")
