@@ -203,8 +203,8 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
         "that its decoding requests' tightest time-per-output-token target leaves, by this "
         "worker's own step model, up to --max-num-batched-tokens (decodes hold their target, "
         "prefill takes the rest; raise --max-num-batched-tokens with it); fixed: every step "
-        "may take --max-num-batched-tokens; auto: fixed (tpot is not yet measured against it "
-        "on a GPU)",
+        "may take --max-num-batched-tokens; auto: fixed (tpot has not beaten it on a GPU "
+        "yet: docs/performance.md)",
         choices=STEP_BUDGET_CHOICES)
     add("--prefill-lane", "off", "compute prompts beside the decode steps rather than in "
         "them: a second scheduler and runner over this worker's one KV pool and one copy of "
