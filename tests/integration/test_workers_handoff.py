@@ -7,7 +7,7 @@ each layer of requests named "fault-*" (a FaultRequest, worker/faults.py: it is 
 with PDSERVE_FAULT_INJECTION=1), so their transfers take ~9 s: long enough to stall past a
 deadline or to kill the decode worker mid-transfer.
 
-The Redis server is private to this module because one test stops it for 10 s.
+The Redis server is private to this module because one test stops it for 6 s.
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ def cluster(tmp_path_factory) -> Cluster:
         "p-tcp": Worker("p-tcp", ["prefill-worker", "--kv-transport", "tcp", "--kv-mapping", "off"],
                         logs / "p-tcp.log", env={FAULT_INJECTION_ENV: "1"}),
         # Warmed up before it registers (the default on CUDA only): see the warm-up test.
+        # The pair's 64-token step budget keeps its warm-up (every kind of step still) short:
+        # the module's start-up waits for it.
         "d-tcp": Worker("d-tcp", ["decode-worker", "--kv-transport", "tcp", "--kv-mapping", "off",
-                                  "--warm-up", "on"], logs / "d-tcp.log"),
+                                  "--warm-up", "on", *pair], logs / "d-tcp.log"),
     }
     for w in workers.values():
         w.start(redis.url)
@@ -627,7 +629,7 @@ def test_killing_the_prefill_worker_frees_the_reservation_and_restart_purges_ind
 
 def test_redis_outage_does_not_stop_a_running_decode(cluster: Cluster) -> None:
     d = cluster.workers["d-ucx"]
-    outage_s = 10.0
+    outage_s = 6.0  # twice the registry lease (3 s), past the publisher's 2 s longest backoff
 
     async def run() -> None:
         pool = ChannelPool(None)
