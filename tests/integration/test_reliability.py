@@ -220,13 +220,14 @@ def test_a_prefill_worker_killed_mid_prefill_does_not_fail_the_request(up, refer
     assert_nothing_held(up)
 
 
-def slow_pushes(up: UpProcess) -> None:
-    """Every prefill worker now sleeps 150 ms before each layer it pushes for a chat
+def slow_pushes(up: UpProcess, delay_ms: int = 150) -> None:
+    """Every prefill worker now sleeps `delay_ms` before each layer it pushes for a chat
     request (a restarted worker starts without it)."""
-    slow = FaultRequest(transfer_layer_delay_ms=150, request_prefix="chatcmpl-")
+    slow = FaultRequest(transfer_layer_delay_ms=delay_ms, request_prefix="chatcmpl-")
     for worker in workers(up):
         if worker["role"] == "prefill":
-            assert up.control_call(worker, slow, FaultResponse).transfer_layer_delay_ms == 150
+            answer = up.control_call(worker, slow, FaultResponse)
+            assert answer.transfer_layer_delay_ms == delay_ms
 
 
 def test_a_decode_worker_killed_mid_transfer_does_not_fail_the_request(up, references) -> None:
@@ -236,6 +237,7 @@ def test_a_decode_worker_killed_mid_transfer_does_not_fail_the_request(up, refer
     stream.wait_tokens(1)  # token 1 came from the prefill worker; its push takes ~4 s
     victim = worker_holding(up, stream.request_id, "decode", "reservations")
     os.kill(victim["pid"], signal.SIGKILL)
+    slow_pushes(up, 0)  # the window was for the kill: the request's retry need not wait
     text, events = stream.result()
     assert text == references["long chat"]
     assert not [e for e in events if isinstance(e, dict) and "error" in e]
