@@ -195,10 +195,13 @@ def test_expert_parallel_worker_copies_its_hot_expert_and_answers_as_transformer
     event = found[-1]  # the oldest: the first switch
     assert event["action"] == "copy_experts" and event["outcome"].startswith("done")
     assert event["worker_id"] == worker["id"]
-    # The registry's load (what /admin/workers and the cluster page show) carries them too.
+    # The registry's load (what /admin/workers and the cluster page show) carries them too,
+    # once the worker has published a load read after the window that followed the switch
+    # (the health report above is read live; the registry is refreshed every few seconds).
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         row = up_ep.workers()[0]["load"] or {}
-        if row.get("moe_rebalances", 0) >= 1:
+        if row.get("moe_rebalances", 0) >= 1 and row.get("moe_rank_imbalance", 2.0) < 2.0:
             break
         time.sleep(0.2)
     assert row["moe_imbalance"] == 2.0 and row["moe_rebalances"] >= 1, row
