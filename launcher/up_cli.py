@@ -188,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         except RedisAccessError as exc:
             return _fail(str(exc))
     devices = _devices(args.device, len(roles))
+    sizes = [max(ep, args.tp or 1) for ep in ep_sizes]
+    if (refusal := _gpus_refusal(devices, sizes)) is not None:
+        return _fail(refusal)
     names = worker_names(roles)
     from kv_transfer.transport_choice import check_backend_for_device, ucx_available
     try:
@@ -344,6 +347,22 @@ def _devices(choice: str, num_workers: int) -> list[str]:
     if num_gpus == 0:
         return ["cpu"] * num_workers
     return [f"cuda:{i % num_gpus}" for i in range(num_workers)]
+
+
+def _gpus_refusal(devices: list[str], sizes: list[int]) -> str | None:
+    """Why a worker's group of processes (one GPU per rank, from its device on) does not fit
+    this host's GPUs, before any process starts."""
+    needed = [(device, size, int(device.partition(":")[2] or 0) + size)
+              for device, size in zip(devices, sizes)
+              if size > 1 and device.startswith("cuda")]
+    if not needed:
+        return None
+    num_gpus = _count_gpus()
+    for device, size, last in needed:
+        if last > num_gpus:
+            return (f"a worker of {size} processes on {device} needs one GPU per process, up "
+                    f"to cuda:{last - 1}; this host has {num_gpus}")
+    return None
 
 
 def _count_gpus() -> int:

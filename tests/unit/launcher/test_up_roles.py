@@ -125,6 +125,16 @@ def test_up_refuses_a_split_the_model_cannot_take_before_starting_anything(capsy
     assert "--ep: 'two' is not a whole number" in capsys.readouterr().err
 
 
+def test_up_refuses_a_group_wider_than_the_hosts_gpus(capsys) -> None:
+    import shutil
+
+    if shutil.which("nvidia-smi") is not None:
+        pytest.skip("counts this host's GPUs: on a CPU-only host it has none")
+    assert main(["up", "--device", "cuda", "--colocated", "--workers", "1", "--tp", "3"]) == 1
+    assert ("a worker of 3 processes on cuda needs one GPU per process, up to cuda:2; this "
+            "host has 0") in capsys.readouterr().err
+
+
 def test_ep_sizes_by_role() -> None:
     roles = [Role.PREFILL, Role.PREFILL, Role.DECODE, Role.COLOCATED]
     assert parse_sizes_by_role("--ep", None, roles) == [1, 1, 1, 1]
