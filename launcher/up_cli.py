@@ -271,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
         kv += f", host KV tier {host_gb:g} GiB each" if host_gb else ", no host KV tier"
+        groups = sorted({(role.value, size) for role, size in zip(roles, sizes) if size > 1})
+        kv += "".join(f", each {role} worker {size} processes "
+                      f"({'tensor' if (args.tp or 1) > 1 else 'expert'} parallel)"
+                      for role, size in groups)
         gateways = "the gateway" if args.gateways == 1 else f"{args.gateways} gateways"
         gateways += "" if args.no_agent else " and the operations agent"
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "
