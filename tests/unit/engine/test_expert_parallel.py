@@ -92,3 +92,38 @@ def test_generate_cli_refuses_ep_on_a_dense_model_and_beside_tp() -> None:
     mixed = subprocess.run(run + ["--tp", "2"], capture_output=True, text=True, timeout=120)
     assert mixed.returncode == 2 and "does not combine with --tp 2" in mixed.stderr
 
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_expert_rank_fails_rank_0s_next_step_at_once(tiny_model, single_thread):
+    """No step waits out the group's timeout for an expert rank that is gone: rank 0's next
+    exchange fails, so the worker ends and its requests move on."""
+    import time
+
+    import torch.distributed as dist
+
+    from engine.schedule_output import ScheduledChunk, ScheduleOutput
+    from engine.tensor_parallel_group import DrivingRunner, Followers, connect, load_shard
+
+    path = str(tiny_model("qwen3_moe").path)
+    followers = Followers(2, path, "float32", "cpu", threads=1, timeout_s=60.0,
+                          expert_parallel=True)
+    try:
+        group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
+                        expert_parallel=True)
+        shard = load_shard(path, group, torch.float32, "cpu").model
+        kv = KVStorage.for_model(shard.config, BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32)
+        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group)
+        step = ScheduleOutput((ScheduledChunk("r0", tuple(PROMPTS[0]), 0,
+                                              tuple(range(BLOCKS_PER_SEQ)), True),))
+        assert runner.execute(step).shape[0] == 1  # the group works
+        followers.processes[0].kill()
+        followers.processes[0].wait()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):  # gloo's error for a closed peer (DistBackendError)
+            runner.execute(step)
+        assert time.monotonic() - started < 10
+    finally:
+        followers.stop(timeout_s=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
