@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "processes hold the experts (whole ones; hot ones copied to less "
                              "loaded ranks as the load shifts) while the first also runs "
                              "attention and holds the KV cache; it must divide the number of "
-                             "experts, and does not combine with --tp (default: %(default)s)")
+                             "experts; --tp, if given, must equal it (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.tp < 1 or args.ep < 1:
         return _fail("--tp and --ep must be at least 1")
-    if args.ep > 1 and args.tp > 1:
+    if args.ep > 1 and args.tp not in (1, args.ep):
         from engine.tensor_parallel_sharding import ep_with_tp
 
         return _fail(ep_with_tp(args.ep, args.tp))

@@ -69,10 +69,11 @@ def check_shardable(config: ModelConfig, tp_size: int, expert_parallel: bool = F
 
 
 def ep_with_tp(ep: int, tp: int) -> str:
-    """Why --ep and --tp (both above 1) are refused together."""
-    return (f"--ep {ep} keeps attention and the KV cache whole on the first of its {ep} "
-            f"processes and spreads only the experts over them; it does not combine with "
-            f"--tp {tp} (leave one of them out)")
+    """Why --ep and a different --tp (both above 1) are refused together. (--tp equal to
+    --ep names the same processes, as it always did: the group is expert-parallel.)"""
+    return (f"--ep {ep} runs {ep} processes that hold the experts, attention and the KV cache "
+            f"whole on the first; it does not combine with --tp {tp}: give --tp {ep} (the "
+            f"same processes) or leave --tp out")
 
 
 def shard_config(config: ModelConfig, tp_size: int, expert_parallel: bool = False

@@ -114,8 +114,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     opt("--ep", help="expert parallelism in each worker, any role: a mixture-of-experts "
         "model's experts spread over this many processes per worker (the first also runs "
         "attention and holds the KV cache), hot experts copied as the load shifts; N for "
-        "every worker, or sizes by role, e.g. prefill=2,decode=1 (a role not named: 1); not "
-        "with --tp (default 1)")
+        "every worker, or sizes by role, e.g. prefill=2,decode=1 (a role not named: 1); --tp, "
+        "if given, must equal it (default 1)")
     opt("--tp", type=int, help="tensor parallelism in each worker (colocated workers only): "
         "this many processes per worker, each holding 1/N of every layer (default 1)")
     opt("--namespace", "pdserve", help="Redis key namespace")
@@ -167,14 +167,17 @@ def run(args: argparse.Namespace) -> int:
         ep_sizes = parse_sizes_by_role("--ep", args.ep, roles)
     except ValueError as exc:
         return _fail(str(exc))
-    if (args.tp or 1) > 1 and max(ep_sizes) > 1:
+    tp = args.tp or 1
+    if tp > 1 and (odd := [ep for ep in ep_sizes if ep not in (1, tp)]):
         from engine.tensor_parallel_sharding import ep_with_tp
 
-        return _fail(ep_with_tp(max(ep_sizes), args.tp))
-    if (args.tp or 1) > 1 and any(role is not Role.COLOCATED for role in roles):
+        return _fail(ep_with_tp(odd[0], tp))
+    # --tp equal to a worker's --ep names the same processes: that worker is expert-parallel.
+    if tp > 1 and any(role is not Role.COLOCATED
+                      for role, ep in zip(roles, ep_sizes) if ep == 1):
         return _fail(f"--tp {args.tp} runs in colocated workers only (--colocated): its KV "
                      f"is split by head, and a KV handoff moves one pool (--ep keeps it whole)")
-    if (refusal := _group_refusal(args.model, args.tp or 1, ep_sizes)) is not None:
+    if (refusal := _group_refusal(args.model, tp if 1 in ep_sizes else 1, ep_sizes)) is not None:
         return _fail(refusal)
     if args.gateways < 1:
         return _fail("--gateways must be >= 1")
@@ -232,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     common += ["--tp", str(args.tp)] if args.tp else []
     host_gb = args.kv_host_cache_gb
     if host_gb is None:  # a tensor-parallel group has no host tier yet
-        host_gb = 0 if (args.tp or 1) > 1 else host_kv_cache_gb(devices, mem_available_bytes())
+        host_gb = 0 if tp > 1 and 1 in ep_sizes else host_kv_cache_gb(devices,
+                                                                    mem_available_bytes())
     if host_gb:
         common += ["--kv-host-cache-gb", str(host_gb)]
     gateway_args = ["--host", args.host, "--port", str(port), "--namespace", args.namespace,
@@ -271,10 +275,10 @@ def run(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{n} {r}" for r, n in counts.items())
         kv = f", KV cache {kv_cache_mb} MiB each" if kv_cache_mb else ""
         kv += f", host KV tier {host_gb:g} GiB each" if host_gb else ", no host KV tier"
-        groups = sorted({(role.value, size) for role, size in zip(roles, sizes) if size > 1})
-        kv += "".join(f", each {role} worker {size} processes "
-                      f"({'tensor' if (args.tp or 1) > 1 else 'expert'} parallel)"
-                      for role, size in groups)
+        groups = sorted({(role.value, size, "expert" if ep > 1 else "tensor")
+                         for role, size, ep in zip(roles, sizes, ep_sizes) if size > 1})
+        kv += "".join(f", each {role} worker {size} processes ({kind} parallel)"
+                      for role, size, kind in groups)
         gateways = "the gateway" if args.gateways == 1 else f"{args.gateways} gateways"
         gateways += "" if args.no_agent else " and the operations agent"
         _say(f"starting {summary} worker(s) on {_device_summary(devices)} "

@@ -116,18 +116,18 @@ class WorkerOptions:
         --ep keeps the pool whole on its first process: any role."""
         if self.tp < 1 or self.ep < 1 or self.expert_rebalance_steps < 1:
             raise ValueError("--tp, --ep and --expert-rebalance-steps must be at least 1")
-        if self.ep > 1 and self.tp > 1:
+        if self.ep > 1 and self.tp not in (1, self.ep):
             from engine.tensor_parallel_sharding import ep_with_tp
 
             raise ValueError(ep_with_tp(self.ep, self.tp))
         if self.tp_size == 1:
             return
         what = f"--{'ep' if self.ep > 1 else 'tp'} {self.tp_size}"
-        if self.tp > 1 and self.role is not Role.COLOCATED:
+        if self.ep == 1 and self.role is not Role.COLOCATED:
             raise ValueError(f"{what} needs --role colocated (got {self.role.value}): its KV "
                              f"is split over {self.tp_size} processes by head, and a KV "
                              f"handoff moves one process's pool (--ep keeps it whole)")
-        for given, name in ((self.kv_host_cache_gb and self.tp > 1, "--kv-host-cache-gb"),
+        for given, name in ((self.kv_host_cache_gb and self.ep == 1, "--kv-host-cache-gb"),
                             (self.prefill_lane != "off", "--prefill-lane"),
                             (self.gpu_memory_fraction, "--gpu-memory-fraction (size the "
                                                        "pool with --kv-cache-mb)")):
@@ -225,7 +225,8 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
     add("--ep", 1, "expert parallelism for a mixture-of-experts model: the experts are "
         "spread over this many processes (whole experts each; hot experts get extra copies "
         "as the load shifts), the first of which also runs attention and holds the whole KV "
-        "cache, so any role may use it and hand KV to a worker of any --ep; not with --tp",
+        "cache, so any role may use it and hand KV to a worker of any --ep; --tp, if given, "
+        "must equal it",
         type=int)
     add("--expert-rebalance-steps", 64, "with --ep: every this many steps, plan the expert "
         "copies from the tokens each expert took meanwhile", type=int)

@@ -90,7 +90,7 @@ def test_generate_cli_refuses_ep_on_a_dense_model_and_beside_tp() -> None:
     dense = subprocess.run(run[:-1] + ["2"], capture_output=True, text=True, timeout=120)
     assert dense.returncode == 2 and "(--ep) needs a mixture-of-experts" in dense.stderr
     mixed = subprocess.run(run + ["--tp", "2"], capture_output=True, text=True, timeout=120)
-    assert mixed.returncode == 2 and "does not combine with --tp 2" in mixed.stderr
+    assert mixed.returncode == 2 and "does not combine with --tp 2: give --tp 3" in mixed.stderr
 
 
 

@@ -111,8 +111,12 @@ def test_up_refuses_zero_gateways_before_starting_anything(capsys) -> None:
 def test_up_runs_tensor_parallel_groups_in_colocated_workers_only(capsys) -> None:
     assert main(["up", "--prefill", "1", "--decode", "1", "--tp", "3"]) == 1
     assert "--tp 3 runs in colocated workers only" in capsys.readouterr().err
-    assert main(["up", "--colocated", "--ep", "2", "--tp", "2"]) == 1
-    assert "does not combine with --tp 2" in capsys.readouterr().err
+    assert main(["up", "--colocated", "--ep", "2", "--tp", "4"]) == 1
+    assert "does not combine with --tp 4: give --tp 2" in capsys.readouterr().err
+    # --tp 2 beside --ep decode=2: the prefill worker would be a tensor-parallel group.
+    assert main(["up", "--prefill", "1", "--decode", "1", "--ep", "decode=2", "--tp",
+                 "2"]) == 1
+    assert "--tp 2 runs in colocated workers only" in capsys.readouterr().err
 
 
 def test_up_refuses_a_split_the_model_cannot_take_before_starting_anything(capsys) -> None:

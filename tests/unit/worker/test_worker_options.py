@@ -130,8 +130,11 @@ def test_tensor_parallel_groups_run_colocated_and_expert_parallel_ones_in_any_ro
     assert options("--role", "prefill", "--ep", "4", "--kv-host-cache-gb", "1").tp_size == 4
     with pytest.raises(ValueError, match="needs --role colocated"):
         options("--tp", "2")  # a decode worker receives KV into one process's pool
-    with pytest.raises(ValueError, match="does not combine with --tp 3"):
+    with pytest.raises(ValueError, match="does not combine with --tp 3: give --tp 2"):
         options("--role", "colocated", "--ep", "2", "--tp", "3")
+    # --tp equal to --ep names the same processes: an expert-parallel group, any role.
+    same = options("--role", "decode", "--ep", "2", "--tp", "2")
+    assert (same.tp_size, same.ep) == (2, 2)
     with pytest.raises(ValueError, match="does not support --kv-host-cache-gb"):
         options("--role", "colocated", "--tp", "2", "--kv-host-cache-gb", "1")
     with pytest.raises(ValueError, match="does not support --prefill-lane"):
