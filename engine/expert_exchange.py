@@ -7,7 +7,7 @@ hold; the other ranks (expert ranks) hold experts only, and compute them for ran
         x                     ───────── broadcast ─────────▶  x
         routed_0 = its experts' rows                          routed_k = its experts' rows
         routed = sum over ranks ◀────── all-reduce ────────▶  (its copy of the sum dropped)
-      new placements: header (PLACE, 0, n) + n msgpack bytes  switch, then go on waiting
+      new placements: header (PLACE, 0, 0) + msgpack bytes    switch, then go on waiting
       end:            header (STOP, 0, 0)                     exit
 
 Every (token, expert) pair is computed by exactly one rank (engine/expert_parallel.py's
@@ -34,6 +34,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.byte_broadcast import ByteBroadcast
 from engine.expert_parallel import ExpertBank, ExpertParallelRank, initial_placements, moe_blocks
 from engine.expert_placement import ExpertPlacement
 from engine.models.moe import MoEBlock
@@ -55,6 +56,7 @@ class ExpertExchange:
 
     def __init__(self, blocks: Sequence[MoEBlock], device: torch.device) -> None:
         self.device = device
+        self._bytes = ByteBroadcast(device)
         self.block_index = {id(block): b for b, block in enumerate(blocks)}
         self.stopped = False
 
@@ -75,10 +77,8 @@ class ExpertExchange:
         return routed
 
     def send_placements(self, placements: Sequence[ExpertPlacement]) -> None:
-        payload = msgspec.msgpack.encode(tuple(placements))
-        self._header(Op.PLACE, 0, len(payload))
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8
-                                        ).to(self.device), 0)
+        self._header(Op.PLACE, 0, 0)
+        self._bytes.send(msgspec.msgpack.encode(tuple(placements)))
 
     def stop(self) -> None:
         """Tell the expert ranks to exit; idempotent."""
@@ -93,6 +93,7 @@ def serve_experts(blocks: Sequence[MoEBlock], device: torch.device, hidden_size:
     """An expert rank's loop: compute each block it is sent until told to stop; `place`
     switches its experts to new placements. Returns the number of blocks computed."""
     header = torch.empty(3, dtype=torch.int64, device=device)
+    placements = ByteBroadcast(device)
     decoder = msgspec.msgpack.Decoder(tuple[ExpertPlacement, ...])
     num_computed = 0
     with torch.inference_mode():
@@ -102,9 +103,7 @@ def serve_experts(blocks: Sequence[MoEBlock], device: torch.device, hidden_size:
             if op == Op.STOP:
                 return num_computed
             if op == Op.PLACE:
-                data = torch.empty(size, dtype=torch.uint8, device=device)
-                dist.broadcast(data, 0)
-                place(decoder.decode(data.cpu().numpy().tobytes()))
+                place(decoder.decode(placements.receive()))
                 continue
             if op != Op.INPUT or not 0 <= index < len(blocks):
                 raise RuntimeError(f"expert rank: unexpected header {op, index, size}")

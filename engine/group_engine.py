@@ -17,19 +17,17 @@ from engine.expert_parallel import REBALANCE_INTERVAL_STEPS
 from engine.kv_storage import KVStorage
 from engine.tensor_parallel_group import (DrivingRunner, Followers, connect, load_shard,
                                           rank_device)
-from engine.tensor_parallel_sharding import check_shardable, shard_config
+from engine.tensor_parallel_sharding import shard_config
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig, LLMEngine
 
 
 @contextlib.contextmanager
-def group_engine(model: str, config: "EngineConfig", tp_size: int,
-                           kv_cache_bytes: int, threads: int | None = None,
-                           progress: Callable[[str], None] | None = None,
-                           expert_parallel: bool = False,
-                           rebalance_every: int = REBALANCE_INTERVAL_STEPS
-                           ) -> Iterator["LLMEngine"]:
+def group_engine(model: str, config: "EngineConfig", tp_size: int, kv_cache_bytes: int,
+                 threads: int | None = None, progress: Callable[[str], None] | None = None,
+                 expert_parallel: bool = False,
+                 rebalance_every: int = REBALANCE_INTERVAL_STEPS) -> Iterator["LLMEngine"]:
     """Rank 0's engine over `tp_size` ranks on this host; followers are spawned here and
     gone when the block exits. `kv_cache_bytes` is per rank. `expert_parallel`: rank 0 runs
     the model and its KV pool, the other ranks hold experts (engine/expert_exchange.py),
@@ -43,8 +41,8 @@ def group_engine(model: str, config: "EngineConfig", tp_size: int,
     report = progress or (lambda message: None)
     if config.kv_host_cache_bytes and not expert_parallel:  # the followers' KV is theirs
         raise ValueError("a host KV tier is not supported with tensor parallelism yet")
-    full_config = read_model_config(model)
-    check_shardable(full_config, tp_size, expert_parallel)
+    # Rank 0's shape (shard_config checks the size fits the model): its KV pool's heads.
+    shard = shard_config(read_model_config(model), tp_size, expert_parallel)
     last = rank_device(config.device, tp_size - 1)
     if last.type == "cuda" and (last.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"{tp_size} ranks from {config.device} need GPUs up to {last} (one "
@@ -60,9 +58,7 @@ def group_engine(model: str, config: "EngineConfig", tp_size: int,
         group = connect(0, tp_size, followers.store, device, expert_parallel=expert_parallel)
         connected = True
         loaded = load_shard(model, group, config.dtype, device)
-        num_blocks = EngineConfig.blocks_for_bytes(shard_config(full_config, tp_size,
-                                                                expert_parallel),
-                                                   kv_cache_bytes, config.block_size,
+        num_blocks = EngineConfig.blocks_for_bytes(shard, kv_cache_bytes, config.block_size,
                                                    config.kv_cache_dtype)
         engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks,
                                             device=str(device), cuda_graph_batch_sizes=())
@@ -70,10 +66,8 @@ def group_engine(model: str, config: "EngineConfig", tp_size: int,
 
         # Tensor parallel: this rank's KV heads only, every step sent to the followers first.
         # Expert parallel: the whole pool, the expert ranks called by the MoE blocks.
-        storage = KVStorage.for_model(shard_config(loaded.config, tp_size, expert_parallel),
-                                      num_blocks,
-                                      engine_config.block_size, engine_config.kv_cache_dtype,
-                                      engine_config.device)
+        storage = KVStorage.for_model(shard, num_blocks, engine_config.block_size,
+                                      engine_config.kv_cache_dtype, engine_config.device)
         runner = DrivingRunner(ModelRunner(loaded.model, storage, engine_config.block_size,
                                            cuda_graph_batch_sizes=()), group,
                                 rebalance_every)

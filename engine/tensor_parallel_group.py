@@ -12,7 +12,7 @@ Expert parallelism (`expert_parallel`) uses the same processes differently: rank
 whole model but the other ranks' experts, and the other ranks serve its MoE blocks
 (engine/expert_exchange.py) with no schedule, no attention and no KV pool.
 
-Messages are msgspec-encoded bytes broadcast as a uint8 tensor (length first), never pickles.
+Messages are msgspec-encoded bytes (engine/byte_broadcast.py), never pickles.
 
 Lifecycle of a follower: spawned -> connected (process group up) -> weights loaded and
 sharded -> KV layout received, pool allocated (tensor parallel only) -> following steps (or
@@ -29,7 +29,6 @@ the torch path of the model (no Triton kernels, no CUDA graphs).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -37,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +44,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.byte_broadcast import ByteBroadcast
 from engine.expert_exchange import ExpertExchange, serve_expert_rank
 from engine.expert_parallel import (REBALANCE_INTERVAL_STEPS, ExpertBank, ExpertParallelRank,
                                     ExpertRebalancer, initial_placements, moe_blocks)
@@ -52,8 +52,7 @@ from engine.kv_storage import KVLayout, KVStorage
 from engine.schedule_output import ScheduleOutput
 from engine.tensor_parallel_sharding import check_shardable, shard_config, shard_tensor
 
-if TYPE_CHECKING:  # the model is imported where it is used: the CLI imports this module early
-    from engine.llm_engine import EngineConfig, LLMEngine
+if TYPE_CHECKING:  # the model is imported where it is used: a follower's start stays light
     from engine.model_runner import DeviceTokens, ModelRunner
     from engine.models.decoder import DecoderForCausalLM
 
@@ -111,25 +110,6 @@ class StepMessage(msgspec.Struct, frozen=True):
     schedule: ScheduleOutput | None
 
 
-class _Broadcast:
-    """Length-prefixed msgspec bytes from rank 0 to every rank, over tensor broadcasts."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def send(self, payload: bytes) -> None:
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=self.device), 0)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        dist.broadcast(data, 0)
-
-    def receive(self) -> bytes:
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(size, 0)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, 0)
-        return data.cpu().numpy().tobytes()
-
-
 class DrivingRunner:
     """Rank 0's runner: sends each schedule to the followers, then runs its own shard.
     Constructing it sends the KV layout (followers allocate their pool from it). With expert
@@ -148,7 +128,7 @@ class DrivingRunner:
         blocks = moe_blocks(runner.model)
         exchange = blocks[0].exchange if blocks else None
         self.exchange = exchange if isinstance(exchange, ExpertExchange) else None
-        self._channel = _Broadcast(group.device)
+        self._channel = ByteBroadcast(group.device)
         self._closed = False
         if self.exchange is None:
             self._channel.send(msgspec.msgpack.encode(runner.kv.layout))
@@ -195,7 +175,7 @@ def follow(model: "DecoderForCausalLM", group: TensorParallelGroup,
     told to stop. Returns the number of steps executed."""
     from engine.model_runner import ModelRunner
 
-    channel = _Broadcast(group.device)
+    channel = ByteBroadcast(group.device)
     layout = msgspec.msgpack.decode(channel.receive(), type=KVLayout)
     runner = ModelRunner(model, KVStorage(layout, device), layout.block_size,
                          use_kernels=False, cuda_graph_batch_sizes=())

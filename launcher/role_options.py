@@ -92,11 +92,15 @@ def parse_sizes_by_role(option: str, text: str | None, roles: Sequence[Role]) ->
     if "=" not in text:
         by_role = {role: _size(option, text) for role in Role}
     else:
+        choices = {role.value: role for role in Role}
         for item in text.split(","):
             name, _, size = item.partition("=")
-            (role,) = parse_roles(name.strip()) if name.strip() else (None,)
-            if role is None or not size:
+            if not name.strip() or not size:
                 raise ValueError(f"{option}: {item!r} is not ROLE=N (e.g. prefill=2,decode=1)")
+            role = choices.get(name.strip())
+            if role is None:
+                raise ValueError(f"{option}: unknown role {name.strip()!r} (roles: "
+                                 f"{', '.join(choices)})")
             if role in by_role:
                 raise ValueError(f"{option}: {role.value} is given twice in {text!r}")
             by_role[role] = _size(option, size)

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         except RedisAccessError as exc:
             return _fail(str(exc))
     devices = _devices(args.device, len(roles))
-    sizes = [max(ep, args.tp or 1) for ep in ep_sizes]
+    sizes = [max(ep, tp) for ep in ep_sizes]  # each worker's processes (--ep / --tp)
     if (refusal := _gpus_refusal(devices, sizes)) is not None:
         return _fail(refusal)
     names = worker_names(roles)
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mps = None if mps_plan is None else mps_setup(mps_plan, log_dir)
-    ranks = max(*ep_sizes, args.tp or 1)  # the most processes of a worker (--ep / --tp)
+    ranks = max(sizes)  # the most processes of a worker
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (len(roles) * ranks))
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"

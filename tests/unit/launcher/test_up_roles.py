@@ -145,7 +145,7 @@ def test_ep_sizes_by_role() -> None:
     assert parse_sizes_by_role("--ep", "2", roles) == [2, 2, 2, 2]
     assert parse_sizes_by_role("--ep", "prefill=2, decode=4", roles) == [2, 2, 4, 1]
     for text, message in (("0", "at least 1"), ("prefill=2,prefill=4", "given twice"),
-                          ("gpu=2", "unknown role 'gpu'"), ("prefill=", "is not ROLE=N"),
+                          ("gpu=2", "--ep: unknown role 'gpu'"), ("prefill=", "is not ROLE=N"),
                           ("=2", "is not ROLE=N"), ("decode=x", "not a whole number")):
         with pytest.raises(ValueError, match=message):
             parse_sizes_by_role("--ep", text, roles)
