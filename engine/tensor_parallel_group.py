@@ -58,6 +58,11 @@ if TYPE_CHECKING:  # the model is imported where it is used: a follower's start 
 
 HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 600.0
+# A follower's collectives wait for rank 0's next step for as long as the worker idles: a
+# bound would end an idle worker's followers (and with them its next step). Rank 0 gone
+# ends a follower at once (`exit_with_leader`); a hung rank 0 is a hung worker, which the
+# operations agent restarts. (Rank 0 keeps `timeout_s` for its waits inside a step.)
+FOLLOWER_WAIT_S = 30 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +204,7 @@ def connect(tp_rank: int, tp_size: int, store: dist.Store, device: torch.device,
             timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False
             ) -> TensorParallelGroup:
     """Join the default process group (gloo on CPU, nccl on CUDA). `timeout_s` bounds every
-    collective, so a follower whose driver died exits instead of waiting forever."""
+    collective of this rank (a follower passes FOLLOWER_WAIT_S)."""
     if device.type == "cuda":
         # NVLink multicast (NVLS) is unavailable on the target machines; NCCL must not try it.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -274,10 +279,10 @@ def load_shard(model: str, group: TensorParallelGroup, dtype: torch.dtype,
 
 def exit_with_leader(leader_pid: int, period_s: float = 0.5) -> None:
     """A follower's watch on rank 0, its parent: once the parent is gone (killed, crashed),
-    end this process. Without it a follower would wait in a collective, or for the store,
-    until the group's timeout (`DEFAULT_TIMEOUT_S`), holding its share of the weights and
-    KV (on a GPU, the GPU's memory) while the restarted worker spawns new ranks. Runs as the
-    follower's one daemon thread; the process ends with it."""
+    end this process. Without it a follower would wait in a collective (FOLLOWER_WAIT_S),
+    or for the store, holding its share of the weights and KV (on a GPU, the GPU's memory)
+    while the restarted worker spawns new ranks. Runs as the follower's one daemon thread;
+    the process ends with it."""
     while os.getppid() == leader_pid:  # an orphan is adopted by another process
         time.sleep(period_s)
     os._exit(1)
@@ -299,7 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rank 0's pid: this process ends when rank 0 is gone (default: "
                              "the parent's pid at start)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="limit on each wait for the leader (default %(default)s)")
+                        help="limit on the rendezvous with the leader (default %(default)s); "
+                             "the steps that follow are waited for as long as the leader "
+                             "lives")
     args = parser.parse_args(argv)
     threading.Thread(target=exit_with_leader, args=(args.leader_pid or os.getppid(),),
                      daemon=True, name="leader-watch").start()
@@ -308,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = rank_device(args.device, args.rank)
     store = dist.TCPStore(HOST, args.port, args.tp, False,
                           timeout=datetime.timedelta(seconds=args.timeout_s))
-    group = connect(args.rank, args.tp, store, device, args.timeout_s, args.ep)
+    group = connect(args.rank, args.tp, store, device, FOLLOWER_WAIT_S, args.ep)
     dtype = getattr(torch, args.dtype)
     try:
         if args.ep:

@@ -162,6 +162,35 @@ def test_a_group_wider_than_the_hosts_gpus_is_refused_before_spawning():
     assert "waiting for" not in result.stderr
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_a_group_idle_past_its_rendezvous_timeout_still_steps(tiny_model, single_thread,
+                                                             expert_parallel):
+    """A worker may idle for hours: its followers wait for the next step as long as rank 0
+    lives. (They waited at most --timeout-s, then exited, and the next step failed.)"""
+    path = str(tiny_model("qwen3_moe").path)
+    followers = Followers(2, path, "float32", "cpu", threads=1, timeout_s=2.0,
+                          expert_parallel=expert_parallel)
+    try:
+        group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
+                        expert_parallel=expert_parallel)
+        shard = load_shard(path, group, torch.float32, "cpu").model
+        kv = KVStorage.for_model(shard.config, BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32)
+        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group)
+        step = ScheduleOutput((ScheduledChunk("r0", tuple(PROMPTS[0]), 0,
+                                              tuple(range(BLOCKS_PER_SEQ)), True),))
+        first = runner.execute(step).clone()
+        time.sleep(3.0)  # idle past the followers' 2 s
+        assert torch.equal(runner.execute(step), first)
+        assert followers.processes[0].poll() is None
+        runner.close()
+        assert followers.stop(timeout_s=30.0) == [0]
+    finally:
+        followers.stop(timeout_s=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.timeout(60)
 def test_a_follower_ends_when_its_leader_dies_without_stopping_it():
     # The leader spawns one follower and dies at once (as a SIGKILLed worker would): the
