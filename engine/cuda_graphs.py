@@ -43,7 +43,8 @@ from engine.block_table_rows import BlockTableRows
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM
-from engine.schedule_output import ScheduleOutput
+from engine.native import fill_decode_rows
+from engine.schedule_output import BLOCK_IDS, ScheduleOutput
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -174,15 +175,11 @@ class DecodeGraphs:
         size = padded_batch_size(num_seqs, self.batch_sizes)
         assert size is not None  # can_run checked the largest size
         host = self._views
-        bs = self.block_size
-        positions = [c.start_pos for c in chunks]
-        host.input_ids[:num_seqs] = [c.token_ids[0] for c in chunks]
-        host.positions[:num_seqs] = positions
-        host.slot_mapping[:num_seqs] = [c.block_ids[p // bs] * bs + p % bs
-                                        for c, p in zip(chunks, positions)]
-        host.context_lens[:num_seqs] = positions
-        host.context_lens[:num_seqs] += 1
-        width = max(1, self._tables.write(host.block_tables, [c.block_ids for c in chunks]))
+        # Each row's token, position, KV slot and context length, in one compiled pass
+        # (engine/native); None: every row samples.
+        sample_rows = fill_decode_rows(chunks, num_seqs, self.block_size, host.input_ids,
+                                       host.positions, host.slot_mapping, host.context_lens)
+        width = max(1, self._tables.write(host.block_tables, chunks, field=BLOCK_IDS))
         host.reset_padding(num_seqs)
         dev = self._device_views
         # Two copies: the per-row scalars, then only the table columns this batch uses.
@@ -197,8 +194,7 @@ class DecodeGraphs:
         else:
             with torch.inference_mode():
                 logits = self._steps[size]()
-        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
-        if len(sample_rows) == num_seqs:
+        if sample_rows is None:
             # The static output itself (no copy of batch x vocabulary floats per step): the
             # caller queues its reads before the next replay (StepRunner.execute).
             return logits[:num_seqs]

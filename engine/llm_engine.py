@@ -337,13 +337,11 @@ class LLMEngine:
 
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """An overlapped step's tokens on the host: in place of the PLACEHOLDERs, then
-        through the stop rules and the detokenizer, as a plain step's."""
+        through the stop rules and the detokenizer, as a plain step's (process_resolved)."""
         result = step.pending.result()
         if __debug__:
             result.check_invariants([t.request.sampling_params for t in step.tracked],
                                     self.model_config.vocab_size)
-        for tracked, token_id in zip(step.tracked, result.token_ids):
-            tracked.request.resolve_placeholder(token_id)
         return self.outputs.process_resolved(step.tracked, result.token_ids, result.logprobs)
 
     def _finished_outputs(self, held: Iterable[str]) -> list[RequestOutput]:

@@ -55,7 +55,8 @@ from engine.cuda_graphs import capture_step, padded_batch_size
 from engine.device_upload import copy_to_device
 from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM
-from engine.schedule_output import ScheduledChunk, ScheduleOutput
+from engine.native import fill_decode_rows
+from engine.schedule_output import BLOCK_IDS, ScheduledChunk, ScheduleOutput
 
 # Token counts of the captured steps: every 64 tokens from 128 (a padded token costs its
 # share of a step's matmuls, so the steps grow finely where they are compute-bound).
@@ -224,15 +225,19 @@ class MixedGraphs:
         """Write the step into the static buffers (host, then device); returns the number
         of sampled rows."""
         host, bs = self._host, self.block_size
-        decodes = chunks[:num_decodes]
-        # One pass per column (list comprehensions): a step's decode rows are most of it.
-        token_ids = [c.token_ids[0] for c in decodes]
-        positions = [c.start_pos for c in decodes]
-        slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(decodes, positions)]
-        sample_rows = [row for row, c in enumerate(decodes) if c.sample]
+        # The decode rows (most of a step) in one compiled pass (engine/native): token,
+        # position, KV slot, context length; None: every one samples.
+        decode_samples = fill_decode_rows(chunks, num_decodes, bs, host.input_ids,
+                                          host.positions, host.slot_mapping,
+                                          host.decode_context_lens)
+        sample_rows = list(range(num_decodes)) if decode_samples is None else decode_samples
         # The widest table of each part.
-        decode_width = self._tables.write(host.decode_tables, [c.block_ids for c in decodes])
+        decode_width = self._tables.write(host.decode_tables, chunks[:num_decodes],
+                                          field=BLOCK_IDS)
         prefill_width = 0
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         cu_seqlens = [num_decodes]
         for i, chunk in enumerate(chunks[num_decodes:]):
             token_ids.extend(chunk.token_ids)
@@ -243,12 +248,10 @@ class MixedGraphs:
             cu_seqlens.append(cu_seqlens[-1] + len(chunk.token_ids))
             if chunk.sample:
                 sample_rows.append(cu_seqlens[-1] - 1)
-        num_tokens, num_prefills = len(token_ids), len(chunks) - num_decodes
-        host.input_ids[:num_tokens] = token_ids
-        host.positions[:num_tokens] = positions
-        host.slot_mapping[:num_tokens] = slots
-        host.decode_context_lens[:num_decodes] = positions[:num_decodes]
-        host.decode_context_lens[:num_decodes] += 1
+        num_tokens, num_prefills = cu_seqlens[-1], len(chunks) - num_decodes
+        host.input_ids[num_decodes:num_tokens] = token_ids
+        host.positions[num_decodes:num_tokens] = positions
+        host.slot_mapping[num_decodes:num_tokens] = slots
         host.prefill_cu_seqlens[:num_prefills + 1] = cu_seqlens
         host.prefill_context_lens[:num_prefills] = [c.end_pos for c in chunks[num_decodes:]]
         host.sample_rows[:len(sample_rows)] = sample_rows

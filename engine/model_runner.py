@@ -33,6 +33,7 @@ from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
 from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
 from engine.mixed_split import mixed_split_threshold
+from engine.native import placeholder_sources as native_placeholder_sources
 from engine.models.decoder import DecoderForCausalLM
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
@@ -50,19 +51,10 @@ class DeviceTokens:
 def placeholder_sources(schedule: ScheduleOutput, previous: DeviceTokens | None
                         ) -> tuple[list[int], list[int]]:
     """(positions in the step's flat token list, rows of `previous`) of every PLACEHOLDER.
-    A PLACEHOLDER is only ever a decode chunk's one token (engine/scheduler.py)."""
-    dst: list[int] = []
-    src: list[int] = []
-    offset = 0
-    for chunk in schedule.chunks:
-        if chunk.token_ids[-1] == PLACEHOLDER:
-            if len(chunk.token_ids) != 1 or previous is None:
-                raise AssertionError(f"{chunk.request_id}: a PLACEHOLDER outside a decode "
-                                     "chunk, or without the previous step's tokens")
-            dst.append(offset)
-            src.append(previous.rows[chunk.request_id])
-        offset += len(chunk.token_ids)
-    return dst, src
+    A PLACEHOLDER is only ever a decode chunk's one token (engine/scheduler.py): anything
+    else raises AssertionError. One compiled pass over the chunks (engine/native)."""
+    return native_placeholder_sources(schedule.chunks,
+                                      None if previous is None else previous.rows, PLACEHOLDER)
 
 
 TokenFill = tuple[torch.Tensor | slice, torch.Tensor]  # (rows of the step's tokens, tokens)

@@ -30,10 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.request import Request, RequestStatus
+from engine.native import resolve_rows
+from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampler import SamplingState, TokenLogprobs
 from engine.scheduler import Scheduler
 from protocol.finish_reason import FinishReason
+from text.byte_detokenizer import ByteDetokenizer
 from text.detokenizer import Detokenizer, new_detokenizer
 from text.stop_checker import check_stop
 from text.tokenizer import Tokenizer
@@ -165,36 +167,20 @@ class OutputProcessor:
 
     def process_resolved(self, rows: Sequence[Tracked], token_ids: Sequence[int],
                          logprobs: Sequence[TokenLogprobs | None]) -> list[RequestOutput]:
-        """`process(..., defer=False)` of each row's token, just recorded in place of its
-        PLACEHOLDER, in row order; rows no longer tracked (aborted since) are skipped.
+        """The tokens of an overlapped step (engine/inflight_step.py): first each row's
+        token replaces its request's PLACEHOLDER (AssertionError where none is pending),
+        then, in row order, `process(..., defer=False)` of each; rows no longer tracked
+        (aborted since) are skipped.
 
-        The common row (RUNNING, no stop strings, neither a stop token nor max_tokens) is
-        handled here in a few lines: a step makes one output per running request, so this
-        loop is the host's per-row cost at every step. Its result is what `_postprocess`
-        would make: for such a row `check_stop` says "go on, emit all the text", before
-        min_tokens too (without a stop string nothing is held back)."""
-        tracked_by_id, running = self.tracked, RequestStatus.RUNNING
-        outputs = []
-        for tracked, token_id, token_logprobs in zip(rows, token_ids, logprobs):
-            request = tracked.request
-            request_id = request.request_id
-            if tracked_by_id.get(request_id) is not tracked:
-                continue  # aborted (or untracked) since the step was planned
-            params = request.sampling_params
-            num_output = len(request.output_token_ids)
-            if (request.status is not running or params.stop or token_id in tracked.stop_token_ids
-                    or num_output >= params.max_tokens):
-                outputs.append(self._postprocess(tracked, token_id, token_logprobs))
-                continue
-            # `_emit` without stop strings: all the text goes out, none is kept.
-            text = tracked.text + tracked.detokenizer.add(token_id)
-            new_text = text[tracked.num_emitted_chars:]
-            tracked.text, tracked.num_emitted_chars = "", 0
-            outputs.append(RequestOutput(
-                request_id, [token_id], new_text, [token_logprobs], None,
-                len(request.prompt_token_ids), num_output, request.num_cached_tokens,
-                False, request.num_steps))
-        return outputs
+        One compiled call (engine/native): a step makes one output per running request, so
+        this loop is the host's per-row cost at every step. The common row (RUNNING, no
+        stop strings, neither a stop token nor max_tokens) gets its output there: for such
+        a row `check_stop` says "go on, emit all the text", before min_tokens too (without
+        a stop string nothing is held back); a byte-level detokenizer holding no bytes
+        gives a whole-character token's text from its table (ByteDetokenizer.add's first
+        branch). Every other row goes through `_postprocess`."""
+        return resolve_rows(rows, token_ids, logprobs, self.tracked, RequestStatus.RUNNING,
+                            RequestOutput, self._postprocess, ByteDetokenizer, PLACEHOLDER)
 
     def flush_deferred(self) -> list[RequestOutput]:
         """The outputs of the deferred tokens (none of them finishes its request)."""

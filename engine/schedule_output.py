@@ -54,7 +54,9 @@ class ScheduledChunk(_ChunkFields):
         return self.start_pos + len(self.token_ids)
 
 
-_TOKEN_IDS, _BLOCK_IDS = itemgetter(1), itemgetter(3)  # ScheduledChunk's fields, by position
+# ScheduledChunk's fields by position (compiled code reads them so: engine/native).
+TOKEN_IDS, BLOCK_IDS = 1, 3
+_TOKEN_IDS, _BLOCK_IDS = itemgetter(TOKEN_IDS), itemgetter(BLOCK_IDS)
 
 
 @dataclass(frozen=True, slots=True)

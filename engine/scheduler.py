@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from engine.kv_cache import KVCacheManager
+from engine.native import advance_chunks, schedule_decodes
 from engine.ranked_requests import RankedRequests
 from engine.request import PLACEHOLDER, Request, RequestMode, RequestStatus
 from engine.request_rank import RequestOrder
@@ -206,29 +207,16 @@ class Scheduler:
                              limit if seats is None else max(0, min(limit, seats)),
                              self.config.prefill_chunk_tokens)
         seated = self._running.best(self.config.max_num_seqs)
-        running, block_size, chunks = RequestStatus.RUNNING, self.kv_cache.block_size, step.chunks
         loading = self.kv_cache.poll_loads()  # empty unless a host-tier reload is in flight
-        # Decodes first, in rank order, then prefills (either may preempt worse-ranked ones).
-        prefills = []
-        for request in seated:
-            if request.status is not running or loading and request.request_id in loading:
-                continue
-            start = request.num_computed_tokens
-            output = request.output_token_ids
-            if len(request.prompt_token_ids) + len(output) - start != 1:  # num_tokens, inline
-                prefills.append(request)
-            elif step.budget <= 0:
-                continue
-            elif start < len(request.block_ids) * block_size:
-                # Its slot is in its table already (nearly every request, every step): no
-                # pool check, nothing to allocate. Its token: the last output or prompt one
-                # (inline, as num_tokens above: properties here cost ~3% of a 256-row step).
-                chunks[request.request_id] = ScheduledChunk.decode(
-                    request.request_id, output[-1] if output else request.prompt_token_ids[-1],
-                    start, request.block_ids)
-                step.budget -= 1
-            else:
-                self._schedule_running(request, step)
+        # Decodes first, in rank order (compiled: engine/native), then prefills (either may
+        # preempt worse-ranked ones). A seated RUNNING request not reloading with one token
+        # left gets its decode chunk while the budget lasts (nearly every request, every
+        # step: its slot is in its table already); one needing a new block goes through
+        # _schedule_running; one with more tokens left comes back, in order, for rule 3.
+        prefills = schedule_decodes(seated, loading, step, self.kv_cache.block_size,
+                                    RequestStatus.RUNNING, ScheduledChunk, tuple.__new__,
+                                    lambda request: self._schedule_running(request, step))
+        chunks = step.chunks
         if self.config.hold_tpot and self.step_model is not None and (prefills or self._waiting):
             # (Only steps with prompts to compute ask: decode-only steps pay nothing for it.)
             step.budget = budget_beside(self.step_model, seated, chunks, step.budget)
@@ -251,32 +239,20 @@ class Scheduler:
             return
         if schedule is not self._outstanding:
             raise RuntimeError("update_from_output() got a schedule that is not outstanding")
-        requests, scheduled, running = self._requests, self._scheduled, RequestStatus.RUNNING
-        live = [(c, r) for c in schedule.chunks if (r := scheduled[c.request_id]).status
-                is running and requests.get(c.request_id) is r]
-        # Validate everything first so a bad call leaves the step outstanding and unchanged.
-        if sampled_token_ids is not None:
-            if missing := [c.request_id for c, _ in live
-                           if c.sample and c.request_id not in sampled_token_ids]:
-                raise ValueError(f"no sampled token for {missing}")
+        # Compiled (engine/native): the live chunks (their request, as scheduled, still
+        # RUNNING and still this scheduler's) are checked first, so a bad call leaves the
+        # step outstanding and unchanged; then each advances past its chunk, counts a step,
+        # publishes the blocks it filled (cache_full_blocks is idempotent: a chunk that
+        # completes no block has none to publish), and a sampling chunk records its token
+        # and, where it ends a phase (PREFILL_ONLY, parked, max_tokens), _after_sample runs.
+        missing = advance_chunks(
+            schedule.chunks, self._scheduled, self._requests, RequestStatus.RUNNING,
+            sampled_token_ids, PLACEHOLDER, self.kv_cache.block_size,
+            self.kv_cache.cache_full_blocks, self._after_sample, RequestMode.PREFILL_ONLY,
+            self._parks)
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
         self._scheduled, self._outstanding = {}, None
-        cache_full_blocks, block_size = self.kv_cache.cache_full_blocks, self.kv_cache.block_size
-        for chunk, request in live:
-            start = chunk.start_pos
-            assert start == request.num_computed_tokens  # set by schedule(), unmoved since
-            end = request.num_computed_tokens = start + len(chunk.token_ids)
-            request.num_steps += 1
-            # Blocks publish once full (cache_full_blocks is idempotent): a chunk that
-            # completes no block has none to publish, as every earlier chunk published its own.
-            if end // block_size != start // block_size:
-                cache_full_blocks(request)
-            if chunk.sample:
-                output = request.output_token_ids
-                output.append(PLACEHOLDER if sampled_token_ids is None
-                              else int(sampled_token_ids[chunk.request_id]))
-                if request.mode is RequestMode.PREFILL_ONLY or self._parks or \
-                        len(output) >= request.sampling_params.max_tokens:
-                    self._after_sample(request)
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_table_rows import BlockTableRows
+from engine.schedule_output import BLOCK_IDS, ScheduledChunk
 from engine.cuda_graphs import capture_phase
 
 
@@ -39,12 +40,28 @@ def test_block_tables_wider_than_the_table_are_an_error():
         write_block_tables(np.zeros((2, 2), dtype=np.int32), [(1, 2, 3)])
 
 
+def test_a_row_wider_than_the_table_writes_nothing():
+    rows, table = BlockTableRows(), np.full((3, 2), -9, dtype=np.int32)
+    with pytest.raises(ValueError, match="3 blocks in a table 2 wide"):
+        rows.write(table, [(1, 2), (3, 4, 5)])
+    assert (table == -9).all()
+    assert rows.write(table, [(1, 2)]) == 2  # and the next step still writes its rows
+    assert table[0].tolist() == [1, 2]
+
+
+def test_a_chunk_s_table_is_read_from_its_field():
+    rows, table = BlockTableRows(), np.zeros((2, 4), dtype=np.int32)
+    chunks = (ScheduledChunk.decode("a", 5, 17, (4, 9)), ScheduledChunk.decode("b", 6, 0, (2,)))
+    assert rows.write(table, chunks, field=BLOCK_IDS) == 2
+    assert table.tolist() == [[4, 9, 0, 0], [2, 0, 0, 0]]
+
+
 def test_rows_kept_from_step_to_step_are_the_tables_of_this_step():
     rows, table = BlockTableRows(), np.full((3, 8), -9, dtype=np.int32)
     a, b, c = (1, 2), (3, 4, 5), (6,)
     for step in ([a, b, c], [b, c], [b + (7,), a], [(3, 4, 5), c, a]):  # shifts, growth
         width = rows.write(table, step)
-        rows.check_invariants()
+        rows.check_table(table)
         assert width == max(len(ids) for ids in step)
         for r, ids in enumerate(step):
             assert table[r, :len(ids)].tolist() == list(ids)
@@ -55,8 +72,7 @@ def test_rows_kept_from_step_to_step_are_the_tables_of_this_step():
        grow=st.lists(st.booleans(), max_size=40))
 def test_every_step_leaves_each_row_starting_with_its_table(steps, grow):
     """Random batches from a pool of tuples (kept, dropped, shifted, grown): after every
-    write, through the one-by-one and the scatter paths, each live row starts with its
-    table and the rows past the step are untouched."""
+    write each live row starts with its table and the rows past the step are untouched."""
     pool = [tuple(range(10 * i, 10 * i + 1 + i % 7)) for i in range(41)]
     rows, table = BlockTableRows(), np.full((40, 16), -9, dtype=np.int32)
     for step_index, picks in enumerate(steps):
@@ -67,7 +83,6 @@ def test_every_step_leaves_each_row_starting_with_its_table(steps, grow):
             step.append(pool[i])
         before = table[len(step):].copy()
         width = rows.write(table, step)
-        rows.check_invariants()
         rows.check_table(table)
         assert width == max((len(ids) for ids in step), default=0)
         for r, ids in enumerate(step):

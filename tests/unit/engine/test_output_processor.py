@@ -1,5 +1,5 @@
-"""OutputProcessor.process_resolved (the per-row loop of an overlapped step) against
-`process`, token by token, with the real SmolLM2 vocabulary: the same outputs, the same
+"""OutputProcessor.process_resolved (the per-row loop of an overlapped step, compiled:
+engine/native) against `process`, token by token, with the real SmolLM2 vocabulary: the same outputs, the same
 finishes, the same state left behind, whatever the stop rules."""
 
 from __future__ import annotations
@@ -40,12 +40,11 @@ def drive(params: list[SamplingParams], tokens: list[list[int]], batched: bool
         rows = [outputs.tracked[c.request_id] for c in schedule.chunks
                 if c.sample and c.request_id in outputs.tracked]
         ids = [tokens[int(t.request.request_id[1:])][step] for t in rows]
-        for tracked, token_id in zip(rows, ids):
-            tracked.request.resolve_placeholder(token_id)
-        if batched:
+        if batched:  # resolves the PLACEHOLDERs itself
             made += outputs.process_resolved(rows, ids, [None] * len(rows))
         else:
             for tracked, token_id in zip(rows, ids):
+                tracked.request.resolve_placeholder(token_id)
                 out = outputs.process(tracked.request.request_id, token_id, None, False)
                 assert out is not None
                 made.append(out)
