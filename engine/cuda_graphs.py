@@ -47,6 +47,20 @@ from engine.native import fill_decode_rows
 from engine.schedule_output import BLOCK_IDS, ScheduleOutput
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Past 256 rows (a --max-num-seqs above the GPU default) every 64 rows up to this many; a
+# larger decode batch runs eagerly.
+MAX_CAPTURED_BATCH = 1024
+
+
+def decode_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Pure policy: the decode batch sizes to capture for batches of at most `max_num_seqs`
+    rows: DEFAULT_BATCH_SIZES, then past 256 every 64 rows up to max_num_seqs (at most
+    MAX_CAPTURED_BATCH). A decode step larger than every size runs eagerly, and on a small
+    model its launches, not the GPU, then set its length."""
+    top = min(max_num_seqs, MAX_CAPTURED_BATCH)
+    if top <= DEFAULT_BATCH_SIZES[-1]:
+        return DEFAULT_BATCH_SIZES
+    return DEFAULT_BATCH_SIZES + tuple(sorted({*range(320, top + 1, 64), top}))
 
 
 def padded_batch_size(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:

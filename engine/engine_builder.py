@@ -35,19 +35,17 @@ def build_engine(model: str, config: EngineConfig,
 
     loaded = load_model(model, dtype=config.dtype, device=config.device, progress=progress)
     if config.gpu_memory_fraction is not None and str(config.device).startswith("cuda"):
-        from engine.cuda_graphs import DEFAULT_BATCH_SIZES
         from engine.memory_plan import plan_for_model
         from engine.mixed_graphs import logits_rows
 
-        graph_sizes = config.cuda_graph_batch_sizes
-        if graph_sizes is None:
-            graph_sizes = DEFAULT_BATCH_SIZES
+        graph_sizes = config.decode_graph_sizes() or ()
         # A prefill lane's step runs beside the engine's own: two steps' activations at once.
         step_tokens = config.max_num_batched_tokens * (2 if config.prefill_lane_sms else 1)
         plan = plan_for_model(loaded.model, config.block_size, config.kv_cache_dtype,
                               config.gpu_memory_fraction, step_tokens,
                               max(graph_sizes, default=0),
-                              logits_rows(config.max_num_batched_tokens)
+                              logits_rows(config.max_num_batched_tokens,
+                                          max(graph_sizes, default=0))
                               if config.mixed_cuda_graphs else 0)
         if progress is not None:
             progress(plan.report())

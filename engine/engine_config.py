@@ -26,10 +26,10 @@ class EngineConfig:
     # The KV pool's dtype; None: the model's `dtype`. torch.float8_e4m3fn: FP8 values with a
     # scale per token and KV head (engine/kv_quant.py), attention computed in `dtype`.
     kv_dtype: torch.dtype | None = None
-    # Decode batch sizes captured as CUDA graphs; None: the runner's default set on CUDA,
-    # none on CPU (see engine/cuda_graphs.py).
+    # Decode batch sizes captured as CUDA graphs; None: on CUDA the default set for
+    # max_num_seqs (`decode_graph_sizes`), none on CPU (see engine/cuda_graphs.py).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # Steps with prefill chunks (up to max_num_batched_tokens, at most 512 tokens) captured
+    # Steps with prefill chunks (up to max_num_batched_tokens, at most 4096 tokens) captured
     # as CUDA graphs too, where decode steps are (engine/mixed_graphs.py); False: eager, for
     # tests that hold the graphs against the eager path (workers always capture them).
     mixed_cuda_graphs: bool = True
@@ -69,6 +69,16 @@ class EngineConfig:
                 b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be positive, "
                              f"got {self.cuda_graph_batch_sizes}")
+
+    def decode_graph_sizes(self) -> tuple[int, ...] | None:
+        """The decode batch sizes to capture: `cuda_graph_batch_sizes`, else on CUDA those
+        for max_num_seqs (engine/cuda_graphs.py's `decode_batch_sizes`), else None (the
+        runner's default: none off CUDA)."""
+        if self.cuda_graph_batch_sizes is not None or not str(self.device).startswith("cuda"):
+            return self.cuda_graph_batch_sizes
+        from engine.cuda_graphs import decode_batch_sizes
+
+        return decode_batch_sizes(self.max_num_seqs)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

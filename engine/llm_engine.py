@@ -90,7 +90,7 @@ class LLMEngine:
         kv_storage = KVStorage.for_model(model_config, config.num_kv_blocks, config.block_size,
                                          config.kv_cache_dtype, config.device)
         runner = ModelRunner(model, kv_storage, config.block_size,
-                             cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+                             cuda_graph_batch_sizes=config.decode_graph_sizes(),
                              mixed_graph_tokens=(config.max_num_batched_tokens
                                                  if config.mixed_cuda_graphs else 0))
         lane_runner = ModelRunner(model, kv_storage, config.block_size, cuda_graph_batch_sizes=(),

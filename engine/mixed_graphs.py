@@ -64,19 +64,41 @@ DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 # Decode rows of the captured steps: a padded decode row has context 0 and its programs
 # exit at once, so coarse sizes cost little; they only set the decode kernel's split-K.
 DEFAULT_DECODE_SIZES = (0, 4, 16, 64, 256)
-# Prefill chunks a captured step holds; a step with more runs eagerly.
+# Prefill chunks a captured step of up to 512 tokens holds; a step with more runs eagerly.
 MAX_PREFILL_CHUNKS = 8
+# Past 512 tokens (a --max-num-batched-tokens above the default): every 128 tokens to 1024,
+# then every 256, up to this many; longer steps run eagerly. On a small model a 2048-token
+# step launched kernel by kernel is bound by its launches, as a short one is.
+MAX_CAPTURED_TOKENS = 4096
 
 
 def mixed_token_sizes(max_tokens: int) -> tuple[int, ...]:
     """Pure policy: the token counts to capture for steps of at most `max_tokens` (an
-    engine's max_num_batched_tokens). Above the largest default size steps stay eager:
-    there the GPU's work dwarfs the launches."""
+    engine's max_num_batched_tokens): DEFAULT_TOKEN_SIZES, then past 512 every 128 tokens
+    to 1024 and every 256 after, up to max_tokens (at most MAX_CAPTURED_TOKENS)."""
     if max_tokens < 2:
         return ()
-    if max_tokens > DEFAULT_TOKEN_SIZES[-1]:
-        return DEFAULT_TOKEN_SIZES
-    return tuple(s for s in DEFAULT_TOKEN_SIZES if s < max_tokens) + (max_tokens,)
+    if max_tokens <= DEFAULT_TOKEN_SIZES[-1]:
+        return tuple(s for s in DEFAULT_TOKEN_SIZES if s < max_tokens) + (max_tokens,)
+    top = min(max_tokens, MAX_CAPTURED_TOKENS)
+    larger = [*range(640, min(top, 1024) + 1, 128), *range(1280, top + 1, 256)]
+    return DEFAULT_TOKEN_SIZES + tuple(sorted({*larger, top}))
+
+
+def mixed_prefill_chunks(max_tokens: int) -> int:
+    """Pure policy: the prefill chunks a captured step holds, for steps of at most
+    `max_tokens` tokens: MAX_PREFILL_CHUNKS, and one per 64 tokens past 512 (at most 32),
+    so that a long step of short prompts is captured too (an empty slot exits at once)."""
+    return max(MAX_PREFILL_CHUNKS, min(32, min(max_tokens, MAX_CAPTURED_TOKENS) // 64))
+
+
+def mixed_decode_sizes(max_decode_rows: int) -> tuple[int, ...]:
+    """Pure policy: the decode row counts a captured mixed step may hold beside its prompts:
+    DEFAULT_DECODE_SIZES, and the largest decode batch where it is larger (a batch of more
+    than 256 seats, --max-num-seqs)."""
+    if max_decode_rows > DEFAULT_DECODE_SIZES[-1]:
+        return DEFAULT_DECODE_SIZES + (max_decode_rows,)
+    return DEFAULT_DECODE_SIZES
 
 
 def captured_decode_sizes(token_sizes: Sequence[int],
@@ -87,11 +109,14 @@ def captured_decode_sizes(token_sizes: Sequence[int],
     return tuple(sorted({0, *(d for d in decode_sizes if d < largest)}))
 
 
-def logits_rows(max_tokens: int) -> int:
-    """Rows of the mixed graphs' static logits for an engine's step budget (0: no graphs);
-    the memory plan reserves them. Pure."""
+def logits_rows(max_tokens: int, max_decode_rows: int = DEFAULT_DECODE_SIZES[-1]) -> int:
+    """Rows of the mixed graphs' static logits for an engine's step budget and largest
+    decode batch (0: no graphs); the memory plan reserves them. Pure."""
     sizes = mixed_token_sizes(max_tokens)
-    return captured_decode_sizes(sizes)[-1] + MAX_PREFILL_CHUNKS if sizes else 0
+    if not sizes:
+        return 0
+    return (captured_decode_sizes(sizes, mixed_decode_sizes(max_decode_rows))[-1]
+            + mixed_prefill_chunks(max_tokens))
 
 
 @dataclass(frozen=True, slots=True)

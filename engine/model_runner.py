@@ -8,8 +8,8 @@ It keeps no state between steps: the schedule carries everything (positions, blo
 
 Paths: on CUDA (with triton) the model runs its Triton kernel path, and it replays CUDA
 graphs captured here at start-up: pure decode steps (engine/cuda_graphs.py), and steps with
-prefill chunks of up to 512 tokens and 8 chunks, decode rows beside them or not
-(engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
+prefill chunks of up to the step budget (512 tokens and 8 chunks by default; at most 4096
+tokens and 32 chunks), decode rows beside them or not (engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
 largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly.
 Mixture-of-experts models are captured too: their kernel path groups tokens by expert
 on the device (engine/kernels/fused_moe.py).
@@ -31,7 +31,8 @@ from engine.attention_metadata import AttentionMetadata, kernels_available
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs, capture_phase
 from engine.device_upload import to_device
 from engine.kv_storage import KVStorage
-from engine.mixed_graphs import DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_token_sizes
+from engine.mixed_graphs import (DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_decode_sizes,
+                                 mixed_prefill_chunks, mixed_token_sizes)
 from engine.mixed_split import mixed_split_threshold
 from engine.native import placeholder_sources as native_placeholder_sources
 from engine.models.decoder import DecoderForCausalLM
@@ -166,8 +167,10 @@ class ModelRunner:
             token_sizes = mixed_token_sizes(mixed_graph_tokens)
             if token_sizes:
                 # Largest first: the mixed steps' activations outgrow any decode step's.
-                self.mixed_graphs = MixedGraphs(model, kv, block_size, token_sizes, width,
-                                                use_graphs=on_cuda)
+                self.mixed_graphs = MixedGraphs(
+                    model, kv, block_size, token_sizes, width, use_graphs=on_cuda,
+                    decode_sizes=mixed_decode_sizes(max(cuda_graph_batch_sizes, default=0)),
+                    max_prefill_chunks=mixed_prefill_chunks(mixed_graph_tokens))
                 self.mixed_graphs.capture(pool)
             if cuda_graph_batch_sizes:
                 self.graphs = DecodeGraphs(model, kv, block_size, cuda_graph_batch_sizes, width,

@@ -173,9 +173,10 @@ def add_worker_options(parser: argparse.ArgumentParser, role: Role,
     add("--block-size", 16, "tokens per KV block", type=int)
     add("--max-num-seqs", 0, "most requests in one batch; 0: auto, "
         f"{GPU_MAX_NUM_SEQS} on CUDA (a GPU's decode step costs little more for more rows, "
-        f"and the decode CUDA graphs go up to it), {CPU_MAX_NUM_SEQS} elsewhere", type=int)
-    add("--max-num-batched-tokens", 512, "most tokens in one step (prefill chunk budget)",
+        f"and the decode CUDA graphs go up to it, at most 1024), {CPU_MAX_NUM_SEQS} elsewhere",
         type=int)
+    add("--max-num-batched-tokens", 512, "most tokens in one step (prefill chunk budget); "
+        "on CUDA steps of up to 4096 tokens are replayed from CUDA graphs", type=int)
     add("--kv-transport", "auto", "KV transfer backend (auto: ucx when importable, else tcp)",
         choices=TRANSPORTS)
     options.flag(

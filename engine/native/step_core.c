@@ -50,8 +50,11 @@ static int set_long_attr(PyObject *obj, PyObject *name, long value) {
 static int int32_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t needed, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    if (view->itemsize != 4 || view->format == NULL || strchr("iIl", view->format[0]) == NULL
-            || (view->format[0] == 'l' && view->itemsize != 4)) {
+    const char *format = view->format;
+    if (format != NULL && (*format == '@' || *format == '=' || *format == '<'))
+        format++;  /* native or little-endian order: x86-64's */
+    if (view->itemsize != 4 || format == NULL || *format == 0 || strchr("iIl", *format) == NULL
+            || format[1] != 0) {
         PyErr_Format(PyExc_TypeError, "%s: an int32 buffer is needed", what);
         PyBuffer_Release(view);
         return -1;
