@@ -380,4 +380,7 @@ def _floors(top: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch
     top64 = top.double()
     mass_before = top64.cumsum(dim=-1) - top64
     num_kept = (mass_before < top_p.double()).sum(dim=-1, keepdim=True)
+    # A row of NaN probabilities (a model whose activations overflowed) keeps no token by
+    # that rule; it keeps its first, as greedy rows pick one, rather than failing the batch.
+    num_kept = num_kept.clamp_(min=1)
     return top.gather(1, num_kept - 1), num_kept

@@ -338,3 +338,18 @@ def test_a_batch_of_plain_rows_gets_the_argmax_and_one_other_row_the_general_pas
                                          [SamplingState.create(p, [1]) for p in mixed])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs[:5] == [None] * 5 and out.logprobs[5] is not None
+
+
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_a_row_of_nan_logits_does_not_fail_the_rows_beside_it(top_p: float) -> None:
+    """A model whose activations overflowed gives NaN logits for a row: that row gets some
+    token, as a greedy row does, and the batch's other rows their usual draws."""
+    logits = logits_rows(3, seed=5)
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=0.8, top_p=top_p, seed=7, max_tokens=4)] * 3
+    got = Sampler((0,), seed=0).sample(logits, params, [SamplingState.create(p, (1, 2))
+                                                        for p in params]).token_ids
+    clean = logits[[0, 2]]
+    want = Sampler((0,), seed=0).sample(clean, params[:2], [SamplingState.create(p, (1, 2))
+                                                            for p in params[:2]]).token_ids
+    assert [got[0], got[2]] == want and 0 <= got[1] < VOCAB
