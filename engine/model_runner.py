@@ -34,8 +34,8 @@ from engine.kv_storage import KVStorage
 from engine.mixed_graphs import (DEFAULT_TOKEN_SIZES, MixedGraphs, mixed_decode_sizes,
                                  mixed_prefill_chunks, mixed_token_sizes)
 from engine.mixed_split import mixed_split_threshold
-from engine.native import placeholder_sources as native_placeholder_sources
 from engine.models.decoder import DecoderForCausalLM
+from engine.native import placeholder_sources as native_placeholder_sources
 from engine.request import PLACEHOLDER
 from engine.schedule_output import ScheduleOutput
 

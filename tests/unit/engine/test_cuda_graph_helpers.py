@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_table_rows import BlockTableRows
-from engine.schedule_output import BLOCK_IDS, ScheduledChunk
 from engine.cuda_graphs import capture_phase
+from engine.schedule_output import BLOCK_IDS, ScheduledChunk
 
 
 def write_block_tables(table, tables) -> int:
