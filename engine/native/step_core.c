@@ -376,7 +376,7 @@ static PyObject *resolve_rows(PyObject *self, PyObject *args) {
             *detokenizer = NULL, *delta = NULL, *text = NULL, *new_text = NULL, *prompt = NULL,
             *cached = NULL, *steps = NULL, *out = NULL, *ids_list = NULL, *lp_list = NULL,
             *num_output_obj = NULL, *num_prompt_obj = NULL;
-        int ok = 1;
+        int ok = 1, failed = 0;
         tracked = PySequence_GetItem(rows, i);
         request = tracked ? PyObject_GetAttr(tracked, s_request) : NULL;
         rid = request ? PyObject_GetAttr(request, s_request_id) : NULL;
@@ -438,6 +438,9 @@ static PyObject *resolve_rows(PyObject *self, PyObject *args) {
             if (out == NULL) goto row_fail;
         }
         if (PyList_Append(outputs, out) < 0) goto row_fail;
+        goto row_done;
+    row_fail:
+        failed = 1;
     row_done:
         Py_XDECREF(tracked); Py_XDECREF(request); Py_XDECREF(rid); Py_XDECREF(params);
         Py_XDECREF(output); Py_XDECREF(token); Py_XDECREF(lp); Py_XDECREF(status);
@@ -445,16 +448,10 @@ static PyObject *resolve_rows(PyObject *self, PyObject *args) {
         Py_XDECREF(text); Py_XDECREF(new_text); Py_XDECREF(prompt); Py_XDECREF(cached);
         Py_XDECREF(steps); Py_XDECREF(out); Py_XDECREF(ids_list); Py_XDECREF(lp_list);
         Py_XDECREF(num_output_obj); Py_XDECREF(num_prompt_obj);
-        continue;
-    row_fail:
-        Py_XDECREF(tracked); Py_XDECREF(request); Py_XDECREF(rid); Py_XDECREF(params);
-        Py_XDECREF(output); Py_XDECREF(token); Py_XDECREF(lp); Py_XDECREF(status);
-        Py_XDECREF(stop); Py_XDECREF(stop_ids); Py_XDECREF(detokenizer); Py_XDECREF(delta);
-        Py_XDECREF(text); Py_XDECREF(new_text); Py_XDECREF(prompt); Py_XDECREF(cached);
-        Py_XDECREF(steps); Py_XDECREF(out); Py_XDECREF(ids_list); Py_XDECREF(lp_list);
-        Py_XDECREF(num_output_obj); Py_XDECREF(num_prompt_obj);
-        Py_DECREF(outputs);
-        return NULL;
+        if (failed) {
+            Py_DECREF(outputs);
+            return NULL;
+        }
     }
     return outputs;
 }
