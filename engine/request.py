@@ -138,8 +138,10 @@ class Request:
         return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     def resolve_placeholder(self, token_id: int) -> None:
-        """An overlapped step's token replaces its PLACEHOLDER, whatever the state since."""
-        output = self.output_token_ids  # token_pending, read once: called for every row
+        """An overlapped step's token replaces its PLACEHOLDER, whatever the state since.
+        (An engine step does this for its rows in compiled code, with the same check:
+        engine/native's resolve_rows.)"""
+        output = self.output_token_ids  # token_pending, read once
         if not output or output[-1] != PLACEHOLDER:
             raise AssertionError(f"{self.request_id} has no token pending")
         output[-1] = token_id

@@ -46,7 +46,8 @@ class ScheduledChunk(_ChunkFields):
     @classmethod
     def decode(cls, request_id: str, token_id: int, start_pos: int,
                block_ids: tuple[int, ...]) -> "ScheduledChunk":
-        """The request's last token, computed at `start_pos` (>= 0), sampled."""
+        """The request's last token, computed at `start_pos` (>= 0), sampled. The scheduler's
+        compiled decode rows (engine/native: schedule_decodes) build this same tuple."""
         return tuple.__new__(cls, (request_id, (token_id,), start_pos, block_ids, True))
 
     @property

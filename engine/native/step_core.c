@@ -23,7 +23,7 @@ static PyObject *s_status, *s_request_id, *s_num_computed_tokens, *s_output_toke
     *s_prompt_token_ids, *s_block_ids, *s_num_steps, *s_sampling_params, *s_max_tokens,
     *s_mode, *s_stop, *s_stop_token_ids, *s_text, *s_num_emitted_chars, *s_detokenizer,
     *s_holding, *s_finished, *s_texts, *s_add, *s_budget, *s_chunks, *s_request,
-    *s_num_cached_tokens, *s_empty, *s_zero, *s_one;
+    *s_num_cached_tokens, *s_empty, *s_zero;
 
 /* A chunk is a ScheduledChunk: a tuple (request_id, token_ids, start_pos, block_ids, sample). */
 enum { CHUNK_REQUEST_ID = 0, CHUNK_TOKEN_IDS = 1, CHUNK_START_POS = 2, CHUNK_BLOCK_IDS = 3,
@@ -682,7 +682,7 @@ static int intern_names(void) {
     INTERN(s_num_cached_tokens, "num_cached_tokens");
     INTERN(s_empty, "");
 #undef INTERN
-    if ((s_zero = PyLong_FromLong(0)) == NULL || (s_one = PyLong_FromLong(1)) == NULL)
+    if ((s_zero = PyLong_FromLong(0)) == NULL)
         return -1;
     return 0;
 }

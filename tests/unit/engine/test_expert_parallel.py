@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tensor_parallel import BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch, run_group
+from test_tensor_parallel import (BLOCK_SIZE, BLOCKS_PER_SEQ, PROMPTS, _greedy_batch, driving_pair,
+                                  run_group)
 
 from engine.expert_parallel import ExpertRebalancer, moe_blocks
 from engine.kv_storage import KVStorage
@@ -100,22 +101,8 @@ def test_a_killed_expert_rank_fails_rank_0s_next_step_at_once(tiny_model, single
     exchange fails, so the worker ends and its requests move on."""
     import time
 
-    import torch.distributed as dist
-
-    from engine.schedule_output import ScheduledChunk, ScheduleOutput
-    from engine.tensor_parallel_group import DrivingRunner, Followers, connect, load_shard
-
-    path = str(tiny_model("qwen3_moe").path)
-    followers = Followers(2, path, "float32", "cpu", threads=1, timeout_s=60.0,
-                          expert_parallel=True)
-    try:
-        group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
-                        expert_parallel=True)
-        shard = load_shard(path, group, torch.float32, "cpu").model
-        kv = KVStorage.for_model(shard.config, BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32)
-        runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group)
-        step = ScheduleOutput((ScheduledChunk("r0", tuple(PROMPTS[0]), 0,
-                                              tuple(range(BLOCKS_PER_SEQ)), True),))
+    with driving_pair(str(tiny_model("qwen3_moe").path), 60.0, True) as (followers, runner,
+                                                                          step):
         assert runner.execute(step).shape[0] == 1  # the group works
         followers.processes[0].kill()
         followers.processes[0].wait()
@@ -123,7 +110,3 @@ def test_a_killed_expert_rank_fails_rank_0s_next_step_at_once(tiny_model, single
         with pytest.raises(RuntimeError):  # gloo's error for a closed peer (DistBackendError)
             runner.execute(step)
         assert time.monotonic() - started < 10
-    finally:
-        followers.stop(timeout_s=0.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()

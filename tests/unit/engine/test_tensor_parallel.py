@@ -7,9 +7,11 @@ same checkpoint and keep their shard. The reference is the unsharded model in th
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,14 +164,13 @@ def test_a_group_wider_than_the_hosts_gpus_is_refused_before_spawning():
     assert "waiting for" not in result.stderr
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
-def test_a_group_idle_past_its_rendezvous_timeout_still_steps(tiny_model, single_thread,
-                                                             expert_parallel):
-    """A worker may idle for hours: its followers wait for the next step as long as rank 0
-    lives. (They waited at most --timeout-s, then exited, and the next step failed.)"""
-    path = str(tiny_model("qwen3_moe").path)
-    followers = Followers(2, path, "float32", "cpu", threads=1, timeout_s=2.0,
+@contextlib.contextmanager
+def driving_pair(path: str, follower_timeout_s: float, expert_parallel: bool
+                 ) -> Iterator[tuple[Followers, DrivingRunner, ScheduleOutput]]:
+    """Rank 0 of a two-process group over the model at `path`, in this process (its
+    DrivingRunner), its follower (`follower_timeout_s`: the follower's --timeout-s) and a
+    one-prompt step; the group is torn down on leaving, whatever happened."""
+    followers = Followers(2, path, "float32", "cpu", threads=1, timeout_s=follower_timeout_s,
                           expert_parallel=expert_parallel)
     try:
         group = connect(0, 2, followers.store, torch.device("cpu"), timeout_s=60.0,
@@ -179,16 +180,27 @@ def test_a_group_idle_past_its_rendezvous_timeout_still_steps(tiny_model, single
         runner = DrivingRunner(ModelRunner(shard, kv, BLOCK_SIZE), group)
         step = ScheduleOutput((ScheduledChunk("r0", tuple(PROMPTS[0]), 0,
                                               tuple(range(BLOCKS_PER_SEQ)), True),))
+        yield followers, runner, step
+    finally:
+        followers.stop(timeout_s=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_a_group_idle_past_its_rendezvous_timeout_still_steps(tiny_model, single_thread,
+                                                             expert_parallel):
+    """A worker may idle for hours: its followers wait for the next step as long as rank 0
+    lives. (They waited at most --timeout-s, then exited, and the next step failed.)"""
+    with driving_pair(str(tiny_model("qwen3_moe").path), 2.0, expert_parallel) as (
+            followers, runner, step):
         first = runner.execute(step).clone()
         time.sleep(3.0)  # idle past the followers' 2 s
         assert torch.equal(runner.execute(step), first)
         assert followers.processes[0].poll() is None
         runner.close()
         assert followers.stop(timeout_s=30.0) == [0]
-    finally:
-        followers.stop(timeout_s=0.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)
