@@ -60,7 +60,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The compiled step core (engine/native/step_core.c), built in place by the editable install
-# above (uv and pip build it in place) and again whenever its source changes (a C compiler is needed: gcc or clang).
+# above (uv and pip build it in place) and again whenever its source changes (a C compiler is
+# needed: gcc or clang).
 $(NATIVE): engine/native/step_core.c | $(STAMP)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	@test -f $@ || { echo "make: the step core was not built ($@)" >&2; exit 1; }

@@ -9,8 +9,9 @@ It keeps no state between steps: the schedule carries everything (positions, blo
 Paths: on CUDA (with triton) the model runs its Triton kernel path, and it replays CUDA
 graphs captured here at start-up: pure decode steps (engine/cuda_graphs.py), and steps with
 prefill chunks of up to the step budget (512 tokens and 8 chunks by default; at most 4096
-tokens and 32 chunks), decode rows beside them or not (engine/mixed_graphs.py); any other step (larger ones, a decode batch larger than the
-largest graph, a step whose layers signal `on_layer`) runs the kernel path eagerly.
+tokens and 32 chunks), decode rows beside them or not (engine/mixed_graphs.py); any other
+step (larger ones, a decode batch larger than the largest graph, a step whose layers signal
+`on_layer`) runs the kernel path eagerly.
 Mixture-of-experts models are captured too: their kernel path groups tokens by expert
 on the device (engine/kernels/fused_moe.py).
 Elsewhere the torch path runs, the reference. `use_kernels=True` on CPU tensors runs the

@@ -1,6 +1,6 @@
 """OutputProcessor.process_resolved (the per-row loop of an overlapped step, compiled:
-engine/native) against `process`, token by token, with the real SmolLM2 vocabulary: the same outputs, the same
-finishes, the same state left behind, whatever the stop rules."""
+engine/native) against `process`, token by token, with the real SmolLM2 vocabulary: the
+same outputs, the same finishes, the same state left behind, whatever the stop rules."""
 
 from __future__ import annotations
 
