@@ -1,4 +1,4 @@
-"""Copies of one KV block between the device pool and a host buffer, for the host KV tier.
+"""Copies of KV blocks between the device pool and a host buffer, for the host KV tier.
 
     device pool  kv[layer, K|V, block_id, slot, kv_head, head_dim]   (engine/kv_storage.py)
     host buffer  host[host_slot, layer, K|V, slot, kv_head, head_dim]
@@ -7,7 +7,7 @@ so one host slot holds every layer's K and V of one block, contiguous.
 
 Two copiers, one interface (`HostCopier`, engine/host_kv_tier.py):
 
-    SyncHostCopier   (CPU)   a plain tensor copy, done when the call returns (`None`).
+    SyncHostCopier   (CPU)   plain tensor copies, done when the call returns (`None`).
     StreamHostCopier (CUDA)  the copy is queued on a side stream after what the engine's
                              stream has queued so far (a block may still be written by a step
                              in flight) and an event recorded after it. Where the engine's
@@ -17,6 +17,10 @@ Two copiers, one interface (`HostCopier`, engine/host_kv_tier.py):
                              request reading the blocks is held back until its event is done
                              (engine/kv_cache.py), while the other requests' steps go on.
                              The host thread never waits: the call returns the event.
+
+Either way a batch of blocks moves in one call, through a staging buffer beside the pool
+in the other side's layout (`copy_blocks_to_host`, `StreamHostCopier.to_device`): a gather
+and one copy per run of consecutive host slots, not a strided copy per block.
 
 Copies to the host and back run on two side streams, so that a step waiting for a reload
 does not wait for copies to the host queued ahead of it. Invariant: a reload from a host
@@ -33,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.device_upload import to_device
 from engine.host_kv_tier import CopyDone, HostKVTier
 
 
@@ -52,8 +57,9 @@ class SyncHostCopier:
         self.kv = kv
         self.host = torch.empty(host_buffer_shape(kv, num_host_blocks), dtype=kv.dtype)
 
-    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
-        self.host[host_slot].copy_(self.kv[:, :, block_id])
+    def to_host(self, copies: Sequence[tuple[int, int]], before_writes: bool
+                ) -> CopyDone | None:
+        copy_blocks_to_host(self.kv, self.host, copies)
         return None
 
     def to_device(self, copies: Sequence[tuple[int, int]],
@@ -66,7 +72,36 @@ class SyncHostCopier:
         raise AssertionError("a synchronous copy is never in flight")
 
 
-STAGED_BLOCKS = 16  # CUDA reloads: blocks per staging buffer (32 MiB for Llama-3-8B)
+def copy_blocks_to_host(kv: torch.Tensor, host: torch.Tensor,
+                        copies: Sequence[tuple[int, int]]) -> None:
+    """Each `(block_id, host_slot)`: pool block into host slot, STAGED_BLOCKS blocks at a
+    time: one gather into a staging buffer beside the pool, each block in its host slot's
+    layout, then one copy per run of consecutive slots (a batch's slots mostly are: they
+    are taken in order). On CUDA, queued on the current stream (the staging memory is
+    its), never waited for; a block copied straight from the pool would be strided: a
+    temporary and a kernel per block."""
+    for first in range(0, len(copies), STAGED_BLOCKS):
+        chunk = copies[first:first + STAGED_BLOCKS]
+        ids = to_device([block_id for block_id, _ in chunk], torch.long, kv.device)
+        staging = kv.index_select(2, ids).movedim(2, 0).contiguous()
+        for start, end in slot_runs([slot for _, slot in chunk]):
+            slot = chunk[start][1]
+            host[slot:slot + end - start].copy_(staging[start:end], non_blocking=kv.is_cuda)
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """`[start, end)` ranges of `slots` whose slots are consecutive (each one more than the
+    one before), in order, covering all of them."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+STAGED_BLOCKS = 16  # blocks per staging buffer, either way (32 MiB for Llama-3-8B)
 
 
 class StreamHostCopier:
@@ -81,9 +116,12 @@ class StreamHostCopier:
         self.to_host_stream = torch.cuda.Stream(kv.device)
         self.to_device_stream = torch.cuda.Stream(kv.device)
 
-    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> CopyDone | None:
-        return self._copy(self.to_host_stream, lambda: self.host[host_slot].copy_(
-            self.kv[:, :, block_id], non_blocking=True), before_writes)
+    def to_host(self, copies: Sequence[tuple[int, int]], before_writes: bool
+                ) -> CopyDone | None:
+        """One call for a whole batch (`copy_blocks_to_host`), on the side stream."""
+        return self._copy(self.to_host_stream,
+                          lambda: copy_blocks_to_host(self.kv, self.host, copies),
+                          before_writes)
 
     def to_device(self, copies: Sequence[tuple[int, int]],
                   after: Sequence[CopyDone]) -> CopyDone | None:

@@ -283,6 +283,8 @@ class KVCacheManager:
         # Last block first: the LRU then evicts a sequence's tail before its head, so what
         # stays cached is always a usable prefix.
         self.pool.free(reversed(table.block_ids))
+        if self.host_tier is not None:
+            self.host_tier.flush()  # the copies of the blocks it just offered ahead: one call
 
     def drain_events(self) -> list[CacheEvent]:
         """The pool's cache events, then the host tier's (under their host-tier names)."""

@@ -8,6 +8,8 @@ Bit layout (llguidance's, and the usual one): token t is allowed iff bit t % 32 
 t // 32 is set; bit 31 is an int32's sign bit.
 
 Side-effect free apart from the logits edited in place and the host buffer each call fills.
+Every host value reaches the device through `to_device` (engine/device_upload.py): no edit
+waits for the step in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.device_upload import to_device
 from protocol.sampling_params import LogitBias
 from text.grammar import GrammarMatcher
 
@@ -38,9 +41,11 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
             for t in matcher.eos_token_ids:
                 if t < vocab_size:
                     bits[j, t // 32] |= _bit(t % 32)
-    allowed = allowed_from_bitmask(bits.to(logits.device), vocab_size)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    allowed = allowed_from_bitmask(to_device(bits.numpy(), torch.int32, logits.device),
+                                   vocab_size)
+    index = to_device(rows, torch.long, logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed,
+                                                                           float("-inf")))
 
 
 def allowed_from_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -64,9 +69,9 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[LogitBias]) -> None:
                 values.append(value)
     if rows:
         device = logits.device
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
-                          torch.tensor(values, dtype=logits.dtype, device=device),
-                          accumulate=True)
+        logits.index_put_((to_device(rows, torch.long, device),
+                           to_device(ids, torch.long, device)),
+                          to_device(values, logits.dtype, device), accumulate=True)
 
 
 def _bit(position: int) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.device_upload import to_device
 from engine.sampler_output import SamplerOutput, TokenLogprobs
 from protocol.sampling_params import SamplingParams
 
@@ -45,8 +46,11 @@ class PendingSample:
         if self._lp_rows:
             assert raw_logprobs is not None, "logprobs asked for but not computed"
             rows = self._lp_rows
-            lp = raw_logprobs if len(rows) == len(params) else raw_logprobs[rows]
-            chosen = token_ids if len(rows) == len(params) else token_ids[rows]
+            if len(rows) == len(params):
+                lp, chosen = raw_logprobs, token_ids
+            else:  # the index through pinned memory: a list index waits for the device
+                index = to_device(rows, torch.long, token_ids.device)
+                lp, chosen = raw_logprobs.index_select(0, index), token_ids.index_select(0, index)
             device_parts.append(lp.gather(1, chosen.unsqueeze(1)).squeeze(1))
             k = min(max(params[i].logprobs or 0 for i in rows), lp.shape[1])
             if k > 0:

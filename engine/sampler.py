@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.device_upload import to_device
 from engine.logit_masks import apply_grammar_masks, apply_logit_bias
 from engine.pending_sample import PendingSample
 from engine.sampler_output import SamplerOutput, TokenLogprobs
@@ -175,35 +176,45 @@ class Sampler:
 
         if not random:
             # The common serving batch: no copy of the logits, no gather, one kernel.
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        if greedy and random:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        if random:
-            rows = logits[random]
-            temperatures = torch.tensor([params[i].temperature for i in random],
-                                        dtype=rows.dtype, device=rows.device)
-            rows = rows / temperatures.unsqueeze(1)
-            rows = _apply_min_p(rows, [params[i].min_p for i in random])
-            rows = _apply_top_k(rows, [params[i].top_k for i in random])
-            rows = _apply_top_p(rows, [params[i].top_p for i in random])
-            probs = torch.softmax(rows, dim=-1)
-            noise = self._exponential_noise(probs, [states[i].generator for i in random],
-                                            [params[i].seed for i in random],
-                                            [len(states[i].output_token_ids) for i in random])
-            # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
-            token_ids[random] = (probs / noise).argmax(dim=-1)
-
+            return PendingSample(logits.argmax(dim=-1), raw_logprobs, params)
+        # Every index and parameter reaches the device through `to_device` (pinned memory,
+        # no wait): a list index or `torch.tensor(..., device=cuda)` would first wait for the
+        # step in flight, and the overlapped engine would queue its next step only then.
+        device = logits.device
+        random_index = to_device(random, torch.long, device) if greedy else None
+        rows = logits if random_index is None else logits.index_select(0, random_index)
+        temperatures = [params[i].temperature for i in random]
+        if any(t != 1.0 for t in temperatures):  # a division by 1 changes nothing
+            rows = rows / to_device(temperatures, rows.dtype, device).unsqueeze(1)
+        rows = _apply_min_p(rows, [params[i].min_p for i in random])
+        rows = _apply_top_k(rows, [params[i].top_k for i in random])
+        rows = _apply_top_p(rows, [params[i].top_p for i in random])
+        probs = torch.softmax(rows, dim=-1)
+        noise = self._exponential_noise(probs, [states[i].generator for i in random],
+                                        [params[i].seed for i in random],
+                                        [len(states[i].output_token_ids) for i in random])
+        # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race).
+        drawn = (probs / noise).argmax(dim=-1)
+        if random_index is None:
+            return PendingSample(drawn, raw_logprobs, params)
+        # Greedy rows keep their argmax; the random rows' draws replace theirs.
+        token_ids = logits.argmax(dim=-1).index_copy_(0, random_index, drawn)
         return PendingSample(token_ids, raw_logprobs, params)
 
     def _apply_min_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                           states: Sequence[SamplingState]) -> None:
+        rows: list[int] = []
+        banned: list[int] = []
         for i, (p, s) in enumerate(zip(params, states)):
             if _bans_stops(p, s):
-                banned = [t for t in (*self._eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
-                if banned:
-                    logits[i, banned] = float("-inf")
+                for t in (*self._eos_token_ids, *p.stop_token_ids):
+                    if t < logits.shape[1]:
+                        rows.append(i)
+                        banned.append(t)
+        if rows:
+            index = (to_device(rows, torch.long, logits.device),
+                     to_device(banned, torch.long, logits.device))
+            logits.index_put_(index, logits.new_full((), float("-inf")))
 
     def _exponential_noise(self, probs: torch.Tensor,
                            generators: Sequence[torch.Generator | None],
@@ -216,7 +227,11 @@ class Sampler:
             # cheaper than exponential_ over a whole vocabulary per row.
             uniform = torch.rand(len(shared), probs.shape[1], dtype=probs.dtype,
                                  device=probs.device, generator=self._generator)
-            noise[shared] = uniform.neg_().log1p_().neg_()
+            uniform.neg_().log1p_().neg_()
+            if len(shared) == len(generators):
+                noise = uniform
+            else:
+                noise.index_copy_(0, to_device(shared, torch.long, probs.device), uniform)
         for j, (g, position) in enumerate(zip(generators, positions)):
             if g is not None and seeds[j] is not None:
                 # One full row per seeded request, whatever the batch or the worker: the
@@ -269,20 +284,24 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     if rep_rows:
         seen = _token_counts([[*states[i].prompt_token_ids, *states[i].output_token_ids]
                               for i in rep_rows], logits.shape[1], logits.device) > 0
-        penalty = torch.tensor([params[i].repetition_penalty for i in rep_rows],
-                               dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        rows = logits[rep_rows]
+        penalty = to_device([params[i].repetition_penalty for i in rep_rows], logits.dtype,
+                            logits.device).unsqueeze(1)
+        index = to_device(rep_rows, torch.long, logits.device)
+        rows = logits.index_select(0, index)
         penalised = torch.where(rows > 0, rows / penalty, rows * penalty)
-        logits[rep_rows] = torch.where(seen, penalised, rows)
+        logits.index_copy_(0, index, torch.where(seen, penalised, rows))
     oai_rows = [i for i, p in enumerate(params) if _count_penalised(p, states[i])]
     if oai_rows:
         counts = _token_counts([states[i].output_token_ids for i in oai_rows], logits.shape[1],
                                logits.device).to(logits.dtype)
-        frequency = torch.tensor([params[i].frequency_penalty for i in oai_rows],
-                                 dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        presence = torch.tensor([params[i].presence_penalty for i in oai_rows],
-                                dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        logits[oai_rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+        frequency = to_device([params[i].frequency_penalty for i in oai_rows], logits.dtype,
+                              logits.device).unsqueeze(1)
+        presence = to_device([params[i].presence_penalty for i in oai_rows], logits.dtype,
+                             logits.device).unsqueeze(1)
+        index = to_device(oai_rows, torch.long, logits.device)
+        rows = logits.index_select(0, index)
+        logits.index_copy_(0, index, rows - (frequency * counts
+                                             + presence * (counts > 0).to(logits.dtype)))
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -293,7 +312,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     for row, ids in enumerate(token_lists):
         if ids:
             padded[row, :len(ids)] = torch.tensor(ids, dtype=torch.long).clamp_(0, vocab_size)
-    padded = padded.to(device)
+    padded = to_device(padded.numpy(), torch.long, device)
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.long, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded))
     return counts[:, :vocab_size]
@@ -303,7 +322,7 @@ def _apply_min_p(rows: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     if not any(m > 0 for m in min_ps):
         return rows
     probs = torch.softmax(rows, dim=-1)
-    min_p = torch.tensor(min_ps, dtype=rows.dtype, device=rows.device).unsqueeze(1)
+    min_p = to_device(min_ps, rows.dtype, rows.device).unsqueeze(1)
     threshold = min_p * probs.max(dim=-1, keepdim=True).values
     return rows.masked_fill(probs < threshold, float("-inf"))
 
@@ -315,10 +334,10 @@ def _apply_top_k(rows: torch.Tensor, top_ks: list[int | None]) -> torch.Tensor:
         return rows
     max_k = max(k for k in ks if k < vocab_size)
     top = rows.topk(max_k, dim=-1).values  # [n, max_k], descending
-    index = torch.tensor([min(k, max_k) - 1 for k in ks], device=rows.device).unsqueeze(1)
+    index = to_device([min(k, max_k) - 1 for k in ks], torch.long, rows.device).unsqueeze(1)
     kth = top.gather(1, index)
     # Rows without a cut keep everything; ties with the k-th value are kept too.
-    no_cut = torch.tensor([k == vocab_size for k in ks], device=rows.device).unsqueeze(1)
+    no_cut = to_device([k == vocab_size for k in ks], torch.bool, rows.device).unsqueeze(1)
     return rows.masked_fill((rows < kth) & ~no_cut, float("-inf"))
 
 
@@ -329,7 +348,7 @@ def _apply_top_p(rows: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if all(p >= 1.0 for p in top_ps):
         return rows
     probs = torch.softmax(rows, dim=-1)
-    top_p = torch.tensor(top_ps, dtype=torch.float64, device=rows.device).unsqueeze(1)
+    top_p = to_device(top_ps, torch.float64, rows.device).unsqueeze(1)
     floors = (_top_p_floors_sorted(probs, top_p) if rows.is_cuda
               else _top_p_floors_partial(probs, top_p, [p < 1.0 for p in top_ps]))
     floors = floors.masked_fill(top_p >= 1.0, 0.0)  # no cut: rounding must not drop the tail

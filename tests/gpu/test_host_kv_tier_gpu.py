@@ -61,6 +61,40 @@ def test_an_offload_completes_before_the_engine_stream_overwrites_the_block():
     assert stats.offloaded_bytes == stats.reloaded_bytes == tier.block_bytes
 
 
+def test_offers_ahead_are_copied_in_one_batch_behind_the_engine_stream():
+    """Blocks into slots in runs and out of order (one gather, a copy per run of slots),
+    behind a long kernel queued before them, with more blocks than one staging buffer."""
+    layout = KVLayout(dtype="bfloat16", num_layers=3, num_blocks=40, block_size=16,
+                      num_kv_heads=2, head_dim=64)
+    storage = KVStorage(layout, "cuda")
+    storage.kv.normal_()
+    block_bytes = storage.kv[:, :, 0].numel() * storage.kv.element_size()
+    tier = storage.host_tier(20 * block_bytes)
+    assert tier is not None
+    copier = tier._copier
+    assert isinstance(copier, StreamHostCopier)
+    for i in range(20):  # every slot held, then four made recent: the LRU order has gaps
+        assert tier.offer_ahead(i, 39 - i)
+    tier.flush()
+    for i in (2, 5, 6, 11):
+        assert tier.offer_ahead(i, 39 - i)
+    tier.wait_for_copies()
+    blocks = [37, 3, 4, 5, 20, 1, 0, 39, 8, 9, 10, 11, 12, 13, 14, 15, 16, 30, 31, 2]
+    torch.cuda._sleep(100_000_000)
+    for block_id in blocks:  # written by the step before the blocks are freed
+        storage.kv[:, :, block_id].mul_(2)
+    expected = storage.kv[:, :, blocks].movedim(2, 0).cpu()
+    for i, block_id in enumerate(blocks):
+        assert tier.offer_ahead(1000 + i, block_id)
+    slots = [tier._slot_by_hash[1000 + i] for i in range(len(blocks))]
+    assert slots[:4] == [0, 1, 3, 4] and slots[-4:] == [2, 5, 6, 11]
+    tier.flush()
+    tier.wait_for_copies()
+    assert torch.equal(copier.host[slots], expected)
+    assert tier.stats().offloaded_bytes == 40 * block_bytes
+    tier.check_invariants()
+
+
 def run(model, prompts: list[list[int]], num_kv_blocks: int,
         host_bytes: int) -> tuple[list[list[int]], LLMEngine]:
     engine = LLMEngine.for_model(model, CONFIG, word_tokenizer(VOCAB), EngineConfig(

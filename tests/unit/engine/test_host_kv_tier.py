@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.block_pool import BlockPool, CacheEventKind
-from engine.host_copier import SyncHostCopier
+from engine.host_copier import STAGED_BLOCKS, SyncHostCopier, copy_blocks_to_host, slot_runs
 from engine.host_kv_tier import HostKVTier
 from engine.kv_cache import KVCacheManager
 from engine.kv_storage import KVLayout, KVStorage
@@ -51,8 +51,9 @@ class ManualCopier:
         self.pending.append(done)
         return done
 
-    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
-        self.host[host_slot] = block_id
+    def to_host(self, copies: Sequence[tuple[int, int]], before_writes: bool) -> Done | None:
+        for block_id, host_slot in copies:
+            self.host[host_slot] = block_id
         return self._done()
 
     def to_device(self, copies: Sequence[tuple[int, int]],
@@ -191,7 +192,7 @@ def test_cpu_copier_round_trips_an_fp8_pools_block_with_its_scales() -> None:
 
 def test_sync_copier_is_done_on_return() -> None:
     kv = torch.zeros(1, 2, 2, BS, 1, 2)
-    assert SyncHostCopier(kv, 1).to_host(0, 0, before_writes=True) is None
+    assert SyncHostCopier(kv, 1).to_host([(0, 0)], before_writes=True) is None
 
 
 def _request(request_id: str, prompt: list[int]) -> Request:
@@ -254,14 +255,52 @@ def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in
     kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
     assert kv.host_tier is not None and kv.host_tier.copies_ahead
     _compute(kv, a := _request("a", list(range(9))))
-    kv.free(a)  # two full blocks become cached-free: copied now, nobody waits
-    assert kv.host_tier.num_held_blocks == 2 and len(copier.pending) == 2
+    full_blocks = sorted(a.block_ids[:2])
+    kv.free(a)  # two full blocks become cached-free: copied now, in one call, nobody waits
+    assert kv.host_tier.num_held_blocks == 2 and len(copier.pending) == 1
+    assert sorted(copier.host.values()) == full_blocks
     assert copier.waited == []
-    copier.pending[0].done = True
     _compute(kv, _request("b", list(range(50, 63))))  # evicts both: no second copy
-    assert len(copier.pending) == 2
-    assert copier.waited == [copier.pending[1]]  # the reuse waits for the one in flight
+    assert len(copier.pending) == 1
+    assert copier.waited and all(w is copier.pending[0] for w in copier.waited), \
+        "the reuse waits for the copy in flight"
     kv.check_invariants()
+    # Done before the reuse: nothing waits.
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
+    _compute(kv, a := _request("a", list(range(9))))
+    kv.free(a)
+    copier.pending[0].done = True
+    _compute(kv, _request("b", list(range(50, 63))))
+    assert len(copier.pending) == 1 and copier.waited == []
+    kv.check_invariants()
+
+
+def test_offers_ahead_are_queued_until_a_flush_or_anything_that_reads_them():
+    copier = ManualCopier(in_flight=True)
+    tier = HostKVTier(8, copier, block_bytes=1)
+    assert tier.offer_ahead(11, 3) and tier.offer_ahead(12, 4)
+    assert copier.host == {} and tier.holds(11) and tier.holds(12)
+    tier.check_invariants()
+    tier.flush()
+    assert sorted(copier.host.values()) == [3, 4] and len(copier.pending) == 1
+    tier.flush()  # nothing queued: no call
+    assert len(copier.pending) == 1
+    # An eviction of a queued block asks for its copy first, and its reuse waits for it.
+    assert tier.offer_ahead(13, 5) and 5 not in copier.host.values()
+    assert tier.offer(13, 5)
+    assert 5 in copier.host.values() and copier.waited == [copier.pending[-1]]
+    # A reload of a queued slot: the copy first, and the reload after it.
+    assert tier.offer_ahead(14, 6)
+    tier.pin([14])
+    tier.reload([14], [7])
+    assert 6 in copier.host.values() and copier.reloads[-1][1] == 7
+    tier.check_invariants()
+    # A queued slot is busy: with every slot queued, nothing can be evicted for a new one.
+    full = HostKVTier(2, ManualCopier(in_flight=True), block_bytes=1)
+    assert full.offer_ahead(1, 1) and full.offer_ahead(2, 2)
+    assert not full.offer_ahead(3, 3)
+    full.check_invariants()
 
 
 def test_copies_done_are_forgotten_as_new_ones_start():
@@ -269,10 +308,12 @@ def test_copies_done_are_forgotten_as_new_ones_start():
     tier = HostKVTier(64, copier, block_bytes=1)
     for h in range(10):
         tier.offer_ahead(h, h)
+        tier.flush()  # one copy each
     for done in copier.pending:
         done.done = True
     for h in range(10, 16):
         tier.offer_ahead(h, h)
+        tier.flush()
     # 16 asked, 10 done: each new copy forgets up to two done ones, oldest first.
     assert len(tier._in_flight) == 16 - 10
     tier.check_invariants()
@@ -377,3 +418,24 @@ def test_a_loading_request_aborted_orders_the_next_writes_after_its_reload() -> 
     out = scheduler.schedule()
     assert [(c.request_id, c.start_pos) for c in out.chunks] == [("h", cached.num_cached_tokens)]
     kv.check_invariants()
+
+
+def test_slot_runs_split_a_batch_where_slots_stop_being_consecutive():
+    assert slot_runs([]) == []
+    assert slot_runs([4]) == [(0, 1)]
+    assert slot_runs([0, 1, 2, 7, 8, 3, 2]) == [(0, 3), (3, 5), (5, 6), (6, 7)]
+
+
+def test_blocks_reach_their_host_slots_in_runs_and_out_of_order():
+    """More blocks than one staging buffer, slots in runs, gaps and backwards: each host
+    slot holds exactly its block, in the host layout; untouched slots stay as they were."""
+    kv = torch.randn(3, 2, 40, BS, 2, 4)
+    host = torch.full((30, 3, 2, BS, 2, 4), -7.0)
+    blocks = [37, 3, 4, 5, 20, 1, 0, 39, 8, 9, 10, 11, 12, 13, 14, 15, 16, 30, 31, 2]
+    slots = [0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 29, 28, 2]
+    assert len(blocks) > STAGED_BLOCKS
+    copy_blocks_to_host(kv, host, list(zip(blocks, slots)))
+    for block_id, slot in zip(blocks, slots):
+        assert torch.equal(host[slot], kv[:, :, block_id])
+    untouched = sorted(set(range(30)) - set(slots))
+    assert (host[untouched] == -7.0).all()

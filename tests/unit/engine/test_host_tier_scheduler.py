@@ -64,8 +64,9 @@ class CheckerCopier:
         self.pending.append(done := Done(land))
         return done
 
-    def to_host(self, block_id: int, host_slot: int, before_writes: bool) -> Done | None:
-        self.host[host_slot] = {s: self.slots.get((block_id, s)) for s in range(BS)}
+    def to_host(self, copies: Sequence[tuple[int, int]], before_writes: bool) -> Done | None:
+        for block_id, host_slot in copies:
+            self.host[host_slot] = {s: self.slots.get((block_id, s)) for s in range(BS)}
         return self._done()
 
     def to_device(self, copies: Sequence[tuple[int, int]],
