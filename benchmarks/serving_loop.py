@@ -78,13 +78,13 @@ class ClosedLoop:
     """Keeps `concurrency` requests in one engine; counts the tokens its clients receive."""
 
     def __init__(self, engine, concurrency: int, prompt_tokens: int, max_tokens: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, temperature: float = 0.0) -> None:
         from protocol.sampling_params import SamplingParams
 
         self.engine = engine
         self.rng = rng
         self.prompt_tokens = prompt_tokens
-        self.params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        self.params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
                        for n in range(max(1, max_tokens // 2), max_tokens * 3 // 2 + 1)]
         self.live: set[str] = set()
         self.num_added = 0
@@ -92,7 +92,7 @@ class ClosedLoop:
             # The first ones end anywhere up to the longest, as if the loop had long been
             # running: no wave of requests finishing together.
             self._add(SamplingParams(max_tokens=self.rng.randrange(1, self.params[-1].max_tokens),
-                                     temperature=0.0, ignore_eos=True))
+                                     temperature=temperature, ignore_eos=True))
 
     def _add(self, params=None) -> None:
         rid = f"loop-{self.num_added}"
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=512,
                         help="tokens per engine step, as a worker's --max-num-batched-tokens")
     parser.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (default 0: greedy; 1 samples, as "
+                             "an OpenAI request without one does)")
     parser.add_argument("--json", help="also write the runs here")
     parser.add_argument("--host-split", action="store_true",
                         help="time the engine's phases over the timed steps (schedule, "
@@ -321,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         loop = ClosedLoop(engine, concurrency, args.prompt_tokens, args.max_tokens,
-                          random.Random(args.seed))
+                          random.Random(args.seed), args.temperature)
         for _ in range(args.warm_steps):
             loop.step("plain")
         for repeat in range(args.repeats):

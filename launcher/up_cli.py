@@ -340,12 +340,9 @@ def _wait_ready(cluster: LocalCluster, timeout_s: float, stopping: Callable[[], 
 
 def _default_roles(args: argparse.Namespace) -> list[Role]:
     """The layout measured best for this host (launcher/default_layout.py)."""
-    from launcher.default_layout import default_roles, model_weight_bytes
-    from launcher.mps import find_control_binary
+    from launcher.default_layout import default_roles
 
-    num_gpus = 0 if args.device == "cpu" else _count_gpus()
-    mps = not args.no_mps and find_control_binary(os.environ.get("PATH")) is not None
-    return default_roles(num_gpus, model_weight_bytes(args.model), mps)
+    return default_roles(0 if args.device == "cpu" else _count_gpus())
 
 
 def _devices(choice: str, num_workers: int) -> list[str]:
