@@ -1,9 +1,11 @@
 """The host KV tier's copy rates: blocks offloaded to and reloaded from the tier, against one
 plain copy of the same bytes (pinned host -> device on CUDA, a memcpy on the CPU).
 
-The tier copies block by block (every layer's K and V of one block: a strided read or write
-of the pool, engine/host_copier.py); a reload queues a whole prefix's blocks in one call; the plain copy moves the same bytes as one
-contiguous tensor, the ceiling. The issue's target is a reload rate of at least 80% of it.
+An offload at eviction copies one block per call (every layer's K and V of one block);
+blocks freed together (a released request's, offered ahead of eviction) are queued and
+copied in one call, as is a reload of a whole prefix: a gather or scatter through a staging
+buffer, engine/host_copier.py. The plain copy moves the same bytes as one contiguous
+tensor, the ceiling. The issue's target is a reload rate of at least 80% of it.
 
     python -m benchmarks.host_kv_tier --device cuda            # Llama-3-8B's KV shape, bf16
     python -m benchmarks.host_kv_tier --device cpu --dtype float32 --blocks 64
@@ -72,6 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         for i, block_hash in enumerate(held):
             tier.offer(block_hash, i)
 
+    def offload_ahead() -> None:  # the same blocks freed together: queued, then one call
+        base = next(runs) * n
+        held[:] = [base + i for i in range(n)]
+        for i, block_hash in enumerate(held):
+            tier.offer_ahead(block_hash, i)
+        tier.flush()
+
     def reload() -> None:
         tier.pin(held)
         tier.reload(held, [n + i for i in range(n)])  # one prefix: one call, as at admission
@@ -83,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
                 lambda: dev.copy_(host, non_blocking=True), device, args.repeats)),
             ("plain copy to the host", _median_s(
                 lambda: host.copy_(dev, non_blocking=True), device, args.repeats)),
-            ("tier offload (one copy a block)", _median_s(offload, device, args.repeats)),
+            ("tier offload at eviction (one call a block)",
+             _median_s(offload, device, args.repeats)),
+            ("tier offload ahead (queued, one call)",
+             _median_s(offload_ahead, device, args.repeats)),
             ("tier reload (one call, one copy a block)", _median_s(reload, device, args.repeats))]
     assert torch.equal(storage.kv[:, :, n:], storage.kv[:, :, :n])  # reloads are exact
     total = n * block_bytes

@@ -40,7 +40,7 @@ import torch
 from engine.attention_metadata import (AttentionMetadata, KernelAttentionMetadata,
                                        choose_decode_splits)
 from engine.block_table_rows import BlockTableRows
-from engine.device_upload import copy_to_device
+from engine.device_upload import copy_to_device, to_device
 from engine.kv_storage import KVStorage
 from engine.models.decoder import DecoderForCausalLM
 from engine.native import fill_decode_rows
@@ -212,7 +212,7 @@ class DecodeGraphs:
             # The static output itself (no copy of batch x vocabulary floats per step): the
             # caller queues its reads before the next replay (StepRunner.execute).
             return logits[:num_seqs]
-        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        return logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
 
     def check_invariants(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)):

@@ -93,14 +93,13 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool, host_tier: HostKVTier | None = None) -> None:
         """With `host_tier`, the pool's evictions go to it (this wires `pool.on_evict`, and
-        `pool.on_cached_free` where the tier copies ahead of eviction)."""
+        `pool.on_cached_free` where the tier copies ahead of eviction: `release` flushes)."""
         self.pool = pool
         self.block_size = pool.block_size
         self.host_tier = host_tier
         if host_tier is not None:
             pool.on_evict = host_tier.offer
-            if host_tier.copies_ahead:
-                pool.on_cached_free = host_tier.offer_ahead
+            pool.on_cached_free = host_tier.offer_ahead if host_tier.copies_ahead else None
         self._tables: dict[str, _BlockTable] = {}
         # Reloaded blocks whose copy was not yet seen done, and the tables loading.
         self._loading_blocks: dict[int, CopyDone] = {}
@@ -280,11 +279,10 @@ class KVCacheManager:
             for done in table.loads:
                 if not done.query():
                     tier.order_writes_after(done)
-        # Last block first: the LRU then evicts a sequence's tail before its head, so what
-        # stays cached is always a usable prefix.
+        # Last block first: the LRU evicts a tail before its head (what stays is a prefix).
         self.pool.free(reversed(table.block_ids))
         if self.host_tier is not None:
-            self.host_tier.flush()  # the copies of the blocks it just offered ahead: one call
+            self.host_tier.flush()
 
     def drain_events(self) -> list[CacheEvent]:
         """The pool's cache events, then the host tier's (under their host-tier names)."""

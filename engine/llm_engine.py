@@ -23,6 +23,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
+from engine.device_upload import to_device
 from engine.engine_config import EngineConfig
 from engine.engine_invariants import check_engine
 from engine.generation_result import GenerationResult, run_to_completion
@@ -293,8 +294,9 @@ class LLMEngine:
                     and tracked_by_id.get(rid) is t and t.request.status is RequestStatus.RUNNING]
             tracked = tuple(t for _, t in kept)
             if tracked and len(kept) < len(scheduled):
-                logits = logits[torch.tensor([row for row, _ in kept], dtype=torch.long,
-                                             device=logits.device)]
+                # The rows through pinned memory: a list index would wait for this step.
+                logits = logits.index_select(0, to_device([row for row, _ in kept],
+                                                          torch.long, logits.device))
         inflight = None
         if tracked:  # sampled before the PLACEHOLDERs are recorded: states hold real tokens
             inflight = InFlightStep(tracked, self.sampler.launch(

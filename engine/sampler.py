@@ -203,17 +203,12 @@ class Sampler:
 
     def _apply_min_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                           states: Sequence[SamplingState]) -> None:
-        rows: list[int] = []
-        banned: list[int] = []
-        for i, (p, s) in enumerate(zip(params, states)):
-            if _bans_stops(p, s):
-                for t in (*self._eos_token_ids, *p.stop_token_ids):
-                    if t < logits.shape[1]:
-                        rows.append(i)
-                        banned.append(t)
-        if rows:
+        banned = [(i, t) for i, (p, s) in enumerate(zip(params, states)) if _bans_stops(p, s)
+                  for t in (*self._eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
+        if banned:
+            rows, ids = zip(*banned)
             index = (to_device(rows, torch.long, logits.device),
-                     to_device(banned, torch.long, logits.device))
+                     to_device(ids, torch.long, logits.device))
             logits.index_put_(index, logits.new_full((), float("-inf")))
 
     def _exponential_noise(self, probs: torch.Tensor,
