@@ -83,12 +83,12 @@ def test_offers_ahead_are_copied_in_one_batch_behind_the_engine_stream():
     torch.cuda._sleep(100_000_000)
     for block_id in blocks:  # written by the step before the blocks are freed
         storage.kv[:, :, block_id].mul_(2)
-    expected = storage.kv[:, :, blocks].movedim(2, 0).cpu()
-    for i, block_id in enumerate(blocks):
+    for i, block_id in enumerate(blocks):  # queued while the kernel above still runs
         assert tier.offer_ahead(1000 + i, block_id)
     slots = [tier._slot_by_hash[1000 + i] for i in range(len(blocks))]
     assert slots[:4] == [0, 1, 3, 4] and slots[-4:] == [2, 5, 6, 11]
     tier.flush()
+    expected = storage.kv[:, :, blocks].movedim(2, 0).cpu()  # waits for the engine stream
     tier.wait_for_copies()
     assert torch.equal(copier.host[slots], expected)
     assert tier.stats().offloaded_bytes == 40 * block_bytes
