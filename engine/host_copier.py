@@ -72,6 +72,9 @@ class SyncHostCopier:
         raise AssertionError("a synchronous copy is never in flight")
 
 
+STAGED_BLOCKS = 16  # blocks per staging buffer, either way (32 MiB for Llama-3-8B)
+
+
 def copy_blocks_to_host(kv: torch.Tensor, host: torch.Tensor,
                         copies: Sequence[tuple[int, int]]) -> None:
     """Each `(block_id, host_slot)`: pool block into host slot, STAGED_BLOCKS blocks at a
@@ -99,9 +102,6 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = i
     return runs
-
-
-STAGED_BLOCKS = 16  # blocks per staging buffer, either way (32 MiB for Llama-3-8B)
 
 
 class StreamHostCopier:

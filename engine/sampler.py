@@ -177,9 +177,8 @@ class Sampler:
         if not random:
             # The common serving batch: no copy of the logits, no gather, one kernel.
             return PendingSample(logits.argmax(dim=-1), raw_logprobs, params)
-        # Every index and parameter reaches the device through `to_device` (pinned memory,
-        # no wait): a list index or `torch.tensor(..., device=cuda)` would first wait for the
-        # step in flight, and the overlapped engine would queue its next step only then.
+        # Indices and parameters go up by `to_device` (pinned, no wait): a list index or
+        # `torch.tensor(..., device=cuda)` would wait for the step in flight to finish.
         device = logits.device
         random_index = to_device(random, torch.long, device) if greedy else None
         rows = logits if random_index is None else logits.index_select(0, random_index)
@@ -215,18 +214,19 @@ class Sampler:
                            generators: Sequence[torch.Generator | None],
                            seeds: Sequence[int | None], positions: Sequence[int]
                            ) -> torch.Tensor:
-        noise = torch.empty_like(probs)
         shared = [j for j, g in enumerate(generators) if g is None]
+        noise = None if len(shared) == len(generators) else torch.empty_like(probs)
         if shared:
             # E = -log(1 - U), U ~ Uniform[0, 1): an Exp(1) draw; on the CPU four times
             # cheaper than exponential_ over a whole vocabulary per row.
             uniform = torch.rand(len(shared), probs.shape[1], dtype=probs.dtype,
                                  device=probs.device, generator=self._generator)
             uniform.neg_().log1p_().neg_()
-            if len(shared) == len(generators):
+            if noise is None:  # no row seeded: the shared draw is the whole noise
                 noise = uniform
             else:
                 noise.index_copy_(0, to_device(shared, torch.long, probs.device), uniform)
+        assert noise is not None
         for j, (g, position) in enumerate(zip(generators, positions)):
             if g is not None and seeds[j] is not None:
                 # One full row per seeded request, whatever the batch or the worker: the
