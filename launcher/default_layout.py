@@ -9,8 +9,9 @@ host (a pure policy; docs/performance.md has the figures, docs/running.md the ru
     one GPU         1 colocated worker: one process, one copy of the weights, one KV pool,
                     no handoff. The 1B shape on an H100 (`mixed`, 10 s at each rate, one
                     warm machine): one worker without the host KV tier met 312 req/s,
-                    where four under CUDA MPS met 240 and missed 288 (with the tier or
-                    without); the 8B shape: 72 req/s, the same as 1 prefill + 1 decode
+                    where four under CUDA MPS met 240 and missed 288 with the tier, and
+                    missed 288 without it; the 8B shape: 72 req/s, the same as 1 prefill +
+                    1 decode
     several GPUs    1 prefill + 1 decode worker, each on a GPU of its own
 """
 
