@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     profiler = cProfile.Profile() if args.cprofile else None
     if args.shape and not args.tokenizer:
         parser.error("--shape needs --tokenizer")
+    if not 0 <= args.temperature <= 2:
+        parser.error(f"--temperature must be in [0, 2], got {args.temperature}")
     modes = args.modes.split(",")
     if any(parse_mode(m) is None for m in modes):
         parser.error(f"--modes: choose from {', '.join(MODES)}, each optionally with "
