@@ -93,7 +93,7 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool, host_tier: HostKVTier | None = None) -> None:
         """With `host_tier`, the pool's evictions go to it (this wires `pool.on_evict`, and
-        `pool.on_cached_free` where the tier copies ahead of eviction: `release` flushes)."""
+        `pool.on_cached_free` where the tier copies ahead of eviction: `flush_offloads`)."""
         self.pool = pool
         self.block_size = pool.block_size
         self.host_tier = host_tier
@@ -273,23 +273,23 @@ class KVCacheManager:
         table = self._tables.pop(request_id)
         if request_id in self.loading_ids and (tier := self.host_tier) is not None:
             self.loading_ids.discard(request_id)
-            # Its blocks may be written next; one taken as a device hit keeps its taker
-            # loading until the copy is done (`_loading_blocks` still names it): with a
-            # prefill lane, steps run on streams other than the one ordered here.
+            # Its blocks may be written next; one taken as a device hit keeps its taker loading
+            # until done (`_loading_blocks`): a prefill lane steps on streams not ordered here.
             for done in table.loads:
                 if not done.query():
                     tier.order_writes_after(done)
         # Last block first: the LRU evicts a tail before its head (what stays is a prefix).
         self.pool.free(reversed(table.block_ids))
+
+    def flush_offloads(self) -> None:
+        """The tier's copies of the blocks released since the last step, in one batch."""
         if self.host_tier is not None:
             self.host_tier.flush()
 
     def drain_events(self) -> list[CacheEvent]:
         """The pool's cache events, then the host tier's (under their host-tier names)."""
-        events = self.pool.drain_events()
-        if self.host_tier is not None:
-            events += self.host_tier.drain_events()
-        return events
+        events, tier = self.pool.drain_events(), self.host_tier
+        return events if tier is None else events + tier.drain_events()
 
     # ---- internals -----------------------------------------------------------------------
 

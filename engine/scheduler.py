@@ -202,6 +202,7 @@ class Scheduler:
         if self._outstanding is not None:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         self._num_steps += 1
+        self.kv_cache.flush_offloads()  # host copies of the blocks released since the last step
         limit = self.config.max_num_seqs
         step = ScheduleDraft(self.config.max_num_batched_tokens,
                              limit if seats is None else max(0, min(limit, seats)),

@@ -256,8 +256,10 @@ def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in
     assert kv.host_tier is not None and kv.host_tier.copies_ahead
     _compute(kv, a := _request("a", list(range(9))))
     full_blocks = sorted(a.block_ids[:2])
-    kv.free(a)  # two full blocks become cached-free: copied now, in one call, nobody waits
-    assert kv.host_tier.num_held_blocks == 2 and len(copier.pending) == 1
+    kv.free(a)  # two full blocks become cached-free: queued, copied at the step's flush
+    assert kv.host_tier.num_held_blocks == 2 and copier.pending == []
+    kv.flush_offloads()  # in one call, nobody waits
+    assert len(copier.pending) == 1
     assert sorted(copier.host.values()) == full_blocks
     assert copier.waited == []
     _compute(kv, _request("b", list(range(50, 63))))  # evicts both: no second copy
@@ -270,6 +272,7 @@ def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in
     kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
     _compute(kv, a := _request("a", list(range(9))))
     kv.free(a)
+    kv.flush_offloads()
     copier.pending[0].done = True
     _compute(kv, _request("b", list(range(50, 63))))
     assert len(copier.pending) == 1 and copier.waited == []
@@ -350,6 +353,7 @@ def _evicted_a(num_blocks: int, b_tokens: int):
     kv.free(a)
     _compute(kv, b := _request("b", list(range(100, 100 + b_tokens))))  # evicts a's blocks
     kv.free(b)
+    kv.flush_offloads()  # the next step's
     for done in copier.pending:
         done.done = True
     copier.waited.clear()  # (b's allocation waited for a's copies out)
@@ -399,6 +403,7 @@ def test_a_loading_request_aborted_orders_the_next_writes_after_its_reload() -> 
     # A reload still in flight when its request ends: the next writes wait for it.
     _compute(kv, f := _request("f", list(range(300, 313))))
     kv.free(f)
+    kv.flush_offloads()
     for done in copier.pending:
         done.done = True
     copier.waited.clear()
