@@ -12,6 +12,7 @@ TORCH_VERSION ?= 2.13.0
 EXTRAS := dev,ucx,redis-server,gpu,bench,tracing
 WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
+TORCH_WHEEL := $(firstword $(wildcard $(WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl))
 # Two processes, each taking whole test files (module fixtures: one cluster per file).
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
@@ -45,10 +46,14 @@ $(STAMP): pyproject.toml Makefile
 	@echo ">> creating $(VENV) and installing pdserve (first run takes a few minutes)" >&2
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"
+	@# torch first: the CPU build in WHEEL_DIR where it lies there (uv unpacks it in ~3 s, pip
+	@# in ~30 s), else pip's choice (uv would not look in WHEEL_DIR, nor read pip's settings).
+	($(PIP) install -q uv && $(if $(TORCH_WHEEL),$(PY) -m uv pip install -q --compile-bytecode \
+	    --python $(PY) $(TORCH_WHEEL),false)) \
+	    || $(PIP) install -q $(FIND_LINKS) "torch==$(TORCH_VERSION)"
 	@# uv resolves and installs the rest about 4x faster than pip; torch, already installed
-	@# above (pip takes the CPU build from WHEEL_DIR), satisfies the pin and stays. uv reads
-	@# no pip configuration (a mirror in pip.conf, say): where it fails, pip does it.
+	@# above, satisfies the pin and stays. uv reads no pip configuration (a mirror in
+	@# pip.conf, say): where it fails, pip does it.
 	@# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is
 	@# set nothing else does, so every process (each worker, gateway, test) would compile
 	@# numpy, aiohttp, transformers ... from source at every start.
