@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,9 +79,11 @@ class Insider:
     """Writes fake registry entries with plain Redis access, renewed like a heartbeat."""
 
     def __init__(self, redis_url: str, namespace: str, renewed: list[WorkerInfo],
-                 lapsing: list[WorkerInfo]) -> None:
+                 lapsing: list[WorkerInfo], seen: Callable[[WorkerInfo], bool]) -> None:
+        """`lapsing` entries are renewed too until `seen` says every reader logged them (or
+        for 30 s), then left to lapse: a reader slow to start must still meet them."""
         self.state = RedisState(connect(redis_url), namespace)  # no registry key: no token
-        self.renewed, self.lapsing = renewed, lapsing
+        self.renewed, self.lapsing, self.seen = renewed, lapsing, seen
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -104,9 +106,12 @@ class Insider:
             await self.state.heartbeat(fake, idle, lease_ttl_ms=lease_ttl_ms)
 
     async def _run(self) -> None:
+        lapse_by = time.monotonic() + 30.0
         while True:
             await asyncio.sleep(0.3)
-            await self._renew(self.renewed)
+            held = [fake for fake in self.lapsing
+                    if time.monotonic() < lapse_by and not self.seen(fake)]
+            await self._renew(self.renewed + held)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -183,7 +188,11 @@ def probe(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     argv = msgspec.structs.replace(decoy, worker_id=namespace, role=Role.PREFILL)
     copied = msgspec.structs.replace(real, worker_id=f"copied-{namespace}",
                                      control_url=listener.url)
-    insider = Insider(redis_url, namespace, renewed=[decoy, copied], lapsing=[argv])
+    def seen(fake: WorkerInfo) -> bool:
+        return all(f"ignoring the registry entry {fake.worker_id!r}" in log.read_text()
+                   for log in logs.values())
+
+    insider = Insider(redis_url, namespace, renewed=[decoy, copied], lapsing=[argv], seen=seen)
     loop.run(insider.start())
     answers = []
     try:
