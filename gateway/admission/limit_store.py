@@ -198,6 +198,10 @@ class LimitStore:
         """The tier's live and lapsed leases (for tests and /admin)."""
         return int(await self._call(self._redis.zcard(f"{self._prefix}running:{tier}")))
 
+    async def num_queued(self, tier: str) -> int:
+        """The tier's queue entries, live and lapsed (for tests and /admin)."""
+        return int(await self._call(self._redis.zcard(f"{self._prefix}queued:{tier}")))
+
     async def _call(self, awaitable: Awaitable[Any]) -> Any:
         async with asyncio.timeout(self.op_timeout_s):
             return await awaitable
