@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import msgspec
@@ -135,6 +136,8 @@ class HostKVTier:
         # the latencies of those seen done since the last drain_reload_seconds().
         self._reloads: deque[tuple[float, CopyDone]] = deque()
         self._reload_seconds: list[float] = []
+        # Inside `waiting_for_evictions`: the copies out of the blocks evicted so far.
+        self._watched: list[CopyDone] | None = None
 
     # ---- queries (side-effect free) -------------------------------------------------------
 
@@ -173,6 +176,8 @@ class HostKVTier:
             done = self._in_flight.get(slot)
             if done is not None and not done.query():
                 self._copier.order_writes_after(done)
+                if self._watched is not None:
+                    self._watched.append(done)
             return True
         if self._keep(block_hash, block_id, before_writes=True):
             return True
@@ -270,6 +275,20 @@ class HostKVTier:
         events, self._events = self._events, []
         return events
 
+    @contextmanager
+    def waiting_for_evictions(self) -> Iterator[None]:
+        """Around a device allocation whose blocks something outside the engine's stream
+        writes next (a KV peer filling a reservation): on leaving, the calling thread waits
+        until the copies out of the blocks the allocation evicted are done (only those:
+        other copies in flight go on)."""
+        self._watched = []
+        try:
+            yield
+        finally:
+            watched, self._watched = self._watched, None
+        for done in watched:
+            done.synchronize()
+
     def wait_for_copies(self) -> None:
         """Block the calling thread until every queued copy is done: for blocks that
         something outside the engine's stream writes next (a KV peer filling a reservation)."""
@@ -286,7 +305,10 @@ class HostKVTier:
         if slot is None:
             return False
         self._hold(block_hash, slot)
-        self._track(slot, self._copier.to_host([(block_id, slot)], before_writes))
+        done = self._copier.to_host([(block_id, slot)], before_writes)
+        self._track(slot, done)
+        if done is not None and self._watched is not None:
+            self._watched.append(done)
         self._num_offloaded += 1
         return True
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import msgspec
@@ -252,11 +253,10 @@ class KVCacheManager:
         if self._blocks_to_take(prefix, num_total) > self.pool.num_available_blocks:
             raise ValueError(f"not enough free blocks to reserve {num_total} for {request_id}")
         table = self._tables[request_id] = _BlockTable()
-        self._take_prefix(request_id, table, prefix, num_total - len(prefix.block_ids))
-        if self.host_tier is not None:
-            # A peer writes the uncached blocks from outside the engine's stream: the copies
-            # out of the blocks this allocation evicted must be done first.
-            self.host_tier.wait_for_copies()
+        # A peer writes these blocks off the engine's stream: copies out of evicted ones first.
+        tier = self.host_tier
+        with tier.waiting_for_evictions() if tier is not None else nullcontext():
+            self._take_prefix(request_id, table, prefix, num_total - len(prefix.block_ids))
         return Reservation(request_id=request_id, block_ids=tuple(table.block_ids),
                            num_cached_tokens=prefix.num_cached_tokens)
 

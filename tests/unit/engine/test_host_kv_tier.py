@@ -250,6 +250,21 @@ def test_a_reservation_takes_host_blocks_and_waits_for_the_copies_out() -> None:
     kv.release("e")
 
 
+def test_a_reservation_waits_only_for_the_copies_of_the_blocks_it_evicts() -> None:
+    copier = ManualCopier(in_flight=True)
+    kv = KVCacheManager(BlockPool(num_blocks=8, block_size=BS), HostKVTier(8, copier, 1))
+    for name, start in (("a", 0), ("b", 100)):  # a's two full blocks, then b's, each copied
+        _compute(kv, request := _request(name, list(range(start, start + 9))))
+        kv.free(request)
+        kv.flush_offloads()  # (a step between the two)
+    a_copy, b_copy = copier.pending
+    kv.reserve("e", list(range(200, 220)))  # 6 blocks: the 4 free, then a's 2 (the LRU's)
+    assert a_copy.done and not b_copy.done, "waited for a's copies only"
+    assert kv.find_cached_prefix(list(range(100, 109))).num_cached_tokens == 8  # b's stay
+    kv.check_invariants()
+    kv.release("e")
+
+
 def test_asynchronous_copies_go_ahead_of_eviction_and_the_reuse_waits_only_if_in_flight():
     copier = ManualCopier(in_flight=True)
     kv = KVCacheManager(BlockPool(num_blocks=4, block_size=BS), HostKVTier(8, copier, 1))
