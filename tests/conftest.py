@@ -56,17 +56,21 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_reference() -> HFReference:
+def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> HFReference:
     """transformers' model, tokenizer and chat template for the default model: the
-    independent reference greedy output is compared with (loaded once, about 10 s)."""
+    independent reference greedy output is compared with (built once, ~14 s of CPU). Under
+    `make test`'s several test processes (pytest-xdist), the first to ask builds it and the
+    others load its saved copy from the run's shared temporary directory."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return HFReference.shared(tmp_path_factory.getbasetemp().parent / "hf-reference")
     return HFReference()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules that hold a slow test (marked `slow`: whole clusters, drills) run first, each
     still whole and in collection order, the rest after. `make test` spreads modules over
-    two workers (`-n 2 --dist loadfile`), handing each the next module when it is free: with
-    the long modules first, the short ones fill in at the end and both workers finish
+    three workers (`-n 3 --dist loadfile`), handing each the next module when it is free:
+    with the long modules first, the short ones fill in at the end and the workers finish
     together, instead of one running a long module alone at the end."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
