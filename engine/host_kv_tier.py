@@ -290,8 +290,9 @@ class HostKVTier:
             done.synchronize()
 
     def wait_for_copies(self) -> None:
-        """Block the calling thread until every queued copy is done: for blocks that
-        something outside the engine's stream writes next (a KV peer filling a reservation)."""
+        """Block the calling thread until every copy asked for or queued is done: a barrier
+        over the whole tier (before reading the host buffer). A reservation waits only for
+        its own evictions' copies (`waiting_for_evictions`)."""
         self.flush()
         for done in self._in_flight.values():
             done.synchronize()
