@@ -69,8 +69,8 @@ def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> HFReference:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules that hold a slow test (marked `slow`: whole clusters, drills) run first, each
     still whole and in collection order, the rest after. `make test` spreads modules over
-    three workers (`-n 3 --dist loadfile`), handing each the next module when it is free:
-    with the long modules first, the short ones fill in at the end and the workers finish
+    two workers (`-n 2 --dist loadfile`), handing each the next module when it is free: with
+    the long modules first, the short ones fill in at the end and both workers finish
     together, instead of one running a long module alone at the end."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable
