@@ -13,10 +13,8 @@ EXTRAS := dev,ucx,redis-server,gpu,bench,tracing
 WHEEL_DIR ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEEL_DIR)/*.whl),--find-links $(WHEEL_DIR),)
 TORCH_WHEEL := $(firstword $(wildcard $(WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl))
-# Three processes, each taking whole test files (module fixtures: one cluster per file), on
-# two cores: many tests wait on their servers' timers, and a third process uses that idle
-# time (the suite in 871 s instead of 970 s on a 2-core machine, 2026-12-08).
-PYTEST_ARGS ?= -n 3 --dist loadfile --durations=25
+# Two processes, each taking whole test files (module fixtures: one cluster per file).
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=25
 
 # pdserve's own packages, compiled to .pyc before the tests and the main job start their many
 # processes (an editable install is not compiled by the installer).
